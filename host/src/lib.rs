@@ -1,0 +1,12 @@
+//! kvroute-host: the routing core of kvroute.
+//!
+//! One module per noun of the architecture (see `../shared/DESIGN.md` and the README):
+//! [`hashing`] turns prompts into block hashes, [`indexer`] knows which candidate holds which blocks,
+//! [`workers`] is the registry, [`eligibility`] is the one hard-rule predicate, [`load`] tracks booked
+//! work, [`queue`] holds requests while every eligible candidate is busy, [`cost`] is the native cost
+//! and picker, and [`router`] ties them into the one entry point callers use.
+
+pub mod candidate;
+pub mod hashing;
+
+pub use candidate::{CandidateKey, DpRank, WorkerId};
