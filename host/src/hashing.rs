@@ -150,7 +150,10 @@ mod tests {
 
     #[test]
     fn tail_is_dropped_and_zero_block_size_yields_nothing() {
-        assert_eq!(local_block_hashes(&[1, 2, 3, 4, 5, 6], 4, BASE_SEED).len(), 1);
+        assert_eq!(
+            local_block_hashes(&[1, 2, 3, 4, 5, 6], 4, BASE_SEED).len(),
+            1
+        );
         assert!(local_block_hashes(&[1, 2, 3], 4, BASE_SEED).is_empty());
         assert!(local_block_hashes(&[1, 2, 3], 0, BASE_SEED).is_empty());
     }

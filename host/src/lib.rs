@@ -7,6 +7,14 @@
 //! and picker, and [`router`] ties them into the one entry point callers use.
 
 pub mod candidate;
+pub mod cost;
+pub mod eligibility;
 pub mod hashing;
+pub mod indexer;
+pub mod load;
+pub mod queue;
+pub mod router;
+pub mod workers;
 
+pub use candidate::{CandidateColumns, PolicyRequest};
 pub use candidate::{CandidateKey, DpRank, WorkerId};

@@ -1,0 +1,175 @@
+//! Hard eligibility: the one predicate that decides whether a candidate may receive a request
+//! (SPEC §6). Queue admission, selection and every cost estimate call [`check`], so the rules can
+//! never drift apart, and policies only ever see candidates that passed it.
+//!
+//! A candidate is eligible when, in this order: it is among the allowed worker ids (when given); it
+//! has every required taint; it is not draining; it is not busy. A pinned request checks its one
+//! candidate the same way and turns the first failure into its own error (see [`PinError`]).
+
+use rustc_hash::FxHashSet;
+
+use crate::candidate::{DpRank, WorkerId};
+use crate::load::CandidateLoad;
+use crate::workers::CandidateEntry;
+
+/// The busy rule (SPEC §9): a candidate is busy when its not-yet-prefilled tokens exceed
+/// `threshold_frac × max_num_batched_tokens`. Off when `threshold_frac` is `None`; a candidate whose
+/// budget is unknown (0) is never busy.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct BusyRule {
+    pub threshold_frac: Option<f64>,
+}
+
+impl BusyRule {
+    #[inline]
+    pub fn is_busy(&self, c: &CandidateEntry, load: &CandidateLoad) -> bool {
+        match self.threshold_frac {
+            Some(frac) if c.max_num_batched_tokens > 0 => {
+                load.active_prefill_tokens as f64 > frac * f64::from(c.max_num_batched_tokens)
+            }
+            _ => false,
+        }
+    }
+}
+
+/// The hard constraints of one request, resolved against the registry.
+#[derive(Clone, Debug, Default)]
+pub struct Constraints {
+    /// `None` = every worker allowed.
+    pub allowed: Option<FxHashSet<WorkerId>>,
+    /// Required taint ids. A required name no worker has makes this `Err` at resolution: see
+    /// [`Constraints::unsatisfiable`].
+    pub required_taints: Vec<u32>,
+    /// A required taint name that no worker has ever had: nobody is eligible.
+    pub unsatisfiable: Option<String>,
+}
+
+/// Why a candidate is not eligible, in check order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Ineligible {
+    NotAllowed,
+    MissingTaints,
+    Draining,
+    Busy,
+}
+
+/// The predicate. Cheap: no allocation, a hash probe at most.
+#[inline]
+pub fn check(
+    c: &CandidateEntry,
+    load: &CandidateLoad,
+    constraints: &Constraints,
+    busy: &BusyRule,
+) -> Result<(), Ineligible> {
+    if let Some(allowed) = &constraints.allowed {
+        if !allowed.contains(&c.key.worker_id) {
+            return Err(Ineligible::NotAllowed);
+        }
+    }
+    if constraints.unsatisfiable.is_some()
+        || !constraints.required_taints.iter().all(|&t| c.has_taint(t))
+    {
+        return Err(Ineligible::MissingTaints);
+    }
+    if c.draining {
+        return Err(Ineligible::Draining);
+    }
+    if busy.is_busy(c, load) {
+        return Err(Ineligible::Busy);
+    }
+    Ok(())
+}
+
+/// Why a pinned request cannot go to its pinned candidate. Each has its own status and code.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum PinError {
+    #[error("pinned worker {0} is not in allowed_worker_ids")]
+    NotAllowed(WorkerId),
+    #[error("pinned worker {0} is not registered")]
+    UnknownWorker(WorkerId),
+    #[error("pinned worker {worker_id} has no dp_rank {dp_rank}")]
+    UnknownRank {
+        worker_id: WorkerId,
+        dp_rank: DpRank,
+    },
+    #[error("pinned worker {0} lacks a required taint")]
+    MissingTaints(WorkerId),
+    #[error("pinned worker {0} is draining")]
+    Draining(WorkerId),
+    #[error("pinned worker {0} is overloaded")]
+    Overloaded(WorkerId),
+}
+
+impl From<(Ineligible, WorkerId)> for PinError {
+    fn from((why, w): (Ineligible, WorkerId)) -> Self {
+        match why {
+            Ineligible::NotAllowed => PinError::NotAllowed(w),
+            Ineligible::MissingTaints => PinError::MissingTaints(w),
+            Ineligible::Draining => PinError::Draining(w),
+            Ineligible::Busy => PinError::Overloaded(w),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::candidate::CandidateKey;
+
+    fn entry(w: u64, taints: &[u32], draining: bool) -> CandidateEntry {
+        CandidateEntry {
+            key: CandidateKey::new(w, 0),
+            slot: 0,
+            taint_ids: taints.iter().copied().collect(),
+            draining,
+            total_kv_blocks: 0,
+            max_num_batched_tokens: 1000,
+        }
+    }
+
+    #[test]
+    fn check_order_and_each_rule() {
+        let busy = BusyRule {
+            threshold_frac: Some(0.5),
+        };
+        let idle = CandidateLoad::default();
+        let loaded = CandidateLoad {
+            active_prefill_tokens: 501,
+            ..Default::default()
+        };
+        let mut c = Constraints {
+            allowed: Some([1].into_iter().collect()),
+            required_taints: vec![7],
+            unsatisfiable: None,
+        };
+        // Not allowed wins over everything else.
+        assert_eq!(
+            check(&entry(2, &[], true), &loaded, &c, &busy),
+            Err(Ineligible::NotAllowed)
+        );
+        assert_eq!(
+            check(&entry(1, &[], true), &loaded, &c, &busy),
+            Err(Ineligible::MissingTaints)
+        );
+        assert_eq!(
+            check(&entry(1, &[7], true), &loaded, &c, &busy),
+            Err(Ineligible::Draining)
+        );
+        assert_eq!(
+            check(&entry(1, &[3, 7], false), &loaded, &c, &busy),
+            Err(Ineligible::Busy)
+        );
+        assert_eq!(check(&entry(1, &[7], false), &idle, &c, &busy), Ok(()));
+        c.unsatisfiable = Some("zone=mars".into());
+        assert_eq!(
+            check(&entry(1, &[7], false), &idle, &c, &busy),
+            Err(Ineligible::MissingTaints)
+        );
+        // Busy off, or unknown budget: never busy.
+        let off = BusyRule::default();
+        assert!(!off.is_busy(&entry(1, &[], false), &loaded));
+        let mut unknown = entry(1, &[], false);
+        unknown.max_num_batched_tokens = 0;
+        assert!(!busy.is_busy(&unknown, &loaded));
+    }
+}

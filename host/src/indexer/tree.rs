@@ -1,0 +1,683 @@
+//! A compressed radix tree of prompt blocks for one storage tier.
+//!
+//! # Shape
+//! The tree is keyed by *local* block hashes along parent-linked paths (SPEC §2–3): a path from the
+//! root spells a prompt's blocks. A node holds an *edge* — a run of consecutive blocks — and the set
+//! of candidates (slots) that hold **every** block of that edge. Each candidate's holdings are
+//! prefix-closed (a store needs its parent held; a removal takes everything below), so a child's
+//! holder set is always a subset of its parent's. That invariant is what makes the tree compress:
+//! a node is only split where some candidate's holdings end or where paths diverge, and two nodes
+//! are merged back as soon as a parent's only child has the same holders.
+//!
+//! # Why this shape
+//! `find_matches` is on the route path and must be as fast as possible. Walking a 256-block prompt
+//! over a compressed tree visits one node per place where *holder sets change*, and compares each
+//! edge against the prompt as two contiguous `u64` slices, instead of one hash-map probe (and one
+//! likely cache miss) per block. A candidate's overlap is the depth at which it leaves the current
+//! holder set, so the walk reports each candidate once, with its full depth, without stopping early.
+//!
+//! # Engine handles
+//! Engines name blocks by their own opaque hashes. Each slot keeps a map from handle to block id and
+//! back (one handle per block per slot; re-storing a block under a new handle replaces the old one),
+//! so removals and parent look-ups are O(1), and removing a subtree can drop exactly the handles it
+//! invalidates. Block ids are stable across splits and merges; a side table maps a block id to its
+//! current node and offset.
+
+use rustc_hash::{FxHashMap, FxHashSet};
+use smallvec::SmallVec;
+
+use super::slots::{Slot, SlotSet};
+
+const ROOT: u32 = 0;
+/// Children kept in a small inline vector up to this many, in a hash map beyond.
+const FEW_CHILDREN: usize = 8;
+
+#[derive(Debug)]
+enum Children {
+    Few(SmallVec<[(u64, u32); 4]>),
+    Many(FxHashMap<u64, u32>),
+}
+
+impl Default for Children {
+    fn default() -> Self {
+        Children::Few(SmallVec::new())
+    }
+}
+
+impl Children {
+    #[inline]
+    fn get(&self, first: u64) -> Option<u32> {
+        match self {
+            Children::Few(v) => v.iter().find(|(h, _)| *h == first).map(|&(_, n)| n),
+            Children::Many(m) => m.get(&first).copied(),
+        }
+    }
+
+    fn insert(&mut self, first: u64, node: u32) {
+        match self {
+            Children::Few(v) => {
+                if let Some(e) = v.iter_mut().find(|(h, _)| *h == first) {
+                    e.1 = node;
+                } else if v.len() < FEW_CHILDREN {
+                    v.push((first, node));
+                } else {
+                    let mut m: FxHashMap<u64, u32> = v.drain(..).collect();
+                    m.insert(first, node);
+                    *self = Children::Many(m);
+                }
+            }
+            Children::Many(m) => {
+                m.insert(first, node);
+            }
+        }
+    }
+
+    fn remove(&mut self, first: u64) {
+        match self {
+            Children::Few(v) => v.retain(|(h, _)| *h != first),
+            Children::Many(m) => {
+                m.remove(&first);
+            }
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            Children::Few(v) => v.len(),
+            Children::Many(m) => m.len(),
+        }
+    }
+
+    fn nodes(&self) -> SmallVec<[u32; 8]> {
+        match self {
+            Children::Few(v) => v.iter().map(|&(_, n)| n).collect(),
+            Children::Many(m) => m.values().copied().collect(),
+        }
+    }
+
+    fn only(&self) -> Option<u32> {
+        match self {
+            Children::Few(v) if v.len() == 1 => Some(v[0].1),
+            Children::Many(m) if m.len() == 1 => m.values().next().copied(),
+            _ => None,
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct Node {
+    /// Local hashes of this node's blocks, in path order.
+    edge: Vec<u64>,
+    /// Block ids, parallel to `edge`.
+    blocks: Vec<u32>,
+    /// Slots holding every block of the edge (never empty for a live non-root node).
+    holders: SlotSet,
+    children: Children,
+    parent: u32,
+    live: bool,
+}
+
+/// Per-slot handle maps: engine hash → block id and back.
+#[derive(Debug, Default)]
+struct SlotHandles {
+    by_handle: FxHashMap<u64, u32>,
+    by_block: FxHashMap<u32, u64>,
+    /// Blocks this slot holds in this tree.
+    blocks: u64,
+}
+
+/// Why a store was refused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StoreError {
+    /// The parent handle is not held by this candidate.
+    ParentNotFound,
+    /// The blocks repeat a handle, or repeat the parent's.
+    SelfReference,
+}
+
+/// One storage tier's index. Not thread-safe by itself; [`super::Indexer`] guards it.
+#[derive(Debug)]
+pub struct Tree {
+    nodes: Vec<Node>,
+    free_nodes: Vec<u32>,
+    /// Block id → (node, offset in the node's edge).
+    loc: Vec<(u32, u32)>,
+    free_blocks: Vec<u32>,
+    slots: Vec<SlotHandles>,
+    held: u64,
+}
+
+impl Default for Tree {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Tree {
+    pub fn new() -> Self {
+        Self {
+            nodes: vec![Node {
+                live: true,
+                ..Default::default()
+            }],
+            free_nodes: Vec::new(),
+            loc: Vec::new(),
+            free_blocks: Vec::new(),
+            slots: Vec::new(),
+            held: 0,
+        }
+    }
+
+    /// (candidate, block) pairs held in this tree.
+    pub fn held_blocks(&self) -> u64 {
+        self.held
+    }
+
+    /// Distinct blocks (tree positions) in this tree.
+    pub fn unique_blocks(&self) -> usize {
+        self.loc.len() - self.free_blocks.len()
+    }
+
+    /// Live nodes, root excluded.
+    pub fn nodes(&self) -> usize {
+        self.nodes.len() - self.free_nodes.len() - 1
+    }
+
+    /// Blocks held by one slot.
+    pub fn slot_blocks(&self, slot: Slot) -> u64 {
+        self.slots.get(slot as usize).map_or(0, |s| s.blocks)
+    }
+
+    fn handles_mut(&mut self, slot: Slot) -> &mut SlotHandles {
+        let i = slot as usize;
+        if self.slots.len() <= i {
+            self.slots.resize_with(i + 1, SlotHandles::default);
+        }
+        &mut self.slots[i]
+    }
+
+    fn alloc_node(&mut self, node: Node) -> u32 {
+        if let Some(id) = self.free_nodes.pop() {
+            self.nodes[id as usize] = node;
+            id
+        } else {
+            self.nodes.push(node);
+            (self.nodes.len() - 1) as u32
+        }
+    }
+
+    fn alloc_block(&mut self, node: u32, off: u32) -> u32 {
+        if let Some(id) = self.free_blocks.pop() {
+            self.loc[id as usize] = (node, off);
+            id
+        } else {
+            self.loc.push((node, off));
+            (self.loc.len() - 1) as u32
+        }
+    }
+
+    /// Records that `slot` names `block` by `handle` (one handle per block per slot).
+    fn bind(&mut self, slot: Slot, block: u32, handle: u64) {
+        let h = self.handles_mut(slot);
+        if let Some(old_block) = h.by_handle.insert(handle, block) {
+            if old_block != block {
+                h.by_block.remove(&old_block);
+            }
+        }
+        if let Some(old_handle) = h.by_block.insert(block, handle) {
+            if old_handle != handle {
+                h.by_handle.remove(&old_handle);
+            }
+        }
+    }
+
+    /// Splits `node` so that it keeps its first `at` blocks; returns the new tail node.
+    fn split(&mut self, node: u32, at: usize) -> u32 {
+        debug_assert!(at > 0 && at < self.nodes[node as usize].edge.len());
+        let n = &mut self.nodes[node as usize];
+        let tail = Node {
+            edge: n.edge.split_off(at),
+            blocks: n.blocks.split_off(at),
+            holders: n.holders.clone(),
+            children: std::mem::take(&mut n.children),
+            parent: node,
+            live: true,
+        };
+        let first = tail.edge[0];
+        let t = self.alloc_node(tail);
+        self.nodes[node as usize].children.insert(first, t);
+        for c in self.nodes[t as usize].children.nodes() {
+            self.nodes[c as usize].parent = t;
+        }
+        for (j, &b) in self.nodes[t as usize].blocks.iter().enumerate() {
+            self.loc[b as usize] = (t, j as u32);
+        }
+        t
+    }
+
+    /// Merges `node`'s only child into it when both have the same holders. Returns the length
+    /// `node`'s edge had before the merge (the child's offset shift), if a merge happened.
+    fn try_merge(&mut self, node: u32) -> Option<usize> {
+        if node == ROOT || !self.nodes[node as usize].live {
+            return None;
+        }
+        let child = self.nodes[node as usize].children.only()?;
+        if self.nodes[child as usize].holders != self.nodes[node as usize].holders {
+            return None;
+        }
+        let c = std::mem::take(&mut self.nodes[child as usize]);
+        self.free_nodes.push(child);
+        let shift = self.nodes[node as usize].edge.len();
+        for (j, &b) in c.blocks.iter().enumerate() {
+            self.loc[b as usize] = (node, (shift + j) as u32);
+        }
+        let n = &mut self.nodes[node as usize];
+        n.edge.extend_from_slice(&c.edge);
+        n.blocks.extend_from_slice(&c.blocks);
+        n.children = c.children;
+        for g in self.nodes[node as usize].children.nodes() {
+            self.nodes[g as usize].parent = node;
+        }
+        Some(shift)
+    }
+
+    /// Stores `blocks` (engine handle, local hash) for `slot` under the block named `parent` (or
+    /// from the root). Idempotent. Returns how many blocks the slot newly holds.
+    pub fn store(
+        &mut self,
+        slot: Slot,
+        parent: Option<u64>,
+        blocks: &[(u64, u64)],
+    ) -> Result<u32, StoreError> {
+        check_whole_event(parent, blocks)?;
+        let (mut node, mut pos) = match parent {
+            None => (ROOT, 0usize),
+            Some(p) => {
+                let block = self
+                    .slots
+                    .get(slot as usize)
+                    .and_then(|h| h.by_handle.get(&p))
+                    .copied()
+                    .ok_or(StoreError::ParentNotFound)?;
+                let (n, off) = self.loc[block as usize];
+                (n, off as usize + 1)
+            }
+        };
+        let mut added = 0u32;
+        let mut i = 0usize;
+        while i < blocks.len() {
+            let (handle, local) = blocks[i];
+            let edge_len = self.nodes[node as usize].edge.len();
+            if pos < edge_len {
+                // Inside an edge the slot already holds (holders are whole-edge).
+                if self.nodes[node as usize].edge[pos] == local {
+                    let b = self.nodes[node as usize].blocks[pos];
+                    self.bind(slot, b, handle);
+                    pos += 1;
+                    i += 1;
+                    continue;
+                }
+                self.split(node, pos);
+            }
+            match self.nodes[node as usize].children.get(local) {
+                Some(c) if self.nodes[c as usize].holders.contains(slot) => {
+                    node = c;
+                    pos = 0;
+                }
+                Some(c) => {
+                    let rest = &blocks[i..];
+                    let edge = &self.nodes[c as usize].edge;
+                    let m = edge
+                        .iter()
+                        .zip(rest)
+                        .take_while(|(e, (_, l))| *e == l)
+                        .count();
+                    if m < edge.len() {
+                        self.split(c, m);
+                    }
+                    self.nodes[c as usize].holders.insert(slot);
+                    for (j, &(h, _)) in rest.iter().enumerate().take(m) {
+                        let b = self.nodes[c as usize].blocks[j];
+                        self.bind(slot, b, h);
+                    }
+                    added += m as u32;
+                    i += m;
+                    match self.try_merge(node) {
+                        Some(shift) => pos = shift + m,
+                        None => {
+                            node = c;
+                            pos = m;
+                        }
+                    }
+                }
+                None => {
+                    let rest = &blocks[i..];
+                    let new = self.alloc_node(Node {
+                        edge: rest.iter().map(|&(_, l)| l).collect(),
+                        blocks: Vec::with_capacity(rest.len()),
+                        holders: SlotSet::single(slot),
+                        children: Children::default(),
+                        parent: node,
+                        live: true,
+                    });
+                    self.nodes[node as usize].children.insert(local, new);
+                    for (j, &(h, _)) in rest.iter().enumerate() {
+                        let b = self.alloc_block(new, j as u32);
+                        self.nodes[new as usize].blocks.push(b);
+                        self.bind(slot, b, h);
+                    }
+                    added += rest.len() as u32;
+                    i = blocks.len();
+                    // A fresh leaf under a node held only by this slot can extend that node.
+                    self.try_merge(node);
+                }
+            }
+        }
+        self.handles_mut(slot).blocks += u64::from(added);
+        self.held += u64::from(added);
+        Ok(added)
+    }
+
+    /// Removes the block named `handle`, and everything `slot` holds below it, from `slot`.
+    /// Returns the number of blocks the slot stopped holding, or `None` for an unknown handle.
+    pub fn remove(&mut self, slot: Slot, handle: u64) -> Option<u64> {
+        let block = *self.slots.get(slot as usize)?.by_handle.get(&handle)?;
+        let (n, off) = self.loc[block as usize];
+        let start = if off > 0 {
+            self.split(n, off as usize)
+        } else {
+            n
+        };
+        Some(self.remove_below(slot, start))
+    }
+
+    /// Removes every block of `slot`. Returns how many it held.
+    pub fn clear(&mut self, slot: Slot) -> u64 {
+        let tops: SmallVec<[u32; 8]> = self.nodes[ROOT as usize]
+            .children
+            .nodes()
+            .into_iter()
+            .filter(|&c| self.nodes[c as usize].holders.contains(slot))
+            .collect();
+        let mut removed = 0;
+        for t in tops {
+            removed += self.remove_below(slot, t);
+        }
+        if let Some(h) = self.slots.get_mut(slot as usize) {
+            debug_assert!(h.by_handle.is_empty() && h.by_block.is_empty() && h.blocks == 0);
+            *h = SlotHandles::default();
+        }
+        removed
+    }
+
+    /// Takes `slot` out of `start` (which it holds) and every descendant it holds, frees nodes
+    /// left without holders, and re-merges what can be merged.
+    fn remove_below(&mut self, slot: Slot, start: u32) -> u64 {
+        let mut stack = vec![start];
+        let mut order = Vec::new();
+        let mut removed = 0u64;
+        while let Some(x) = stack.pop() {
+            let node = &mut self.nodes[x as usize];
+            node.holders.remove(slot);
+            removed += node.blocks.len() as u64;
+            let blocks = std::mem::take(&mut node.blocks);
+            let h = &mut self.slots[slot as usize];
+            for &b in &blocks {
+                if let Some(handle) = h.by_block.remove(&b) {
+                    h.by_handle.remove(&handle);
+                }
+            }
+            self.nodes[x as usize].blocks = blocks;
+            for c in self.nodes[x as usize].children.nodes() {
+                if self.nodes[c as usize].holders.contains(slot) {
+                    stack.push(c);
+                }
+            }
+            order.push(x);
+        }
+        // Children before parents: an emptied node has only emptied children, already freed.
+        for &x in order.iter().rev() {
+            if self.nodes[x as usize].holders.is_empty() {
+                self.free_node(x);
+            } else {
+                self.try_merge(x);
+            }
+        }
+        // `start` may now merge into its parent (its parent link stays readable even if freed).
+        let parent = self.nodes[start as usize].parent;
+        self.try_merge(parent);
+        self.slots[slot as usize].blocks -= removed;
+        self.held -= removed;
+        removed
+    }
+
+    fn free_node(&mut self, x: u32) {
+        debug_assert_eq!(self.nodes[x as usize].children.len(), 0);
+        let node = std::mem::take(&mut self.nodes[x as usize]);
+        // Keep the parent link readable for the caller's post-processing.
+        self.nodes[x as usize].parent = node.parent;
+        self.nodes[node.parent as usize]
+            .children
+            .remove(node.edge[0]);
+        self.free_blocks.extend_from_slice(&node.blocks);
+        self.free_nodes.push(x);
+    }
+
+    /// Walks `query` (local hashes) and calls `f(slot, depth)` once for every slot holding at least
+    /// the first block, with the number of consecutive blocks from the first that it holds.
+    #[inline]
+    pub fn find_matches(&self, query: &[u64], mut f: impl FnMut(Slot, u32)) {
+        let mut node = ROOT;
+        let mut depth = 0usize;
+        let mut current: Option<&SlotSet> = None;
+        while depth < query.len() {
+            let Some(c) = self.nodes[node as usize].children.get(query[depth]) else {
+                break;
+            };
+            let child = &self.nodes[c as usize];
+            if let Some(prev) = current {
+                prev.for_each_difference(&child.holders, |s| f(s, depth as u32));
+            }
+            let m = common_prefix(&child.edge, &query[depth..]);
+            depth += m;
+            current = Some(&child.holders);
+            if m < child.edge.len() {
+                break;
+            }
+            node = c;
+        }
+        if let Some(prev) = current {
+            prev.for_each(|s| f(s, depth as u32));
+        }
+    }
+
+    /// Checks the structural invariants (tests only): holder subsets, no empty live node, no
+    /// mergeable pair, block table and handle maps consistent, counters right.
+    #[cfg(any(test, feature = "invariants"))]
+    pub fn check_invariants(&self) {
+        let mut held = 0u64;
+        let mut per_slot: FxHashMap<Slot, u64> = FxHashMap::default();
+        for (id, n) in self.nodes.iter().enumerate() {
+            if !n.live || id == ROOT as usize {
+                continue;
+            }
+            assert!(!n.holders.is_empty(), "live node {id} without holders");
+            assert_eq!(n.edge.len(), n.blocks.len());
+            assert!(!n.edge.is_empty());
+            let p = &self.nodes[n.parent as usize];
+            assert!(p.live);
+            assert_eq!(
+                p.children.get(n.edge[0]),
+                Some(id as u32),
+                "parent link of {id}"
+            );
+            if n.parent != ROOT {
+                let mut extra = false;
+                n.holders.for_each(|s| extra |= !p.holders.contains(s));
+                assert!(!extra, "holders of {id} not a subset of its parent's");
+                if p.children.len() == 1 {
+                    assert_ne!(p.holders, n.holders, "mergeable pair {} -> {id}", n.parent);
+                }
+            }
+            for (j, &b) in n.blocks.iter().enumerate() {
+                assert_eq!(self.loc[b as usize], (id as u32, j as u32));
+            }
+            n.holders.for_each(|s| {
+                *per_slot.entry(s).or_default() += n.blocks.len() as u64;
+                held += n.blocks.len() as u64;
+            });
+        }
+        assert_eq!(held, self.held);
+        for (s, h) in self.slots.iter().enumerate() {
+            assert_eq!(h.blocks, per_slot.get(&(s as u32)).copied().unwrap_or(0));
+            assert_eq!(h.by_handle.len(), h.by_block.len());
+            for (&handle, &b) in &h.by_handle {
+                assert_eq!(h.by_block.get(&b), Some(&handle));
+                let (n, _) = self.loc[b as usize];
+                assert!(self.nodes[n as usize].holders.contains(s as u32));
+            }
+        }
+    }
+}
+
+#[inline]
+fn common_prefix(a: &[u64], b: &[u64]) -> usize {
+    let n = a.len().min(b.len());
+    let (a, b) = (&a[..n], &b[..n]);
+    // Compare in chunks of 8 so the common, long, fully-matching case runs as wide compares.
+    let mut i = 0;
+    while i + 8 <= n {
+        if a[i..i + 8] != b[i..i + 8] {
+            break;
+        }
+        i += 8;
+    }
+    while i < n && a[i] == b[i] {
+        i += 1;
+    }
+    i
+}
+
+/// Rejects blocks that repeat a handle or their parent's handle (a self-referencing store).
+pub fn check_whole_event(parent: Option<u64>, blocks: &[(u64, u64)]) -> Result<(), StoreError> {
+    if blocks.len() <= 16 {
+        for (i, &(h, _)) in blocks.iter().enumerate() {
+            if Some(h) == parent || blocks[..i].iter().any(|&(o, _)| o == h) {
+                return Err(StoreError::SelfReference);
+            }
+        }
+        return Ok(());
+    }
+    let mut seen = FxHashSet::with_capacity_and_hasher(blocks.len() + 1, Default::default());
+    if let Some(p) = parent {
+        seen.insert(p);
+    }
+    for &(h, _) in blocks {
+        if !seen.insert(h) {
+            return Err(StoreError::SelfReference);
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn blocks(hs: &[u64]) -> Vec<(u64, u64)> {
+        // Handles = local hashes + 1000, so the two spaces differ.
+        hs.iter().map(|&h| (h + 1000, h)).collect()
+    }
+
+    fn matches(t: &Tree, q: &[u64]) -> Vec<(Slot, u32)> {
+        let mut v = vec![];
+        t.find_matches(q, |s, d| v.push((s, d)));
+        v.sort();
+        v
+    }
+
+    #[test]
+    fn store_match_and_split() {
+        let mut t = Tree::new();
+        assert_eq!(t.store(0, None, &blocks(&[1, 2, 3, 4])), Ok(4));
+        assert_eq!(t.store(1, None, &blocks(&[1, 2, 9])), Ok(3));
+        t.check_invariants();
+        assert_eq!(matches(&t, &[1, 2, 3, 4, 5]), vec![(0, 4), (1, 2)]);
+        assert_eq!(matches(&t, &[1, 2, 9]), vec![(0, 2), (1, 3)]);
+        assert_eq!(matches(&t, &[7]), vec![]);
+        // Idempotent.
+        assert_eq!(t.store(0, None, &blocks(&[1, 2, 3])), Ok(0));
+        // Under a parent.
+        assert_eq!(t.store(1, Some(1002), &blocks(&[3])), Ok(1));
+        assert_eq!(matches(&t, &[1, 2, 3, 4]), vec![(0, 4), (1, 3)]);
+        t.check_invariants();
+        assert_eq!(t.held_blocks(), 8);
+    }
+
+    #[test]
+    fn parent_not_found_and_self_reference() {
+        let mut t = Tree::new();
+        assert_eq!(
+            t.store(0, Some(5), &blocks(&[1])),
+            Err(StoreError::ParentNotFound)
+        );
+        assert_eq!(
+            t.store(0, None, &[(1, 1), (1, 2)]),
+            Err(StoreError::SelfReference)
+        );
+        t.store(0, None, &blocks(&[1])).unwrap();
+        assert_eq!(
+            t.store(0, Some(1001), &[(1001, 7)]),
+            Err(StoreError::SelfReference)
+        );
+        assert_eq!(t.held_blocks(), 1);
+    }
+
+    #[test]
+    fn remove_takes_the_subtree_and_merges_back() {
+        let mut t = Tree::new();
+        t.store(0, None, &blocks(&[1, 2, 3, 4])).unwrap();
+        t.store(1, None, &blocks(&[1, 2, 3, 4])).unwrap();
+        t.store(1, Some(1002), &blocks(&[8])).unwrap();
+        t.check_invariants();
+        // Slot 1 drops block 3 and below (4), keeps 1, 2 and 8.
+        assert_eq!(t.remove(1, 1003), Some(2));
+        t.check_invariants();
+        assert_eq!(matches(&t, &[1, 2, 3, 4]), vec![(0, 4), (1, 2)]);
+        assert_eq!(matches(&t, &[1, 2, 8]), vec![(0, 2), (1, 3)]);
+        assert_eq!(t.remove(1, 1003), None, "handle gone with the block");
+        assert_eq!(t.remove(1, 1002), Some(2));
+        t.check_invariants();
+        // Slot 1 keeps [1]; slot 0 keeps [1, 2, 3, 4]: a shared node and one tail.
+        assert_eq!(t.nodes(), 2);
+        assert_eq!(matches(&t, &[1, 2, 3, 4]), vec![(0, 4), (1, 1)]);
+        assert_eq!(t.clear(0), 4);
+        t.check_invariants();
+        assert_eq!(t.nodes(), 1);
+        assert_eq!(t.remove(1, 1001), Some(1));
+        assert_eq!(t.nodes(), 0);
+        assert_eq!(t.unique_blocks(), 0);
+    }
+
+    #[test]
+    fn rebinding_a_block_replaces_its_handle() {
+        let mut t = Tree::new();
+        t.store(0, None, &[(100, 1)]).unwrap();
+        t.store(0, None, &[(200, 1)]).unwrap();
+        t.check_invariants();
+        assert_eq!(t.remove(0, 100), None);
+        assert_eq!(t.remove(0, 200), Some(1));
+    }
+
+    #[test]
+    fn long_paths_compare_in_chunks() {
+        let mut t = Tree::new();
+        let path: Vec<u64> = (1..=300).collect();
+        t.store(0, None, &blocks(&path)).unwrap();
+        let mut q = path.clone();
+        q[150] = 0;
+        assert_eq!(matches(&t, &q), vec![(0, 150)]);
+        assert_eq!(matches(&t, &path), vec![(0, 300)]);
+        assert_eq!(matches(&t, &path[..17]), vec![(0, 17)]);
+    }
+}
