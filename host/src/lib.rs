@@ -6,14 +6,24 @@
 //! work, [`queue`] holds requests while every eligible candidate is busy, [`cost`] is the native cost
 //! and picker, and [`router`] ties them into the one entry point callers use.
 
+#![recursion_limit = "512"]
+
 pub mod candidate;
+pub mod config;
+pub mod conformance;
 pub mod cost;
 pub mod eligibility;
+pub mod events;
 pub mod hashing;
+pub mod http;
 pub mod indexer;
 pub mod load;
+pub mod policy;
 pub mod queue;
+pub mod replay;
 pub mod router;
+pub mod scaffold;
+pub mod server;
 pub mod workers;
 
 pub use candidate::{CandidateColumns, PolicyRequest};

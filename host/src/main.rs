@@ -2,9 +2,12 @@
 //!
 //! The routing core lives in the `kvroute_host` library; this binary wires it to the outside world.
 
+use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::{Args, Parser, Subcommand};
+use kvroute_host::config::{LogFormat, ServeConfig};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -19,37 +22,221 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
-    /// Run the router's HTTP server.
-    Serve {
-        /// Address to listen on.
-        #[arg(long, default_value = "127.0.0.1:8080")]
-        listen: String,
-        /// Tokens per KV block; must match the engines'.
-        #[arg(long, default_value_t = 16)]
-        block_size: u32,
+    /// Run the router's HTTP server (API v1).
+    Serve(ServeArgs),
+    /// Replay a request trace on a simulated fleet to compare routing policies.
+    Replay(kvroute_host::replay::ReplayArgs),
+    /// Write and check policy components.
+    #[command(subcommand)]
+    Policy(PolicyCommand),
+}
+
+#[derive(Subcommand, Debug)]
+enum PolicyCommand {
+    /// Run the conformance suite on a component; non-zero exit on failure.
+    Check {
+        /// The component (.wasm).
+        file: PathBuf,
+        /// JSON configuration handed to `configure`.
+        #[arg(long)]
+        config: Option<String>,
+        /// Per-call deadline in microseconds [default: the server's, 2000].
+        #[arg(long)]
+        deadline_us: Option<u64>,
     },
+    /// Scaffold a plugin crate that builds and passes `policy check` as created.
+    New {
+        /// Plugin name (lower-case letters, digits, dashes).
+        name: String,
+        /// Directory to create [default: ./NAME].
+        #[arg(long)]
+        dir: Option<PathBuf>,
+        /// Path to kvroute's sdk/ directory [default: the one this binary was built from].
+        #[arg(long)]
+        sdk_path: Option<PathBuf>,
+    },
+}
+
+fn policy_main(cmd: PolicyCommand) -> ExitCode {
+    match cmd {
+        PolicyCommand::Check {
+            file,
+            config,
+            deadline_us,
+        } => {
+            let bytes = match std::fs::read(&file) {
+                Ok(b) => b,
+                Err(e) => {
+                    eprintln!("error: cannot read {}: {e}", file.display());
+                    return ExitCode::from(2);
+                }
+            };
+            match kvroute_host::conformance::check(&bytes, config.as_deref(), deadline_us) {
+                Ok(report) => {
+                    print!("{}", report.render());
+                    if report.passed() {
+                        ExitCode::SUCCESS
+                    } else {
+                        ExitCode::FAILURE
+                    }
+                }
+                Err(e) => {
+                    println!("kvroute policy check: {}\nFAIL: {e}", file.display());
+                    ExitCode::FAILURE
+                }
+            }
+        }
+        PolicyCommand::New {
+            name,
+            dir,
+            sdk_path,
+        } => {
+            let dir = dir.unwrap_or_else(|| PathBuf::from(&name));
+            let sdk = sdk_path.unwrap_or_else(kvroute_host::scaffold::default_sdk_path);
+            match kvroute_host::scaffold::scaffold(&name, &dir, &sdk) {
+                Ok(files) => {
+                    for f in files {
+                        println!("created {}", f.display());
+                    }
+                    println!(
+                        "next: cd {} && cargo build --release --target wasm32-wasip2",
+                        dir.display()
+                    );
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    ExitCode::from(2)
+                }
+            }
+        }
+    }
+}
+
+/// Flags override `KVROUTE_*` environment variables, which override the config file.
+#[derive(Args, Debug)]
+struct ServeArgs {
+    /// TOML configuration file.
+    #[arg(long, env = "KVROUTE_CONFIG")]
+    config: Option<PathBuf>,
+    /// Address to listen on [default: 127.0.0.1:8080].
+    #[arg(long, env = "KVROUTE_LISTEN")]
+    listen: Option<SocketAddr>,
+    /// Tokens per KV block; must match the engines' [default: 16].
+    #[arg(long, env = "KVROUTE_BLOCK_SIZE")]
+    block_size: Option<u32>,
+    /// A policy component to load and activate instead of the default.
+    #[arg(long, env = "KVROUTE_POLICY")]
+    policy: Option<PathBuf>,
+    /// JSON configuration for --policy.
+    #[arg(long, env = "KVROUTE_POLICY_CONFIG")]
+    policy_config: Option<String>,
+    /// Directory watched for NAME.wasm policies (and NAME.json configs).
+    #[arg(long, env = "KVROUTE_POLICY_DIR")]
+    policy_dir: Option<PathBuf>,
+    /// Bearer token for admin endpoints.
+    #[arg(long, env = "KVROUTE_ADMIN_TOKEN", hide_env_values = true)]
+    admin_token: Option<String>,
+    /// Busy threshold (fraction of max_num_batched_tokens); turns the queue on.
+    #[arg(long, env = "KVROUTE_BUSY_THRESHOLD")]
+    busy_threshold: Option<f64>,
+    /// Index from routing decisions (for engines that publish no KV events).
+    #[arg(long, env = "KVROUTE_APPROXIMATE")]
+    approximate: Option<bool>,
+    /// Log format.
+    #[arg(long, env = "KVROUTE_LOG_FORMAT", value_enum)]
+    log_format: Option<LogFormat>,
+}
+
+impl ServeArgs {
+    fn into_config(self) -> Result<ServeConfig, String> {
+        let mut c = match &self.config {
+            Some(p) => ServeConfig::from_file(p)?,
+            None => ServeConfig::default(),
+        };
+        if let Some(v) = self.listen {
+            c.listen = v;
+        }
+        if let Some(v) = self.block_size {
+            c.block_size = v;
+        }
+        if let Some(v) = self.policy {
+            c.policy = Some(v);
+        }
+        if let Some(v) = self.policy_config {
+            c.policy_config = Some(v);
+        }
+        if let Some(v) = self.policy_dir {
+            c.policy_dir = Some(v);
+        }
+        if let Some(v) = self.admin_token {
+            c.admin_token = Some(v);
+        }
+        if let Some(v) = self.busy_threshold {
+            c.routing.busy_threshold = Some(v);
+        }
+        if let Some(v) = self.approximate {
+            c.routing.approximate = v;
+        }
+        if let Some(v) = self.log_format {
+            c.log_format = v;
+        }
+        c.validate()?;
+        Ok(c)
+    }
+}
+
+fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("KVROUTE_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Json => builder.json().init(),
+        LogFormat::Text => builder.init(),
+    }
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
-        Command::Serve { listen, block_size } => {
-            // Validate what we can now so a bad flag fails the same way it will with the server.
-            if block_size == 0 {
-                eprintln!("error: --block-size must be at least 1");
-                return ExitCode::from(2);
+        Command::Replay(args) => kvroute_host::replay::cli_main(args),
+        Command::Policy(cmd) => policy_main(cmd),
+        Command::Serve(args) => {
+            let config = match args.into_config() {
+                Ok(c) => c,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    return ExitCode::from(2);
+                }
+            };
+            init_logging(config.log_format);
+            let rt = match tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(rt) => rt,
+                Err(e) => {
+                    eprintln!("error: cannot start the async runtime: {e}");
+                    return ExitCode::FAILURE;
+                }
+            };
+            let result = rt.block_on(kvroute_host::server::run(
+                config,
+                kvroute_host::server::shutdown_signal(),
+                |addr| {
+                    // One machine-readable line for scripts and tests, whatever the log format.
+                    println!("kvroute listening on http://{addr}");
+                },
+            ));
+            match result {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    ExitCode::FAILURE
+                }
             }
-            if listen.parse::<std::net::SocketAddr>().is_err() {
-                eprintln!("error: --listen {listen:?} is not an address like 127.0.0.1:8080");
-                return ExitCode::from(2);
-            }
-            eprintln!(
-                "kvroute {}: the HTTP server lands in a later step; the routing core \
-                 (indexer, eligibility, load, queue, native cost) is available as the \
-                 kvroute-host library. Nothing is listening on {listen}.",
-                env!("CARGO_PKG_VERSION")
-            );
-            ExitCode::from(2)
         }
     }
 }

@@ -151,7 +151,7 @@ impl PolicyLabel {
     /// The label of decisions made by the host's native cost with no policy configured.
     pub fn native() -> Arc<PolicyLabel> {
         Arc::new(PolicyLabel {
-            name: "native".into(),
+            name: "host-native".into(),
             version: env!("CARGO_PKG_VERSION").into(),
             digest: String::new(),
         })
@@ -167,6 +167,8 @@ pub enum ScorerOutcome {
     Pick(usize),
     /// The policy failed (reason code); the host used its native cost.
     Fallback(&'static str),
+    /// No policy is active: the native cost decides, and that is not a failure.
+    Native,
 }
 
 /// A policy's answer and the version that gave it.
@@ -250,6 +252,8 @@ pub enum RouteError {
     QueueTimeout(Duration),
     #[error("the request was cancelled while waiting")]
     Cancelled,
+    #[error("the router is shutting down; retry on another instance")]
+    ShuttingDown,
 }
 
 impl RouteError {
@@ -273,6 +277,7 @@ impl RouteError {
             RouteError::QueueFull(QueueError::DuplicateRequest(_)) => "duplicate_request_id",
             RouteError::QueueTimeout(_) => "queue_timeout",
             RouteError::Cancelled => "request_cancelled",
+            RouteError::ShuttingDown => "shutting_down",
         }
     }
 
@@ -288,11 +293,14 @@ impl RouteError {
                 PinError::Overloaded(_) => 429,
             },
             RouteError::NoWorkers | RouteError::AllFiltered(_) => 503,
-            RouteError::AllOverloaded => 503,
+            // API.md: overloaded → 429 (SPEC §6 lists it among the 503 reasons; the HTTP contract
+            // is what clients program against).
+            RouteError::AllOverloaded => 429,
             RouteError::QueueFull(QueueError::DuplicateRequest(_)) => 409,
             RouteError::QueueFull(_) => 429,
             RouteError::QueueTimeout(_) => 503,
             RouteError::Cancelled => 409,
+            RouteError::ShuttingDown => 503,
         }
     }
 
@@ -303,6 +311,7 @@ impl RouteError {
             RouteError::AllOverloaded
                 | RouteError::QueueFull(QueueError::Full { .. })
                 | RouteError::QueueTimeout(_)
+                | RouteError::ShuttingDown
                 | RouteError::Pin(PinError::Overloaded(_))
         )
     }
@@ -897,7 +906,7 @@ impl Router {
                     let d = s.decide(&preq, cols, &snap.taints);
                     (d.label, d.outcome)
                 }
-                None => (self.native_label.clone(), ScorerOutcome::Fallback("")),
+                None => (self.native_label.clone(), ScorerOutcome::Native),
             };
             let n = cols.len();
             let (chosen, fallback_reason) = RNG.with(|rng| {
@@ -915,20 +924,19 @@ impl Router {
                     other => {
                         cost::native_costs(&preq, cols, costs);
                         let reason = match other {
-                            ScorerOutcome::Fallback(r) => r,
-                            ScorerOutcome::Costs(_) => "invalid_answer",
-                            ScorerOutcome::Pick(_) => "pick_out_of_range",
+                            ScorerOutcome::Native => None,
+                            ScorerOutcome::Fallback(r) => Some(r),
+                            ScorerOutcome::Costs(_) => Some("invalid_answer"),
+                            ScorerOutcome::Pick(_) => Some("pick_out_of_range"),
                         };
                         (
                             cost::pick(costs, p.temperature, rng).expect("n > 0"),
-                            Some(reason),
+                            reason,
                         )
                     }
                 }
             });
             let policy = tp.elapsed();
-            let no_policy = scorer.is_none();
-            let fallback_reason = if no_policy { None } else { fallback_reason };
             if fallback_reason.is_some() {
                 self.counters.fallbacks.fetch_add(1, Relaxed);
             }
@@ -1053,6 +1061,17 @@ impl Router {
         (expired, blocks)
     }
 
+    /// Answers every waiting request with a retryable `shutting_down` error (graceful shutdown:
+    /// waiting requests must not hold the process for the queue timeout).
+    pub fn shutdown_queue(&self) -> usize {
+        let drained = self.queue.lock().drain();
+        let n = drained.len();
+        for e in drained {
+            let _ = e.payload.tx.send(Err(RouteError::ShuttingDown));
+        }
+        n
+    }
+
     /// Requests waiting and their prompt tokens.
     pub fn queue_depth(&self) -> (usize, u64) {
         let q = self.queue.lock();
@@ -1128,7 +1147,7 @@ mod tests {
         assert_eq!(d.overlap_blocks, 16);
         assert_eq!(d.cached_tokens, 256);
         assert!(!d.fallback);
-        assert_eq!(d.policy.name, "native");
+        assert_eq!(d.policy.name, "host-native");
         let l = r.load_of(CandidateKey::new(3, 0));
         assert_eq!(l.active_requests, 1);
         assert_eq!(l.active_decode_blocks, 16);

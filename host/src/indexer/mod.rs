@@ -25,6 +25,8 @@
 //! Engines that publish no events are indexed from the router's own decisions: see [`approx`].
 
 pub mod approx;
+#[cfg(test)]
+mod model_check;
 pub mod slots;
 pub mod tree;
 

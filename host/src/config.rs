@@ -1,0 +1,225 @@
+//! `kvroute serve` configuration: a TOML file, then `KVROUTE_*` environment variables, then flags.
+//!
+//! Each later source overrides the earlier one field by field, so a fleet-wide file can be adjusted
+//! per host with an environment variable and per run with a flag. Unknown keys in the file are an
+//! error that names the key: a typo never passes silently.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::cost::CostWeights;
+use crate::indexer::approx::ApproxConfig;
+use crate::load::LoadConfig;
+use crate::queue::{QueueLimits, QueueOrder};
+use crate::router::RouterConfig;
+use crate::workers::RegistryLimits;
+
+/// Everything `kvroute serve` can be told.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServeConfig {
+    /// Address of the HTTP server.
+    pub listen: SocketAddr,
+    /// Tokens per KV block; must match the engines'.
+    pub block_size: u32,
+    /// Bearer token for admin endpoints. Without one, admin endpoints answer loopback clients only.
+    pub admin_token: Option<String>,
+    /// A policy component to load and activate at start (instead of the embedded default).
+    pub policy: Option<PathBuf>,
+    /// JSON configuration handed to that policy's `configure`.
+    pub policy_config: Option<String>,
+    /// A directory watched for `NAME.wasm` policies (with optional `NAME.json` configs).
+    pub policy_dir: Option<PathBuf>,
+    /// `text` or `json` logs.
+    pub log_format: LogFormat,
+    pub routing: RoutingSection,
+    pub limits: LimitsSection,
+    pub cost: CostWeights,
+}
+
+impl Default for ServeConfig {
+    fn default() -> Self {
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            block_size: 16,
+            admin_token: None,
+            policy: None,
+            policy_config: None,
+            policy_dir: None,
+            log_format: LogFormat::Text,
+            routing: RoutingSection::default(),
+            limits: LimitsSection::default(),
+            cost: CostWeights::default(),
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum LogFormat {
+    #[default]
+    Text,
+    Json,
+}
+
+/// Routing behaviour.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RoutingSection {
+    /// Busy threshold as a fraction of `max_num_batched_tokens`; absent = no queue.
+    pub busy_threshold: Option<f64>,
+    pub queue_order: QueueOrder,
+    pub queue_max_requests_per_worker: usize,
+    pub queue_max_tokens_per_worker: u64,
+    pub queue_timeout_ms: u64,
+    /// Bookings never freed expire after this many seconds.
+    pub load_expiry_secs: u64,
+    /// Index from routing decisions (engines that publish no KV events).
+    pub approximate: bool,
+    pub approximate_ttl_secs: u64,
+    pub default_temperature: f64,
+}
+
+impl Default for RoutingSection {
+    fn default() -> Self {
+        let q = QueueLimits::default();
+        Self {
+            busy_threshold: None,
+            queue_order: QueueOrder::Fcfs,
+            queue_max_requests_per_worker: q.max_requests_per_worker,
+            queue_max_tokens_per_worker: q.max_tokens_per_worker,
+            queue_timeout_ms: 30_000,
+            load_expiry_secs: 300,
+            approximate: false,
+            approximate_ttl_secs: 120,
+            default_temperature: 0.0,
+        }
+    }
+}
+
+/// Input limits. Each rejection is a clear 4xx naming the limit.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LimitsSection {
+    pub max_body_bytes: usize,
+    pub max_prompt_tokens: usize,
+    pub max_events_per_request: usize,
+    pub max_policy_bytes: usize,
+    pub max_workers: usize,
+    pub max_dp_size: u32,
+    pub max_taints_per_worker: usize,
+    pub max_taint_len: usize,
+    pub max_allowed_worker_ids: usize,
+    pub max_request_taints: usize,
+}
+
+impl Default for LimitsSection {
+    fn default() -> Self {
+        let r = RegistryLimits::default();
+        Self {
+            max_body_bytes: 16 << 20,
+            max_prompt_tokens: 1 << 20,
+            max_events_per_request: 10_000,
+            max_policy_bytes: 32 << 20,
+            max_workers: r.max_workers,
+            max_dp_size: r.max_dp_size,
+            max_taints_per_worker: r.max_taints_per_worker,
+            max_taint_len: r.max_taint_len,
+            max_allowed_worker_ids: 16_384,
+            max_request_taints: 256,
+        }
+    }
+}
+
+impl ServeConfig {
+    /// Reads a TOML file. Errors name the file and the offending key.
+    pub fn from_file(path: &Path) -> Result<Self, String> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| format!("cannot read config file {}: {e}", path.display()))?;
+        toml::from_str(&text).map_err(|e| format!("config file {}: {e}", path.display()))
+    }
+
+    /// Checks values that parse but make no sense.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.block_size == 0 {
+            return Err("block_size must be at least 1".into());
+        }
+        if let Some(t) = self.routing.busy_threshold {
+            if !(t.is_finite() && t > 0.0) {
+                return Err(format!("routing.busy_threshold must be > 0, got {t}"));
+            }
+        }
+        if !(self.routing.default_temperature.is_finite()
+            && self.routing.default_temperature >= 0.0)
+        {
+            return Err("routing.default_temperature must be finite and >= 0".into());
+        }
+        if let Some(t) = &self.admin_token {
+            if t.len() < 8 {
+                return Err("admin_token must be at least 8 characters".into());
+            }
+        }
+        if let Some(c) = &self.policy_config {
+            serde_json::from_str::<serde_json::Value>(c)
+                .map_err(|e| format!("policy_config is not valid JSON: {e}"))?;
+        }
+        Ok(())
+    }
+
+    /// The routing core's configuration.
+    pub fn router_config(&self) -> RouterConfig {
+        RouterConfig {
+            block_size: self.block_size,
+            busy_threshold: self.routing.busy_threshold,
+            queue_order: self.routing.queue_order,
+            queue_limits: QueueLimits {
+                max_requests_per_worker: self.routing.queue_max_requests_per_worker,
+                max_tokens_per_worker: self.routing.queue_max_tokens_per_worker,
+            },
+            queue_timeout: Duration::from_millis(self.routing.queue_timeout_ms),
+            load: LoadConfig {
+                expiry: Duration::from_secs(self.routing.load_expiry_secs),
+            },
+            approx: self.routing.approximate.then(|| ApproxConfig {
+                ttl: Duration::from_secs(self.routing.approximate_ttl_secs),
+                ..Default::default()
+            }),
+            cost: self.cost,
+            default_temperature: self.routing.default_temperature,
+            max_prompt_tokens: self.limits.max_prompt_tokens,
+            registry: RegistryLimits {
+                max_dp_size: self.limits.max_dp_size,
+                max_taints_per_worker: self.limits.max_taints_per_worker,
+                max_taint_len: self.limits.max_taint_len,
+                max_workers: self.limits.max_workers,
+                ..Default::default()
+            },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn file_parses_and_unknown_keys_are_named() {
+        let c: ServeConfig = toml::from_str(
+            "listen = \"127.0.0.1:9000\"\nblock_size = 64\n[routing]\nbusy_threshold = 0.8\nqueue_order = \"wspt\"\n",
+        )
+        .unwrap();
+        assert_eq!(c.block_size, 64);
+        assert_eq!(c.routing.queue_order, QueueOrder::Wspt);
+        assert_eq!(c.router_config().busy_threshold, Some(0.8));
+        let e = toml::from_str::<ServeConfig>("blocksize = 3").unwrap_err();
+        assert!(e.to_string().contains("blocksize"), "{e}");
+        let bad = ServeConfig {
+            block_size: 0,
+            ..Default::default()
+        };
+        assert!(bad.validate().unwrap_err().contains("block_size"));
+    }
+}

@@ -1,0 +1,524 @@
+//! Plugin instances and the per-stage pool of them.
+//!
+//! An instance is one `Store` with one instantiated component, configured once, reused for many
+//! decisions. A trap (including a deadline interrupt) poisons the whole store, and an invalid
+//! answer makes the instance suspect, so either drops it; the pool is refilled off the request
+//! path by the runtime's maintenance thread (or lazily, if a decision finds the pool empty).
+
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::Instant;
+
+use parking_lot::Mutex;
+use wasmtime::{ResourceLimiter, Store, StoreContextMut, Trap, UpdateDeadline};
+
+use super::bindings::kvroute::policy::types::{Candidates, Decision, LogLevel, Request};
+use super::bindings::{PolicyPlugin, PolicyPluginPre};
+use super::error::FallbackReason;
+use super::runtime::RuntimeShared;
+use super::stats::PolicyStats;
+use super::TaintTable;
+
+/// Longest plugin log line kept; longer lines are cut at a character boundary.
+const MAX_LOG_LINE: usize = 1024;
+
+/// What a store carries: the limits and the log bucket of one instance.
+pub(crate) struct HostState {
+    policy: Arc<str>,
+    memory_limit: usize,
+    /// Set when the limiter refused a `memory.grow`; a trap after that is a memory-limit failure.
+    memory_denied: bool,
+    log_tokens: f64,
+    log_last: Instant,
+    log_rate: f64,
+    log_burst: f64,
+    stats: Arc<PolicyStats>,
+    /// Thread CPU time and wall time at the start of the current grace window (`None`: the call
+    /// has not reached its first deadline check).
+    grace_window: Option<(std::time::Duration, Instant)>,
+    grace_windows: u32,
+    grace_ticks: u64,
+    max_grace_windows: u32,
+}
+
+impl HostState {
+    pub(crate) fn new(policy: Arc<str>, shared: &RuntimeShared, stats: Arc<PolicyStats>) -> Self {
+        let burst = f64::from(shared.config.log_burst);
+        Self {
+            policy,
+            memory_limit: usize::try_from(shared.config.memory_limit_bytes).unwrap_or(usize::MAX),
+            memory_denied: false,
+            log_tokens: burst,
+            log_last: Instant::now(),
+            log_rate: f64::from(shared.config.log_lines_per_second),
+            log_burst: burst,
+            stats,
+            grace_window: None,
+            grace_windows: 0,
+            grace_ticks: shared.config.grace_ticks(),
+            max_grace_windows: shared.config.max_grace_windows(),
+        }
+    }
+
+    /// Arms a new call: deadline state reset, memory flag cleared.
+    #[inline]
+    fn arm(&mut self) {
+        self.memory_denied = false;
+        self.grace_window = None;
+        self.grace_windows = 0;
+    }
+}
+
+/// CPU time consumed by the calling thread (`None` where the platform has no such clock).
+fn thread_cpu_time() -> Option<std::time::Duration> {
+    #[cfg(unix)]
+    {
+        let mut ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: `ts` is a valid, writable timespec; the clock id is a constant of the platform.
+        let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+        if rc == 0 {
+            return Some(std::time::Duration::new(
+                ts.tv_sec as u64,
+                ts.tv_nsec as u32,
+            ));
+        }
+    }
+    None
+}
+
+/// Called by wasmtime when a call's epoch deadline passes. The first time, it opens a grace
+/// window; at the end of a window it interrupts the call if the thread ran for at least a quarter
+/// of the window, and opens another window if the thread was mostly descheduled — so a short call
+/// that was preempted gets to finish instead of the policy being blamed for the host's scheduling.
+fn on_deadline(mut ctx: StoreContextMut<'_, HostState>) -> wasmtime::Result<UpdateDeadline> {
+    let s = ctx.data_mut();
+    let now = (thread_cpu_time(), Instant::now());
+    let Some(cpu_now) = now.0 else {
+        return Ok(UpdateDeadline::Interrupt);
+    };
+    match s.grace_window {
+        None => {
+            s.grace_window = Some((cpu_now, now.1));
+            Ok(UpdateDeadline::Continue(s.grace_ticks))
+        }
+        Some((cpu_start, wall_start)) => {
+            let ran = cpu_now.saturating_sub(cpu_start);
+            let wall = now.1.duration_since(wall_start);
+            s.grace_windows += 1;
+            if ran * 4 >= wall || s.grace_windows >= s.max_grace_windows {
+                Ok(UpdateDeadline::Interrupt)
+            } else {
+                s.grace_window = Some((cpu_now, now.1));
+                Ok(UpdateDeadline::Continue(s.grace_ticks))
+            }
+        }
+    }
+}
+
+impl ResourceLimiter for HostState {
+    fn memory_growing(
+        &mut self,
+        _current: usize,
+        desired: usize,
+        _maximum: Option<usize>,
+    ) -> wasmtime::Result<bool> {
+        if desired > self.memory_limit {
+            self.memory_denied = true;
+            return Ok(false);
+        }
+        Ok(true)
+    }
+
+    fn table_growing(
+        &mut self,
+        _current: usize,
+        desired: usize,
+        _maximum: Option<usize>,
+    ) -> wasmtime::Result<bool> {
+        Ok(desired <= 1 << 20)
+    }
+}
+
+impl super::bindings::kvroute::policy::types::Host for HostState {}
+
+impl super::bindings::kvroute::policy::host_log::Host for HostState {
+    fn log(&mut self, level: LogLevel, mut message: String) {
+        let now = Instant::now();
+        let elapsed = now.duration_since(self.log_last).as_secs_f64();
+        self.log_last = now;
+        self.log_tokens = (self.log_tokens + elapsed * self.log_rate).min(self.log_burst);
+        if self.log_tokens < 1.0 {
+            self.stats.record_log_dropped();
+            return;
+        }
+        self.log_tokens -= 1.0;
+        if message.len() > MAX_LOG_LINE {
+            let mut cut = MAX_LOG_LINE;
+            while !message.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            message.truncate(cut);
+        }
+        let policy = &*self.policy;
+        match level {
+            LogLevel::Trace => {
+                tracing::trace!(target: "kvroute::policy::plugin", policy, "{message}")
+            }
+            LogLevel::Debug => {
+                tracing::debug!(target: "kvroute::policy::plugin", policy, "{message}")
+            }
+            LogLevel::Info => {
+                tracing::info!(target: "kvroute::policy::plugin", policy, "{message}")
+            }
+            LogLevel::Warn => {
+                tracing::warn!(target: "kvroute::policy::plugin", policy, "{message}")
+            }
+            LogLevel::Error => {
+                tracing::error!(target: "kvroute::policy::plugin", policy, "{message}")
+            }
+        }
+    }
+}
+
+/// Creates a store for an instance of a component: limits, deadline behaviour, log bucket.
+pub(crate) fn new_store(
+    shared: &RuntimeShared,
+    policy: Arc<str>,
+    stats: Arc<PolicyStats>,
+) -> Store<HostState> {
+    let mut store = Store::new(&shared.engine, HostState::new(policy, shared, stats));
+    store.limiter(|s| s as &mut dyn ResourceLimiter);
+    store.epoch_deadline_callback(on_deadline);
+    store.set_epoch_deadline(shared.setup_ticks);
+    store
+}
+
+/// Classifies a failed call.
+pub(crate) fn classify(err: &wasmtime::Error, memory_denied: bool) -> FallbackReason {
+    if matches!(err.downcast_ref::<Trap>(), Some(Trap::Interrupt)) {
+        FallbackReason::Deadline
+    } else if memory_denied {
+        FallbackReason::MemoryLimit
+    } else {
+        FallbackReason::Trap
+    }
+}
+
+/// A failed stage call: the reason counted, and a detail for logs and self-test reports (formatted
+/// only when someone reads it: formatting a trap's backtrace is not free).
+#[derive(Debug)]
+pub(crate) struct Failure {
+    pub reason: FallbackReason,
+    pub detail: FailureDetail,
+}
+
+#[derive(Debug)]
+pub(crate) enum FailureDetail {
+    Message(std::borrow::Cow<'static, str>),
+    Wasm {
+        during: &'static str,
+        error: wasmtime::Error,
+    },
+}
+
+impl std::fmt::Display for FailureDetail {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            FailureDetail::Message(m) => f.write_str(m),
+            FailureDetail::Wasm { during, error } => write!(f, "{during}: {error:#}"),
+        }
+    }
+}
+
+impl Failure {
+    pub(crate) fn new(
+        reason: FallbackReason,
+        detail: impl Into<std::borrow::Cow<'static, str>>,
+    ) -> Self {
+        Self {
+            reason,
+            detail: FailureDetail::Message(detail.into()),
+        }
+    }
+
+    fn wasm(during: &'static str, error: wasmtime::Error, memory_denied: bool) -> Self {
+        Self {
+            reason: classify(&error, memory_denied),
+            detail: FailureDetail::Wasm { during, error },
+        }
+    }
+}
+
+/// A validated answer of one stage.
+#[derive(Debug)]
+pub(crate) enum Answer {
+    Costs(Vec<f64>),
+    Pick(usize),
+}
+
+/// Checks an answer against the number of candidates.
+pub(crate) fn validate(decision: Decision, n: usize, allow_pick: bool) -> Result<Answer, Failure> {
+    match decision {
+        Decision::Costs(costs) => {
+            if costs.len() != n {
+                return Err(Failure::new(
+                    FallbackReason::InvalidLength,
+                    format!("answered {} costs for {n} candidates", costs.len()),
+                ));
+            }
+            if let Some(i) = costs.iter().position(|c| !c.is_finite()) {
+                return Err(Failure::new(
+                    FallbackReason::NonFinite,
+                    format!("cost of candidate {i} is {}", costs[i]),
+                ));
+            }
+            Ok(Answer::Costs(costs))
+        }
+        Decision::Pick(i) => {
+            if !allow_pick {
+                return Err(Failure::new(
+                    FallbackReason::UnexpectedPick,
+                    "a scorer stage answered a pick; pipeline stages must answer costs",
+                ));
+            }
+            let i = i as usize;
+            if i >= n {
+                return Err(Failure::new(
+                    FallbackReason::PickOutOfRange,
+                    format!("picked {i} of {n} candidates"),
+                ));
+            }
+            Ok(Answer::Pick(i))
+        }
+    }
+}
+
+/// Decrements the stage's live-instance count when an instance is dropped.
+struct LiveGuard(Arc<AtomicUsize>);
+
+impl Drop for LiveGuard {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Relaxed);
+    }
+}
+
+/// One long-lived, configured instance of a component.
+pub(crate) struct PluginInstance {
+    store: Store<HostState>,
+    plugin: PolicyPlugin,
+    /// The taint-table version this instance was last given (`None`: never).
+    taint_version: Option<u64>,
+    _live: LiveGuard,
+}
+
+/// Why making an instance failed.
+#[derive(Debug)]
+pub(crate) enum InstanceError {
+    /// `configure` returned an error: the component's message, verbatim.
+    ConfigRejected(String),
+    /// Instantiation or `configure` trapped or failed.
+    Failed {
+        during: &'static str,
+        message: String,
+    },
+}
+
+impl PluginInstance {
+    /// Hands the instance a taint table ahead of its first decision.
+    pub(crate) fn prime_taints(&mut self, taints: &TaintTable, ticks: u64) -> Result<(), Failure> {
+        self.sync_taints(taints, ticks)
+    }
+
+    /// Calls `set-taint-table` when this instance has not seen `taints.version` yet.
+    fn sync_taints(&mut self, taints: &TaintTable, ticks: u64) -> Result<(), Failure> {
+        if self.taint_version == Some(taints.version) {
+            return Ok(());
+        }
+        let names: Vec<&str> = taints.names.iter().map(String::as_str).collect();
+        self.store.data_mut().arm();
+        self.store.set_epoch_deadline(ticks);
+        match self.plugin.kvroute_policy_policy().call_set_taint_table(
+            &mut self.store,
+            taints.version,
+            &names,
+        ) {
+            Ok(()) => {
+                self.taint_version = Some(taints.version);
+                Ok(())
+            }
+            Err(e) => Err(Failure::wasm(
+                "set-taint-table",
+                e,
+                self.store.data().memory_denied,
+            )),
+        }
+    }
+
+    /// One `decide` call under the deadline of `ticks` epochs.
+    pub(crate) fn decide(
+        &mut self,
+        req: Request<'_>,
+        cands: Candidates<'_>,
+        taints: &TaintTable,
+        ticks: u64,
+    ) -> Result<Decision, Failure> {
+        self.sync_taints(taints, ticks)?;
+        self.store.data_mut().arm();
+        self.store.set_epoch_deadline(ticks);
+        self.plugin
+            .kvroute_policy_policy()
+            .call_decide(&mut self.store, req, cands)
+            .map_err(|e| Failure::wasm("decide", e, self.store.data().memory_denied))
+    }
+}
+
+/// One stage of a loaded policy version: a compiled component, its configuration and weight, and a
+/// pool of configured instances. A single-component policy is one stage.
+pub(crate) struct Stage {
+    pub(crate) plugin: Arc<super::runtime::CompiledPlugin>,
+    pub(crate) config: String,
+    pub(crate) weight: f64,
+    policy: Arc<str>,
+    shared: Arc<RuntimeShared>,
+    stats: Arc<PolicyStats>,
+    pool: Mutex<Vec<PluginInstance>>,
+    live: Arc<AtomicUsize>,
+}
+
+impl Stage {
+    pub(crate) fn new(
+        plugin: Arc<super::runtime::CompiledPlugin>,
+        config: String,
+        weight: f64,
+        policy: Arc<str>,
+        shared: Arc<RuntimeShared>,
+        stats: Arc<PolicyStats>,
+    ) -> Self {
+        Self {
+            plugin,
+            config,
+            weight,
+            policy,
+            shared,
+            stats,
+            pool: Mutex::new(Vec::new()),
+            live: Arc::new(AtomicUsize::new(0)),
+        }
+    }
+
+    fn pre(&self) -> &PolicyPluginPre<HostState> {
+        &self.plugin.pre
+    }
+
+    /// Instantiates and configures a new instance (not added to the pool).
+    pub(crate) fn new_instance(&self) -> Result<PluginInstance, InstanceError> {
+        let mut store = new_store(&self.shared, self.policy.clone(), self.stats.clone());
+        let plugin = self
+            .pre()
+            .instantiate(&mut store)
+            .map_err(|e| InstanceError::Failed {
+                during: "instantiation",
+                message: format!("{e:#}"),
+            })?;
+        store.data_mut().arm();
+        store.set_epoch_deadline(self.shared.setup_ticks);
+        match plugin
+            .kvroute_policy_policy()
+            .call_configure(&mut store, &self.config)
+        {
+            Ok(Ok(())) => {}
+            Ok(Err(message)) => return Err(InstanceError::ConfigRejected(message)),
+            Err(e) => {
+                return Err(InstanceError::Failed {
+                    during: "configure",
+                    message: format!("{e:#}"),
+                })
+            }
+        }
+        self.live.fetch_add(1, Relaxed);
+        Ok(PluginInstance {
+            store,
+            plugin,
+            taint_version: None,
+            _live: LiveGuard(self.live.clone()),
+        })
+    }
+
+    /// Takes an instance from the pool, or makes one when the pool is empty.
+    fn take(&self) -> Result<PluginInstance, Failure> {
+        if let Some(inst) = self.pool.lock().pop() {
+            return Ok(inst);
+        }
+        self.new_instance().map_err(|e| {
+            let detail = match e {
+                InstanceError::ConfigRejected(m) => format!("configure rejected: {m}"),
+                InstanceError::Failed { during, message } => format!("{during}: {message}"),
+            };
+            Failure::new(FallbackReason::Instantiate, detail)
+        })
+    }
+
+    /// Takes an instance from the pool, if any is there.
+    pub(crate) fn take_pooled(&self) -> Option<PluginInstance> {
+        self.pool.lock().pop()
+    }
+
+    /// Returns an instance to the pool.
+    pub(crate) fn put(&self, inst: PluginInstance) {
+        self.pool.lock().push(inst);
+    }
+
+    /// Instances alive (pooled or in use).
+    pub(crate) fn live(&self) -> usize {
+        self.live.load(Relaxed)
+    }
+
+    /// Instances waiting in the pool.
+    pub(crate) fn pooled(&self) -> usize {
+        self.pool.lock().len()
+    }
+
+    /// Makes instances until `target` are alive; stops at the first failure.
+    pub(crate) fn refill(&self, target: usize) {
+        while self.live() < target {
+            match self.new_instance() {
+                Ok(inst) => self.put(inst),
+                Err(e) => {
+                    tracing::warn!(policy = &*self.policy, error = ?e, "could not refill the policy instance pool");
+                    return;
+                }
+            }
+        }
+    }
+
+    /// One decision on this stage: take an instance, call, validate, and return the instance to
+    /// the pool, or drop it (poisoned) and ask for a replacement.
+    pub(crate) fn decide(
+        self: &Arc<Self>,
+        req: Request<'_>,
+        cands: Candidates<'_>,
+        taints: &TaintTable,
+        allow_pick: bool,
+        ticks: u64,
+    ) -> Result<Answer, Failure> {
+        let n = cands.worker_id.len();
+        let mut inst = self.take()?;
+        match inst
+            .decide(req, cands, taints, ticks)
+            .and_then(|d| validate(d, n, allow_pick))
+        {
+            Ok(answer) => {
+                self.put(inst);
+                Ok(answer)
+            }
+            Err(failure) => {
+                // Poisoned: dropped (and replaced) by the maintenance thread, off the request path.
+                self.shared.retire(inst, Arc::downgrade(self));
+                Err(failure)
+            }
+        }
+    }
+}

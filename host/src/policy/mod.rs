@@ -1,0 +1,89 @@
+//! The Wasm policy runtime: routing policies as hot-swappable WebAssembly components.
+//!
+//! A policy is a component implementing `wit/policy.wit` (world `kvroute:policy/policy-plugin`).
+//! The router calls [`PolicyRegistry::decide`] once per routing decision with the eligible
+//! candidates; the active policy answers one cost per candidate (the router picks with the
+//! request's temperature) or one pick. The host stays in charge of every guarantee:
+//!
+//! - **Columns, not records.** Candidates cross the boundary as a record of primitive lists
+//!   ([`CandidateColumns`] mirrors it), lowered with one `memcpy` per column straight from the
+//!   router's buffers (the bindings borrow; nothing is copied on the host side). Lowering a list of
+//!   records costs ~3× more, and a string per candidate costs microseconds; taints are therefore
+//!   ids into a [`TaintTable`] that an instance receives only when its version changes.
+//! - **Long-lived instances.** Instantiating costs 3–11 µs and the first call on a fresh instance
+//!   0.1–0.3 ms, so each stage keeps a pool of configured instances; a decision takes one, calls it
+//!   and puts it back. Several router threads decide at once, each on its own instance.
+//! - **ArcSwap flips.** Loading (compile, configure, self-test, warm-up) happens off the request
+//!   path; the new version becomes active with one atomic pointer swap. A decision loads the
+//!   active pointer once, so it finishes on the version it started with, and the old version's
+//!   instances are freed when its last in-flight decision ends. Rollback is the same swap.
+//! - **Fallbacks.** A trap, a missed deadline (epoch interruption, [`PolicyRuntimeConfig::deadline_us`]),
+//!   a memory-limit hit, or an invalid answer (wrong length, non-finite cost, pick out of range)
+//!   makes the decision [`Outcome::Fallback`] with a [`FallbackReason`]; the router then uses the
+//!   native cost. Reasons are counted per policy version.
+//! - **Poisoned instances.** After a trap the instance's store is unusable (its stack was unwound
+//!   mid-call, its memory may be half-written), and an instance that answered nonsense is not
+//!   trusted either: it is dropped ("poisoned"), and the runtime's maintenance thread makes a fresh
+//!   one off the request path. After [`PolicyRuntimeConfig::max_consecutive_failures`] failed
+//!   decisions in a row, the active version is taken out and the previously active one restored
+//!   (or none: native cost).
+//! - **Deadlines.** An epoch ticker thread (every `epoch_tick_us`) bounds each call's wall time.
+//!   Wall time also runs while a router thread is descheduled, so a call reaching its deadline gets
+//!   a short grace window: if its thread spent most of that window off the CPU (an oversubscribed
+//!   machine), it gets another one; if it kept running, it is interrupted. A runaway guest is
+//!   stopped at the deadline; a short call that was merely preempted is not blamed for it.
+//! - **Zero capabilities.** The only real import is `host-log` (rate-limited per instance). Other
+//!   imports — the WASI interfaces a `std` Rust guest pulls in — link as functions that trap.
+//!
+//! Entry point: [`PolicyRegistry`]. Also: pipelines ([`PipelineSpec`]: weighted scorer stages and
+//! an optional selector) and a polled directory ([`PolicyRegistry::watch_directory`]).
+
+mod bindings;
+mod config;
+mod error;
+mod instance;
+mod pipeline;
+mod registry;
+mod runtime;
+mod selftest;
+mod stats;
+mod watch;
+
+use std::sync::Arc;
+
+pub use config::PolicyRuntimeConfig;
+pub use error::{FallbackReason, PolicyError};
+pub use pipeline::{PipelineSpec, SelectorSpec, StageSpec};
+pub use registry::{
+    ActivePolicy, Outcome, PolicyDecision, PolicyInfo, PolicyRegistry, PolicyVersion,
+    RegistryCounters, StageInfo,
+};
+pub use runtime::{sha256_hex, PluginDescription, PluginKind, ABI_VERSION, POLICY_EXPORT};
+pub use stats::{LatencyHistogram, PolicyStats, StatsSnapshot};
+pub use watch::{DirectoryScanner, DirectoryWatcher, ScanReport};
+
+#[doc(no_inline)]
+pub use crate::candidate::{CandidateColumns, PolicyRequest};
+
+/// The taint-name table that candidate taint ids refer to: `names[id]` is taint `id`.
+///
+/// The router owns one and bumps `version` whenever the names change; an instance is sent the
+/// names only when the version differs from the last one it saw. Version `u64::MAX` is reserved
+/// for the runtime's self-test.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TaintTable {
+    pub version: u64,
+    pub names: Arc<[String]>,
+}
+
+impl TaintTable {
+    /// The version reserved for the load-time self-test's synthetic table.
+    pub const SELF_TEST_VERSION: u64 = u64::MAX;
+
+    pub fn new(version: u64, names: impl Into<Arc<[String]>>) -> Self {
+        Self {
+            version,
+            names: names.into(),
+        }
+    }
+}

@@ -1,0 +1,332 @@
+//! The Wasm engine, its helper threads, and compiling + checking a component.
+
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::mpsc;
+use std::sync::{Arc, Weak};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use sha2::{Digest, Sha256};
+use wasmtime::component::types::ComponentItem;
+use wasmtime::component::{Component, HasSelf, Linker};
+use wasmtime::{Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig, Trap};
+
+use super::bindings::kvroute::policy::types::PluginKind as WitPluginKind;
+use super::bindings::{PolicyPlugin, PolicyPluginPre};
+use super::config::PolicyRuntimeConfig;
+use super::error::PolicyError;
+use super::instance::{new_store, HostState, PluginInstance, Stage};
+use super::stats::PolicyStats;
+
+/// The `abi-version` this host speaks (`plugin-info.abi-version`).
+pub const ABI_VERSION: u32 = 1;
+/// The instance a policy component must export.
+pub const POLICY_EXPORT: &str = "kvroute:policy/policy@0.1.0";
+
+/// What kind of answer a plugin gives (WIT `plugin-kind`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PluginKind {
+    Scorer,
+    Selector,
+    Mixed,
+}
+
+/// What a component says about itself (WIT `plugin-info`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct PluginDescription {
+    pub name: String,
+    pub version: String,
+    pub abi_version: u32,
+    pub deterministic: bool,
+    pub kind: PluginKind,
+}
+
+/// A component compiled, checked against the world, and ready to instantiate.
+pub struct CompiledPlugin {
+    /// sha256 of the component bytes, lower-case hex.
+    pub digest: String,
+    /// Size of the component in bytes.
+    pub size: usize,
+    /// The component's own description.
+    pub info: PluginDescription,
+    /// Imports other than `host-log` (WASI and the like): linked, but trap when called.
+    pub trapping_imports: Vec<String>,
+    pub(crate) pre: PolicyPluginPre<HostState>,
+}
+
+impl std::fmt::Debug for CompiledPlugin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CompiledPlugin")
+            .field("digest", &self.digest)
+            .field("size", &self.size)
+            .field("info", &self.info)
+            .finish_non_exhaustive()
+    }
+}
+
+/// sha256 of `bytes`, lower-case hex.
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    let digest = Sha256::digest(bytes);
+    let mut s = String::with_capacity(64);
+    for b in digest {
+        use std::fmt::Write;
+        let _ = write!(s, "{b:02x}");
+    }
+    s
+}
+
+/// What every stage and store needs from the runtime (no threads: dropping it joins nothing).
+pub(crate) struct RuntimeShared {
+    pub(crate) engine: Engine,
+    pub(crate) config: PolicyRuntimeConfig,
+    pub(crate) deadline_ticks: u64,
+    pub(crate) setup_ticks: u64,
+    pub(crate) instances_per_stage: usize,
+    maintenance_tx: mpsc::Sender<Maintenance>,
+}
+
+/// Work for the maintenance thread.
+pub(crate) enum Maintenance {
+    /// Drop a poisoned instance and bring its stage's pool back to size.
+    Retire(PluginInstance, Weak<Stage>),
+    Stop,
+}
+
+impl RuntimeShared {
+    /// Hands a poisoned instance to the maintenance thread, which drops it and makes a fresh one.
+    pub(crate) fn retire(&self, instance: PluginInstance, stage: Weak<Stage>) {
+        // If the thread is gone (runtime dropping), the instance is dropped here instead.
+        let _ = self
+            .maintenance_tx
+            .send(Maintenance::Retire(instance, stage));
+    }
+}
+
+/// The engine and its two helper threads: the epoch ticker (deadlines) and the maintenance thread
+/// (replacing poisoned instances off the request path). Dropping it stops both threads.
+pub(crate) struct PolicyRuntime {
+    pub(crate) shared: Arc<RuntimeShared>,
+    stop: Arc<AtomicBool>,
+    maintenance_tx: mpsc::Sender<Maintenance>,
+    ticker: Option<JoinHandle<()>>,
+    maintenance: Option<JoinHandle<()>>,
+}
+
+impl PolicyRuntime {
+    pub(crate) fn new(config: PolicyRuntimeConfig) -> Result<Self, PolicyError> {
+        config.validate()?;
+        let mut pool = PoolingAllocationConfig::default();
+        let slots = config.max_instances();
+        pool.total_component_instances(slots)
+            .total_core_instances(slots.saturating_mul(8))
+            .total_memories(slots.saturating_mul(2))
+            .total_tables(slots.saturating_mul(8))
+            .max_memory_size(usize::try_from(config.memory_limit_bytes).unwrap_or(usize::MAX));
+        let mut wasm = Config::new();
+        wasm.wasm_component_model(true)
+            .concurrency_support(false)
+            .epoch_interruption(true)
+            .allocation_strategy(InstanceAllocationStrategy::Pooling(pool));
+        let engine = Engine::new(&wasm).map_err(|e| PolicyError::Engine(format!("{e:#}")))?;
+
+        let stop = Arc::new(AtomicBool::new(false));
+        let ticker = {
+            let engine = engine.clone();
+            let stop = stop.clone();
+            let period = Duration::from_micros(config.epoch_tick_us);
+            std::thread::Builder::new()
+                .name("kvroute-policy-epoch".into())
+                .spawn(move || epoch_ticker(engine, period, stop))
+                .map_err(|e| {
+                    PolicyError::Engine(format!("could not start the epoch ticker thread: {e}"))
+                })?
+        };
+        let (maintenance_tx, maintenance_rx) = mpsc::channel::<Maintenance>();
+        let instances_per_stage = config.instances_per_stage();
+        let maintenance = std::thread::Builder::new()
+            .name("kvroute-policy-maint".into())
+            .spawn(move || {
+                while let Ok(Maintenance::Retire(instance, stage)) = maintenance_rx.recv() {
+                    drop(instance);
+                    if let Some(stage) = stage.upgrade() {
+                        stage.refill(instances_per_stage);
+                    }
+                }
+            })
+            .map_err(|e| {
+                PolicyError::Engine(format!("could not start the maintenance thread: {e}"))
+            })?;
+        let shared = Arc::new(RuntimeShared {
+            engine,
+            deadline_ticks: config.deadline_ticks(),
+            setup_ticks: config.setup_ticks(),
+            instances_per_stage,
+            config,
+            maintenance_tx: maintenance_tx.clone(),
+        });
+        Ok(Self {
+            shared,
+            stop,
+            maintenance_tx,
+            ticker: Some(ticker),
+            maintenance: Some(maintenance),
+        })
+    }
+
+    /// Checks that `bytes` is a policy component, compiles it, and asks it for its `info`.
+    /// Never called on the request path: compiling takes tens of milliseconds.
+    pub(crate) fn compile(&self, bytes: &[u8]) -> Result<Arc<CompiledPlugin>, PolicyError> {
+        let shared = &self.shared;
+        let max = shared.config.max_component_bytes;
+        if bytes.len() > max {
+            return Err(PolicyError::TooLarge {
+                size: bytes.len(),
+                max,
+            });
+        }
+        if bytes.len() < 8 || &bytes[..4] != b"\0asm" {
+            return Err(PolicyError::NotWasm);
+        }
+        match [bytes[4], bytes[5], bytes[6], bytes[7]] {
+            [1, 0, 0, 0] => return Err(PolicyError::NotAComponent),
+            [0x0d, 0, 1, 0] => {}
+            [a, b, c, d] => {
+                return Err(PolicyError::Compile(format!(
+                "unsupported WebAssembly binary version/layer {a:#04x} {b:#04x} {c:#04x} {d:#04x} \
+                     (expected a component, version 0x0d layer 1)"
+            )))
+            }
+        }
+        let component = Component::new(&shared.engine, bytes)
+            .map_err(|e| PolicyError::Compile(format!("{e:#}")))?;
+
+        let ty = component.component_type();
+        if component.get_export_index(None, POLICY_EXPORT).is_none() {
+            let exports: Vec<String> = ty
+                .exports(&shared.engine)
+                .map(|(n, _)| n.to_string())
+                .collect();
+            let hint = match exports.iter().find(|e| e.starts_with("kvroute:policy/policy")) {
+                Some(other) => format!(
+                    "it exports {other}, a different version of the interface: rebuild it against this \
+                     host's wit/policy.wit"
+                ),
+                None if exports.is_empty() => "it exports nothing".to_string(),
+                None => format!("it exports only: {}", exports.join(", ")),
+            };
+            return Err(PolicyError::WrongWorld(format!(
+                "missing export {POLICY_EXPORT}; {hint}"
+            )));
+        }
+        let trapping_imports: Vec<String> = ty
+            .imports(&shared.engine)
+            .filter(|(name, _)| !name.starts_with("kvroute:policy/"))
+            .map(|(name, item)| match item.ty {
+                ComponentItem::ComponentInstance(_) => name.to_string(),
+                _ => format!("{name} (not an instance)"),
+            })
+            .collect();
+
+        let mut linker: Linker<HostState> = Linker::new(&shared.engine);
+        PolicyPlugin::add_to_linker::<HostState, HasSelf<HostState>>(&mut linker, |s| s)
+            .map_err(|e| PolicyError::Engine(format!("{e:#}")))?;
+        linker
+            .define_unknown_imports_as_traps(&component)
+            .map_err(|e| PolicyError::WrongWorld(format!("its imports cannot be linked: {e:#}")))?;
+        let pre = linker.instantiate_pre(&component).map_err(|e| {
+            PolicyError::WrongWorld(format!(
+                "its imports do not match (only kvroute:policy/host-log@0.1.0 is provided): {e:#}"
+            ))
+        })?;
+        let pre =
+            PolicyPluginPre::new(pre).map_err(|e| PolicyError::WrongWorld(format!("{e:#}")))?;
+
+        // Ask the component who it is, on a throw-away instance.
+        let stats = Arc::new(PolicyStats::default());
+        let mut store = new_store(shared, Arc::from("(probe)"), stats);
+        let plugin = pre
+            .instantiate(&mut store)
+            .map_err(|e| instantiate_error(&e))?;
+        let info = plugin
+            .kvroute_policy_policy()
+            .call_info(&mut store)
+            .map_err(|e| PolicyError::Trapped {
+                during: "info",
+                message: format!("{e:#}"),
+            })?;
+        if info.abi_version != ABI_VERSION {
+            return Err(PolicyError::AbiMismatch {
+                found: info.abi_version,
+                expected: ABI_VERSION,
+            });
+        }
+        let info = PluginDescription {
+            name: info.name,
+            version: info.version,
+            abi_version: info.abi_version,
+            deterministic: info.deterministic,
+            kind: match info.kind {
+                WitPluginKind::Scorer => PluginKind::Scorer,
+                WitPluginKind::Selector => PluginKind::Selector,
+                WitPluginKind::Mixed => PluginKind::Mixed,
+            },
+        };
+        Ok(Arc::new(CompiledPlugin {
+            digest: sha256_hex(bytes),
+            size: bytes.len(),
+            info,
+            trapping_imports,
+            pre,
+        }))
+    }
+}
+
+/// Maps an instantiation error to the operator's terms.
+pub(crate) fn instantiate_error(e: &wasmtime::Error) -> PolicyError {
+    let message = format!("{e:#}");
+    if e.downcast_ref::<Trap>().is_some() {
+        PolicyError::Trapped {
+            during: "instantiation",
+            message,
+        }
+    } else if message.contains("type mismatch") || message.contains("does not have export") {
+        PolicyError::WrongWorld(message)
+    } else {
+        PolicyError::Engine(format!("could not instantiate the component: {message}"))
+    }
+}
+
+impl Drop for PolicyRuntime {
+    fn drop(&mut self) {
+        self.stop.store(true, Relaxed);
+        let _ = self.maintenance_tx.send(Maintenance::Stop);
+        if let Some(t) = self.ticker.take() {
+            let _ = t.join();
+        }
+        if let Some(t) = self.maintenance.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Increments the engine's epoch every `period`, on an absolute schedule so sleeps that overshoot
+/// do not stretch deadlines; missed ticks are skipped, never burst.
+fn epoch_ticker(engine: Engine, period: Duration, stop: Arc<AtomicBool>) {
+    let mut next = Instant::now() + period;
+    while !stop.load(Relaxed) {
+        let now = Instant::now();
+        if next > now {
+            std::thread::sleep(next - now);
+        }
+        engine.increment_epoch();
+        next += period;
+        let now = Instant::now();
+        if next < now {
+            // The ticker was starved: never catch up with a burst of ticks, which would expire
+            // in-flight deadlines early. A late tick only makes a deadline later.
+            next = now + period / 2;
+        }
+    }
+}

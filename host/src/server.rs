@@ -1,0 +1,168 @@
+//! `kvroute serve`: wires the routing core, the policy registry and the HTTP API together, runs the
+//! maintenance ticker, and shuts down gracefully (in-flight requests finish; new ones are refused).
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::config::ServeConfig;
+use crate::events::{EventIngestion, IngestConfig};
+use crate::http::{self, AppState, Metrics, RegistryScorer};
+use crate::policy::{PolicyRegistry, PolicyRuntimeConfig};
+use crate::router::Router;
+
+/// A running server's handles, for embedding (tests, tools).
+pub struct Server {
+    pub router: Arc<Router>,
+    pub policies: Arc<PolicyRegistry>,
+    pub local_addr: SocketAddr,
+}
+
+/// The default policy component (`plugins/default`), built from source and embedded at build time.
+pub const DEFAULT_POLICY_WASM: &[u8] =
+    include_bytes!(concat!(env!("OUT_DIR"), "/default_policy.wasm"));
+
+/// Builds the core from a configuration and loads the start-up policy: `--policy` when given,
+/// else the embedded default.
+pub fn build(config: &ServeConfig) -> Result<(Arc<Router>, Arc<PolicyRegistry>), String> {
+    config.validate()?;
+    let router = Arc::new(Router::new(config.router_config())?);
+    let policies = Arc::new(
+        PolicyRegistry::new(PolicyRuntimeConfig {
+            max_component_bytes: config.limits.max_policy_bytes,
+            ..PolicyRuntimeConfig::default()
+        })
+        .map_err(|e| e.to_string())?,
+    );
+    if let Some(path) = &config.policy {
+        let bytes = std::fs::read(path)
+            .map_err(|e| format!("cannot read --policy {}: {e}", path.display()))?;
+        let name = path
+            .file_stem()
+            .and_then(|s| s.to_str())
+            .unwrap_or("policy")
+            .to_string();
+        policies
+            .load(&name, &bytes, config.policy_config.as_deref(), true)
+            .map_err(|e| format!("--policy {}: {e}", path.display()))?;
+    } else {
+        policies
+            .load(
+                "default",
+                DEFAULT_POLICY_WASM,
+                config.policy_config.as_deref(),
+                true,
+            )
+            .map_err(|e| format!("the embedded default policy: {e}"))?;
+    }
+    router.set_scorer(Some(Box::new(RegistryScorer::new(policies.clone()))));
+    Ok((router, policies))
+}
+
+/// Runs the server until `shutdown` resolves. Calls `on_listening` with the bound address (useful
+/// with port 0).
+pub async fn run(
+    config: ServeConfig,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+    on_listening: impl FnOnce(SocketAddr),
+) -> Result<(), String> {
+    let (router, policies) = build(&config)?;
+    let _watcher = match &config.policy_dir {
+        Some(dir) => Some(
+            policies
+                .watch_directory(dir.clone(), Duration::from_millis(500))
+                .map_err(|e| format!("cannot watch --policy-dir {}: {e}", dir.display()))?,
+        ),
+        None => None,
+    };
+    let listener = tokio::net::TcpListener::bind(config.listen)
+        .await
+        .map_err(|e| format!("cannot listen on {}: {e}", config.listen))?;
+    let local_addr = listener
+        .local_addr()
+        .map_err(|e| format!("cannot read the bound address: {e}"))?;
+    if config.admin_token.is_none() && !local_addr.ip().is_loopback() {
+        tracing::warn!(
+            %local_addr,
+            "no admin token: admin endpoints answer loopback clients only"
+        );
+    }
+    let ready = Arc::new(AtomicBool::new(true));
+    // ZMQ KV event ingestion: subscribes workers registered with `kv_events` (on its own thread).
+    let ingestion = EventIngestion::start(router.clone(), IngestConfig::default())
+        .map_err(|e| format!("cannot start the KV event ingestion thread: {e}"))?;
+    ingestion.sync_all();
+    let metrics = Metrics::new();
+    {
+        let ingestion = ingestion.clone();
+        metrics.add_renderer(Arc::new(move |out: &mut String| {
+            ingestion.render_metrics(out)
+        }));
+    }
+    let state = AppState {
+        router: router.clone(),
+        policies: policies.clone(),
+        metrics,
+        admin_token: config.admin_token.as_deref().map(Arc::from),
+        limits: config.limits.clone(),
+        ready: ready.clone(),
+        on_worker_change: Some(ingestion.hook()),
+    };
+    let ticker = {
+        let router = router.clone();
+        tokio::spawn(async move {
+            let mut every = tokio::time::interval(Duration::from_secs(1));
+            loop {
+                every.tick().await;
+                let (expired, blocks) = router.tick(Instant::now());
+                if expired > 0 || blocks > 0 {
+                    tracing::debug!(expired, blocks, "maintenance");
+                }
+            }
+        })
+    };
+    on_listening(local_addr);
+    tracing::info!(%local_addr, block_size = config.block_size, "kvroute listening");
+    let app = http::app(state);
+    let ready_flag = ready.clone();
+    let draining_router = router.clone();
+    let result = axum::serve(
+        listener,
+        app.into_make_service_with_connect_info::<SocketAddr>(),
+    )
+    .with_graceful_shutdown(async move {
+        shutdown.await;
+        ready_flag.store(false, Ordering::Release);
+        let waiting = draining_router.shutdown_queue();
+        tracing::info!(waiting, "shutting down: finishing in-flight requests");
+    })
+    .await
+    .map_err(|e| format!("server error: {e}"));
+    ticker.abort();
+    ingestion.shutdown();
+    result
+}
+
+/// Resolves on SIGINT or SIGTERM.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+}

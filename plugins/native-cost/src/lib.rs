@@ -1,0 +1,171 @@
+//! `native-cost`: a kvroute policy component that reproduces the host's native cost (SPEC §7),
+//! preferred taints included, from the candidate columns.
+//!
+//! It is the reference plugin: benchmarks compare it with the host's own native path, and
+//! equivalence tests check that it returns the same costs as `kvroute_host::cost::native_costs`.
+//!
+//! Configuration (all optional; unknown keys are rejected):
+//! ```json
+//! {"prefill_load_scale": 1.0, "host_tier_weight": 0.75, "disk_tier_weight": 0.25,
+//!  "use_base_cost": false}
+//! ```
+//! With `use_base_cost` the plugin trusts the host's `base-cost` column and only applies the
+//! preferred-taint multiplier; otherwise it recomputes the base cost from the raw columns.
+
+use std::cell::RefCell;
+
+#[cfg(target_arch = "wasm32")]
+mod alloc;
+
+#[cfg(target_arch = "wasm32")]
+#[global_allocator]
+static ALLOC: alloc::SizeClassAlloc = alloc::SizeClassAlloc::new();
+
+wit_bindgen::generate!({
+    path: "../../wit",
+    world: "policy-plugin",
+});
+
+use exports::kvroute::policy::policy::Guest;
+use kvroute::policy::types::{Candidates, Decision, PluginInfo, PluginKind, Request};
+
+#[derive(Clone, Copy, Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct Config {
+    prefill_load_scale: f64,
+    host_tier_weight: f64,
+    disk_tier_weight: f64,
+    use_base_cost: bool,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            prefill_load_scale: 1.0,
+            host_tier_weight: 0.75,
+            disk_tier_weight: 0.25,
+            use_base_cost: false,
+        }
+    }
+}
+
+/// Up to this many preferred taints, multipliers are precomputed per subset (2^6 = 64 values).
+const MAX_MASK_BITS: usize = 6;
+
+thread_local! {
+    static CONFIG: RefCell<Config> = RefCell::new(Config::default());
+}
+
+struct NativeCost;
+
+impl Guest for NativeCost {
+    fn info() -> PluginInfo {
+        PluginInfo {
+            name: "native-cost".to_string(),
+            version: env!("CARGO_PKG_VERSION").to_string(),
+            abi_version: 1,
+            deterministic: true,
+            kind: PluginKind::Scorer,
+        }
+    }
+
+    fn configure(config_json: String) -> Result<(), String> {
+        let config: Config = serde_json::from_str(&config_json).map_err(|e| {
+            format!(
+                "native-cost: invalid configuration: {e}; accepted keys: prefill_load_scale, \
+                 host_tier_weight, disk_tier_weight (finite numbers), use_base_cost (bool)"
+            )
+        })?;
+        for (key, v) in [
+            ("prefill_load_scale", config.prefill_load_scale),
+            ("host_tier_weight", config.host_tier_weight),
+            ("disk_tier_weight", config.disk_tier_weight),
+        ] {
+            if !v.is_finite() || v < 0.0 {
+                return Err(format!(
+                    "native-cost: {key} must be a finite number >= 0, got {v}"
+                ));
+            }
+        }
+        CONFIG.with(|c| *c.borrow_mut() = config);
+        Ok(())
+    }
+
+    fn set_taint_table(_version: u64, _names: Vec<String>) {
+        // Taints are compared by id only; names are not needed.
+    }
+
+    fn decide(req: Request, c: Candidates) -> Decision {
+        let w = CONFIG.with(|c| *c.borrow());
+        let n = c.worker_id.len();
+        let mut costs = Vec::with_capacity(n);
+        if w.use_base_cost {
+            costs.extend_from_slice(&c.base_cost);
+        } else {
+            let b = f64::from(req.block_size.max(1));
+            let isl = req.prompt_tokens as f64;
+            let blocks = req.prompt_tokens.div_ceil(req.block_size.max(1));
+            for i in 0..n {
+                let (device, host, disk) =
+                    (c.device_overlap[i], c.host_overlap[i], c.disk_overlap[i]);
+                let host_extra = host.saturating_sub(device);
+                let disk_extra = disk.saturating_sub(device.max(host));
+                let credit = f64::from(device)
+                    + w.host_tier_weight * f64::from(host_extra)
+                    + w.disk_tier_weight * f64::from(disk_extra);
+                let prefill = ((c.active_prefill_tokens[i] as f64 + isl) / b - credit).max(0.0);
+                let new_blocks = blocks.saturating_sub(c.active_prompt_blocks[i]);
+                let decode = c.active_decode_blocks[i] as f64 + f64::from(new_blocks);
+                costs.push(w.prefill_load_scale * prefill + decode);
+            }
+        }
+        let prefs = &req.preferred_taints;
+        if prefs.is_empty() {
+            return Decision::Costs(costs);
+        }
+        let taints_of = |i: usize| {
+            let lo = c.taint_offsets[i] as usize;
+            let hi = c.taint_offsets[i + 1] as usize;
+            &c.taint_ids[lo..hi]
+        };
+        // The multiplier exp(-tanh(s)) only depends on which preferred taints a candidate has:
+        // with few preferences, compute it once per subset instead of once per candidate. The sum
+        // runs over the preferences in the same order as the host's, so results are identical.
+        if prefs.len() <= MAX_MASK_BITS {
+            let multipliers: Vec<f64> = (0..1usize << prefs.len())
+                .map(|mask| {
+                    let s: f64 = prefs
+                        .iter()
+                        .enumerate()
+                        .filter(|(b, _)| mask & (1 << b) != 0)
+                        .map(|(_, p)| f64::from(p.weight))
+                        .sum();
+                    (-s.tanh()).exp()
+                })
+                .collect();
+            for (i, cost) in costs.iter_mut().enumerate() {
+                let taints = taints_of(i);
+                let mut mask = 0;
+                for (b, p) in prefs.iter().enumerate() {
+                    if taints.contains(&p.taint) {
+                        mask |= 1 << b;
+                    }
+                }
+                *cost *= multipliers[mask];
+            }
+        } else {
+            for (i, cost) in costs.iter_mut().enumerate() {
+                let taints = taints_of(i);
+                let s: f64 = prefs
+                    .iter()
+                    .filter(|p| taints.contains(&p.taint))
+                    .map(|p| f64::from(p.weight))
+                    .sum();
+                *cost *= (-s.tanh()).exp();
+            }
+        }
+        Decision::Costs(costs)
+    }
+}
+
+export!(NativeCost);

@@ -1,0 +1,27 @@
+//! Test-only component: exports an interface named like the policy interface but with other
+//! functions, so the host must refuse it as "wrong world".
+
+wit_bindgen::generate!({
+    inline: "
+        package kvroute:policy@0.1.0;
+
+        interface policy {
+            score: func(n: u32) -> u32;
+        }
+
+        world wrong {
+            export policy;
+        }
+    ",
+    world: "wrong",
+});
+
+struct Wrong;
+
+impl exports::kvroute::policy::policy::Guest for Wrong {
+    fn score(n: u32) -> u32 {
+        n
+    }
+}
+
+export!(Wrong);

@@ -1,0 +1,144 @@
+//! Building blocks most policies need: the host's native cost, the preferred-taint multiplier,
+//! picks, and typed configuration.
+
+use serde::de::DeserializeOwned;
+
+use crate::{Candidates, CandidatesExt, Request, Row};
+
+/// Weights of the native cost (SPEC §7). The defaults are the host's.
+#[derive(Clone, Copy, Debug, PartialEq, serde::Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CostWeights {
+    /// Weight of the prefill term.
+    pub prefill_load_scale: f64,
+    /// Credit of a host-memory block relative to a device block.
+    pub host_tier_weight: f64,
+    /// Credit of a disk/external block relative to a device block.
+    pub disk_tier_weight: f64,
+}
+
+impl Default for CostWeights {
+    fn default() -> Self {
+        Self {
+            prefill_load_scale: 1.0,
+            host_tier_weight: 0.75,
+            disk_tier_weight: 0.25,
+        }
+    }
+}
+
+/// The host's native cost of one candidate, recomputed from its figures (equal to the
+/// `base-cost` column with default weights):
+/// `prefill_load_scale * max((active_prefill + isl)/B - credit, 0) + active_decode + new_blocks`.
+pub fn native_cost(req: &Request, row: Row<'_>, w: &CostWeights) -> f64 {
+    let b = f64::from(req.block_size.max(1));
+    let (d, h, k) = (row.device_overlap(), row.host_overlap(), row.disk_overlap());
+    let credit = f64::from(d)
+        + w.host_tier_weight * f64::from(h.saturating_sub(d))
+        + w.disk_tier_weight * f64::from(k.saturating_sub(d.max(h)));
+    let prefill =
+        ((row.active_prefill_tokens() as f64 + f64::from(req.prompt_tokens)) / b - credit).max(0.0);
+    let blocks = req.prompt_tokens.div_ceil(req.block_size.max(1));
+    let decode = row.active_decode_blocks() as f64
+        + f64::from(blocks.saturating_sub(row.active_prompt_blocks()));
+    w.prefill_load_scale * prefill + decode
+}
+
+/// Native costs of every candidate.
+pub fn native_costs(req: &Request, c: &Candidates, w: &CostWeights) -> Vec<f64> {
+    c.rows().map(|r| native_cost(req, r, w)).collect()
+}
+
+/// The sum of the request's preferred-taint weights the candidate has (0 when none).
+pub fn preference_score(req: &Request, row: Row<'_>) -> f64 {
+    req.preferred_taints
+        .iter()
+        .filter(|p| row.has_taint(p.taint))
+        .map(|p| f64::from(p.weight))
+        .sum()
+}
+
+/// SPEC §7's multiplier `exp(-tanh(s))`, in [0.368, 2.718]; 1 for a candidate with no preference.
+pub fn preferred_multiplier(req: &Request, row: Row<'_>) -> f64 {
+    if req.preferred_taints.is_empty() {
+        return 1.0;
+    }
+    (-preference_score(req, row).tanh()).exp()
+}
+
+/// Index of the lowest finite cost (first on ties); `None` when there is none.
+pub fn argmin(costs: &[f64]) -> Option<usize> {
+    let mut best: Option<(usize, f64)> = None;
+    for (i, &c) in costs.iter().enumerate() {
+        if c.is_finite() && best.is_none_or(|(_, b)| c < b) {
+            best = Some((i, c));
+        }
+    }
+    best.map(|(i, _)| i)
+}
+
+/// Samples an index with `p_i ∝ exp(-(c_i - min)/((max - min)·T))` using `u` in [0, 1) as the
+/// random draw (pass your own RNG's output; plugins have no OS randomness). Temperature 0 or all
+/// costs equal → [`argmin`].
+pub fn softmax_pick(costs: &[f64], temperature: f64, u: f64) -> Option<usize> {
+    let finite = costs.iter().copied().filter(|c| c.is_finite());
+    let (min, max) = finite.fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), c| {
+        (a.min(c), b.max(c))
+    });
+    let spread = max - min;
+    if !(temperature > 0.0 && spread > 0.0) {
+        return argmin(costs);
+    }
+    let weight = |c: f64| {
+        if c.is_finite() {
+            (-(c - min) / (spread * temperature)).exp()
+        } else {
+            0.0
+        }
+    };
+    let total: f64 = costs.iter().map(|&c| weight(c)).sum();
+    let mut target = u.clamp(0.0, 1.0) * total;
+    let mut last = None;
+    for (i, &c) in costs.iter().enumerate() {
+        let w = weight(c);
+        if w > 0.0 {
+            last = Some(i);
+            if target < w {
+                return Some(i);
+            }
+            target -= w;
+        }
+    }
+    last
+}
+
+/// Parses a JSON configuration into `T`, with an error message an operator can act on (it names
+/// the offending key and, for unknown keys, the accepted ones). `{}` and an empty string give
+/// `T::default()` when `T` is `#[serde(default)]`.
+pub fn parse_config<T: DeserializeOwned>(policy: &str, json: &str) -> Result<T, String> {
+    let json = if json.trim().is_empty() { "{}" } else { json };
+    serde_json::from_str(json).map_err(|e| format!("{policy}: invalid configuration: {e}"))
+}
+
+/// A small, fast, seedable random number generator (SplitMix64) for policies that sample.
+#[derive(Clone, Debug)]
+pub struct SplitMix64(u64);
+
+impl SplitMix64 {
+    /// A generator from a seed.
+    pub fn new(seed: u64) -> Self {
+        Self(seed)
+    }
+    /// The next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    /// A float in [0, 1).
+    pub fn next_f64(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+}

@@ -1,0 +1,328 @@
+//! # kvroute-sdk: write a kvroute routing policy in minutes
+//!
+//! A policy ranks the eligible candidates of one routing decision. The kvroute host has already
+//! applied every hard rule (allowed workers, required taints, pins, overload), computed each
+//! candidate's cache overlap and load, and its own native cost; your policy only decides which
+//! candidate is best. Implement [`Policy`], export it with [`export_policy!`], build with
+//! `cargo build --release --target wasm32-wasip2`, and check the result with
+//! `kvroute policy check target/wasm32-wasip2/release/NAME.wasm`.
+//!
+//! ```ignore
+//! use kvroute_sdk::{Candidates, Context, Decision, Policy, Request};
+//!
+//! #[derive(Default)]
+//! struct LeastLoaded;
+//!
+//! impl Policy for LeastLoaded {
+//!     fn decide(&mut self, _ctx: &Context, _req: &Request, c: &Candidates) -> Decision {
+//!         Decision::Costs(c.rows().map(|r| r.active_requests() as f64).collect())
+//!     }
+//! }
+//!
+//! kvroute_sdk::export_policy!(LeastLoaded);
+//! ```
+//!
+//! Everything the WIT interface (`wit/policy.wit`) defines is re-exported here under plain names;
+//! the generated glue stays hidden. The same code runs natively, so a policy is unit-tested with
+//! plain `cargo test` through [`testing`], no Wasm involved.
+//!
+//! ## No capabilities
+//! A policy runs with no WASI capabilities: anything that reads the clock, the environment or OS
+//! randomness traps (so does `std::collections::HashMap::new()`, whose `RandomState` asks for
+//! random keys: use `BTreeMap` or a fixed hasher). Use [`SplitMix64`] for randomness.
+//!
+//! ## State
+//! One policy value lives per Wasm instance. The host keeps instances for a long time, but it may
+//! replace one at any moment (after a trap or a missed deadline) and every configuration change or
+//! swap creates fresh instances. State kept in `self` (caches, session maps) is therefore a
+//! best-effort, per-instance memory: never rely on it for correctness.
+
+#![warn(missing_docs)]
+
+pub mod helpers;
+pub mod testing;
+
+#[doc(hidden)]
+pub mod bindings {
+    wit_bindgen::generate!({
+        path: "../wit",
+        world: "policy-plugin",
+        pub_export_macro: true,
+        export_macro_name: "__kvroute_export_world",
+        default_bindings_module: "kvroute_sdk::bindings",
+    });
+}
+
+use std::collections::BTreeMap;
+
+pub use bindings::kvroute::policy::types::{
+    Candidates, Decision, LogLevel, PluginInfo, PluginKind, PreferredTaint, Request,
+};
+pub use helpers::*;
+
+/// The ABI version this SDK speaks (`plugin-info.abi-version`).
+pub const ABI_VERSION: u32 = 1;
+
+/// A routing policy. Only [`Policy::decide`] is required.
+pub trait Policy: Default + 'static {
+    /// Describes the policy. The default uses the crate's name and version (passed in by
+    /// [`export_policy!`]), a deterministic scorer.
+    fn info(&self, crate_name: &str, crate_version: &str) -> PluginInfo {
+        PluginInfo {
+            name: crate_name
+                .strip_prefix("kvroute-plugin-")
+                .unwrap_or(crate_name)
+                .to_string(),
+            version: crate_version.to_string(),
+            abi_version: ABI_VERSION,
+            deterministic: true,
+            kind: PluginKind::Scorer,
+        }
+    }
+
+    /// Applies the operator's JSON configuration (`{}` when none was given). The error message is
+    /// shown to the operator verbatim: say what is wrong and what is accepted. The default accepts
+    /// only an empty object. Use [`parse_config`] for typed configuration.
+    fn configure(&mut self, config_json: &str) -> Result<(), String> {
+        match serde_json::from_str::<serde_json::Value>(config_json) {
+            Ok(serde_json::Value::Object(m)) if m.is_empty() => Ok(()),
+            Ok(_) => Err("this policy takes no configuration: send {}".to_string()),
+            Err(e) => Err(format!("configuration is not valid JSON: {e}")),
+        }
+    }
+
+    /// Ranks the candidates: one cost per candidate (lower is better) or a pick.
+    fn decide(&mut self, ctx: &Context, req: &Request, candidates: &Candidates) -> Decision;
+}
+
+/// What a policy knows besides the request: the taint-name table.
+#[derive(Clone, Debug, Default)]
+pub struct Context {
+    version: u64,
+    names: Vec<String>,
+    ids: BTreeMap<String, u32>,
+}
+
+impl Context {
+    /// A context with this taint table.
+    pub fn new(version: u64, names: Vec<String>) -> Self {
+        let ids = names
+            .iter()
+            .enumerate()
+            .map(|(i, n)| (n.clone(), i as u32))
+            .collect();
+        Self {
+            version,
+            names,
+            ids,
+        }
+    }
+
+    /// The id of a taint name, if any candidate in the fleet ever had it.
+    pub fn taint_id(&self, name: &str) -> Option<u32> {
+        self.ids.get(name).copied()
+    }
+
+    /// The name of a taint id.
+    pub fn taint_name(&self, id: u32) -> Option<&str> {
+        self.names.get(id as usize).map(String::as_str)
+    }
+
+    /// The taint table's version.
+    pub fn version(&self) -> u64 {
+        self.version
+    }
+}
+
+/// One candidate, viewed across the columns (no copy).
+#[derive(Clone, Copy, Debug)]
+pub struct Row<'a> {
+    cols: &'a Candidates,
+    index: usize,
+}
+
+impl<'a> Row<'a> {
+    /// Position in the columns (what a [`Decision::Pick`] names).
+    pub fn index(&self) -> usize {
+        self.index
+    }
+    /// Worker id.
+    pub fn worker_id(&self) -> u64 {
+        self.cols.worker_id[self.index]
+    }
+    /// Data-parallel rank.
+    pub fn dp_rank(&self) -> u32 {
+        self.cols.dp_rank[self.index]
+    }
+    /// Leading prompt blocks held on the device.
+    pub fn device_overlap(&self) -> u32 {
+        self.cols.device_overlap[self.index]
+    }
+    /// Leading prompt blocks held in host memory.
+    pub fn host_overlap(&self) -> u32 {
+        self.cols.host_overlap[self.index]
+    }
+    /// Leading prompt blocks held on disk or external storage.
+    pub fn disk_overlap(&self) -> u32 {
+        self.cols.disk_overlap[self.index]
+    }
+    /// Booked prompt tokens not yet prefilled.
+    pub fn active_prefill_tokens(&self) -> u64 {
+        self.cols.active_prefill_tokens[self.index]
+    }
+    /// KV blocks in use by active requests.
+    pub fn active_decode_blocks(&self) -> u64 {
+        self.cols.active_decode_blocks[self.index]
+    }
+    /// Requests booked.
+    pub fn active_requests(&self) -> u32 {
+        self.cols.active_requests[self.index]
+    }
+    /// Leading blocks of this prompt already active on the candidate.
+    pub fn active_prompt_blocks(&self) -> u32 {
+        self.cols.active_prompt_blocks[self.index]
+    }
+    /// KV capacity in blocks (0 = unknown).
+    pub fn total_kv_blocks(&self) -> u64 {
+        self.cols.total_kv_blocks[self.index]
+    }
+    /// Prefill token budget per step (0 = unknown).
+    pub fn max_num_batched_tokens(&self) -> u32 {
+        self.cols.max_num_batched_tokens[self.index]
+    }
+    /// The host's native cost (without preferred taints).
+    pub fn base_cost(&self) -> f64 {
+        self.cols.base_cost[self.index]
+    }
+    /// Taint ids of the candidate.
+    pub fn taints(&self) -> &'a [u32] {
+        let o = &self.cols.taint_offsets;
+        let (a, b) = (o[self.index] as usize, o[self.index + 1] as usize);
+        self.cols.taint_ids.get(a..b).unwrap_or(&[])
+    }
+    /// Whether the candidate has a taint id.
+    pub fn has_taint(&self, id: u32) -> bool {
+        self.taints().contains(&id)
+    }
+    /// Whether the candidate has a taint, by name.
+    pub fn has_taint_named(&self, ctx: &Context, name: &str) -> bool {
+        ctx.taint_id(name).is_some_and(|id| self.has_taint(id))
+    }
+}
+
+/// Typed rows over the columns.
+pub trait CandidatesExt {
+    /// Number of candidates.
+    fn count(&self) -> usize;
+    /// Every candidate as a [`Row`].
+    fn rows(&self) -> impl ExactSizeIterator<Item = Row<'_>>;
+    /// One candidate.
+    fn row(&self, index: usize) -> Row<'_>;
+}
+
+impl CandidatesExt for Candidates {
+    fn count(&self) -> usize {
+        self.worker_id.len()
+    }
+    fn rows(&self) -> impl ExactSizeIterator<Item = Row<'_>> {
+        (0..self.worker_id.len()).map(move |index| Row { cols: self, index })
+    }
+    fn row(&self, index: usize) -> Row<'_> {
+        assert!(index < self.worker_id.len(), "candidate index out of range");
+        Row { cols: self, index }
+    }
+}
+
+/// Writes a log line through the host (rate-limited there). Natively (tests) it goes to
+/// [`testing::take_logs`].
+pub fn log(level: LogLevel, message: &str) {
+    #[cfg(target_arch = "wasm32")]
+    bindings::kvroute::policy::host_log::log(level, message);
+    #[cfg(not(target_arch = "wasm32"))]
+    testing::record_log(level, message);
+}
+
+#[doc(hidden)]
+pub mod __private {
+    use super::*;
+    use std::cell::RefCell;
+
+    /// Per-instance state behind the generated exports.
+    pub struct Slot<P: Policy> {
+        pub policy: RefCell<Option<P>>,
+        pub ctx: RefCell<Context>,
+    }
+
+    impl<P: Policy> Slot<P> {
+        pub fn new() -> Self {
+            Self {
+                policy: RefCell::new(None),
+                ctx: RefCell::new(Context::default()),
+            }
+        }
+
+        pub fn with<R>(&self, f: impl FnOnce(&mut P, &Context) -> R) -> R {
+            let mut p = self.policy.borrow_mut();
+            let p = p.get_or_insert_with(P::default);
+            f(p, &self.ctx.borrow())
+        }
+
+        pub fn set_taints(&self, version: u64, names: Vec<String>) {
+            *self.ctx.borrow_mut() = Context::new(version, names);
+        }
+    }
+
+    impl<P: Policy> Default for Slot<P> {
+        fn default() -> Self {
+            Self::new()
+        }
+    }
+
+    pub use crate::bindings::exports::kvroute::policy::policy::Guest;
+}
+
+/// Exports a [`Policy`] type as the component's `kvroute:policy/policy` implementation.
+///
+/// Use once per plugin crate, at the crate root: `kvroute_sdk::export_policy!(MyPolicy);`
+#[macro_export]
+macro_rules! export_policy {
+    ($policy:ty) => {
+        const _: () = {
+            // The component exports exist only in the Wasm build; natively (unit tests through
+            // `kvroute_sdk::testing`) the crate is a plain library.
+            #[allow(dead_code)]
+            struct __KvrouteExport;
+            ::std::thread_local! {
+                static __SLOT: $crate::__private::Slot<$policy> = $crate::__private::Slot::new();
+            }
+            impl $crate::__private::Guest for __KvrouteExport {
+                fn info() -> $crate::PluginInfo {
+                    __SLOT.with(|s| {
+                        s.with(|p, _| {
+                            <$policy as $crate::Policy>::info(
+                                p,
+                                env!("CARGO_PKG_NAME"),
+                                env!("CARGO_PKG_VERSION"),
+                            )
+                        })
+                    })
+                }
+                fn configure(config_json: String) -> Result<(), String> {
+                    __SLOT.with(|s| {
+                        s.with(|p, _| <$policy as $crate::Policy>::configure(p, &config_json))
+                    })
+                }
+                fn set_taint_table(version: u64, names: Vec<String>) {
+                    __SLOT.with(|s| s.set_taints(version, names))
+                }
+                fn decide(req: $crate::Request, candidates: $crate::Candidates) -> $crate::Decision {
+                    __SLOT.with(|s| {
+                        s.with(|p, ctx| <$policy as $crate::Policy>::decide(p, ctx, &req, &candidates))
+                    })
+                }
+            }
+            #[cfg(target_arch = "wasm32")]
+            $crate::bindings::__kvroute_export_world!(__KvrouteExport with_types_in $crate::bindings);
+        };
+    };
+}

@@ -1,0 +1,323 @@
+//! A native test harness: unit-test a policy with plain `cargo test`, no Wasm.
+//!
+//! ```
+//! use kvroute_sdk::testing::{candidate, request, Harness};
+//! use kvroute_sdk::{Candidates, Context, Decision, Policy, Request, CandidatesExt};
+//!
+//! #[derive(Default)]
+//! struct MostCached;
+//! impl Policy for MostCached {
+//!     fn decide(&mut self, _: &Context, _: &Request, c: &Candidates) -> Decision {
+//!         Decision::Costs(c.rows().map(|r| -f64::from(r.device_overlap())).collect())
+//!     }
+//! }
+//!
+//! let mut h = Harness::<MostCached>::new();
+//! let set = [candidate(1), candidate(2).device_overlap(8)];
+//! assert_eq!(h.pick(&request(256), &set), 1);
+//! ```
+//! Candidates are described with [`candidate`] (taints by name); the harness builds the columns,
+//! the taint table, and the host's base cost exactly as the host would, then calls your policy.
+
+use std::cell::RefCell;
+
+use crate::helpers::{argmin, native_cost, CostWeights};
+use crate::{
+    Candidates, CandidatesExt, Context, Decision, LogLevel, Policy, PreferredTaint, Request,
+};
+
+thread_local! {
+    static LOGS: RefCell<Vec<(LogLevel, String)>> = const { RefCell::new(Vec::new()) };
+}
+
+#[cfg(not(target_arch = "wasm32"))]
+pub(crate) fn record_log(level: LogLevel, message: &str) {
+    LOGS.with(|l| l.borrow_mut().push((level, message.to_string())));
+}
+
+/// Log lines the policy wrote on this thread since the last call.
+pub fn take_logs() -> Vec<(LogLevel, String)> {
+    LOGS.with(|l| std::mem::take(&mut *l.borrow_mut()))
+}
+
+/// One candidate of a test set.
+#[derive(Clone, Debug, Default)]
+pub struct CandidateSpec {
+    worker_id: u64,
+    dp_rank: u32,
+    device_overlap: u32,
+    host_overlap: u32,
+    disk_overlap: u32,
+    active_prefill_tokens: u64,
+    active_decode_blocks: u64,
+    active_requests: u32,
+    active_prompt_blocks: u32,
+    total_kv_blocks: u64,
+    max_num_batched_tokens: u32,
+    base_cost: Option<f64>,
+    taints: Vec<String>,
+}
+
+/// A candidate with this worker id, rank 0, idle and with nothing cached.
+pub fn candidate(worker_id: u64) -> CandidateSpec {
+    CandidateSpec {
+        worker_id,
+        total_kv_blocks: 16_384,
+        max_num_batched_tokens: 8_192,
+        ..Default::default()
+    }
+}
+
+macro_rules! setters {
+    ($($name:ident: $ty:ty),* $(,)?) => {
+        $(
+            #[doc = concat!("Sets `", stringify!($name), "`.")]
+            pub fn $name(mut self, v: $ty) -> Self {
+                self.$name = v;
+                self
+            }
+        )*
+    };
+}
+
+impl CandidateSpec {
+    setters!(
+        dp_rank: u32,
+        device_overlap: u32,
+        host_overlap: u32,
+        disk_overlap: u32,
+        active_prefill_tokens: u64,
+        active_decode_blocks: u64,
+        active_requests: u32,
+        active_prompt_blocks: u32,
+        total_kv_blocks: u64,
+        max_num_batched_tokens: u32,
+    );
+
+    /// Overrides the host's base cost (otherwise computed like the host does).
+    pub fn base_cost(mut self, v: f64) -> Self {
+        self.base_cost = Some(v);
+        self
+    }
+
+    /// Sets the candidate's taints, by name.
+    pub fn taints(mut self, names: &[&str]) -> Self {
+        self.taints = names.iter().map(|s| s.to_string()).collect();
+        self
+    }
+}
+
+/// A request of the test.
+#[derive(Clone, Debug)]
+pub struct RequestSpec {
+    prompt_tokens: u32,
+    block_size: u32,
+    preferred: Vec<(String, f32)>,
+    priority: f64,
+    expected_output_tokens: Option<u32>,
+    temperature: f64,
+    session_id: Option<String>,
+    request_id: String,
+}
+
+/// A request with this many prompt tokens, block size 16, no preferences, temperature 0.
+pub fn request(prompt_tokens: u32) -> RequestSpec {
+    RequestSpec {
+        prompt_tokens,
+        block_size: 16,
+        preferred: Vec::new(),
+        priority: 0.0,
+        expected_output_tokens: None,
+        temperature: 0.0,
+        session_id: None,
+        request_id: "test".into(),
+    }
+}
+
+impl RequestSpec {
+    /// Block size.
+    pub fn block_size(mut self, b: u32) -> Self {
+        self.block_size = b;
+        self
+    }
+    /// Adds a soft preference for a taint (weight in (-1, 1)).
+    pub fn prefer(mut self, taint: &str, weight: f32) -> Self {
+        self.preferred.push((taint.to_string(), weight));
+        self
+    }
+    /// Session id.
+    pub fn session(mut self, id: &str) -> Self {
+        self.session_id = Some(id.to_string());
+        self
+    }
+    /// Temperature.
+    pub fn temperature(mut self, t: f64) -> Self {
+        self.temperature = t;
+        self
+    }
+    /// Priority.
+    pub fn priority(mut self, p: f64) -> Self {
+        self.priority = p;
+        self
+    }
+    /// Expected output tokens.
+    pub fn expected_output(mut self, n: u32) -> Self {
+        self.expected_output_tokens = Some(n);
+        self
+    }
+    /// Request id.
+    pub fn id(mut self, id: &str) -> Self {
+        self.request_id = id.to_string();
+        self
+    }
+}
+
+/// Builds the host-side view of a request and its candidates: the context (taint table), the
+/// request record and the columns, with base costs as the host computes them.
+pub fn build(req: &RequestSpec, set: &[CandidateSpec]) -> (Context, Request, Candidates) {
+    let mut names: Vec<String> = Vec::new();
+    let id_of = |n: &str, names: &mut Vec<String>| -> u32 {
+        match names.iter().position(|x| x == n) {
+            Some(i) => i as u32,
+            None => {
+                names.push(n.to_string());
+                (names.len() - 1) as u32
+            }
+        }
+    };
+    let mut c = Candidates {
+        worker_id: vec![],
+        dp_rank: vec![],
+        device_overlap: vec![],
+        host_overlap: vec![],
+        disk_overlap: vec![],
+        active_prefill_tokens: vec![],
+        active_decode_blocks: vec![],
+        active_requests: vec![],
+        active_prompt_blocks: vec![],
+        total_kv_blocks: vec![],
+        max_num_batched_tokens: vec![],
+        base_cost: vec![],
+        taint_offsets: vec![0],
+        taint_ids: vec![],
+    };
+    for s in set {
+        c.worker_id.push(s.worker_id);
+        c.dp_rank.push(s.dp_rank);
+        c.device_overlap.push(s.device_overlap);
+        c.host_overlap.push(s.host_overlap);
+        c.disk_overlap.push(s.disk_overlap);
+        c.active_prefill_tokens.push(s.active_prefill_tokens);
+        c.active_decode_blocks.push(s.active_decode_blocks);
+        c.active_requests.push(s.active_requests);
+        c.active_prompt_blocks.push(s.active_prompt_blocks);
+        c.total_kv_blocks.push(s.total_kv_blocks);
+        c.max_num_batched_tokens.push(s.max_num_batched_tokens);
+        c.base_cost.push(0.0);
+        for t in &s.taints {
+            let id = id_of(t, &mut names);
+            c.taint_ids.push(id);
+        }
+        c.taint_offsets.push(c.taint_ids.len() as u32);
+    }
+    let preferred = req
+        .preferred
+        .iter()
+        .map(|(n, w)| PreferredTaint {
+            taint: id_of(n, &mut names),
+            weight: *w,
+        })
+        .collect();
+    let request = Request {
+        request_id: req.request_id.clone(),
+        prompt_tokens: req.prompt_tokens,
+        request_blocks: req.prompt_tokens / req.block_size.max(1),
+        block_size: req.block_size,
+        preferred_taints: preferred,
+        priority: req.priority,
+        expected_output_tokens: req.expected_output_tokens,
+        temperature: req.temperature,
+        session_id: req.session_id.clone(),
+        taint_table_version: 1,
+    };
+    let base: Vec<f64> = c
+        .rows()
+        .zip(set)
+        .map(|(r, s)| {
+            s.base_cost
+                .unwrap_or_else(|| native_cost(&request, r, &CostWeights::default()))
+        })
+        .collect();
+    c.base_cost = base;
+    (Context::new(1, names), request, c)
+}
+
+/// Runs a policy natively.
+pub struct Harness<P: Policy> {
+    /// The policy under test (inspect its state freely).
+    pub policy: P,
+}
+
+impl<P: Policy> Default for Harness<P> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<P: Policy> Harness<P> {
+    /// A harness around `P::default()`, not configured.
+    pub fn new() -> Self {
+        Self {
+            policy: P::default(),
+        }
+    }
+
+    /// Calls `configure`.
+    pub fn configure(&mut self, json: &str) -> Result<(), String> {
+        self.policy.configure(json)
+    }
+
+    /// Calls `decide` on the set and checks the answer the way the host does (length, finite
+    /// costs, pick in range), panicking with a clear message on a violation.
+    pub fn decide(&mut self, req: &RequestSpec, set: &[CandidateSpec]) -> Decision {
+        let (ctx, request, cands) = build(req, set);
+        let d = self.policy.decide(&ctx, &request, &cands);
+        match &d {
+            Decision::Costs(c) => {
+                assert_eq!(
+                    c.len(),
+                    set.len(),
+                    "the policy returned {} costs for {} candidates",
+                    c.len(),
+                    set.len()
+                );
+                assert!(
+                    c.iter().all(|x| x.is_finite()),
+                    "the policy returned a non-finite cost: {c:?}"
+                );
+            }
+            Decision::Pick(i) => assert!(
+                (*i as usize) < set.len(),
+                "pick {i} out of range ({} candidates)",
+                set.len()
+            ),
+        }
+        d
+    }
+
+    /// The costs the policy returns (panics if it picks).
+    pub fn costs(&mut self, req: &RequestSpec, set: &[CandidateSpec]) -> Vec<f64> {
+        match self.decide(req, set) {
+            Decision::Costs(c) => c,
+            Decision::Pick(i) => panic!("the policy picked {i} instead of returning costs"),
+        }
+    }
+
+    /// The candidate the host would route to at temperature 0 (lowest cost, first on ties).
+    pub fn pick(&mut self, req: &RequestSpec, set: &[CandidateSpec]) -> usize {
+        match self.decide(req, set) {
+            Decision::Costs(c) => argmin(&c).expect("at least one candidate"),
+            Decision::Pick(i) => i as usize,
+        }
+    }
+}
