@@ -38,6 +38,8 @@ pub struct ServeConfig {
     pub routing: RoutingSection,
     pub limits: LimitsSection,
     pub cost: CostWeights,
+    /// Limits of the Wasm policy runtime (memory cap, per-call deadline, failures before restore).
+    pub policy_runtime: crate::policy::PolicyRuntimeConfig,
 }
 
 impl Default for ServeConfig {
@@ -53,6 +55,7 @@ impl Default for ServeConfig {
             routing: RoutingSection::default(),
             limits: LimitsSection::default(),
             cost: CostWeights::default(),
+            policy_runtime: crate::policy::PolicyRuntimeConfig::default(),
         }
     }
 }

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use crate::config::ServeConfig;
 use crate::events::{EventIngestion, IngestConfig};
 use crate::http::{self, AppState, Metrics, RegistryScorer};
-use crate::policy::{PolicyRegistry, PolicyRuntimeConfig};
+use crate::policy::PolicyRegistry;
 use crate::router::Router;
 
 /// A running server's handles, for embedding (tests, tools).
@@ -29,13 +29,8 @@ pub const DEFAULT_POLICY_WASM: &[u8] =
 pub fn build(config: &ServeConfig) -> Result<(Arc<Router>, Arc<PolicyRegistry>), String> {
     config.validate()?;
     let router = Arc::new(Router::new(config.router_config())?);
-    let policies = Arc::new(
-        PolicyRegistry::new(PolicyRuntimeConfig {
-            max_component_bytes: config.limits.max_policy_bytes,
-            ..PolicyRuntimeConfig::default()
-        })
-        .map_err(|e| e.to_string())?,
-    );
+    let policies =
+        Arc::new(PolicyRegistry::new(config.policy_runtime.clone()).map_err(|e| e.to_string())?);
     if let Some(path) = &config.policy {
         let bytes = std::fs::read(path)
             .map_err(|e| format!("cannot read --policy {}: {e}", path.display()))?;
