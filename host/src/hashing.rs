@@ -31,16 +31,17 @@ pub fn request_seed(lora_name: Option<&str>, cache_salt: Option<&str>) -> u64 {
 /// Local (content) hash of one block of tokens.
 #[inline]
 pub fn local_hash(block: &[u32], seed: u64) -> u64 {
-    // Tokens are hashed as their little-endian bytes. A block is small (16-64 tokens typically), so
-    // a stack buffer avoids any allocation; larger blocks fall back to the heap.
-    const STACK_TOKENS: usize = 256;
-    if block.len() <= STACK_TOKENS {
-        let mut buf = [0u8; STACK_TOKENS * 4];
-        for (chunk, t) in buf.chunks_exact_mut(4).zip(block) {
-            chunk.copy_from_slice(&t.to_le_bytes());
-        }
-        xxh3_64_with_seed(&buf[..block.len() * 4], seed)
-    } else {
+    #[cfg(target_endian = "little")]
+    {
+        // On little-endian targets the in-memory bytes of the tokens *are* their little-endian
+        // serialisation: hash them in place, no copy.
+        // SAFETY: a `[u32]` of length n is 4n initialised bytes; u8 has alignment 1.
+        let bytes =
+            unsafe { std::slice::from_raw_parts(block.as_ptr().cast::<u8>(), block.len() * 4) };
+        xxh3_64_with_seed(bytes, seed)
+    }
+    #[cfg(not(target_endian = "little"))]
+    {
         let bytes: Vec<u8> = block.iter().flat_map(|t| t.to_le_bytes()).collect();
         xxh3_64_with_seed(&bytes, seed)
     }
