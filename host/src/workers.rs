@@ -119,11 +119,8 @@ impl Worker {
 }
 
 /// The taint name table: id `i` is `names[i]`. Grow-only, so `version` (the length) identifies it.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct TaintNames {
-    pub version: u64,
-    pub names: Arc<[String]>,
-}
+/// The same type the policy runtime sends to plugins, so a decision passes it through unchanged.
+pub use crate::policy::TaintTable as TaintNames;
 
 /// One routing candidate as eligibility and the router see it.
 #[derive(Clone, Debug, PartialEq)]

@@ -10,10 +10,10 @@
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
@@ -560,64 +560,8 @@ pub fn engine_hash(seq: u64) -> u64 {
 
 // ---- plugins -----------------------------------------------------------------------------------
 
-/// The workspace root (the parent of `host/`).
-pub fn workspace_root() -> PathBuf {
-    let host = Path::new(env!("CARGO_MANIFEST_DIR"));
-    host.parent().unwrap_or(host).to_path_buf()
-}
-
-/// Builds the plugin crate `package` for wasm32-wasip2 (release) once per process, into
-/// `target/wasm-plugins` (a target dir of its own: the outer `cargo test` holds the main one's
-/// lock), and returns the component's path. Panics with cargo's output when the build fails.
-pub fn build_plugin(package: &str) -> PathBuf {
-    static BUILT: OnceLock<Mutex<HashMap<String, PathBuf>>> = OnceLock::new();
-    let built = BUILT.get_or_init(|| Mutex::new(HashMap::new()));
-    let mut built = built.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some(path) = built.get(package) {
-        return path.clone();
-    }
-    let root = workspace_root();
-    let target_dir = root.join("target").join("wasm-plugins");
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_string());
-    let output = Command::new(cargo)
-        .current_dir(&root)
-        .args([
-            "build",
-            "--release",
-            "--target",
-            "wasm32-wasip2",
-            "-p",
-            package,
-        ])
-        .env("CARGO_TARGET_DIR", &target_dir)
-        .env("CARGO_PROFILE_RELEASE_DEBUG", "false")
-        .env_remove("RUSTFLAGS")
-        .env_remove("CARGO_ENCODED_RUSTFLAGS")
-        .output()
-        .unwrap_or_else(|e| panic!("could not run cargo to build plugin {package}: {e}"));
-    if !output.status.success() {
-        panic!(
-            "building plugin {package} failed ({}). Is the target installed (`rustup target add \
-             wasm32-wasip2`)?\n--- cargo stderr ---\n{}",
-            output.status,
-            String::from_utf8_lossy(&output.stderr),
-        );
-    }
-    let path = target_dir
-        .join("wasm32-wasip2")
-        .join("release")
-        .join(format!("{}.wasm", package.replace('-', "_")));
-    assert!(
-        path.is_file(),
-        "cargo built {package} but {} is missing",
-        path.display()
-    );
-    built.insert(package.to_string(), path.clone());
-    path
-}
-
-/// The bytes of a plugin component (built on first use).
-pub fn plugin_bytes(package: &str) -> Vec<u8> {
-    let path = build_plugin(package);
-    std::fs::read(&path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()))
-}
+// Building plugin components is shared with the host's own integration tests: one implementation.
+#[path = "../../host/tests/support/mod.rs"]
+mod plugin_build;
+#[allow(unused_imports)]
+pub use plugin_build::{build_plugin, plugin_bytes, workspace_root};

@@ -25,7 +25,7 @@ use axum::Json;
 
 use crate::candidate::{CandidateColumns, CandidateKey, PolicyRequest};
 use crate::indexer::KvEvent;
-use crate::policy::{Outcome, PolicyError, PolicyRegistry, PolicyVersion, TaintTable};
+use crate::policy::{Outcome, PolicyError, PolicyRegistry, PolicyVersion};
 use crate::router::{
     LifecycleError, PolicyLabel, RouteError, Router, Scorer, ScorerDecision, ScorerOutcome,
 };
@@ -95,11 +95,7 @@ impl Scorer for RegistryScorer {
         candidates: &CandidateColumns,
         taints: &TaintNames,
     ) -> ScorerDecision {
-        let table = TaintTable {
-            version: taints.version,
-            names: taints.names.clone(),
-        };
-        let d = self.registry.decide(request, candidates, &table);
+        let d = self.registry.decide(request, candidates, taints);
         let label = match &d.policy {
             Some(v) => self.label_of(v),
             None => PolicyLabel::native(),
