@@ -122,4 +122,6 @@ pub struct PolicyRequest {
     /// 0 = pick the lowest cost; > 0 = sample (SPEC §7).
     pub temperature: f64,
     pub session_id: Option<String>,
+    /// The router's clock at the decision, in milliseconds since the Unix epoch (WIT `now-ms`).
+    pub now_ms: u64,
 }

@@ -123,6 +123,7 @@ fn generate(n: usize, s: Scenario, rng: &mut SmallRng) -> (PolicyRequest, Candid
         request_blocks: prompt_tokens / block_size,
         block_size,
         temperature: 0.0,
+        now_ms: 1_700_000_000_000 + rng.gen_range(0..86_400_000),
         ..Default::default()
     };
     let mut c = CandidateColumns {

@@ -396,6 +396,9 @@ pub struct Router {
     scorer: ArcSwapOption<Box<dyn Scorer>>,
     native_label: Arc<PolicyLabel>,
     epoch: Instant,
+    /// The clock policies see (`request.now-ms`): `u64::MAX` = the wall clock; anything else is a
+    /// time set by [`Router::set_clock_ms`] (the replay simulator's time).
+    clock_ms: AtomicU64,
     pub counters: RouterCounters,
 }
 
@@ -408,6 +411,23 @@ impl std::fmt::Debug for Router {
 }
 
 impl Router {
+    /// Sets the time policies see as `now-ms` (milliseconds since the Unix epoch): `Some` pins it
+    /// (a simulator advancing its own clock), `None` returns to the wall clock.
+    pub fn set_clock_ms(&self, ms: Option<u64>) {
+        self.clock_ms
+            .store(ms.map_or(u64::MAX, |m| m.min(u64::MAX - 1)), Relaxed);
+    }
+
+    /// The time policies see, in milliseconds since the Unix epoch.
+    pub fn clock_ms(&self) -> u64 {
+        match self.clock_ms.load(Relaxed) {
+            u64::MAX => std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX - 1)),
+            ms => ms,
+        }
+    }
+
     /// A router with its own index. Fails on an unusable configuration.
     pub fn new(config: RouterConfig) -> Result<Self, String> {
         if config.block_size == 0 {
@@ -433,6 +453,7 @@ impl Router {
             scorer: ArcSwapOption::empty(),
             native_label: PolicyLabel::native(),
             epoch: Instant::now(),
+            clock_ms: AtomicU64::new(u64::MAX),
             config,
             counters: RouterCounters::default(),
         })
@@ -896,6 +917,7 @@ impl Router {
                 expected_output_tokens: p.req.expected_output_tokens,
                 temperature: p.temperature,
                 session_id: p.req.session_id.clone(),
+                now_ms: self.clock_ms(),
             };
             cost::fill_base_costs(&preq, cols, &self.config.cost);
 

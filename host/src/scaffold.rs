@@ -83,7 +83,7 @@ debug = false
 //! Check: `kvroute policy check target/wasm32-wasip2/release/{file}.wasm`
 
 use kvroute_sdk::{{
-    parse_config, preferred_multiplier, Candidates, CandidatesExt, Context, Decision, Policy,
+    parse_config, preferred_multiplier, Candidates, Context, Decision, Policy,
     Request,
 }};
 

@@ -139,7 +139,7 @@ fn component_without_the_export_is_refused_as_wrong_world() {
     assert!(matches!(err, PolicyError::WrongWorld(_)), "{err}");
     let msg = err.to_string();
     assert!(
-        msg.contains("missing export kvroute:policy/policy@0.1.0")
+        msg.contains("missing export kvroute:policy/policy@0.2.0")
             && msg.contains("exports nothing"),
         "{msg}"
     );
@@ -546,7 +546,7 @@ fn activate_rollback_remove_list() {
 
     // check() validates without installing.
     let report = reg.check(&bytes, None).expect("check");
-    assert_eq!(report.plugin.map(|p| p.abi_version), Some(1));
+    assert_eq!(report.plugin.map(|p| p.abi_version), Some(2));
     assert_eq!(reg.list().len(), 2);
 }
 
@@ -719,4 +719,134 @@ fn runtime_config_is_validated() {
     ));
     let err = serde_json::from_str::<PolicyRuntimeConfig>(r#"{"deadline_ms": 2}"#).unwrap_err();
     assert!(err.to_string().contains("unknown field"), "{err}");
+}
+
+// ------------------------------------------------------------------------- stateful plugins
+
+/// The candidates `keep` of `c`, in order.
+fn subset(c: &CandidateColumns, keep: &[usize]) -> CandidateColumns {
+    let mut out = CandidateColumns {
+        taint_offsets: vec![0],
+        ..Default::default()
+    };
+    for &i in keep {
+        out.worker_id.push(c.worker_id[i]);
+        out.dp_rank.push(c.dp_rank[i]);
+        out.device_overlap.push(c.device_overlap[i]);
+        out.host_overlap.push(c.host_overlap[i]);
+        out.disk_overlap.push(c.disk_overlap[i]);
+        out.active_prefill_tokens.push(c.active_prefill_tokens[i]);
+        out.active_decode_blocks.push(c.active_decode_blocks[i]);
+        out.active_requests.push(c.active_requests[i]);
+        out.active_prompt_blocks.push(c.active_prompt_blocks[i]);
+        out.total_kv_blocks.push(c.total_kv_blocks[i]);
+        out.max_num_batched_tokens.push(c.max_num_batched_tokens[i]);
+        out.base_cost.push(c.base_cost[i]);
+        out.taint_ids.extend_from_slice(c.taints_of(i));
+        out.taint_offsets.push(out.taint_ids.len() as u32);
+    }
+    out
+}
+
+/// `session-affinity` keeps state in its instances. Across the pool's several instances, a
+/// replaced instance, and a swap to a new version, every decision stays valid (only current
+/// candidates), and sessions still land where they lived.
+#[test]
+fn session_affinity_is_safe_across_instances_and_swaps() {
+    let reg = registry_with(PolicyRuntimeConfig {
+        instances_per_stage: 3,
+        deadline_us: 100_000,
+        ..Default::default()
+    });
+    let bytes = support::plugin_bytes("kvroute-plugin-session-affinity");
+    reg.load("sticky", &bytes, Some(r#"{"fallback": "hash"}"#), true)
+        .expect("load");
+    let taints = support::taint_table(1, 4);
+    let (base_req, mut cols) = decision(16, 9);
+    // No hard limits of the policy get in the way in this test.
+    cols.total_kv_blocks.iter_mut().for_each(|k| *k = 0);
+    let session_req = |s: &str, at: u64| {
+        let mut r = base_req.clone();
+        r.session_id = Some(s.to_string());
+        r.now_ms = at;
+        r
+    };
+    let pick = |reg: &PolicyRegistry, r: &PolicyRequest, cols: &CandidateColumns| match reg
+        .decide(r, cols, &taints)
+        .outcome
+    {
+        Outcome::Pick(i) => cols.key(i),
+        other => panic!("expected a pick, got {other:?}"),
+    };
+    let sessions: Vec<String> = (0..40).map(|i| format!("conv-{i}")).collect();
+    let t0 = 1_700_000_000_000;
+    let homes: Vec<_> = sessions
+        .iter()
+        .map(|s| pick(&reg, &session_req(s, t0), &cols))
+        .collect();
+
+    // Concurrent callers use different instances of the pool: every one agrees.
+    std::thread::scope(|scope| {
+        for t in 0..4u64 {
+            let (reg, sessions, homes, cols) = (&reg, &sessions, &homes, &cols);
+            scope.spawn(move || {
+                for round in 0..20u64 {
+                    for (s, home) in sessions.iter().zip(homes) {
+                        assert_eq!(
+                            pick(reg, &session_req(s, t0 + round * 10 + t), cols),
+                            *home,
+                            "{s} moved between instances"
+                        );
+                    }
+                }
+            });
+        }
+    });
+    let live = reg
+        .list()
+        .into_iter()
+        .find(|p| p.name == "sticky")
+        .map_or(0, |p| p.instances);
+    assert!(live >= 2, "several instances served ({live})");
+
+    // A swap: fresh instances of a new version place every session where it lived.
+    reg.load(
+        "sticky-v2",
+        &bytes,
+        Some(r#"{"fallback": "hash", "ttl_ms": 60000}"#),
+        true,
+    )
+    .expect("swap");
+    for (s, home) in sessions.iter().zip(&homes) {
+        assert_eq!(
+            pick(&reg, &session_req(s, t0 + 1_000), &cols),
+            *home,
+            "{s} after swap"
+        );
+    }
+
+    // A home that is no longer eligible is never used: its sessions move, the rest stay.
+    let gone = homes[0];
+    let keep: Vec<usize> = (0..cols.len()).filter(|&i| cols.key(i) != gone).collect();
+    let reduced = subset(&cols, &keep);
+    for (s, home) in sessions.iter().zip(&homes) {
+        let now = pick(&reg, &session_req(s, t0 + 2_000), &reduced);
+        assert_ne!(now, gone);
+        if *home != gone {
+            assert_eq!(now, *home, "{s} moved although its home stayed");
+        }
+    }
+
+    // Default placement (by cost): after a swap, a session returns to the candidate holding its
+    // prefix, which is what an instance without memory sees.
+    reg.load("sticky-cost", &bytes, None, true)
+        .expect("cost fallback");
+    let mut warm = cols.clone();
+    let home = pick(&reg, &session_req("chat", t0), &warm);
+    let h = (0..warm.len()).find(|&i| warm.key(i) == home).unwrap();
+    warm.device_overlap[h] = base_req.request_blocks;
+    kvroute_host::cost::fill_base_costs(&base_req, &mut warm, &Default::default());
+    reg.load("sticky-cost-v2", &bytes, None, true)
+        .expect("swap");
+    assert_eq!(pick(&reg, &session_req("chat", t0 + 5), &warm), home);
 }

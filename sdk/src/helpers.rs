@@ -3,7 +3,7 @@
 
 use serde::de::DeserializeOwned;
 
-use crate::{Candidates, CandidatesExt, Request, Row};
+use crate::{Candidates, Request, Row};
 
 /// Weights of the native cost (SPEC §7). The defaults are the host's.
 #[derive(Clone, Copy, Debug, PartialEq, serde::Deserialize, serde::Serialize)]

@@ -29,7 +29,8 @@
 //! ## No capabilities
 //! A policy runs with no WASI capabilities: anything that reads the clock, the environment or OS
 //! randomness traps (so does `std::collections::HashMap::new()`, whose `RandomState` asks for
-//! random keys: use `BTreeMap` or a fixed hasher). Use [`SplitMix64`] for randomness.
+//! random keys: use `BTreeMap` or a fixed hasher). Use [`SplitMix64`] for randomness and
+//! `Request::now_ms` (the router's clock, simulated under `kvroute replay`) for time.
 //!
 //! ## State
 //! One policy value lives per Wasm instance. The host keeps instances for a long time, but it may
@@ -56,12 +57,16 @@ pub mod bindings {
 use std::collections::BTreeMap;
 
 pub use bindings::kvroute::policy::types::{
-    Candidates, Decision, LogLevel, PluginInfo, PluginKind, PreferredTaint, Request,
+    Decision, LogLevel, PluginInfo, PluginKind, PreferredTaint, Request,
 };
+
+/// The candidates exactly as they cross the interface (WIT `record candidates`: columns packed
+/// per primitive type). Policies see them through [`Candidates`].
+pub use bindings::kvroute::policy::types::Candidates as WireCandidates;
 pub use helpers::*;
 
 /// The ABI version this SDK speaks (`plugin-info.abi-version`).
-pub const ABI_VERSION: u32 = 1;
+pub const ABI_VERSION: u32 = 2;
 
 /// A routing policy. Only [`Policy::decide`] is required.
 pub trait Policy: Default + 'static {
@@ -134,10 +139,121 @@ impl Context {
     }
 }
 
+/// The eligible candidates of one decision, as typed columns (struct of arrays).
+///
+/// Every column has one entry per candidate, in the same order, except `taint_ids` (all
+/// candidates' taints back to back) and `taint_offsets` (one more entry than candidates): candidate
+/// `i` has the taints `taint_ids[taint_offsets[i] as usize..taint_offsets[i + 1] as usize]`.
+/// Iterate typed rows with [`Candidates::rows`], or read whole columns for vectorizable loops.
+/// The slices borrow the lists the host sent; nothing is copied.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Candidates<'a> {
+    /// Worker id of each candidate.
+    pub worker_id: &'a [u64],
+    /// Data-parallel rank of each candidate inside its worker.
+    pub dp_rank: &'a [u32],
+    /// Leading prompt blocks held on the device (GPU).
+    pub device_overlap: &'a [u32],
+    /// Leading prompt blocks held in host memory (matched independently of the device tier).
+    pub host_overlap: &'a [u32],
+    /// Leading prompt blocks held on disk or external storage.
+    pub disk_overlap: &'a [u32],
+    /// Booked prompt tokens not yet prefilled.
+    pub active_prefill_tokens: &'a [u64],
+    /// KV blocks used by active requests (shared blocks once).
+    pub active_decode_blocks: &'a [u64],
+    /// Requests booked.
+    pub active_requests: &'a [u32],
+    /// Leading blocks of this prompt already active on the candidate.
+    pub active_prompt_blocks: &'a [u32],
+    /// KV capacity in blocks (0 = unknown).
+    pub total_kv_blocks: &'a [u64],
+    /// Prefill token budget per engine step (0 = unknown).
+    pub max_num_batched_tokens: &'a [u32],
+    /// The host's native cost (without preferred taints); in a pipeline's selector stage, the
+    /// weighted sum of the scorer stages.
+    pub base_cost: &'a [f64],
+    /// Start of each candidate's taints in `taint_ids` (`count() + 1` entries, first 0).
+    pub taint_offsets: &'a [u32],
+    /// Taint ids of all candidates, back to back.
+    pub taint_ids: &'a [u32],
+}
+
+impl<'a> Candidates<'a> {
+    /// Splits the packed interface lists into columns, checking every length once (the host
+    /// guarantees them; a violation is reported, not indexed out of bounds later).
+    pub fn from_wire(w: &'a WireCandidates) -> Result<Self, String> {
+        let n = w.count as usize;
+        if w.columns64.len() != 4 * n {
+            return Err(format!(
+                "columns64 has {} entries, expected 4 x {n}",
+                w.columns64.len()
+            ));
+        }
+        if w.columns32.len() < 8 * n + 1 {
+            return Err(format!(
+                "columns32 has {} entries, expected at least 8 x {n} + 1",
+                w.columns32.len()
+            ));
+        }
+        if w.base_cost.len() != n {
+            return Err(format!(
+                "base-cost has {} entries, expected {n}",
+                w.base_cost.len()
+            ));
+        }
+        let c64 = |k: usize| &w.columns64[k * n..(k + 1) * n];
+        let c32 = |k: usize| &w.columns32[k * n..(k + 1) * n];
+        let taint_offsets = &w.columns32[7 * n..8 * n + 1];
+        let taint_ids = &w.columns32[8 * n + 1..];
+        let ordered = taint_offsets.windows(2).all(|p| p[0] <= p[1]);
+        if taint_offsets[0] != 0 || !ordered || taint_offsets[n] as usize != taint_ids.len() {
+            return Err("taint-offsets are not a valid index into taint-ids".to_string());
+        }
+        Ok(Self {
+            worker_id: c64(0),
+            active_prefill_tokens: c64(1),
+            active_decode_blocks: c64(2),
+            total_kv_blocks: c64(3),
+            dp_rank: c32(0),
+            device_overlap: c32(1),
+            host_overlap: c32(2),
+            disk_overlap: c32(3),
+            active_requests: c32(4),
+            active_prompt_blocks: c32(5),
+            max_num_batched_tokens: c32(6),
+            base_cost: &w.base_cost,
+            taint_offsets,
+            taint_ids,
+        })
+    }
+
+    /// Number of candidates.
+    pub fn count(&self) -> usize {
+        self.worker_id.len()
+    }
+
+    /// True when there is no candidate (the host never calls a policy with none).
+    pub fn is_empty(&self) -> bool {
+        self.worker_id.is_empty()
+    }
+
+    /// Every candidate as a [`Row`], in order.
+    pub fn rows(&self) -> impl ExactSizeIterator<Item = Row<'_>> + '_ {
+        (0..self.count()).map(move |index| Row { cols: self, index })
+    }
+
+    /// One candidate. Panics when `index >= count()`.
+    pub fn row(&self, index: usize) -> Row<'_> {
+        assert!(index < self.count(), "candidate index out of range");
+        Row { cols: self, index }
+    }
+}
+
 /// One candidate, viewed across the columns (no copy).
 #[derive(Clone, Copy, Debug)]
 pub struct Row<'a> {
-    cols: &'a Candidates,
+    cols: &'a Candidates<'a>,
     index: usize,
 }
 
@@ -196,7 +312,7 @@ impl<'a> Row<'a> {
     }
     /// Taint ids of the candidate.
     pub fn taints(&self) -> &'a [u32] {
-        let o = &self.cols.taint_offsets;
+        let o = self.cols.taint_offsets;
         let (a, b) = (o[self.index] as usize, o[self.index + 1] as usize);
         self.cols.taint_ids.get(a..b).unwrap_or(&[])
     }
@@ -207,29 +323,6 @@ impl<'a> Row<'a> {
     /// Whether the candidate has a taint, by name.
     pub fn has_taint_named(&self, ctx: &Context, name: &str) -> bool {
         ctx.taint_id(name).is_some_and(|id| self.has_taint(id))
-    }
-}
-
-/// Typed rows over the columns.
-pub trait CandidatesExt {
-    /// Number of candidates.
-    fn count(&self) -> usize;
-    /// Every candidate as a [`Row`].
-    fn rows(&self) -> impl ExactSizeIterator<Item = Row<'_>>;
-    /// One candidate.
-    fn row(&self, index: usize) -> Row<'_>;
-}
-
-impl CandidatesExt for Candidates {
-    fn count(&self) -> usize {
-        self.worker_id.len()
-    }
-    fn rows(&self) -> impl ExactSizeIterator<Item = Row<'_>> {
-        (0..self.worker_id.len()).map(move |index| Row { cols: self, index })
-    }
-    fn row(&self, index: usize) -> Row<'_> {
-        assert!(index < self.worker_id.len(), "candidate index out of range");
-        Row { cols: self, index }
     }
 }
 
@@ -315,7 +408,13 @@ macro_rules! export_policy {
                 fn set_taint_table(version: u64, names: Vec<String>) {
                     __SLOT.with(|s| s.set_taints(version, names))
                 }
-                fn decide(req: $crate::Request, candidates: $crate::Candidates) -> $crate::Decision {
+                fn decide(req: $crate::Request, wire: $crate::WireCandidates) -> $crate::Decision {
+                    let candidates = match $crate::Candidates::from_wire(&wire) {
+                        Ok(c) => c,
+                        // The host checks these lengths before every call; if they are ever
+                        // wrong, trapping makes it fall back to its native cost and count it.
+                        Err(e) => panic!("kvroute-sdk: malformed candidates from the host: {e}"),
+                    };
                     __SLOT.with(|s| {
                         s.with(|p, ctx| <$policy as $crate::Policy>::decide(p, ctx, &req, &candidates))
                     })

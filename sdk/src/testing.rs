@@ -2,7 +2,7 @@
 //!
 //! ```
 //! use kvroute_sdk::testing::{candidate, request, Harness};
-//! use kvroute_sdk::{Candidates, Context, Decision, Policy, Request, CandidatesExt};
+//! use kvroute_sdk::{Candidates, Context, Decision, Policy, Request};
 //!
 //! #[derive(Default)]
 //! struct MostCached;
@@ -22,9 +22,7 @@
 use std::cell::RefCell;
 
 use crate::helpers::{argmin, native_cost, CostWeights};
-use crate::{
-    Candidates, CandidatesExt, Context, Decision, LogLevel, Policy, PreferredTaint, Request,
-};
+use crate::{Candidates, Context, Decision, LogLevel, Policy, PreferredTaint, Request};
 
 thread_local! {
     static LOGS: RefCell<Vec<(LogLevel, String)>> = const { RefCell::new(Vec::new()) };
@@ -94,6 +92,11 @@ impl CandidateSpec {
         max_num_batched_tokens: u32,
     );
 
+    /// The candidate's worker id.
+    pub fn id(&self) -> u64 {
+        self.worker_id
+    }
+
     /// Overrides the host's base cost (otherwise computed like the host does).
     pub fn base_cost(mut self, v: f64) -> Self {
         self.base_cost = Some(v);
@@ -118,9 +121,11 @@ pub struct RequestSpec {
     temperature: f64,
     session_id: Option<String>,
     request_id: String,
+    now_ms: u64,
 }
 
-/// A request with this many prompt tokens, block size 16, no preferences, temperature 0.
+/// A request with this many prompt tokens, block size 16, no preferences, temperature 0, at
+/// `now_ms` 1,700,000,000,000.
 pub fn request(prompt_tokens: u32) -> RequestSpec {
     RequestSpec {
         prompt_tokens,
@@ -131,6 +136,7 @@ pub fn request(prompt_tokens: u32) -> RequestSpec {
         temperature: 0.0,
         session_id: None,
         request_id: "test".into(),
+        now_ms: 1_700_000_000_000,
     }
 }
 
@@ -165,6 +171,12 @@ impl RequestSpec {
         self.expected_output_tokens = Some(n);
         self
     }
+    /// The router's clock at the decision (`now_ms`, ms since the Unix epoch; by default
+    /// 1,700,000,000,000).
+    pub fn at_ms(mut self, now_ms: u64) -> Self {
+        self.now_ms = now_ms;
+        self
+    }
     /// Request id.
     pub fn id(mut self, id: &str) -> Self {
         self.request_id = id.to_string();
@@ -172,9 +184,97 @@ impl RequestSpec {
     }
 }
 
+/// Candidate columns owned by a test; [`CandidateSet::view`] gives the [`Candidates`] a policy sees.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct CandidateSet {
+    /// See [`Candidates::worker_id`].
+    pub worker_id: Vec<u64>,
+    /// See [`Candidates::dp_rank`].
+    pub dp_rank: Vec<u32>,
+    /// See [`Candidates::device_overlap`].
+    pub device_overlap: Vec<u32>,
+    /// See [`Candidates::host_overlap`].
+    pub host_overlap: Vec<u32>,
+    /// See [`Candidates::disk_overlap`].
+    pub disk_overlap: Vec<u32>,
+    /// See [`Candidates::active_prefill_tokens`].
+    pub active_prefill_tokens: Vec<u64>,
+    /// See [`Candidates::active_decode_blocks`].
+    pub active_decode_blocks: Vec<u64>,
+    /// See [`Candidates::active_requests`].
+    pub active_requests: Vec<u32>,
+    /// See [`Candidates::active_prompt_blocks`].
+    pub active_prompt_blocks: Vec<u32>,
+    /// See [`Candidates::total_kv_blocks`].
+    pub total_kv_blocks: Vec<u64>,
+    /// See [`Candidates::max_num_batched_tokens`].
+    pub max_num_batched_tokens: Vec<u32>,
+    /// See [`Candidates::base_cost`].
+    pub base_cost: Vec<f64>,
+    /// See [`Candidates::taint_offsets`].
+    pub taint_offsets: Vec<u32>,
+    /// See [`Candidates::taint_ids`].
+    pub taint_ids: Vec<u32>,
+}
+
+impl CandidateSet {
+    /// The view a policy receives.
+    pub fn view(&self) -> Candidates<'_> {
+        Candidates {
+            worker_id: &self.worker_id,
+            dp_rank: &self.dp_rank,
+            device_overlap: &self.device_overlap,
+            host_overlap: &self.host_overlap,
+            disk_overlap: &self.disk_overlap,
+            active_prefill_tokens: &self.active_prefill_tokens,
+            active_decode_blocks: &self.active_decode_blocks,
+            active_requests: &self.active_requests,
+            active_prompt_blocks: &self.active_prompt_blocks,
+            total_kv_blocks: &self.total_kv_blocks,
+            max_num_batched_tokens: &self.max_num_batched_tokens,
+            base_cost: &self.base_cost,
+            taint_offsets: &self.taint_offsets,
+            taint_ids: &self.taint_ids,
+        }
+    }
+
+    /// The columns packed as they cross the interface (WIT `record candidates`).
+    pub fn to_wire(&self) -> crate::WireCandidates {
+        let mut columns64 = Vec::new();
+        for col in [
+            &self.worker_id,
+            &self.active_prefill_tokens,
+            &self.active_decode_blocks,
+            &self.total_kv_blocks,
+        ] {
+            columns64.extend_from_slice(col);
+        }
+        let mut columns32 = Vec::new();
+        for col in [
+            &self.dp_rank,
+            &self.device_overlap,
+            &self.host_overlap,
+            &self.disk_overlap,
+            &self.active_requests,
+            &self.active_prompt_blocks,
+            &self.max_num_batched_tokens,
+            &self.taint_offsets,
+            &self.taint_ids,
+        ] {
+            columns32.extend_from_slice(col);
+        }
+        crate::WireCandidates {
+            count: self.worker_id.len() as u32,
+            columns64,
+            columns32,
+            base_cost: self.base_cost.clone(),
+        }
+    }
+}
+
 /// Builds the host-side view of a request and its candidates: the context (taint table), the
 /// request record and the columns, with base costs as the host computes them.
-pub fn build(req: &RequestSpec, set: &[CandidateSpec]) -> (Context, Request, Candidates) {
+pub fn build(req: &RequestSpec, set: &[CandidateSpec]) -> (Context, Request, CandidateSet) {
     let mut names: Vec<String> = Vec::new();
     let id_of = |n: &str, names: &mut Vec<String>| -> u32 {
         match names.iter().position(|x| x == n) {
@@ -185,21 +285,9 @@ pub fn build(req: &RequestSpec, set: &[CandidateSpec]) -> (Context, Request, Can
             }
         }
     };
-    let mut c = Candidates {
-        worker_id: vec![],
-        dp_rank: vec![],
-        device_overlap: vec![],
-        host_overlap: vec![],
-        disk_overlap: vec![],
-        active_prefill_tokens: vec![],
-        active_decode_blocks: vec![],
-        active_requests: vec![],
-        active_prompt_blocks: vec![],
-        total_kv_blocks: vec![],
-        max_num_batched_tokens: vec![],
-        base_cost: vec![],
+    let mut c = CandidateSet {
         taint_offsets: vec![0],
-        taint_ids: vec![],
+        ..Default::default()
     };
     for s in set {
         c.worker_id.push(s.worker_id);
@@ -239,8 +327,10 @@ pub fn build(req: &RequestSpec, set: &[CandidateSpec]) -> (Context, Request, Can
         temperature: req.temperature,
         session_id: req.session_id.clone(),
         taint_table_version: 1,
+        now_ms: req.now_ms,
     };
     let base: Vec<f64> = c
+        .view()
         .rows()
         .zip(set)
         .map(|(r, s)| {
@@ -281,7 +371,11 @@ impl<P: Policy> Harness<P> {
     /// costs, pick in range), panicking with a clear message on a violation.
     pub fn decide(&mut self, req: &RequestSpec, set: &[CandidateSpec]) -> Decision {
         let (ctx, request, cands) = build(req, set);
-        let d = self.policy.decide(&ctx, &request, &cands);
+        // Through the interface's packed form and back, exactly as a Wasm build receives it.
+        let wire = cands.to_wire();
+        let view = Candidates::from_wire(&wire).expect("the harness packs valid columns");
+        debug_assert_eq!(view.base_cost, cands.view().base_cost);
+        let d = self.policy.decide(&ctx, &request, &view);
         match &d {
             Decision::Costs(c) => {
                 assert_eq!(

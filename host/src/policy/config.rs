@@ -39,7 +39,8 @@ pub struct PolicyRuntimeConfig {
     /// slot reserves address space, not memory). 0 = 16 × `instances_per_stage`, between 128 and
     /// 1,024. When slots run out, new instances fail and decisions fall back (`instantiate`).
     pub max_instances: u32,
-    /// Largest accepted component, in bytes. Default 16 MiB.
+    /// Largest accepted component, in bytes. Default 64 MiB (a Python component built with
+    /// `componentize-py` carries its interpreter: about 18 MB).
     pub max_component_bytes: usize,
     /// Sustained log lines per second one instance may emit through `host-log`. Default 20.
     pub log_lines_per_second: u32,
@@ -60,7 +61,7 @@ impl Default for PolicyRuntimeConfig {
             max_consecutive_failures: 5,
             instances_per_stage: 0,
             max_instances: 0,
-            max_component_bytes: 16 << 20,
+            max_component_bytes: 64 << 20,
             log_lines_per_second: 20,
             log_burst: 50,
             rollback_depth: 8,

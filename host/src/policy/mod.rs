@@ -34,6 +34,10 @@
 //!   stopped at the deadline; a short call that was merely preempted is not blamed for it.
 //! - **Zero capabilities.** The only real import is `host-log` (rate-limited per instance). Other
 //!   imports — the WASI interfaces a `std` Rust guest pulls in — link as functions that trap.
+//!   Two answer without granting anything, because language runtimes such as CPython call them
+//!   before they can run: `wasi:cli/environment` (empty) and `wasi:random` (a fixed pseudo-random
+//!   stream per instance: not entropy, and it keeps answers reproducible). No file, clock, network
+//!   or stdio.
 //!
 //! Entry point: [`PolicyRegistry`]. Also: pipelines ([`PipelineSpec`]: weighted scorer stages and
 //! an optional selector) and a polled directory ([`PolicyRegistry::watch_directory`]).
@@ -48,6 +52,7 @@ mod runtime;
 mod selftest;
 mod stats;
 mod watch;
+mod wire;
 
 use std::sync::Arc;
 

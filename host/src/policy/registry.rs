@@ -20,6 +20,7 @@ use super::pipeline::{is_path, PipelineSpec};
 use super::runtime::{sha256_hex, CompiledPlugin, PluginDescription, PluginKind, PolicyRuntime};
 use super::selftest;
 use super::stats::{PolicyStats, StatsSnapshot};
+use super::wire::with_wit_candidates;
 use super::TaintTable;
 
 /// What a decision through the policy produced.
@@ -166,7 +167,7 @@ impl PolicyVersion {
         if self.single() {
             return self.scorers[0].decide(req, cands, taints, true, ticks);
         }
-        let n = cands.worker_id.len();
+        let n = cands.count as usize;
         let mut combined = None;
         if !self.scorers.is_empty() {
             let mut sum = vec![0.0; n];
@@ -433,12 +434,9 @@ impl PolicyRegistry {
         let policy = &active.policy;
         let start = Instant::now();
         let result = with_wit_request(req, taints.version, |wreq| {
-            policy.run(
-                wreq,
-                wit_candidates(cols),
-                taints,
-                self.runtime.shared.deadline_ticks,
-            )
+            with_wit_candidates(cols, |wcands| {
+                policy.run(wreq, wcands, taints, self.runtime.shared.deadline_ticks)
+            })
         });
         let nanos = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
         let outcome = match result {
@@ -892,7 +890,7 @@ impl PolicyRegistry {
         for n in selftest::SELF_TEST_SIZES {
             let (req, cols) = selftest::decision(n);
             with_wit_request(&req, table.version, |wreq| {
-                version.run(wreq, wit_candidates(&cols), &table, ticks)
+                with_wit_candidates(&cols, |wc| version.run(wreq, wc, &table, ticks))
             })
             .map_err(|f| {
                 PolicyError::SelfTest(format!("{n} candidates: {} ({})", f.reason, f.detail))
@@ -911,7 +909,7 @@ impl PolicyRegistry {
             }
             for inst in &mut warmed {
                 with_wit_request(&req, table.version, |wreq| {
-                    inst.decide(wreq, wit_candidates(&cols), &table, ticks)
+                    with_wit_candidates(&cols, |wc| inst.decide(wreq, wc, &table, ticks))
                 })
                 .map_err(|f| {
                     PolicyError::SelfTest(format!("warm-up: {} ({})", f.reason, f.detail))
@@ -958,26 +956,6 @@ fn columns_consistent(c: &CandidateColumns) -> bool {
         && c.taint_offsets.last().map(|&l| l as usize) == Some(c.taint_ids.len())
 }
 
-/// The WIT view of the candidate columns (borrowed: lowered straight from these slices).
-fn wit_candidates(c: &CandidateColumns) -> Candidates<'_> {
-    Candidates {
-        worker_id: &c.worker_id,
-        dp_rank: &c.dp_rank,
-        device_overlap: &c.device_overlap,
-        host_overlap: &c.host_overlap,
-        disk_overlap: &c.disk_overlap,
-        active_prefill_tokens: &c.active_prefill_tokens,
-        active_decode_blocks: &c.active_decode_blocks,
-        active_requests: &c.active_requests,
-        active_prompt_blocks: &c.active_prompt_blocks,
-        total_kv_blocks: &c.total_kv_blocks,
-        max_num_batched_tokens: &c.max_num_batched_tokens,
-        base_cost: &c.base_cost,
-        taint_offsets: &c.taint_offsets,
-        taint_ids: &c.taint_ids,
-    }
-}
-
 /// Calls `f` with the WIT view of `req` (preferred taints converted on the stack when few).
 fn with_wit_request<R>(
     req: &PolicyRequest,
@@ -1014,6 +992,7 @@ fn with_wit_request<R>(
         temperature: req.temperature,
         session_id: req.session_id.as_deref(),
         taint_table_version: taint_version,
+        now_ms: req.now_ms,
     })
 }
 

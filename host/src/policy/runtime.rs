@@ -20,9 +20,98 @@ use super::instance::{new_store, HostState, PluginInstance, Stage};
 use super::stats::PolicyStats;
 
 /// The `abi-version` this host speaks (`plugin-info.abi-version`).
-pub const ABI_VERSION: u32 = 1;
+pub const ABI_VERSION: u32 = 2;
 /// The instance a policy component must export.
-pub const POLICY_EXPORT: &str = "kvroute:policy/policy@0.1.0";
+pub const POLICY_EXPORT: &str = "kvroute:policy/policy@0.2.0";
+
+/// The WASI interfaces answered rather than trapped (any version): an empty environment and a
+/// fixed pseudo-random stream.
+const ANSWERED_WASI: [&str; 3] = [
+    "wasi:cli/environment@",
+    "wasi:random/random@",
+    "wasi:random/insecure-seed@",
+];
+
+/// Whether an import is one of [`ANSWERED_WASI`].
+fn answered_wasi(name: &str) -> bool {
+    ANSWERED_WASI.iter().any(|p| name.starts_with(p))
+}
+
+/// Answers the WASI calls a language runtime makes before it can run at all, without granting
+/// anything:
+/// - `wasi:cli/environment`: no variables, no arguments, no working directory;
+/// - `wasi:random/random` and `wasi:random/insecure-seed`: a fixed pseudo-random stream per
+///   instance (SplitMix64 from a constant), so runtimes that seed themselves start (CPython under
+///   `componentize-py` reads both on its first call) and a policy's answers stay reproducible.
+///   It is not entropy and not secret; a policy has no use for either.
+///
+/// There is still no file, clock, network or stdio: every other WASI function traps. Only the
+/// functions the component imports are defined, each for the exact interface version it names.
+fn define_answered_wasi(
+    linker: &mut Linker<HostState>,
+    component: &Component,
+    engine: &Engine,
+) -> wasmtime::Result<()> {
+    for (name, item) in component.component_type().imports(engine) {
+        if !answered_wasi(name) {
+            continue;
+        }
+        let ComponentItem::ComponentInstance(instance) = item.ty else {
+            continue;
+        };
+        let funcs: Vec<String> = instance
+            .exports(engine)
+            .map(|(f, _)| f.to_string())
+            .collect();
+        let mut inst = linker.instance(name)?;
+        for f in funcs {
+            match f.as_str() {
+                "get-environment" => inst.func_wrap("get-environment", |_, (): ()| {
+                    Ok((Vec::<(String, String)>::new(),))
+                })?,
+                "get-arguments" => {
+                    inst.func_wrap("get-arguments", |_, (): ()| Ok((Vec::<String>::new(),)))?
+                }
+                "initial-cwd" => {
+                    inst.func_wrap("initial-cwd", |_, (): ()| Ok((None::<String>,)))?
+                }
+                "get-random-bytes" => inst.func_wrap(
+                    "get-random-bytes",
+                    |mut store: wasmtime::StoreContextMut<'_, HostState>, (len,): (u64,)| {
+                        // A policy has no reason to ask for much; refuse absurd sizes.
+                        if len > 1 << 20 {
+                            return Err(wasmtime::format_err!(
+                                "get-random-bytes: {len} bytes asked, at most 1 MiB"
+                            ));
+                        }
+                        let state = store.data_mut();
+                        let mut out = Vec::with_capacity(len as usize);
+                        while out.len() < len as usize {
+                            out.extend_from_slice(&state.next_entropy().to_le_bytes());
+                        }
+                        out.truncate(len as usize);
+                        Ok((out,))
+                    },
+                )?,
+                "get-random-u64" => inst.func_wrap(
+                    "get-random-u64",
+                    |mut store: wasmtime::StoreContextMut<'_, HostState>, (): ()| {
+                        Ok((store.data_mut().next_entropy(),))
+                    },
+                )?,
+                "insecure-seed" => inst.func_wrap(
+                    "insecure-seed",
+                    |mut store: wasmtime::StoreContextMut<'_, HostState>, (): ()| {
+                        let s = store.data_mut();
+                        Ok(((s.next_entropy(), s.next_entropy()),))
+                    },
+                )?,
+                _ => {}
+            }
+        }
+    }
+    Ok(())
+}
 
 /// What kind of answer a plugin gives (WIT `plugin-kind`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -222,7 +311,7 @@ impl PolicyRuntime {
         }
         let trapping_imports: Vec<String> = ty
             .imports(&shared.engine)
-            .filter(|(name, _)| !name.starts_with("kvroute:policy/"))
+            .filter(|(name, _)| !name.starts_with("kvroute:policy/") && !answered_wasi(name))
             .map(|(name, item)| match item.ty {
                 ComponentItem::ComponentInstance(_) => name.to_string(),
                 _ => format!("{name} (not an instance)"),
@@ -232,12 +321,14 @@ impl PolicyRuntime {
         let mut linker: Linker<HostState> = Linker::new(&shared.engine);
         PolicyPlugin::add_to_linker::<HostState, HasSelf<HostState>>(&mut linker, |s| s)
             .map_err(|e| PolicyError::Engine(format!("{e:#}")))?;
+        define_answered_wasi(&mut linker, &component, &shared.engine)
+            .map_err(|e| PolicyError::WrongWorld(format!("its imports cannot be linked: {e:#}")))?;
         linker
             .define_unknown_imports_as_traps(&component)
             .map_err(|e| PolicyError::WrongWorld(format!("its imports cannot be linked: {e:#}")))?;
         let pre = linker.instantiate_pre(&component).map_err(|e| {
             PolicyError::WrongWorld(format!(
-                "its imports do not match (only kvroute:policy/host-log@0.1.0 is provided): {e:#}"
+                "its imports do not match (only kvroute:policy/host-log@0.2.0 is provided): {e:#}"
             ))
         })?;
         let pre =

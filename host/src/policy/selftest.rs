@@ -33,7 +33,8 @@ pub(crate) fn decision(n: usize) -> (PolicyRequest, CandidateColumns) {
         priority: 0.0,
         expected_output_tokens: Some(128),
         temperature: 0.0,
-        session_id: None,
+        session_id: Some("kvroute-self-test".to_string()),
+        now_ms: 1_700_000_000_000,
     };
     let mut c = CandidateColumns::default();
     let mut x: u64 = 0x9e37_79b9_7f4a_7c15;

@@ -486,6 +486,8 @@ impl Fleet<'_, '_> {
         let b = self.cfg.block_size;
         let needed = (tr.tokens.len() as u64 + u64::from(tr.output_len)).div_ceil(u64::from(b));
         let o = &mut self.out.requests[i];
+        // Policies see the trace's time, so state they age (sessions) behaves as it would live.
+        self.router.set_clock_ms(Some(now.max(0.0) as u64));
         let decision = self.router.route_now(RouteRequest {
             request_id: Some(request_id(i)),
             expected_output_tokens: Some(tr.output_len),

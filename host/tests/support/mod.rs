@@ -118,6 +118,7 @@ pub fn random_decision<R: rand::Rng>(
         expected_output_tokens: Some(rng.gen_range(1..2048)),
         temperature: 0.0,
         session_id: None,
+        now_ms: 1_700_000_000_000,
     };
     let mut c = kvroute_host::CandidateColumns::default();
     c.taint_offsets.push(0);

@@ -13,8 +13,7 @@
 //! `{"cache_threshold": 0.5, "balance_abs_threshold": 32, "balance_rel_threshold": 1.0001, "load": "requests"}`
 
 use kvroute_sdk::{
-    parse_config, Candidates, CandidatesExt, Context, Decision, PluginInfo, PluginKind, Policy,
-    Request, Row,
+    parse_config, Candidates, Context, Decision, PluginInfo, PluginKind, Policy, Request, Row,
 };
 
 /// What counts as load.

@@ -11,8 +11,8 @@
 //! `{"prefill_load_scale": 1.0, "host_tier_weight": 0.75, "disk_tier_weight": 0.25, "preference_floor": 1.0}`
 
 use kvroute_sdk::{
-    native_cost, parse_config, preferred_multiplier, Candidates, CandidatesExt, Context,
-    CostWeights, Decision, Policy, Request,
+    native_cost, parse_config, preferred_multiplier, Candidates, Context, CostWeights, Decision,
+    Policy, Request,
 };
 
 /// The configuration.

@@ -63,7 +63,7 @@ impl Guest for NativeCost {
         PluginInfo {
             name: "native-cost".to_string(),
             version: env!("CARGO_PKG_VERSION").to_string(),
-            abi_version: 1,
+            abi_version: 2,
             deterministic: true,
             kind: PluginKind::Scorer,
         }
@@ -97,7 +97,16 @@ impl Guest for NativeCost {
 
     fn decide(req: Request, c: Candidates) -> Decision {
         let w = CONFIG.with(|c| *c.borrow());
-        let n = c.worker_id.len();
+        // The packed layout of `wit/policy.wit` (record `candidates`), read without the SDK so the
+        // benchmark measures the interface alone.
+        let n = c.count as usize;
+        let col64 = |k: usize| &c.columns64[k * n..(k + 1) * n];
+        let col32 = |k: usize| &c.columns32[k * n..(k + 1) * n];
+        let (active_prefill_tokens, active_decode_blocks) = (col64(1), col64(2));
+        let (device_overlap, host_overlap, disk_overlap) = (col32(1), col32(2), col32(3));
+        let active_prompt_blocks = col32(5);
+        let taint_offsets = &c.columns32[7 * n..8 * n + 1];
+        let taint_ids = &c.columns32[8 * n + 1..];
         let mut costs = Vec::with_capacity(n);
         if w.use_base_cost {
             costs.extend_from_slice(&c.base_cost);
@@ -106,16 +115,15 @@ impl Guest for NativeCost {
             let isl = req.prompt_tokens as f64;
             let blocks = req.prompt_tokens.div_ceil(req.block_size.max(1));
             for i in 0..n {
-                let (device, host, disk) =
-                    (c.device_overlap[i], c.host_overlap[i], c.disk_overlap[i]);
+                let (device, host, disk) = (device_overlap[i], host_overlap[i], disk_overlap[i]);
                 let host_extra = host.saturating_sub(device);
                 let disk_extra = disk.saturating_sub(device.max(host));
                 let credit = f64::from(device)
                     + w.host_tier_weight * f64::from(host_extra)
                     + w.disk_tier_weight * f64::from(disk_extra);
-                let prefill = ((c.active_prefill_tokens[i] as f64 + isl) / b - credit).max(0.0);
-                let new_blocks = blocks.saturating_sub(c.active_prompt_blocks[i]);
-                let decode = c.active_decode_blocks[i] as f64 + f64::from(new_blocks);
+                let prefill = ((active_prefill_tokens[i] as f64 + isl) / b - credit).max(0.0);
+                let new_blocks = blocks.saturating_sub(active_prompt_blocks[i]);
+                let decode = active_decode_blocks[i] as f64 + f64::from(new_blocks);
                 costs.push(w.prefill_load_scale * prefill + decode);
             }
         }
@@ -124,9 +132,9 @@ impl Guest for NativeCost {
             return Decision::Costs(costs);
         }
         let taints_of = |i: usize| {
-            let lo = c.taint_offsets[i] as usize;
-            let hi = c.taint_offsets[i + 1] as usize;
-            &c.taint_ids[lo..hi]
+            let lo = taint_offsets[i] as usize;
+            let hi = taint_offsets[i + 1] as usize;
+            &taint_ids[lo..hi]
         };
         // The multiplier exp(-tanh(s)) only depends on which preferred taints a candidate has:
         // with few preferences, compute it once per subset instead of once per candidate. The sum

@@ -12,9 +12,7 @@
 
 use std::collections::BTreeMap;
 
-use kvroute_sdk::{
-    parse_config, preference_score, Candidates, CandidatesExt, Context, Decision, Policy, Request,
-};
+use kvroute_sdk::{parse_config, preference_score, Candidates, Context, Decision, Policy, Request};
 
 /// How a score becomes a cost.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default, serde::Deserialize)]

@@ -74,7 +74,7 @@ impl Guest for Misbehave {
         PluginInfo {
             name: "misbehave".to_string(),
             version: env!("CARGO_PKG_VERSION").to_string(),
-            abi_version: 1,
+            abi_version: 2,
             deterministic: true,
             kind: PluginKind::Mixed,
         }
@@ -113,7 +113,7 @@ impl Guest for Misbehave {
         if !triggered {
             return ok(&c);
         }
-        let n = c.worker_id.len();
+        let n = c.count as usize;
         match config.mode.as_str() {
             "pick" => Decision::Pick(0),
             "trap" => panic!("misbehave: asked to trap"),

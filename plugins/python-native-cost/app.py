@@ -1,0 +1,106 @@
+"""`python-native-cost`: kvroute's native cost (SPEC §7) with preferred taints, in Python.
+
+It exists to prove that the policy interface (`wit/policy.wit`) is language-neutral: built with
+`componentize-py`, it loads into the same host as the Rust plugins and, on the same input, answers
+the same costs as the host's own native cost (a test checks that). It is also an honest measure of
+what a Python policy costs per decision: see BENCHMARKS.md.
+
+Build (from the repository root):
+
+    pip install componentize-py==0.25.1
+    componentize-py -d wit -w policy-plugin componentize app \
+        -p plugins/python-native-cost -o python-native-cost.wasm
+    kvroute policy check python-native-cost.wasm
+
+Configuration (all optional; unknown keys are rejected):
+`{"prefill_load_scale": 1.0, "host_tier_weight": 0.75, "disk_tier_weight": 0.25}`
+"""
+
+import json
+import math
+
+from componentize_py_types import Err
+from wit_world import exports
+from wit_world.imports import host_log, types
+
+ABI_VERSION = 2
+DEFAULTS = {"prefill_load_scale": 1.0, "host_tier_weight": 0.75, "disk_tier_weight": 0.25}
+
+
+class Policy(exports.Policy):
+    def __init__(self):
+        self.weights = dict(DEFAULTS)
+
+    def info(self) -> types.PluginInfo:
+        return types.PluginInfo(
+            name="python-native-cost",
+            version="0.1.0",
+            abi_version=ABI_VERSION,
+            deterministic=True,
+            kind=types.PluginKind.SCORER,
+        )
+
+    def configure(self, config_json: str) -> None:
+        try:
+            config = json.loads(config_json)
+        except ValueError as e:
+            raise Err(f"python-native-cost: configuration is not valid JSON: {e}")
+        if not isinstance(config, dict):
+            raise Err("python-native-cost: configuration must be a JSON object")
+        weights = dict(DEFAULTS)
+        for key, value in config.items():
+            if key not in DEFAULTS:
+                raise Err(
+                    f"python-native-cost: unknown key {key!r}; accepted keys: "
+                    + ", ".join(sorted(DEFAULTS))
+                )
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not ok or not math.isfinite(value) or value < 0:
+                raise Err(f"python-native-cost: {key} must be a finite number >= 0, got {value!r}")
+            weights[key] = float(value)
+        self.weights = weights
+        host_log.log(types.LogLevel.DEBUG, f"configured: {weights}")
+
+    def set_taint_table(self, version: int, names: list) -> None:
+        # Taints are compared by id; names are not needed.
+        pass
+
+    def decide(self, req: types.Request, candidates: types.Candidates) -> types.Decision:
+        n = candidates.count
+        c64 = candidates.columns64
+        c32 = candidates.columns32
+        prefill_tokens = c64[n : 2 * n]
+        decode_blocks = c64[2 * n : 3 * n]
+        device = c32[n : 2 * n]
+        host = c32[2 * n : 3 * n]
+        disk = c32[3 * n : 4 * n]
+        prompt_active = c32[5 * n : 6 * n]
+        offsets = c32[7 * n : 8 * n + 1]
+        taint_ids = c32[8 * n + 1 :]
+
+        w = self.weights
+        b = float(max(req.block_size, 1))
+        isl = float(req.prompt_tokens)
+        blocks = -(-req.prompt_tokens // max(req.block_size, 1))
+        costs = []
+        for i in range(n):
+            d, h, k = device[i], host[i], disk[i]
+            credit = (
+                d
+                + w["host_tier_weight"] * max(h - d, 0)
+                + w["disk_tier_weight"] * max(k - max(d, h), 0)
+            )
+            prefill = max((prefill_tokens[i] + isl) / b - credit, 0.0)
+            decode = decode_blocks[i] + max(blocks - prompt_active[i], 0)
+            costs.append(w["prefill_load_scale"] * prefill + decode)
+
+        prefs = req.preferred_taints
+        if prefs:
+            for i in range(n):
+                mine = taint_ids[offsets[i] : offsets[i + 1]]
+                s = 0.0
+                for p in prefs:
+                    if p.taint in mine:
+                        s += p.weight
+                costs[i] *= math.exp(-math.tanh(s))
+        return types.Decision_Costs(costs)
