@@ -696,22 +696,26 @@ fn measure(cli: &Cli, addr: SocketAddr, server_pid: Option<u32>) -> Result<(), S
         check(&w, &t, &mut conn, form)?;
         for run in 1..=cli.repeat {
             let mut peak: f64 = 0.0;
+            let mut per_core: Option<f64> = None;
             for &c in &cli.closed_conns {
                 let r = closed_loop(&t, c, cli, server_pid);
                 print_row(form.name(), run, &r);
-                peak = peak.max(r.routes_per_s);
+                if r.routes_per_s > peak {
+                    peak = r.routes_per_s;
+                    per_core = r.server_cores.map(|c| r.routes_per_s / c);
+                }
             }
             let rate = cli.rate.unwrap_or(peak * cli.load);
             let r = open_loop(&t, rate, cli, server_pid);
             print_row(form.name(), run, &r);
-            summary.push((form, peak, r));
+            summary.push((form, peak, per_core, r));
         }
     }
     println!();
     println!("# summary: min-max over {} runs", cli.repeat);
     for &form in &cli.forms {
         let form: PromptForm = form.into();
-        let rows: Vec<_> = summary.iter().filter(|(f, _, _)| *f == form).collect();
+        let rows: Vec<_> = summary.iter().filter(|(f, _, _, _)| *f == form).collect();
         let range = |xs: Vec<f64>, prec: usize| {
             let lo = xs.iter().cloned().fold(f64::INFINITY, f64::min);
             let hi = xs.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
@@ -719,15 +723,20 @@ fn measure(cli: &Cli, addr: SocketAddr, server_pid: Option<u32>) -> Result<(), S
         };
         let q = |r: &PhaseResult, x: f64| r.latency.value_at_quantile(x) as f64 / 1e6;
         println!(
-            "{:<12} peak {} routes/s; open loop at {} routes/s (achieved {}): p50 {} ms, p99 {} ms, p999 {} ms; errors {}",
+            "{:<12} peak {} routes/s ({} per server core); open loop at {} routes/s (achieved {}): p50 {} ms, p99 {} ms, p999 {} ms; errors {}",
             form.name(),
             range(rows.iter().map(|r| r.1).collect(), 0),
-            range(rows.iter().map(|r| r.2.target_rate.unwrap_or(0.0)).collect(), 0),
-            range(rows.iter().map(|r| r.2.routes_per_s).collect(), 0),
-            range(rows.iter().map(|r| q(&r.2, 0.5)).collect(), 3),
-            range(rows.iter().map(|r| q(&r.2, 0.99)).collect(), 3),
-            range(rows.iter().map(|r| q(&r.2, 0.999)).collect(), 3),
-            rows.iter().map(|r| r.2.errors).sum::<u64>(),
+            if rows.iter().all(|r| r.2.is_some()) {
+                range(rows.iter().map(|r| r.2.unwrap_or(0.0)).collect(), 0)
+            } else {
+                "-".to_string()
+            },
+            range(rows.iter().map(|r| r.3.target_rate.unwrap_or(0.0)).collect(), 0),
+            range(rows.iter().map(|r| r.3.routes_per_s).collect(), 0),
+            range(rows.iter().map(|r| q(&r.3, 0.5)).collect(), 3),
+            range(rows.iter().map(|r| q(&r.3, 0.99)).collect(), 3),
+            range(rows.iter().map(|r| q(&r.3, 0.999)).collect(), 3),
+            rows.iter().map(|r| r.3.errors).sum::<u64>(),
         );
     }
     Ok(())
