@@ -6,7 +6,8 @@
 //! a few microseconds. This policy prices each candidate in estimated milliseconds instead:
 //!
 //! - `own` = prompt tokens left after the cache credit (device blocks, plus host and disk blocks
-//!   weighted like the native cost); at least the last block is computed, as an engine must.
+//!   weighted like the native cost, or the prompt blocks an earlier request already booked there,
+//!   whichever is more); at least the last block is computed, as an engine must.
 //! - `Q = active_prefill_tokens + own`: the prefill work queued ahead of and including this
 //!   request (engines prefill first come, first served), done in `steps = ceil(Q / max_num_batched_tokens)`
 //!   chunked steps costing `steps·p0 + p1·Q + p2·Q²/steps` ms.
@@ -16,6 +17,12 @@
 //! - A busy candidate is mid-step: add `residual_frac` of its current step.
 //! - A candidate whose KV capacity the request would overflow gets `overflow_penalty_ms` more
 //!   (engines preempt).
+//! - `work_weight × (p1·own + p2·own²)`: the compute this request adds, which later arrivals on
+//!   that engine wait behind. A pure per-request greedy (`work_weight` 0) sends a long prompt to an
+//!   idle engine that has none of it cached, trading fleet work for its own first token; under
+//!   bursts that shows up in everyone's tail. The default, 6, was chosen on replays of the Azure
+//!   code trace (BENCHMARKS.md: p99 went from +5% to −5% against the native cost); lower values
+//!   favour this request's own latency.
 //!
 //! The estimate is then multiplied by SPEC §7's preferred-taint multiplier (never 0, so preferences
 //! separate idle candidates too). Lower is better; the host picks the minimum, ties at random.
@@ -23,7 +30,8 @@
 //! Configuration (all optional; unknown keys rejected). Defaults are SPEC §10's engine model:
 //! `{"prefill_ms": [16.50142, 0.01518344, 4.209989e-7], "decode_ms": [5.74, 54.01, -25.74],
 //!   "default_max_num_batched_tokens": 8192, "residual_frac": 0.5, "host_tier_weight": 0.75,
-//!   "disk_tier_weight": 0.25, "overflow_penalty_ms": 10000}`
+//!   "disk_tier_weight": 0.25, "overflow_penalty_ms": 10000, "credit_active_blocks": true,
+//!   "work_weight": 6}`
 
 use kvroute_sdk::{
     parse_config, preferred_multiplier, Candidates, CandidatesExt, Context, Decision, Policy,
@@ -46,6 +54,12 @@ pub struct Config {
     pub disk_tier_weight: f64,
     /// Added when the request's blocks would not fit in the candidate's KV capacity.
     pub overflow_penalty_ms: f64,
+    /// Count this prompt's blocks already active on a candidate (booked by an earlier request)
+    /// as cached.
+    pub credit_active_blocks: bool,
+    /// Weight of the request's own prefill compute (ms), added on top of its own wait: > 0 favours
+    /// cache hits (less work for the fleet) over an earlier first token for this request.
+    pub work_weight: f64,
 }
 
 impl Default for Config {
@@ -58,6 +72,8 @@ impl Default for Config {
             host_tier_weight: 0.75,
             disk_tier_weight: 0.25,
             overflow_penalty_ms: 10_000.0,
+            credit_active_blocks: true,
+            work_weight: 6.0,
         }
     }
 }
@@ -78,9 +94,16 @@ impl Config {
         let b = req.block_size.max(1);
         let isl = req.prompt_tokens;
         let (d, h, k) = (r.device_overlap(), r.host_overlap(), r.disk_overlap());
-        let credit = f64::from(d)
+        let cached = f64::from(d)
             + self.host_tier_weight * f64::from(h.saturating_sub(d))
             + self.disk_tier_weight * f64::from(k.saturating_sub(d.max(h)));
+        // Blocks an earlier request booked there computes first (its prefill is in
+        // `active_prefill_tokens`); the engine reuses them even before their KV events arrive.
+        let credit = if self.credit_active_blocks {
+            cached.max(f64::from(r.active_prompt_blocks()))
+        } else {
+            cached
+        };
         // An engine computes at least the prompt's last block.
         let reusable = f64::from(isl.saturating_sub(1) / b);
         let own = (f64::from(isl) - credit.min(reusable) * f64::from(b)).max(1.0);
@@ -117,6 +140,8 @@ impl Config {
             } + self.decode(util(used));
             est += self.residual_frac * current;
         }
+        // The compute this request adds to the fleet, which later arrivals wait behind.
+        est += self.work_weight * (c1 * own + c2 * own * own);
         if total > 0 && used + new_blocks > total {
             est += self.overflow_penalty_ms;
         }
@@ -151,6 +176,7 @@ impl Policy for TtftAware {
             ("host_tier_weight", c.host_tier_weight),
             ("disk_tier_weight", c.disk_tier_weight),
             ("overflow_penalty_ms", c.overflow_penalty_ms),
+            ("work_weight", c.work_weight),
         ] {
             if !(v.is_finite() && v >= 0.0) {
                 return Err(format!(
@@ -182,9 +208,35 @@ mod tests {
     fn an_idle_candidate_costs_one_prefill_step() {
         let mut h = Harness::<TtftAware>::new();
         // 1,000 uncached tokens on an idle engine: one step, no decode, no residual.
+        h.configure(r#"{"work_weight": 0}"#).unwrap();
         let costs = h.costs(&request(1000), &[candidate(1)]);
         let want = Config::default().prefill(1000.0);
         assert!((costs[0] - want).abs() < 1e-9, "{costs:?} vs {want}");
+        // With the default work weight, the request's own compute counts 1 + 6 times.
+        h.configure("{}").unwrap();
+        let costs = h.costs(&request(1000), &[candidate(1)]);
+        let [_, c1, c2] = Config::default().prefill_ms;
+        let want = want + 6.0 * (c1 * 1000.0 + c2 * 1e6);
+        assert!((costs[0] - want).abs() < 1e-9, "{costs:?} vs {want}");
+    }
+
+    #[test]
+    fn the_work_weight_trades_this_request_s_wait_for_fleet_work() {
+        let mut h = Harness::<TtftAware>::new();
+        // 4,096 tokens, half cached on a worker with 1,536 prompt tokens queued; the other is idle.
+        // The cached worker gives a later first token (queue) but computes 2,048 fewer tokens.
+        let req = request(4096).block_size(64);
+        let set = [
+            candidate(1)
+                .device_overlap(32)
+                .active_prefill_tokens(1536)
+                .active_requests(1),
+            candidate(2),
+        ];
+        h.configure(r#"{"work_weight": 0}"#).unwrap();
+        assert_eq!(h.pick(&req, &set), 1, "{:?}", h.costs(&req, &set));
+        h.configure(r#"{"work_weight": 6}"#).unwrap();
+        assert_eq!(h.pick(&req, &set), 0, "{:?}", h.costs(&req, &set));
     }
 
     #[test]
@@ -236,6 +288,23 @@ mod tests {
             candidate(2).device_overlap(64).active_requests(1),
         ];
         assert_eq!(h.pick(&req, &set), 1);
+    }
+
+    #[test]
+    fn blocks_an_earlier_request_booked_count_as_cached() {
+        let mut h = Harness::<TtftAware>::new();
+        // A burst: the same 64-block prompt was just booked on worker 1 (no KV event yet).
+        let req = request(4096).block_size(64);
+        let set = [
+            candidate(1)
+                .active_prompt_blocks(64)
+                .active_prefill_tokens(4096)
+                .active_requests(1),
+            candidate(2).active_requests(1).active_decode_blocks(100),
+        ];
+        assert_eq!(h.pick(&req, &set), 0, "{:?}", h.costs(&req, &set));
+        h.configure(r#"{"credit_active_blocks": false}"#).unwrap();
+        assert_eq!(h.pick(&req, &set), 1, "{:?}", h.costs(&req, &set));
     }
 
     #[test]
