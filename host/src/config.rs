@@ -200,6 +200,8 @@ impl ServeConfig {
                 max_workers: self.limits.max_workers,
                 ..Default::default()
             },
+            // A server's tie-breaks stay unpredictable: a per-thread, OS-seeded generator.
+            rng_seed: None,
         }
     }
 }

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use arc_swap::ArcSwapOption;
 use parking_lot::Mutex;
 use rand::rngs::SmallRng;
-use rand::{Rng, SeedableRng};
+use rand::{Rng, RngCore, SeedableRng};
 use rustc_hash::FxHashSet;
 use serde::Serialize;
 
@@ -57,6 +57,11 @@ pub struct RouterConfig {
     /// Longest prompt accepted, in tokens (or blocks × block size).
     pub max_prompt_tokens: usize,
     pub registry: RegistryLimits,
+    /// Seed of the random tie-break and temperature sampling (and of generated request ids).
+    /// `None` (what `kvroute serve` uses): a per-thread generator seeded by the OS. `Some(seed)`:
+    /// one lock-free generator per router ([`SeededRng`]), so a single-threaded caller — `kvroute
+    /// replay` — gets the same decisions on every run.
+    pub rng_seed: Option<u64>,
 }
 
 impl Default for RouterConfig {
@@ -73,6 +78,7 @@ impl Default for RouterConfig {
             default_temperature: 0.0,
             max_prompt_tokens: 1 << 20,
             registry: RegistryLimits::default(),
+            rng_seed: None,
         }
     }
 }
@@ -374,6 +380,61 @@ thread_local! {
     static RNG: RefCell<SmallRng> = RefCell::new(SmallRng::from_entropy());
 }
 
+/// SplitMix64 over one atomic word: a per-router random generator that needs no lock (one
+/// `fetch_add` per draw) and, for a single-threaded caller, yields the same sequence for the same
+/// seed. Concurrent callers each get distinct draws (the order between threads is whatever the
+/// scheduler makes it).
+#[derive(Debug)]
+pub struct SeededRng {
+    state: AtomicU64,
+}
+
+impl SeededRng {
+    const GAMMA: u64 = 0x9e37_79b9_7f4a_7c15;
+
+    pub fn new(seed: u64) -> Self {
+        Self {
+            state: AtomicU64::new(seed),
+        }
+    }
+
+    /// The next 64 random bits.
+    #[inline]
+    pub fn next_u64(&self) -> u64 {
+        let mut z = self
+            .state
+            .fetch_add(Self::GAMMA, Relaxed)
+            .wrapping_add(Self::GAMMA);
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+}
+
+/// [`SeededRng`] as a `rand` generator.
+struct SeededRef<'a>(&'a SeededRng);
+
+impl RngCore for SeededRef<'_> {
+    #[inline]
+    fn next_u32(&mut self) -> u32 {
+        (self.0.next_u64() >> 32) as u32
+    }
+    #[inline]
+    fn next_u64(&mut self) -> u64 {
+        self.0.next_u64()
+    }
+    fn fill_bytes(&mut self, dest: &mut [u8]) {
+        for chunk in dest.chunks_mut(8) {
+            let bytes = self.0.next_u64().to_le_bytes();
+            chunk.copy_from_slice(&bytes[..chunk.len()]);
+        }
+    }
+    fn try_fill_bytes(&mut self, dest: &mut [u8]) -> Result<(), rand::Error> {
+        self.fill_bytes(dest);
+        Ok(())
+    }
+}
+
 /// Counters of the router (monotonic).
 #[derive(Debug, Default)]
 pub struct RouterCounters {
@@ -395,6 +456,8 @@ pub struct Router {
     queue: Mutex<PendingQueue<Waiter>>,
     scorer: ArcSwapOption<Box<dyn Scorer>>,
     native_label: Arc<PolicyLabel>,
+    /// `Some` when `config.rng_seed` is set; otherwise the per-thread OS-seeded `RNG`.
+    seeded_rng: Option<SeededRng>,
     epoch: Instant,
     /// The clock policies see (`request.now-ms`): `u64::MAX` = the wall clock; anything else is a
     /// time set by [`Router::set_clock_ms`] (the replay simulator's time).
@@ -452,6 +515,7 @@ impl Router {
             queue: Mutex::new(PendingQueue::new(config.queue_order, config.queue_limits)),
             scorer: ArcSwapOption::empty(),
             native_label: PolicyLabel::native(),
+            seeded_rng: config.rng_seed.map(SeededRng::new),
             epoch: Instant::now(),
             clock_ms: AtomicU64::new(u64::MAX),
             config,
@@ -461,6 +525,15 @@ impl Router {
 
     pub fn config(&self) -> &RouterConfig {
         &self.config
+    }
+
+    /// Runs `f` with the router's random generator: the seeded one, or this thread's.
+    #[inline]
+    fn with_rng<T>(&self, f: impl FnOnce(&mut dyn RngCore) -> T) -> T {
+        match &self.seeded_rng {
+            Some(s) => f(&mut SeededRef(s)),
+            None => RNG.with(|r| f(&mut *r.borrow_mut())),
+        }
     }
 
     pub fn indexer(&self) -> &Arc<Indexer> {
@@ -650,7 +723,7 @@ impl Router {
         let request_id = req
             .request_id
             .clone()
-            .unwrap_or_else(|| RNG.with(|r| format!("kvr-{:016x}", r.borrow_mut().gen::<u64>())));
+            .unwrap_or_else(|| self.with_rng(|r| format!("kvr-{:016x}", r.gen::<u64>())));
         if req.book
             && (self.load.lock().get(&request_id).is_some()
                 || self.queue.lock().contains(&request_id))
@@ -931,31 +1004,28 @@ impl Router {
                 None => (self.native_label.clone(), ScorerOutcome::Native),
             };
             let n = cols.len();
-            let (chosen, fallback_reason) = RNG.with(|rng| {
-                let rng = &mut *rng.borrow_mut();
-                match outcome {
-                    ScorerOutcome::Costs(c) if c.len() == n && c.iter().all(|x| x.is_finite()) => {
-                        let i = cost::pick(&c, p.temperature, rng).expect("n > 0");
-                        *costs = c;
-                        (i, None)
-                    }
-                    ScorerOutcome::Pick(i) if i < n => {
-                        cost::native_costs(&preq, cols, costs);
-                        (i, None)
-                    }
-                    other => {
-                        cost::native_costs(&preq, cols, costs);
-                        let reason = match other {
-                            ScorerOutcome::Native => None,
-                            ScorerOutcome::Fallback(r) => Some(r),
-                            ScorerOutcome::Costs(_) => Some("invalid_answer"),
-                            ScorerOutcome::Pick(_) => Some("pick_out_of_range"),
-                        };
-                        (
-                            cost::pick(costs, p.temperature, rng).expect("n > 0"),
-                            reason,
-                        )
-                    }
+            let (chosen, fallback_reason) = self.with_rng(|rng| match outcome {
+                ScorerOutcome::Costs(c) if c.len() == n && c.iter().all(|x| x.is_finite()) => {
+                    let i = cost::pick(&c, p.temperature, rng).expect("n > 0");
+                    *costs = c;
+                    (i, None)
+                }
+                ScorerOutcome::Pick(i) if i < n => {
+                    cost::native_costs(&preq, cols, costs);
+                    (i, None)
+                }
+                other => {
+                    cost::native_costs(&preq, cols, costs);
+                    let reason = match other {
+                        ScorerOutcome::Native => None,
+                        ScorerOutcome::Fallback(r) => Some(r),
+                        ScorerOutcome::Costs(_) => Some("invalid_answer"),
+                        ScorerOutcome::Pick(_) => Some("pick_out_of_range"),
+                    };
+                    (
+                        cost::pick(costs, p.temperature, rng).expect("n > 0"),
+                        reason,
+                    )
                 }
             });
             let policy = tp.elapsed();
@@ -1154,6 +1224,39 @@ mod tests {
             book: false,
             ..RouteRequest::tokens(tokens)
         }
+    }
+
+    #[test]
+    fn a_seeded_router_breaks_ties_the_same_way_every_time() {
+        // Eight idle workers tie on every unbooked decision: the pick is the random tie-break.
+        let picks = |seed: Option<u64>| {
+            let r = router(RouterConfig {
+                rng_seed: seed,
+                ..RouterConfig::default()
+            });
+            for w in 1..=8 {
+                r.upsert_worker(w, worker(&[], 0)).unwrap();
+            }
+            (0..64)
+                .map(|_| r.route_now(ask(prompt(64))).unwrap().candidate.worker_id)
+                .collect::<Vec<_>>()
+        };
+        let a = picks(Some(42));
+        assert_eq!(a, picks(Some(42)));
+        assert_ne!(a, picks(Some(43)));
+        // Ties are still spread: every worker is picked at least once in 64 draws.
+        let distinct: FxHashSet<_> = a.iter().collect();
+        assert_eq!(distinct.len(), 8, "{a:?}");
+        // The OS-seeded default differs between routers (64 draws of 8: equal by chance ~8^-64).
+        assert_ne!(picks(None), picks(None));
+    }
+
+    #[test]
+    fn seeded_rng_is_splitmix64() {
+        // Reference values of SplitMix64 (Vigna) from seed 0.
+        let g = SeededRng::new(0);
+        assert_eq!(g.next_u64(), 0xe220_a839_7b1d_cdaf);
+        assert_eq!(g.next_u64(), 0x6e78_9e6a_a1b9_65f4);
     }
 
     #[test]

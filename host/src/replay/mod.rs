@@ -12,8 +12,12 @@
 //! | `default` | the router's native cost (SPEC §7), no scorer |
 //! | `FILE.wasm[:CONFIG_JSON]` | the Wasm policy runtime: [`PolicyRegistry::load`] + [`RegistryScorer`], exactly as `serve --policy` |
 //!
-//! Every policy sees the same trace and fleet. Router ties (temperature 0) are broken by the
-//! router's own unseeded random generator, so two runs of the same policy can differ slightly.
+//! Every policy sees the same trace and fleet. A replay is repeatable: the router's random
+//! tie-break (temperature 0) and sampling (temperature > 0) draw from a per-router generator
+//! seeded with `--seed` (default 0; [`RouterConfig::rng_seed`]), the simulation is single-threaded
+//! and uses simulated time only, and Wasm policies get a generous per-call deadline
+//! ([`REPLAY_POLICY_DEADLINE_US`]) so a descheduled call on a busy machine does not fall back to the
+//! native cost. Same trace, options and seed → the same `results.json` figures (except `wall_s`).
 //!
 //! # Traces
 //! - **Mooncake** JSONL (`timestamp` ms, `input_length`, `output_length`, `hash_ids`). Each hash id
@@ -27,7 +31,8 @@
 //!   `p` from a pool of `--azure-prompts` (default 64) with a Zipf law of exponent `--azure-zipf`
 //!   (default 1.0), its first `floor(--azure-shared-frac × ContextTokens)` tokens (default 0.5)
 //!   are that system prompt's tokens, the rest are unique to the request. Draws use a `SmallRng`
-//!   seeded with `--seed`; tokens are `xxh3` of (owner, position) modulo 50,000.
+//!   seeded with `--azure-seed` (default: `--seed`); tokens are `xxh3` of (owner, position)
+//!   modulo 50,000.
 //! - **Token** JSONL: `{"timestamp_ms": 0.0, "tokens": [1, 2, ...], "output_length": 16}`.
 //!
 //! `--speedup X` divides arrival times (X× the request rate), `--max-requests N` keeps the
@@ -204,12 +209,19 @@ impl Scorer for RoundRobinScorer {
     }
 }
 
+/// Per-call deadline of Wasm policies in a replay, in microseconds (the server's is 2,000). The
+/// simulation runs on simulated time, so a slow call costs nothing but wall time, while a call that
+/// misses a deadline because the machine descheduled it would fall back to the native cost and
+/// make the replay unrepeatable.
+pub const REPLAY_POLICY_DEADLINE_US: u64 = 100_000;
+
 /// What every policy run shares.
 #[derive(Clone, Debug)]
 pub struct ReplayOptions {
     pub workers: u32,
     pub sim: SimConfig,
-    /// Settings of the router; its block size is forced to the workers'.
+    /// Settings of the router; its block size is forced to the workers'. Its `rng_seed` is
+    /// `Some(0)` by default here (repeatable); `None` gives an OS-seeded generator.
     pub router: RouterConfig,
 }
 
@@ -218,7 +230,10 @@ impl Default for ReplayOptions {
         Self {
             workers: 8,
             sim: SimConfig::default(),
-            router: RouterConfig::default(),
+            router: RouterConfig {
+                rng_seed: Some(0),
+                ..RouterConfig::default()
+            },
         }
     }
 }
@@ -246,8 +261,11 @@ pub fn run_policy(
             let bytes =
                 std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
             let registry = Arc::new(
-                PolicyRegistry::new(PolicyRuntimeConfig::default())
-                    .map_err(|e| anyhow!("policy runtime: {e}"))?,
+                PolicyRegistry::new(PolicyRuntimeConfig {
+                    deadline_us: REPLAY_POLICY_DEADLINE_US,
+                    ..PolicyRuntimeConfig::default()
+                })
+                .map_err(|e| anyhow!("policy runtime: {e}"))?,
             );
             registry
                 .load(name, &bytes, config.as_deref(), true)
@@ -342,9 +360,17 @@ pub struct ReplayArgs {
     /// Tokens per KV block (engines and router).
     #[arg(long, default_value_t = 64)]
     pub block_size: u32,
-    /// Seed of the synthesized prefix sharing (Azure traces).
+    /// Seed of the router's random tie-break and sampling (and, unless --azure-seed is given, of
+    /// the synthesized prefix sharing of Azure traces). Same seed, same results.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Router temperature: 0 picks the lowest cost (random among ties); T > 0 samples with
+    /// `p ∝ exp(-(cost - min) / ((max - min) T))` (SPEC §7).
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f64,
+    /// Azure traces: seed of the synthesized prefix sharing [default: --seed].
+    #[arg(long)]
+    pub azure_seed: Option<u64>,
     /// KV blocks per worker.
     #[arg(long, default_value_t = 16_384)]
     pub num_gpu_blocks: u32,
@@ -397,6 +423,9 @@ fn cli_run(args: ReplayArgs) -> Result<()> {
     if args.workers == 0 {
         bail!("--workers must be at least 1");
     }
+    if !(args.temperature.is_finite() && args.temperature >= 0.0) {
+        bail!("--temperature must be a finite number >= 0");
+    }
     let sim = SimConfig {
         num_gpu_blocks: args.num_gpu_blocks,
         block_size: args.block_size,
@@ -415,7 +444,7 @@ fn cli_run(args: ReplayArgs) -> Result<()> {
             prompts: args.azure_prompts,
             zipf_s: args.azure_zipf,
             shared_frac: args.azure_shared_frac,
-            seed: args.seed,
+            seed: args.azure_seed.unwrap_or(args.seed),
             ..PrefixSynthesis::default()
         },
     };
@@ -440,7 +469,11 @@ fn cli_run(args: ReplayArgs) -> Result<()> {
     let opts = ReplayOptions {
         workers: args.workers,
         sim: sim.clone(),
-        router: RouterConfig::default(),
+        router: RouterConfig {
+            rng_seed: Some(args.seed),
+            default_temperature: args.temperature,
+            ..RouterConfig::default()
+        },
     };
     let runs = run(&trace, &opts, &policies, true)?;
     for r in &runs {

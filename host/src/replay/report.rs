@@ -227,6 +227,7 @@ pub struct Results {
     /// Arrival compression applied when loading.
     pub speedup: f64,
     pub max_requests: Option<usize>,
+    /// Seed of the router's random tie-break and sampling (`--seed`).
     pub seed: u64,
     /// Prefix-sharing parameters, for traces whose prompts were synthesized (Azure).
     pub prefix_synthesis: Option<PrefixSynthesis>,
