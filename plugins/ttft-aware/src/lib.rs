@@ -269,7 +269,7 @@ mod tests {
             candidate(2).active_decode_blocks(2_000).active_requests(8),
         ];
         let (_, _, cols) = kvroute_sdk::testing::build(&req, &set);
-        let native: Vec<f64> = cols.rows().map(|r| r.base_cost()).collect();
+        let native: Vec<f64> = cols.view().rows().map(|r| r.base_cost()).collect();
         assert!(native[0] < native[1], "native order: {native:?}");
         let costs = h.costs(&req, &set);
         assert_eq!(h.pick(&req, &set), 1, "{costs:?}");
