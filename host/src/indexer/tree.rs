@@ -494,10 +494,9 @@ impl Tree {
                         self.nodes[node as usize].children.insert(local, new);
                         new
                     };
-                    let mut off = self.nodes[target as usize].edge.len() as u32;
-                    for b in rest {
+                    let start = self.nodes[target as usize].edge.len() as u32;
+                    for (off, b) in (start..).zip(rest) {
                         let id = self.alloc_block(target, off);
-                        off += 1;
                         let t = &mut self.nodes[target as usize];
                         t.edge.push(b.local());
                         t.blocks.push(id);
@@ -773,7 +772,10 @@ impl Tree {
             // Every handle names a held block that it is the name of (the counts then match).
             assert_eq!(h.by_handle.len(), named.get(&s).copied().unwrap_or(0));
             for &b in h.odd.keys() {
-                assert!(held_blocks.contains(&(s, b)), "odd entry of unheld block {b}");
+                assert!(
+                    held_blocks.contains(&(s, b)),
+                    "odd entry of unheld block {b}"
+                );
             }
         }
     }
@@ -798,7 +800,10 @@ fn common_prefix(a: &[u64], b: &[u64]) -> usize {
 }
 
 /// Rejects blocks that repeat a handle or their parent's handle (a self-referencing store).
-pub fn check_whole_event<B: BlockPair>(parent: Option<u64>, blocks: &[B]) -> Result<(), StoreError> {
+pub fn check_whole_event<B: BlockPair>(
+    parent: Option<u64>,
+    blocks: &[B],
+) -> Result<(), StoreError> {
     if blocks.len() <= 16 {
         for (i, b) in blocks.iter().enumerate() {
             let h = b.handle();
