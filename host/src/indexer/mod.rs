@@ -22,7 +22,9 @@
 //! million-block index would double memory and write cost for no gain on two cores.
 //!
 //! # Approximate mode
-//! Engines that publish no events are indexed from the router's own decisions: see [`approx`].
+//! Engines that publish no events are indexed from the router's own decisions: see [`approx`]. Its
+//! writers take its timer lock first and then this index's write lock (never the other way round),
+//! so recording and expiring are atomic with respect to each other; reads are unaffected.
 
 pub mod approx;
 #[cfg(test)]
