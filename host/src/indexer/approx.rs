@@ -11,6 +11,13 @@
 //! serve both modes. A block's expiry is never earlier than any of its descendants' — every refresh
 //! of a path refreshes its whole prefix — so removing an expired block (which takes its subtree) only
 //! ever takes blocks that have expired too.
+//!
+//! # Concurrency
+//! `record` and `expire` each hold the timer lock while they change the index (lock order: timers,
+//! then the index's write lock; nothing takes them the other way round). Deciding that a block is
+//! due and removing it is therefore atomic with respect to refreshes: a `record` can never land
+//! between the two and see its refreshed blocks removed. Route reads only take the index's read
+//! lock and are not delayed by the timer lock.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -88,6 +95,9 @@ impl ApproxIndexer {
                 tokens_hash: l,
             })
             .collect();
+        // Under the timer lock: an `expire` cannot decide these blocks are due (from an older
+        // timer) and remove them after this store refreshed them.
+        let mut timers = self.timers.lock();
         // Sequence hashes are distinct along a path unless XXH3 collides; a rejected store only
         // means this prompt is not indexed.
         let _ = index.apply(&KvEvent {
@@ -101,7 +111,6 @@ impl ApproxIndexer {
         });
         // Expire at the end of the bucket the TTL ends in (never early).
         let bucket = self.bucket_of(now + self.config.ttl) + 1;
-        let mut timers = self.timers.lock();
         let Timers { expiry, buckets } = &mut *timers;
         let keys = buckets.entry(bucket).or_default();
         for s in seq {
@@ -114,19 +123,18 @@ impl ApproxIndexer {
     pub fn expire(&self, index: &Indexer, now: Instant) -> u64 {
         let current = self.bucket_of(now);
         let mut due: FxHashMap<CandidateKey, Vec<u64>> = FxHashMap::default();
-        {
-            let mut timers = self.timers.lock();
-            let Timers { expiry, buckets } = &mut *timers;
-            while let Some(entry) = buckets.first_entry() {
-                if *entry.key() > current {
-                    break;
-                }
-                let (bucket, keys) = entry.remove_entry();
-                for key in keys {
-                    if expiry.get(&key) == Some(&bucket) {
-                        expiry.remove(&key);
-                        due.entry(key.0).or_default().push(key.1);
-                    }
+        // Held until the due blocks are out of the index (see the module docs).
+        let mut timers = self.timers.lock();
+        let Timers { expiry, buckets } = &mut *timers;
+        while let Some(entry) = buckets.first_entry() {
+            if *entry.key() > current {
+                break;
+            }
+            let (bucket, keys) = entry.remove_entry();
+            for key in keys {
+                if expiry.get(&key) == Some(&bucket) {
+                    expiry.remove(&key);
+                    due.entry(key.0).or_default().push(key.1);
                 }
             }
         }
@@ -143,6 +151,7 @@ impl ApproxIndexer {
                 removed += a.removed;
             }
         }
+        drop(timers);
         removed
     }
 

@@ -22,7 +22,9 @@
 //! million-block index would double memory and write cost for no gain on two cores.
 //!
 //! # Approximate mode
-//! Engines that publish no events are indexed from the router's own decisions: see [`approx`].
+//! Engines that publish no events are indexed from the router's own decisions: see [`approx`]. Its
+//! writers take its timer lock first and then this index's write lock (never the other way round),
+//! so recording and expiring are atomic with respect to each other; reads are unaffected.
 
 pub mod approx;
 #[cfg(test)]
@@ -315,24 +317,47 @@ impl Indexer {
                 parent_hash,
                 blocks,
             } => {
-                let pairs: Vec<(u64, u64)> = blocks
-                    .iter()
-                    .map(|b| (b.block_hash, b.tokens_hash))
-                    .collect();
                 // Validate the whole event before applying any chunk of it.
-                if pairs.len() > WRITE_CHUNK_BLOCKS {
-                    tree::check_whole_event(*parent_hash, &pairs).map_err(store_error)?;
-                }
+                tree::check_whole_event(*parent_hash, blocks).map_err(store_error)?;
                 let mut parent = *parent_hash;
-                for chunk in pairs.chunks(WRITE_CHUNK_BLOCKS) {
+                let mut chunks = blocks.chunks(WRITE_CHUNK_BLOCKS);
+                let mut state = self.state.write();
+                // A store that fails or stores nothing allocates no slot.
+                let slot = match state.slot_of.get(&event.candidate) {
+                    Some(&s) => s,
+                    None if parent.is_some() => return Err(ApplyError::ParentBlockNotFound),
+                    None if blocks.is_empty() => return Ok(applied),
+                    None => state.slot(event.candidate),
+                };
+                if blocks.is_empty() {
+                    // Nothing to store, but the parent must still be known (SPEC §3).
+                    return match parent {
+                        Some(p) if !state.trees[tier].has_handle(slot, p) => {
+                            Err(ApplyError::ParentBlockNotFound)
+                        }
+                        _ => Ok(applied),
+                    };
+                }
+                let first = chunks.next().expect("non-empty");
+                applied.stored += u64::from(
+                    state.trees[tier]
+                        .store_validated(slot, parent, first)
+                        .map_err(store_error)?,
+                );
+                parent = first.last().map(|b| b.block_hash);
+                drop(state);
+                for chunk in chunks {
                     let mut state = self.state.write();
-                    let slot = state.slot(event.candidate);
+                    // The candidate may have been removed between chunks: its parent is gone.
+                    let Some(&slot) = state.slot_of.get(&event.candidate) else {
+                        return Err(ApplyError::ParentBlockNotFound);
+                    };
                     applied.stored += u64::from(
                         state.trees[tier]
-                            .store(slot, parent, chunk)
+                            .store_validated(slot, parent, chunk)
                             .map_err(store_error)?,
                     );
-                    parent = chunk.last().map(|&(h, _)| h);
+                    parent = chunk.last().map(|b| b.block_hash);
                 }
             }
             KvEventData::Removed { block_hashes } => {
@@ -342,12 +367,9 @@ impl Indexer {
                         applied.unknown_handles += chunk.len() as u64;
                         continue;
                     };
-                    for &h in chunk {
-                        match state.trees[tier].remove(slot, h) {
-                            Some(n) => applied.removed += n,
-                            None => applied.unknown_handles += 1,
-                        }
-                    }
+                    let (removed, unknown) = state.trees[tier].remove_many(slot, chunk);
+                    applied.removed += removed;
+                    applied.unknown_handles += unknown;
                 }
             }
             KvEventData::Cleared => {

@@ -209,6 +209,9 @@ impl Holdings {
 struct Model {
     paths: Paths,
     by: BTreeMap<(CandidateKey, usize), Holdings>,
+    /// Candidates that have a slot: given by `Indexer::slot` or by an applied store of at least
+    /// one block; taken by candidate or worker removal. A rejected or empty store allocates none.
+    slotted: std::collections::BTreeSet<CandidateKey>,
     events_applied: u64,
     parent_block_not_found: u64,
     self_reference: u64,
@@ -218,6 +221,11 @@ struct Model {
 impl Model {
     fn apply(&mut self, ev: &KvEvent) -> Result<Applied, ApplyError> {
         let r = self.apply_inner(ev);
+        if let (Ok(_), KvEventData::Stored { blocks, .. }) = (&r, &ev.data) {
+            if !blocks.is_empty() {
+                self.slotted.insert(ev.candidate);
+            }
+        }
         match r {
             Ok(a) => {
                 self.events_applied += 1;
@@ -471,6 +479,17 @@ enum Op {
         first: u64,
         extra: Vec<u64>,
     },
+    /// Remove, in one event, the handles of the last `len` named blocks of the path the
+    /// `which`-th known handle names (its own and its ancestors'): an engine evicting a sequence.
+    /// `order` 0: deepest first (tail first), 1: shallowest first, 2: deepest first but the
+    /// deepest moved to the end, 3: deepest first, then all of them again.
+    RemoveRun {
+        cand: usize,
+        tier: Tier,
+        which: usize,
+        len: usize,
+        order: u8,
+    },
     Clear {
         cand: usize,
         tier: Tier,
@@ -537,7 +556,10 @@ fn op_strategy() -> impl Strategy<Value = Op> {
             cand.clone(),
             tier_strategy(),
             parent_strategy(),
-            prop::collection::vec((0..SMALL_HANDLES, local_strategy()), 1..=5),
+            prop_oneof![
+                19 => prop::collection::vec((0..SMALL_HANDLES, local_strategy()), 1..=5),
+                1 => Just(Vec::new()),
+            ],
             prop::bool::weighted(0.9),
         )
             .prop_map(|(cand, tier, parent, blocks, distinct)| Op::Store {
@@ -583,6 +605,20 @@ fn op_strategy() -> impl Strategy<Value = Op> {
                 cand,
                 tier,
                 handles
+            }),
+        6 => (
+            cand.clone(),
+            tier_strategy(),
+            any::<u8>(),
+            prop_oneof![8 => 1..=8usize, 1 => 60..=140usize],
+            0..4u8,
+        )
+            .prop_map(|(cand, tier, which, len, order)| Op::RemoveRun {
+                cand,
+                tier,
+                which: which as usize,
+                len,
+                order,
             }),
         2 => (cand.clone(), tier_strategy()).prop_map(|(cand, tier)| Op::Clear { cand, tier }),
         1 => cand.clone().prop_map(Op::ClearCandidate),
@@ -734,7 +770,7 @@ impl Model {
                     }
                 }
                 if let ParentSpec::SelfRef(i) = parent {
-                    p = Some(blocks[i % blocks.len()].0);
+                    p = blocks.get(i % blocks.len().max(1)).map(|b| b.0);
                 }
                 stored(key, *tier, p, &blocks)
             }
@@ -812,6 +848,35 @@ impl Model {
                     })
                     .collect();
                 stored(key, *tier, None, &blocks)
+            }
+            Op::RemoveRun {
+                cand,
+                tier,
+                which,
+                len,
+                order,
+            } => {
+                let key = CANDIDATES[*cand];
+                let mut run: Vec<(u32, u64)> = Vec::new();
+                if let Some(h) = self.known_handle(*which, key, *tier) {
+                    let handles = &self.by[&(key, tier.index())].handles;
+                    let path = handles[&h];
+                    run = handles
+                        .iter()
+                        .filter(|&(_, &p)| self.paths.starts_with(path, p))
+                        .map(|(&h, &p)| (self.paths.len[p as usize], h))
+                        .collect();
+                    run.sort_unstable_by(|a, b| b.cmp(a));
+                    run.truncate(*len);
+                }
+                let mut block_hashes: Vec<u64> = run.iter().map(|&(_, h)| h).collect();
+                match order {
+                    1 => block_hashes.reverse(),
+                    2 if !block_hashes.is_empty() => block_hashes.rotate_left(1),
+                    3 => block_hashes.extend(block_hashes.clone()),
+                    _ => {}
+                }
+                event(key, *tier, KvEventData::Removed { block_hashes })
             }
             Op::Clear { cand, tier } => event(CANDIDATES[*cand], *tier, KvEventData::Cleared),
             Op::ClearCandidate(c) => Resolved::ClearCandidate(CANDIDATES[*c]),
@@ -957,14 +1022,17 @@ impl Runner {
                 let want = self.model.drop_candidates(|c| c == *k);
                 ensure_eq!(got, want, "remove_candidate result");
                 self.slots.remove(k);
+                self.model.slotted.remove(k);
             }
             Resolved::RemoveWorker(w) => {
                 let got = self.idx.remove_worker(*w);
                 let want = self.model.drop_candidates(|c| c.worker_id == *w);
                 ensure_eq!(got, want, "remove_worker result");
                 self.slots.retain(|k, _| k.worker_id != *w);
+                self.model.slotted.retain(|k| k.worker_id != *w);
             }
             Resolved::Slot(k) => {
+                self.model.slotted.insert(*k);
                 let s = self.idx.slot(*k);
                 ensure_eq!(
                     Some(s),
@@ -1060,6 +1128,11 @@ impl Runner {
                 self.idx.candidate_blocks(key),
                 self.model.candidate_blocks(key),
                 "candidate_blocks({key})"
+            );
+            ensure_eq!(
+                self.idx.existing_slot(key).is_some(),
+                self.model.slotted.contains(&key),
+                "{key} has a slot"
             );
             match self.idx.existing_slot(key) {
                 Some(s) => {
@@ -1236,6 +1309,121 @@ fn model_check_fixed_sequences() {
                 distinct: true,
             },
             RemoveWorker(1),
+        ],
+        // Stores that fail or store nothing allocate no slot; an empty store still needs its
+        // parent (SPEC §3: parent not found).
+        vec![
+            Store {
+                cand: 0,
+                tier: d,
+                parent: RawParent(5),
+                blocks: vec![],
+                distinct: true,
+            },
+            Store {
+                cand: 0,
+                tier: d,
+                parent: RawParent(5),
+                blocks: vec![(1, 1)],
+                distinct: true,
+            },
+            Store {
+                cand: 0,
+                tier: d,
+                parent: Root,
+                blocks: vec![(1, 1), (1, 2)],
+                distinct: false,
+            },
+            Store {
+                cand: 0,
+                tier: d,
+                parent: Root,
+                blocks: vec![],
+                distinct: true,
+            },
+            Store {
+                cand: 0,
+                tier: d,
+                parent: Root,
+                blocks: vec![(1, 1)],
+                distinct: true,
+            },
+            Store {
+                cand: 0,
+                tier: d,
+                parent: RawParent(1),
+                blocks: vec![],
+                distinct: true,
+            },
+            Store {
+                cand: 0,
+                tier: d,
+                parent: RawParent(2),
+                blocks: vec![],
+                distinct: true,
+            },
+            Store {
+                cand: 1,
+                tier: d,
+                parent: RawParent(1),
+                blocks: vec![(2, 2)],
+                distinct: true,
+            },
+        ],
+        // A node only one candidate holds, with children, cut in the middle (truncated in place);
+        // then the same path held by two candidates, evicted tail first in one event (one split),
+        // with a repeated and an already-removed handle.
+        vec![
+            Store {
+                cand: 0,
+                tier: d,
+                parent: Root,
+                blocks: vec![(1, 1), (2, 2), (3, 3), (4, 4)],
+                distinct: true,
+            },
+            Store {
+                cand: 0,
+                tier: d,
+                parent: RawParent(4),
+                blocks: vec![(5, 5)],
+                distinct: true,
+            },
+            Store {
+                cand: 0,
+                tier: d,
+                parent: RawParent(4),
+                blocks: vec![(6, 0), (7, 1)],
+                distinct: true,
+            },
+            Remove {
+                cand: 0,
+                tier: d,
+                handles: vec![Raw(3), Raw(7), Raw(2)],
+            },
+            Store {
+                cand: 0,
+                tier: d,
+                parent: RawParent(1),
+                blocks: vec![(2, 2), (3, 3), (4, 4), (5, 5)],
+                distinct: true,
+            },
+            Store {
+                cand: 2,
+                tier: d,
+                parent: Root,
+                blocks: vec![(1, 1), (2, 2), (3, 3), (4, 4), (5, 5)],
+                distinct: true,
+            },
+            Remove {
+                cand: 0,
+                tier: d,
+                handles: vec![Raw(5), Raw(4), Raw(5), Raw(3), Raw(4), Raw(9)],
+            },
+            Remove {
+                cand: 2,
+                tier: d,
+                handles: vec![Raw(4), Raw(5), Raw(1)],
+            },
         ],
         // Self reference across chunks applies nothing.
         vec![LongStore {
@@ -1648,4 +1836,48 @@ fn readers_never_see_a_torn_state() {
         overlapped.load(Ordering::Relaxed),
         2 * ITERS
     );
+}
+
+/// A prompt refreshed right after it became due must stay indexed, however an `expire` running at
+/// the same time interleaves with the `record` (it may remove the prompt before the refresh, never
+/// after it).
+#[test]
+fn approx_refresh_is_never_lost_to_a_concurrent_expire() {
+    use std::sync::atomic::AtomicU64;
+    const TTL: u64 = 5;
+    const ROUNDS: u64 = 20_000;
+    let (approx, base) = approx_with_clock(ApproxConfig {
+        ttl: UNIT * TTL as u32,
+        bucket: UNIT,
+    });
+    let idx = Indexer::new();
+    let prompt: Vec<u64> = (1..=8).collect();
+    let cand = CANDIDATES[0];
+    // The fake clock, in units; only the recorder moves it.
+    let clock = AtomicU64::new(0);
+    let done = std::sync::atomic::AtomicBool::new(false);
+    let lost = std::thread::scope(|s| {
+        s.spawn(|| {
+            while !done.load(Ordering::Relaxed) {
+                let now = clock.load(Ordering::Relaxed);
+                approx.expire(&idx, base + UNIT * now as u32);
+            }
+        });
+        let mut lost = 0u64;
+        for round in 0..ROUNDS {
+            // Every round starts past the previous record's expiry, so the expirer finds the
+            // prompt due while this round's record refreshes it.
+            let now = round * (TTL + 2);
+            clock.store(now, Ordering::Relaxed);
+            approx.record(&idx, cand, &prompt, base + UNIT * now as u32);
+            // Any expire from now on runs at `now`, before the refreshed expiry.
+            if idx.find_matches(&prompt).device != vec![(cand, prompt.len() as u32)] {
+                lost += 1;
+            }
+        }
+        done.store(true, Ordering::Relaxed);
+        lost
+    });
+    assert_eq!(lost, 0, "refreshed prompts removed by a concurrent expire");
+    idx.check_invariants();
 }

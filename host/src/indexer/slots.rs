@@ -58,6 +58,15 @@ impl SlotSet {
         }
     }
 
+    /// Whether the set is exactly `{slot}`.
+    #[inline]
+    pub fn is_only(&self, slot: Slot) -> bool {
+        let (w, b) = (slot as usize / 64, slot % 64);
+        self.words.len() == w + 1
+            && self.words[w] == 1u64 << b
+            && self.words[..w].iter().all(|&x| x == 0)
+    }
+
     #[inline]
     pub fn is_empty(&self) -> bool {
         self.words.is_empty()
@@ -109,8 +118,11 @@ mod tests {
         let mut diff = vec![];
         a.for_each_difference(&b, |s| diff.push(s));
         assert_eq!(diff, vec![130]);
+        assert!(!a.is_only(3) && !a.is_only(130));
         a.remove(130);
         assert_eq!(a, b, "trailing words are trimmed");
+        assert!(a.is_only(3) && !a.is_only(130) && !a.is_only(67));
+        assert!(SlotSet::single(130).is_only(130) && !SlotSet::single(130).is_only(2));
         a.remove(3);
         assert!(a.is_empty());
         assert_eq!(a, SlotSet::new());

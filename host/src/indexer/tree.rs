@@ -17,16 +17,29 @@
 //! holder set, so the walk reports each candidate once, with its full depth, without stopping early.
 //!
 //! # Engine handles
-//! Engines name blocks by their own opaque hashes. Each slot keeps a map from handle to block id and
-//! back (one handle per block per slot; re-storing a block under a new handle replaces the old one),
-//! so removals and parent look-ups are O(1), and removing a subtree can drop exactly the handles it
-//! invalidates. Block ids are stable across splits and merges; a side table maps a block id to its
-//! current node and offset.
+//! Engines name blocks by their own opaque hashes. A removal or a parent look-up must find a block
+//! by the handle one candidate gave it, so each slot keeps a map from handle to block id (one handle
+//! per block per slot; re-storing a block under a new handle replaces the old one). Block ids are
+//! stable across splits and merges; a side table maps a block id to its current node and offset.
+//!
+//! The way back, from a block to the handle a slot named it by (needed to drop handles when blocks
+//! leave a slot), costs no map in the common case: every block records the handle it was first
+//! stored under (its *canonical* handle, kept in the node next to the block), and engines that
+//! share a block nearly always share its handle too (vLLM's and SGLang's handles are content
+//! hashes). Only a slot that names a block differently (or whose handle was moved to another block)
+//! keeps an entry in its small exception map.
+//!
+//! # Write costs
+//! The common engine patterns are made cheap in place: a store continuing a path that only this slot
+//! holds extends that leaf's edge (no new node), and a removal of blocks that only this slot holds
+//! truncates the edge (no split). Consecutive removal handles that fall in one node (an engine
+//! evicting a sequence tail first) cut that node once, at the lowest of their offsets.
 
 use rustc_hash::{FxHashMap, FxHashSet};
 use smallvec::SmallVec;
 
 use super::slots::{Slot, SlotSet};
+use super::StoredBlock;
 
 const ROOT: u32 = 0;
 /// Children kept in a small inline vector up to this many, in a hash map beyond.
@@ -88,6 +101,10 @@ impl Children {
         }
     }
 
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
     fn nodes(&self) -> SmallVec<[u32; 8]> {
         match self {
             Children::Few(v) => v.iter().map(|&(_, n)| n).collect(),
@@ -110,6 +127,8 @@ struct Node {
     edge: Vec<u64>,
     /// Block ids, parallel to `edge`.
     blocks: Vec<u32>,
+    /// Canonical handles (the handle each block was first stored under), parallel to `edge`.
+    handles: Vec<u64>,
     /// Slots holding every block of the edge (never empty for a live non-root node).
     holders: SlotSet,
     children: Children,
@@ -117,13 +136,103 @@ struct Node {
     live: bool,
 }
 
-/// Per-slot handle maps: engine hash → block id and back.
+/// One slot's engine handles in one tree.
 #[derive(Debug, Default)]
 struct SlotHandles {
+    /// Handle → block id, for every block the slot names.
     by_handle: FxHashMap<u64, u32>,
-    by_block: FxHashMap<u32, u64>,
+    /// Held blocks the slot does not name by their canonical handle: `Some(h)` if it names them
+    /// `h`, `None` if it names them by nothing (their handle was moved to another block).
+    odd: FxHashMap<u32, Option<u64>>,
     /// Blocks this slot holds in this tree.
     blocks: u64,
+}
+
+impl SlotHandles {
+    /// The handle this slot names a held block by.
+    #[inline]
+    fn name(&self, block: u32, canonical: u64) -> Option<u64> {
+        if self.odd.is_empty() {
+            return Some(canonical);
+        }
+        self.odd.get(&block).copied().unwrap_or(Some(canonical))
+    }
+
+    /// Names `block` (which the slot did not hold) by `handle`.
+    #[inline]
+    fn bind_new(&mut self, block: u32, canonical: u64, handle: u64) {
+        if let Some(old) = self.by_handle.insert(handle, block) {
+            // The handle named another held block, which is now nameless.
+            debug_assert_ne!(old, block);
+            self.odd.insert(old, None);
+        }
+        if handle != canonical {
+            self.odd.insert(block, Some(handle));
+        }
+    }
+
+    /// Names `block` (which the slot holds) by `handle`, dropping the name it had.
+    #[inline]
+    fn rebind(&mut self, block: u32, canonical: u64, handle: u64) {
+        let current = self.name(block, canonical);
+        if current == Some(handle) {
+            return;
+        }
+        if let Some(c) = current {
+            let was = self.by_handle.remove(&c);
+            debug_assert_eq!(was, Some(block));
+        }
+        if let Some(old) = self.by_handle.insert(handle, block) {
+            self.odd.insert(old, None);
+        }
+        if handle == canonical {
+            self.odd.remove(&block);
+        } else {
+            self.odd.insert(block, Some(handle));
+        }
+    }
+
+    /// Drops the name of a block leaving the slot.
+    #[inline]
+    fn unbind(&mut self, block: u32, canonical: u64) {
+        let name = if self.odd.is_empty() {
+            Some(canonical)
+        } else {
+            self.odd.remove(&block).unwrap_or(Some(canonical))
+        };
+        if let Some(h) = name {
+            let was = self.by_handle.remove(&h);
+            debug_assert_eq!(was, Some(block));
+        }
+    }
+}
+
+/// One block of a store: the engine's handle and the local hash.
+pub trait BlockPair: Copy {
+    fn handle(&self) -> u64;
+    fn local(&self) -> u64;
+}
+
+impl BlockPair for (u64, u64) {
+    #[inline]
+    fn handle(&self) -> u64 {
+        self.0
+    }
+    #[inline]
+    fn local(&self) -> u64 {
+        self.1
+    }
+}
+
+impl BlockPair for StoredBlock {
+    #[inline]
+    fn handle(&self) -> u64 {
+        self.block_hash
+    }
+    #[inline]
+    fn local(&self) -> u64 {
+        self.tokens_hash
+    }
 }
 
 /// Why a store was refused.
@@ -145,6 +254,9 @@ pub struct Tree {
     free_blocks: Vec<u32>,
     slots: Vec<SlotHandles>,
     held: u64,
+    /// Scratch space of removals, kept to avoid allocating per event.
+    stack: Vec<u32>,
+    order: Vec<u32>,
 }
 
 impl Default for Tree {
@@ -165,6 +277,8 @@ impl Tree {
             free_blocks: Vec::new(),
             slots: Vec::new(),
             held: 0,
+            stack: Vec::new(),
+            order: Vec::new(),
         }
     }
 
@@ -188,6 +302,13 @@ impl Tree {
         self.slots.get(slot as usize).map_or(0, |s| s.blocks)
     }
 
+    /// Whether `handle` names a block `slot` holds.
+    pub fn has_handle(&self, slot: Slot, handle: u64) -> bool {
+        self.slots
+            .get(slot as usize)
+            .is_some_and(|h| h.by_handle.contains_key(&handle))
+    }
+
     fn handles_mut(&mut self, slot: Slot) -> &mut SlotHandles {
         let i = slot as usize;
         if self.slots.len() <= i {
@@ -206,6 +327,7 @@ impl Tree {
         }
     }
 
+    #[inline]
     fn alloc_block(&mut self, node: u32, off: u32) -> u32 {
         if let Some(id) = self.free_blocks.pop() {
             self.loc[id as usize] = (node, off);
@@ -216,21 +338,6 @@ impl Tree {
         }
     }
 
-    /// Records that `slot` names `block` by `handle` (one handle per block per slot).
-    fn bind(&mut self, slot: Slot, block: u32, handle: u64) {
-        let h = self.handles_mut(slot);
-        if let Some(old_block) = h.by_handle.insert(handle, block) {
-            if old_block != block {
-                h.by_block.remove(&old_block);
-            }
-        }
-        if let Some(old_handle) = h.by_block.insert(block, handle) {
-            if old_handle != handle {
-                h.by_handle.remove(&old_handle);
-            }
-        }
-    }
-
     /// Splits `node` so that it keeps its first `at` blocks; returns the new tail node.
     fn split(&mut self, node: u32, at: usize) -> u32 {
         debug_assert!(at > 0 && at < self.nodes[node as usize].edge.len());
@@ -238,6 +345,7 @@ impl Tree {
         let tail = Node {
             edge: n.edge.split_off(at),
             blocks: n.blocks.split_off(at),
+            handles: n.handles.split_off(at),
             holders: n.holders.clone(),
             children: std::mem::take(&mut n.children),
             parent: node,
@@ -274,6 +382,7 @@ impl Tree {
         let n = &mut self.nodes[node as usize];
         n.edge.extend_from_slice(&c.edge);
         n.blocks.extend_from_slice(&c.blocks);
+        n.handles.extend_from_slice(&c.handles);
         n.children = c.children;
         for g in self.nodes[node as usize].children.nodes() {
             self.nodes[g as usize].parent = node;
@@ -283,13 +392,23 @@ impl Tree {
 
     /// Stores `blocks` (engine handle, local hash) for `slot` under the block named `parent` (or
     /// from the root). Idempotent. Returns how many blocks the slot newly holds.
-    pub fn store(
+    pub fn store<B: BlockPair>(
         &mut self,
         slot: Slot,
         parent: Option<u64>,
-        blocks: &[(u64, u64)],
+        blocks: &[B],
     ) -> Result<u32, StoreError> {
         check_whole_event(parent, blocks)?;
+        self.store_validated(slot, parent, blocks)
+    }
+
+    /// [`Tree::store`] of blocks [`check_whole_event`] accepted.
+    pub fn store_validated<B: BlockPair>(
+        &mut self,
+        slot: Slot,
+        parent: Option<u64>,
+        blocks: &[B],
+    ) -> Result<u32, StoreError> {
         let (mut node, mut pos) = match parent {
             None => (ROOT, 0usize),
             Some(p) => {
@@ -303,16 +422,18 @@ impl Tree {
                 (n, off as usize + 1)
             }
         };
+        self.handles_mut(slot);
         let mut added = 0u32;
         let mut i = 0usize;
         while i < blocks.len() {
-            let (handle, local) = blocks[i];
+            let local = blocks[i].local();
             let edge_len = self.nodes[node as usize].edge.len();
             if pos < edge_len {
                 // Inside an edge the slot already holds (holders are whole-edge).
-                if self.nodes[node as usize].edge[pos] == local {
-                    let b = self.nodes[node as usize].blocks[pos];
-                    self.bind(slot, b, handle);
+                let n = &self.nodes[node as usize];
+                if n.edge[pos] == local {
+                    let (b, canonical) = (n.blocks[pos], n.handles[pos]);
+                    self.slots[slot as usize].rebind(b, canonical, blocks[i].handle());
                     pos += 1;
                     i += 1;
                     continue;
@@ -330,15 +451,17 @@ impl Tree {
                     let m = edge
                         .iter()
                         .zip(rest)
-                        .take_while(|(e, (_, l))| *e == l)
+                        .take_while(|(e, b)| **e == b.local())
                         .count();
                     if m < edge.len() {
                         self.split(c, m);
                     }
-                    self.nodes[c as usize].holders.insert(slot);
-                    for (j, &(h, _)) in rest.iter().enumerate().take(m) {
-                        let b = self.nodes[c as usize].blocks[j];
-                        self.bind(slot, b, h);
+                    let Tree { nodes, slots, .. } = self;
+                    let cn = &mut nodes[c as usize];
+                    cn.holders.insert(slot);
+                    let h = &mut slots[slot as usize];
+                    for (j, b) in rest[..m].iter().enumerate() {
+                        h.bind_new(cn.blocks[j], cn.handles[j], b.handle());
                     }
                     added += m as u32;
                     i += m;
@@ -352,28 +475,40 @@ impl Tree {
                 }
                 None => {
                     let rest = &blocks[i..];
-                    let new = self.alloc_node(Node {
-                        edge: rest.iter().map(|&(_, l)| l).collect(),
-                        blocks: Vec::with_capacity(rest.len()),
-                        holders: SlotSet::single(slot),
-                        children: Children::default(),
-                        parent: node,
-                        live: true,
-                    });
-                    self.nodes[node as usize].children.insert(local, new);
-                    for (j, &(h, _)) in rest.iter().enumerate() {
-                        let b = self.alloc_block(new, j as u32);
-                        self.nodes[new as usize].blocks.push(b);
-                        self.bind(slot, b, h);
+                    let n = &self.nodes[node as usize];
+                    // A path only this slot holds, ending here: extend its edge in place (a new
+                    // child would merge straight back into it).
+                    let target = if node != ROOT && n.children.is_empty() && n.holders.is_only(slot)
+                    {
+                        node
+                    } else {
+                        let new = self.alloc_node(Node {
+                            edge: Vec::with_capacity(rest.len()),
+                            blocks: Vec::with_capacity(rest.len()),
+                            handles: Vec::with_capacity(rest.len()),
+                            holders: SlotSet::single(slot),
+                            children: Children::default(),
+                            parent: node,
+                            live: true,
+                        });
+                        self.nodes[node as usize].children.insert(local, new);
+                        new
+                    };
+                    let start = self.nodes[target as usize].edge.len() as u32;
+                    for (off, b) in (start..).zip(rest) {
+                        let id = self.alloc_block(target, off);
+                        let t = &mut self.nodes[target as usize];
+                        t.edge.push(b.local());
+                        t.blocks.push(id);
+                        t.handles.push(b.handle());
+                        self.slots[slot as usize].bind_new(id, b.handle(), b.handle());
                     }
                     added += rest.len() as u32;
                     i = blocks.len();
-                    // A fresh leaf under a node held only by this slot can extend that node.
-                    self.try_merge(node);
                 }
             }
         }
-        self.handles_mut(slot).blocks += u64::from(added);
+        self.slots[slot as usize].blocks += u64::from(added);
         self.held += u64::from(added);
         Ok(added)
     }
@@ -381,14 +516,84 @@ impl Tree {
     /// Removes the block named `handle`, and everything `slot` holds below it, from `slot`.
     /// Returns the number of blocks the slot stopped holding, or `None` for an unknown handle.
     pub fn remove(&mut self, slot: Slot, handle: u64) -> Option<u64> {
-        let block = *self.slots.get(slot as usize)?.by_handle.get(&handle)?;
-        let (n, off) = self.loc[block as usize];
-        let start = if off > 0 {
-            self.split(n, off as usize)
-        } else {
-            n
-        };
-        Some(self.remove_below(slot, start))
+        let (removed, unknown) = self.remove_many(slot, &[handle]);
+        (unknown == 0).then_some(removed)
+    }
+
+    /// Applies `handles` in order as [`Tree::remove`] would. Returns (blocks the slot stopped
+    /// holding, handles it did not hold when their turn came).
+    pub fn remove_many(&mut self, slot: Slot, handles: &[u64]) -> (u64, u64) {
+        let (mut removed, mut unknown) = (0u64, 0u64);
+        if self.slots.len() <= slot as usize {
+            return (0, handles.len() as u64);
+        }
+        let mut i = 0;
+        while i < handles.len() {
+            let Some(&block) = self.slots[slot as usize].by_handle.get(&handles[i]) else {
+                unknown += 1;
+                i += 1;
+                continue;
+            };
+            i += 1;
+            let (node, mut off) = self.loc[block as usize];
+            // The next handles naming blocks of the same node: removing them one by one would cut
+            // the node at each; cutting once at the lowest offset removes the same blocks. A block
+            // at or past the cut is gone by its handle's turn: unknown then.
+            while i < handles.len() {
+                let by_handle = &self.slots[slot as usize].by_handle;
+                let Some(&b) = by_handle.get(&handles[i]) else {
+                    break;
+                };
+                let (n, o) = self.loc[b as usize];
+                if n != node {
+                    break;
+                }
+                if o < off {
+                    off = o;
+                } else {
+                    unknown += 1;
+                }
+                i += 1;
+            }
+            removed += self.cut(slot, node, off as usize);
+        }
+        (removed, unknown)
+    }
+
+    /// Takes blocks `off..` of `node` (which `slot` holds) and everything below them from `slot`.
+    fn cut(&mut self, slot: Slot, node: u32, off: usize) -> u64 {
+        if off == 0 {
+            return self.remove_below(slot, node);
+        }
+        if !self.nodes[node as usize].holders.is_only(slot) {
+            let tail = self.split(node, off);
+            return self.remove_below(slot, tail);
+        }
+        // Only this slot holds the node (so all of its subtree): free the children, truncate the
+        // edge in place. Nothing can merge: the node keeps its holders and has no children left.
+        let mut removed = 0;
+        for c in self.nodes[node as usize].children.nodes() {
+            removed += self.remove_subtree(slot, c);
+        }
+        let Tree {
+            nodes,
+            slots,
+            free_blocks,
+            ..
+        } = self;
+        let n = &mut nodes[node as usize];
+        let h = &mut slots[slot as usize];
+        for (&b, &canonical) in n.blocks[off..].iter().zip(&n.handles[off..]) {
+            h.unbind(b, canonical);
+        }
+        free_blocks.extend_from_slice(&n.blocks[off..]);
+        let cut = (n.edge.len() - off) as u64;
+        n.edge.truncate(off);
+        n.blocks.truncate(off);
+        n.handles.truncate(off);
+        h.blocks -= cut;
+        self.held -= cut;
+        removed + cut
     }
 
     /// Removes every block of `slot`. Returns how many it held.
@@ -404,7 +609,7 @@ impl Tree {
             removed += self.remove_below(slot, t);
         }
         if let Some(h) = self.slots.get_mut(slot as usize) {
-            debug_assert!(h.by_handle.is_empty() && h.by_block.is_empty() && h.blocks == 0);
+            debug_assert!(h.by_handle.is_empty() && h.odd.is_empty() && h.blocks == 0);
             *h = SlotHandles::default();
         }
         removed
@@ -413,24 +618,39 @@ impl Tree {
     /// Takes `slot` out of `start` (which it holds) and every descendant it holds, frees nodes
     /// left without holders, and re-merges what can be merged.
     fn remove_below(&mut self, slot: Slot, start: u32) -> u64 {
-        let mut stack = vec![start];
-        let mut order = Vec::new();
+        let removed = self.remove_subtree(slot, start);
+        // `start` may now merge into its parent (its parent link stays readable even if freed).
+        let parent = self.nodes[start as usize].parent;
+        self.try_merge(parent);
+        removed
+    }
+
+    /// [`Tree::remove_below`] without the final merge of `start`'s parent.
+    fn remove_subtree(&mut self, slot: Slot, start: u32) -> u64 {
+        let mut stack = std::mem::take(&mut self.stack);
+        let mut order = std::mem::take(&mut self.order);
+        stack.push(start);
         let mut removed = 0u64;
         while let Some(x) = stack.pop() {
             let node = &mut self.nodes[x as usize];
             node.holders.remove(slot);
             removed += node.blocks.len() as u64;
-            let blocks = std::mem::take(&mut node.blocks);
             let h = &mut self.slots[slot as usize];
-            for &b in &blocks {
-                if let Some(handle) = h.by_block.remove(&b) {
-                    h.by_handle.remove(&handle);
-                }
+            for (&b, &canonical) in node.blocks.iter().zip(&node.handles) {
+                h.unbind(b, canonical);
             }
-            self.nodes[x as usize].blocks = blocks;
-            for c in self.nodes[x as usize].children.nodes() {
-                if self.nodes[c as usize].holders.contains(slot) {
-                    stack.push(c);
+            let pushed = stack.len();
+            match &node.children {
+                Children::Few(v) => stack.extend(v.iter().map(|&(_, c)| c)),
+                Children::Many(m) => stack.extend(m.values().copied()),
+            }
+            // Keep the children the slot holds.
+            let mut j = pushed;
+            while j < stack.len() {
+                if self.nodes[stack[j] as usize].holders.contains(slot) {
+                    j += 1;
+                } else {
+                    stack.swap_remove(j);
                 }
             }
             order.push(x);
@@ -443,9 +663,9 @@ impl Tree {
                 self.try_merge(x);
             }
         }
-        // `start` may now merge into its parent (its parent link stays readable even if freed).
-        let parent = self.nodes[start as usize].parent;
-        self.try_merge(parent);
+        order.clear();
+        self.stack = stack;
+        self.order = order;
         self.slots[slot as usize].blocks -= removed;
         self.held -= removed;
         removed
@@ -497,12 +717,15 @@ impl Tree {
     pub fn check_invariants(&self) {
         let mut held = 0u64;
         let mut per_slot: FxHashMap<Slot, u64> = FxHashMap::default();
+        let mut named: FxHashMap<Slot, usize> = FxHashMap::default();
+        let mut held_blocks: FxHashSet<(Slot, u32)> = FxHashSet::default();
         for (id, n) in self.nodes.iter().enumerate() {
             if !n.live || id == ROOT as usize {
                 continue;
             }
             assert!(!n.holders.is_empty(), "live node {id} without holders");
             assert_eq!(n.edge.len(), n.blocks.len());
+            assert_eq!(n.edge.len(), n.handles.len());
             assert!(!n.edge.is_empty());
             let p = &self.nodes[n.parent as usize];
             assert!(p.live);
@@ -525,16 +748,34 @@ impl Tree {
             n.holders.for_each(|s| {
                 *per_slot.entry(s).or_default() += n.blocks.len() as u64;
                 held += n.blocks.len() as u64;
+                let h = &self.slots[s as usize];
+                for (&b, &canonical) in n.blocks.iter().zip(&n.handles) {
+                    held_blocks.insert((s, b));
+                    if let Some(Some(o)) = h.odd.get(&b) {
+                        assert_ne!(*o, canonical, "odd name of block {b} is its canonical one");
+                    }
+                    if let Some(name) = h.name(b, canonical) {
+                        assert_eq!(
+                            h.by_handle.get(&name),
+                            Some(&b),
+                            "slot {s} names block {b} by {name}"
+                        );
+                        *named.entry(s).or_default() += 1;
+                    }
+                }
             });
         }
         assert_eq!(held, self.held);
         for (s, h) in self.slots.iter().enumerate() {
-            assert_eq!(h.blocks, per_slot.get(&(s as u32)).copied().unwrap_or(0));
-            assert_eq!(h.by_handle.len(), h.by_block.len());
-            for (&handle, &b) in &h.by_handle {
-                assert_eq!(h.by_block.get(&b), Some(&handle));
-                let (n, _) = self.loc[b as usize];
-                assert!(self.nodes[n as usize].holders.contains(s as u32));
+            let s = s as Slot;
+            assert_eq!(h.blocks, per_slot.get(&s).copied().unwrap_or(0));
+            // Every handle names a held block that it is the name of (the counts then match).
+            assert_eq!(h.by_handle.len(), named.get(&s).copied().unwrap_or(0));
+            for &b in h.odd.keys() {
+                assert!(
+                    held_blocks.contains(&(s, b)),
+                    "odd entry of unheld block {b}"
+                );
             }
         }
     }
@@ -559,10 +800,14 @@ fn common_prefix(a: &[u64], b: &[u64]) -> usize {
 }
 
 /// Rejects blocks that repeat a handle or their parent's handle (a self-referencing store).
-pub fn check_whole_event(parent: Option<u64>, blocks: &[(u64, u64)]) -> Result<(), StoreError> {
+pub fn check_whole_event<B: BlockPair>(
+    parent: Option<u64>,
+    blocks: &[B],
+) -> Result<(), StoreError> {
     if blocks.len() <= 16 {
-        for (i, &(h, _)) in blocks.iter().enumerate() {
-            if Some(h) == parent || blocks[..i].iter().any(|&(o, _)| o == h) {
+        for (i, b) in blocks.iter().enumerate() {
+            let h = b.handle();
+            if Some(h) == parent || blocks[..i].iter().any(|o| o.handle() == h) {
                 return Err(StoreError::SelfReference);
             }
         }
@@ -572,8 +817,8 @@ pub fn check_whole_event(parent: Option<u64>, blocks: &[(u64, u64)]) -> Result<(
     if let Some(p) = parent {
         seen.insert(p);
     }
-    for &(h, _) in blocks {
-        if !seen.insert(h) {
+    for b in blocks {
+        if !seen.insert(b.handle()) {
             return Err(StoreError::SelfReference);
         }
     }
