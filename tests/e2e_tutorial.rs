@@ -116,15 +116,26 @@ fn sdk_tutorial_runs_as_written() {
         output.contains("\"my-policy\""),
         "the policy list shows it:\n{output}"
     );
-    let last = output
-        .lines()
-        .rev()
-        .find(|l| l.trim_start().starts_with('{'))
-        .unwrap_or("");
-    let rollback: serde_json::Value = serde_json::from_str(last)
-        .unwrap_or_else(|e| panic!("the rollback answer is JSON ({e}):\n{output}"));
-    assert!(
-        rollback.to_string().contains("default"),
-        "rollback restored the default policy: {rollback}"
+    // The curl answers (no trailing newlines): readyz, upload, reconfigure, list, rollback.
+    let start = output
+        .find("{\"policy\"")
+        .unwrap_or_else(|| panic!("no readyz answer in the output:\n{output}"));
+    let answers: Vec<serde_json::Value> = serde_json::Deserializer::from_str(&output[start..])
+        .into_iter::<serde_json::Value>()
+        .map_while(Result::ok)
+        .collect();
+    assert!(answers.len() >= 5, "five JSON answers:\n{output}");
+    assert_eq!(answers[0]["status"], "ready", "{}", answers[0]);
+    assert_eq!(answers[1]["name"], "my-policy");
+    assert_eq!(answers[1]["active"], true, "uploaded and activated: {}", answers[1]);
+    assert_eq!(answers[1]["plugin"]["abi_version"], 2);
+    assert_eq!(answers[2]["version"], 2, "reconfiguring makes version 2: {}", answers[2]);
+    assert_eq!(answers[2]["config"], "{\"cache_weight\": 0.5}");
+    assert_eq!(answers[3]["active"], "my-policy", "{}", answers[3]);
+    assert_eq!(
+        (answers[4]["name"].as_str(), answers[4]["version"].as_u64()),
+        (Some("my-policy"), Some(1)),
+        "rollback restores the previous active version: {}",
+        answers[4]
     );
 }
