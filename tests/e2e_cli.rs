@@ -29,7 +29,10 @@ const SHIPPED: &[(&str, &[&str])] = &[
         "kvroute-plugin-session-affinity",
         &["{}", r#"{"fallback": "hash", "ttl_ms": 60000}"#],
     ),
-    ("kvroute-plugin-ttft-aware", &["{}", r#"{"work_weight": 0}"#]),
+    (
+        "kvroute-plugin-ttft-aware",
+        &["{}", r#"{"work_weight": 0}"#],
+    ),
 ];
 
 fn check(wasm: &std::path::Path, extra: &[&str]) -> (Output, String) {

@@ -19,7 +19,7 @@ fn sh_blocks(markdown: &str) -> Vec<String> {
     let mut current: Option<String> = None;
     for line in markdown.lines() {
         match (&mut current, line.trim_start()) {
-            (None, l) if l == "```sh" => current = Some(String::new()),
+            (None, "```sh") => current = Some(String::new()),
             (Some(_), "```") => blocks.push(current.take().unwrap()),
             (Some(b), _) => {
                 b.push_str(line);
@@ -127,9 +127,17 @@ fn sdk_tutorial_runs_as_written() {
     assert!(answers.len() >= 5, "five JSON answers:\n{output}");
     assert_eq!(answers[0]["status"], "ready", "{}", answers[0]);
     assert_eq!(answers[1]["name"], "my-policy");
-    assert_eq!(answers[1]["active"], true, "uploaded and activated: {}", answers[1]);
+    assert_eq!(
+        answers[1]["active"], true,
+        "uploaded and activated: {}",
+        answers[1]
+    );
     assert_eq!(answers[1]["plugin"]["abi_version"], 2);
-    assert_eq!(answers[2]["version"], 2, "reconfiguring makes version 2: {}", answers[2]);
+    assert_eq!(
+        answers[2]["version"], 2,
+        "reconfiguring makes version 2: {}",
+        answers[2]
+    );
     assert_eq!(answers[2]["config"], "{\"cache_weight\": 0.5}");
     assert_eq!(answers[3]["active"], "my-policy", "{}", answers[3]);
     assert_eq!(

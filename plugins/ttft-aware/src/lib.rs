@@ -34,8 +34,7 @@
 //!   "work_weight": 6}`
 
 use kvroute_sdk::{
-    parse_config, preferred_multiplier, Candidates, Context, Decision, Policy,
-    Request, Row,
+    parse_config, preferred_multiplier, Candidates, Context, Decision, Policy, Request, Row,
 };
 
 /// The configuration.
