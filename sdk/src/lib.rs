@@ -27,9 +27,10 @@
 //! plain `cargo test` through [`testing`], no Wasm involved.
 //!
 //! ## No capabilities
-//! A policy runs with no WASI capabilities: anything that reads the clock, the environment or OS
-//! randomness traps (so does `std::collections::HashMap::new()`, whose `RandomState` asks for
-//! random keys: use `BTreeMap` or a fixed hasher). Use [`SplitMix64`] for randomness and
+//! A policy runs with no WASI capabilities: files, the clock, the network and stdio trap. The
+//! environment reads as empty, and `wasi:random` is a fixed pseudo-random stream per instance (not
+//! entropy: it lets language runtimes and `std::collections::HashMap`'s `RandomState` start, and
+//! keeps answers reproducible). Use [`SplitMix64`] for randomness of your own and
 //! `Request::now_ms` (the router's clock, simulated under `kvroute replay`) for time.
 //!
 //! ## State
