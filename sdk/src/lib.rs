@@ -69,21 +69,28 @@ pub use helpers::*;
 /// The ABI version this SDK speaks (`plugin-info.abi-version`).
 pub const ABI_VERSION: u32 = 2;
 
+/// The default [`Policy::info`]: named after the crate (without a `kvroute-plugin-` prefix), this
+/// SDK's ABI version, a deterministic scorer. Override fields with struct update syntax:
+/// `PluginInfo { kind: PluginKind::Selector, ..plugin_info(name, version) }`.
+pub fn plugin_info(crate_name: &str, crate_version: &str) -> PluginInfo {
+    PluginInfo {
+        name: crate_name
+            .strip_prefix("kvroute-plugin-")
+            .unwrap_or(crate_name)
+            .to_string(),
+        version: crate_version.to_string(),
+        abi_version: ABI_VERSION,
+        deterministic: true,
+        kind: PluginKind::Scorer,
+    }
+}
+
 /// A routing policy. Only [`Policy::decide`] is required.
 pub trait Policy: Default + 'static {
     /// Describes the policy. The default uses the crate's name and version (passed in by
     /// [`export_policy!`]), a deterministic scorer.
     fn info(&self, crate_name: &str, crate_version: &str) -> PluginInfo {
-        PluginInfo {
-            name: crate_name
-                .strip_prefix("kvroute-plugin-")
-                .unwrap_or(crate_name)
-                .to_string(),
-            version: crate_version.to_string(),
-            abi_version: ABI_VERSION,
-            deterministic: true,
-            kind: PluginKind::Scorer,
-        }
+        plugin_info(crate_name, crate_version)
     }
 
     /// Applies the operator's JSON configuration (`{}` when none was given). The error message is

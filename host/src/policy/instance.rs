@@ -18,6 +18,7 @@ use super::error::FallbackReason;
 use super::runtime::RuntimeShared;
 use super::stats::PolicyStats;
 use super::TaintTable;
+use crate::router::SeededRng;
 
 /// Longest plugin log line kept; longer lines are cut at a character boundary.
 const MAX_LOG_LINE: usize = 1024;
@@ -39,20 +40,11 @@ pub(crate) struct HostState {
     grace_windows: u32,
     grace_ticks: u64,
     max_grace_windows: u32,
-    /// State of the fixed pseudo-random stream behind `wasi:random` (see `runtime.rs`).
-    pub(crate) entropy: u64,
+    /// The fixed pseudo-random stream behind `wasi:random` (see `runtime.rs`).
+    pub(crate) entropy: SeededRng,
 }
 
 impl HostState {
-    /// The next value of the instance's fixed pseudo-random stream (SplitMix64).
-    pub(crate) fn next_entropy(&mut self) -> u64 {
-        self.entropy = self.entropy.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.entropy;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
     pub(crate) fn new(policy: Arc<str>, shared: &RuntimeShared, stats: Arc<PolicyStats>) -> Self {
         let burst = f64::from(shared.config.log_burst);
         Self {
@@ -64,7 +56,7 @@ impl HostState {
             log_rate: f64::from(shared.config.log_lines_per_second),
             log_burst: burst,
             stats,
-            entropy: 0x6b76_726f_7574_6521,
+            entropy: SeededRng::new(0x6b76_726f_7574_6521),
             grace_window: None,
             grace_windows: 0,
             grace_ticks: shared.config.grace_ticks(),

@@ -77,17 +77,17 @@ fn define_answered_wasi(
                 }
                 "get-random-bytes" => inst.func_wrap(
                     "get-random-bytes",
-                    |mut store: wasmtime::StoreContextMut<'_, HostState>, (len,): (u64,)| {
+                    |store: wasmtime::StoreContextMut<'_, HostState>, (len,): (u64,)| {
                         // A policy has no reason to ask for much; refuse absurd sizes.
                         if len > 1 << 20 {
                             return Err(wasmtime::format_err!(
                                 "get-random-bytes: {len} bytes asked, at most 1 MiB"
                             ));
                         }
-                        let state = store.data_mut();
+                        let state = store.data();
                         let mut out = Vec::with_capacity(len as usize);
                         while out.len() < len as usize {
-                            out.extend_from_slice(&state.next_entropy().to_le_bytes());
+                            out.extend_from_slice(&state.entropy.next_u64().to_le_bytes());
                         }
                         out.truncate(len as usize);
                         Ok((out,))
@@ -95,15 +95,15 @@ fn define_answered_wasi(
                 )?,
                 "get-random-u64" => inst.func_wrap(
                     "get-random-u64",
-                    |mut store: wasmtime::StoreContextMut<'_, HostState>, (): ()| {
-                        Ok((store.data_mut().next_entropy(),))
+                    |store: wasmtime::StoreContextMut<'_, HostState>, (): ()| {
+                        Ok((store.data().entropy.next_u64(),))
                     },
                 )?,
                 "insecure-seed" => inst.func_wrap(
                     "insecure-seed",
-                    |mut store: wasmtime::StoreContextMut<'_, HostState>, (): ()| {
-                        let s = store.data_mut();
-                        Ok(((s.next_entropy(), s.next_entropy()),))
+                    |store: wasmtime::StoreContextMut<'_, HostState>, (): ()| {
+                        let rng = &store.data().entropy;
+                        Ok(((rng.next_u64(), rng.next_u64()),))
                     },
                 )?,
                 _ => {}

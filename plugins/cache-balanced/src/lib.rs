@@ -13,7 +13,8 @@
 //! `{"cache_threshold": 0.5, "balance_abs_threshold": 32, "balance_rel_threshold": 1.0001, "load": "requests"}`
 
 use kvroute_sdk::{
-    parse_config, Candidates, Context, Decision, PluginInfo, PluginKind, Policy, Request, Row,
+    parse_config, plugin_info, Candidates, Context, Decision, PluginInfo, PluginKind, Policy,
+    Request, Row,
 };
 
 /// What counts as load.
@@ -73,11 +74,8 @@ impl CacheBalanced {
 impl Policy for CacheBalanced {
     fn info(&self, name: &str, version: &str) -> PluginInfo {
         PluginInfo {
-            name: name.strip_prefix("kvroute-plugin-").unwrap_or(name).into(),
-            version: version.into(),
-            abi_version: kvroute_sdk::ABI_VERSION,
-            deterministic: true,
             kind: PluginKind::Selector,
+            ..plugin_info(name, version)
         }
     }
 

@@ -43,8 +43,8 @@
 use std::collections::BTreeMap;
 
 use kvroute_sdk::{
-    parse_config, preferred_multiplier, Candidates, Context, Decision, PluginInfo, PluginKind,
-    Policy, Request, Row,
+    parse_config, plugin_info, preferred_multiplier, Candidates, Context, Decision, PluginInfo,
+    PluginKind, Policy, Request, Row, SplitMix64,
 };
 
 /// How a session without a usable memory is placed.
@@ -222,29 +222,17 @@ fn session_key(session: &str) -> u64 {
 
 /// Rendezvous (highest random weight) score of a session on a candidate.
 fn rendezvous(key: u64, r: &Row<'_>) -> u64 {
+    let mix = |z: u64| SplitMix64::new(z).next_u64();
     mix(key ^ mix(r.worker_id() ^ (u64::from(r.dp_rank()) << 48)))
-}
-
-/// SplitMix64's finalizer: a strong 64-bit mix.
-fn mix(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
 }
 
 impl Policy for SessionAffinity {
     fn info(&self, crate_name: &str, crate_version: &str) -> PluginInfo {
         PluginInfo {
-            name: crate_name
-                .strip_prefix("kvroute-plugin-")
-                .unwrap_or(crate_name)
-                .to_string(),
-            version: crate_version.to_string(),
-            abi_version: kvroute_sdk::ABI_VERSION,
             // Answers depend on the sessions seen before.
             deterministic: false,
             kind: PluginKind::Mixed,
+            ..plugin_info(crate_name, crate_version)
         }
     }
 
