@@ -35,6 +35,12 @@ const SHIPPED: &[(&str, &[&str])] = &[
     ),
 ];
 
+/// A per-call deadline for checks that are about behaviour, not speed: the other tests of this
+/// file build components with cargo at the same time, and on a 2-core machine a 1,024-candidate
+/// call can then miss the 2 ms default for want of CPU. Deadlines themselves are tested with the
+/// `misbehave` builds (which use the default) and in `host/tests/policy_runtime.rs`.
+const FUNCTIONAL_DEADLINE: [&str; 2] = ["--deadline-us", "50000"];
+
 fn check(wasm: &std::path::Path, extra: &[&str]) -> (Output, String) {
     let mut args = vec!["policy", "check", wasm.to_str().unwrap()];
     args.extend_from_slice(extra);
@@ -54,7 +60,8 @@ fn policy_check_passes_every_shipped_plugin() {
     for (package, configs) in SHIPPED {
         let wasm = build_plugin(package);
         for config in *configs {
-            let (out, text) = check(&wasm, &["--config", config]);
+            let args = [&["--config", *config][..], &FUNCTIONAL_DEADLINE].concat();
+            let (out, text) = check(&wasm, &args);
             assert!(
                 out.status.success(),
                 "{package} with {config} should pass `policy check`:\n{text}"
@@ -205,12 +212,17 @@ fn policy_new_scaffold_builds_and_passes_check() {
         String::from_utf8_lossy(&built.stderr)
     );
     let wasm = target.join("wasm32-wasip2/release/fresh_policy.wasm");
-    let (out, text) = check(&wasm, &[]);
+    let (out, text) = check(&wasm, &FUNCTIONAL_DEADLINE);
     assert!(
         out.status.success(),
         "the scaffold passes the check:\n{text}"
     );
-    let (out, text) = check(&wasm, &["--config", r#"{"cache_weight": 0.5}"#]);
+    let args = [
+        &["--config", r#"{"cache_weight": 0.5}"#][..],
+        &FUNCTIONAL_DEADLINE,
+    ]
+    .concat();
+    let (out, text) = check(&wasm, &args);
     assert!(out.status.success(), "with its documented config:\n{text}");
     let (out, text) = check(&wasm, &["--config", r#"{"cache_wieght": 0.5}"#]);
     assert_eq!(

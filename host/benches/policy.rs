@@ -30,6 +30,17 @@ fn decision_path(c: &mut Criterion) {
     let reg = registry();
     reg.load("native-cost", &bytes, None, true)
         .expect("load native-cost");
+    // The same component trusting the host's base costs (it only applies the preferred taints):
+    // mostly the boundary.
+    let passthrough = registry();
+    passthrough
+        .load(
+            "native-cost",
+            &bytes,
+            Some(r#"{"use_base_cost": true}"#),
+            true,
+        )
+        .expect("load native-cost passthrough");
     let taints = support::taint_table(1, 4);
     let weights = CostWeights::default();
     let mut group = c.benchmark_group("decision");
@@ -45,17 +56,19 @@ fn decision_path(c: &mut Criterion) {
                 black_box(pick(&costs, req.temperature, &mut rng))
             })
         });
-        group.bench_with_input(BenchmarkId::new("wasm", n), &n, |b, _| {
-            b.iter(|| {
-                fill_base_costs(&req, &mut cols, &weights);
-                let d = reg.decide(&req, &cols, &taints);
-                match d.outcome {
-                    Outcome::Costs(c) => black_box(pick(&c, req.temperature, &mut rng)),
-                    Outcome::Pick(i) => Some(i),
-                    Outcome::Fallback(r) => panic!("fallback in bench: {r}"),
-                }
-            })
-        });
+        for (label, reg) in [("wasm", &reg), ("wasm-passthrough", &passthrough)] {
+            group.bench_with_input(BenchmarkId::new(label, n), &n, |b, _| {
+                b.iter(|| {
+                    fill_base_costs(&req, &mut cols, &weights);
+                    let d = reg.decide(&req, &cols, &taints);
+                    match d.outcome {
+                        Outcome::Costs(c) => black_box(pick(&c, req.temperature, &mut rng)),
+                        Outcome::Pick(i) => Some(i),
+                        Outcome::Fallback(r) => panic!("fallback in bench: {r}"),
+                    }
+                })
+            });
+        }
     }
     group.finish();
 }

@@ -23,13 +23,14 @@ from componentize_py_types import Err
 from wit_world import exports
 from wit_world.imports import host_log, types
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 DEFAULTS = {"prefill_load_scale": 1.0, "host_tier_weight": 0.75, "disk_tier_weight": 0.25}
 
 
 class Policy(exports.Policy):
     def __init__(self):
         self.weights = dict(DEFAULTS)
+        self.block_size = 16
 
     def info(self) -> types.PluginInfo:
         return types.PluginInfo(
@@ -61,14 +62,16 @@ class Policy(exports.Policy):
         self.weights = weights
         host_log.log(types.LogLevel.DEBUG, f"configured: {weights}")
 
-    def set_taint_table(self, version: int, names: list) -> None:
+    def set_context(self, context: types.HostContext) -> None:
         # Taints are compared by id; names are not needed.
-        pass
+        self.block_size = context.block_size
 
     def decide(self, req: types.Request, candidates: types.Candidates) -> types.Decision:
-        n = candidates.count
-        c64 = candidates.columns64
-        c32 = candidates.columns32
+        # The packed layout of `record candidates` in wit/policy.wit.
+        c64 = candidates.columns_u64
+        c32 = candidates.columns_u32
+        f64 = candidates.columns_f64
+        n = len(c64) // 4
         prefill_tokens = c64[n : 2 * n]
         decode_blocks = c64[2 * n : 3 * n]
         device = c32[n : 2 * n]
@@ -76,12 +79,16 @@ class Policy(exports.Policy):
         disk = c32[3 * n : 4 * n]
         prompt_active = c32[5 * n : 6 * n]
         offsets = c32[7 * n : 8 * n + 1]
-        taint_ids = c32[8 * n + 1 :]
+        prefs_start = 8 * n + 1 + offsets[n]
+        taint_ids = c32[8 * n + 1 : prefs_start]
+        # The request's preferred taints: ids after the taint index, weights after the costs.
+        prefs = list(zip(c32[prefs_start:], f64[n:]))
 
         w = self.weights
-        b = float(max(req.block_size, 1))
+        block_size = max(self.block_size, 1)
+        b = float(block_size)
         isl = float(req.prompt_tokens)
-        blocks = -(-req.prompt_tokens // max(req.block_size, 1))
+        blocks = -(-req.prompt_tokens // block_size)
         costs = []
         for i in range(n):
             d, h, k = device[i], host[i], disk[i]
@@ -94,13 +101,12 @@ class Policy(exports.Policy):
             decode = decode_blocks[i] + max(blocks - prompt_active[i], 0)
             costs.append(w["prefill_load_scale"] * prefill + decode)
 
-        prefs = req.preferred_taints
         if prefs:
             for i in range(n):
                 mine = taint_ids[offsets[i] : offsets[i + 1]]
                 s = 0.0
-                for p in prefs:
-                    if p.taint in mine:
-                        s += p.weight
+                for taint, weight in prefs:
+                    if taint in mine:
+                        s += weight
                 costs[i] *= math.exp(-math.tanh(s))
         return types.Decision_Costs(costs)

@@ -238,18 +238,19 @@ impl CandidateSet {
         }
     }
 
-    /// The columns packed as they cross the interface (WIT `record candidates`).
-    pub fn to_wire(&self) -> crate::WireCandidates {
-        let mut columns64 = Vec::new();
+    /// The columns packed as they cross the interface (WIT `record candidates`), with the
+    /// request's preferred taints at the end.
+    pub fn to_wire(&self, preferred: &[PreferredTaint]) -> crate::WireCandidates {
+        let mut columns_u64 = Vec::new();
         for col in [
             &self.worker_id,
             &self.active_prefill_tokens,
             &self.active_decode_blocks,
             &self.total_kv_blocks,
         ] {
-            columns64.extend_from_slice(col);
+            columns_u64.extend_from_slice(col);
         }
-        let mut columns32 = Vec::new();
+        let mut columns_u32 = Vec::new();
         for col in [
             &self.dp_rank,
             &self.device_overlap,
@@ -261,13 +262,15 @@ impl CandidateSet {
             &self.taint_offsets,
             &self.taint_ids,
         ] {
-            columns32.extend_from_slice(col);
+            columns_u32.extend_from_slice(col);
         }
+        columns_u32.extend(preferred.iter().map(|p| p.taint));
+        let mut columns_f64 = self.base_cost.clone();
+        columns_f64.extend(preferred.iter().map(|p| f64::from(p.weight)));
         crate::WireCandidates {
-            count: self.worker_id.len() as u32,
-            columns64,
-            columns32,
-            base_cost: self.base_cost.clone(),
+            columns_u64,
+            columns_u32,
+            columns_f64,
         }
     }
 }
@@ -339,7 +342,11 @@ pub fn build(req: &RequestSpec, set: &[CandidateSpec]) -> (Context, Request, Can
         })
         .collect();
     c.base_cost = base;
-    (Context::new(1, names), request, c)
+    (
+        Context::new(1, names).with_block_size(req.block_size),
+        request,
+        c,
+    )
 }
 
 /// Runs a policy natively.
@@ -372,8 +379,10 @@ impl<P: Policy> Harness<P> {
     pub fn decide(&mut self, req: &RequestSpec, set: &[CandidateSpec]) -> Decision {
         let (ctx, request, cands) = build(req, set);
         // Through the interface's packed form and back, exactly as a Wasm build receives it.
-        let wire = cands.to_wire();
+        let wire = cands.to_wire(&request.preferred_taints);
         let view = Candidates::from_wire(&wire).expect("the harness packs valid columns");
+        let request = Request::from_wire(request.to_wire(), &wire, &ctx)
+            .expect("the harness packs a valid request");
         debug_assert_eq!(view.base_cost, cands.view().base_cost);
         let d = self.policy.decide(&ctx, &request, &view);
         match &d {

@@ -88,6 +88,12 @@ fn prompt_of(tokens: Option<Vec<u32>>, block_hashes: Option<Vec<u64>>) -> Result
     }
 }
 
+impl super::token_json::TokenBody for RouteBody {
+    fn tokens_mut(&mut self) -> &mut Option<Vec<u32>> {
+        &mut self.tokens
+    }
+}
+
 impl RouteBody {
     pub fn into_request(self, limits: &BodyLimits) -> Result<RouteRequest, ApiError> {
         let prompt = prompt_of(self.tokens, self.block_hashes)?;
@@ -415,6 +421,12 @@ pub struct OverlapBody {
     pub lora_name: Option<String>,
     #[serde(default)]
     pub cache_salt: Option<String>,
+}
+
+impl super::token_json::TokenBody for OverlapBody {
+    fn tokens_mut(&mut self) -> &mut Option<Vec<u32>> {
+        &mut self.tokens
+    }
 }
 
 impl OverlapBody {

@@ -12,12 +12,14 @@ use std::time::Instant;
 use parking_lot::Mutex;
 use wasmtime::{ResourceLimiter, Store, StoreContextMut, Trap, UpdateDeadline};
 
-use super::bindings::kvroute::policy::types::{Candidates, Decision, LogLevel, Request};
+use super::bindings::kvroute::policy::types::{
+    Candidates, Decision, HostContext, LogLevel, Request,
+};
 use super::bindings::{PolicyPlugin, PolicyPluginPre};
 use super::error::FallbackReason;
 use super::runtime::RuntimeShared;
 use super::stats::PolicyStats;
-use super::TaintTable;
+use super::DecisionContext;
 use crate::router::SeededRng;
 
 /// Longest plugin log line kept; longer lines are cut at a character boundary.
@@ -313,8 +315,9 @@ impl Drop for LiveGuard {
 pub(crate) struct PluginInstance {
     store: Store<HostState>,
     plugin: PolicyPlugin,
-    /// The taint-table version this instance was last given (`None`: never).
-    taint_version: Option<u64>,
+    /// The context (taint-table version, block size) this instance was last given (`None`:
+    /// never).
+    context: Option<(u64, u32)>,
     _live: LiveGuard,
 }
 
@@ -331,30 +334,39 @@ pub(crate) enum InstanceError {
 }
 
 impl PluginInstance {
-    /// Hands the instance a taint table ahead of its first decision.
-    pub(crate) fn prime_taints(&mut self, taints: &TaintTable, ticks: u64) -> Result<(), Failure> {
-        self.sync_taints(taints, ticks)
+    /// Hands the instance a context ahead of its first decision.
+    pub(crate) fn prime_context(
+        &mut self,
+        ctx: DecisionContext<'_>,
+        ticks: u64,
+    ) -> Result<(), Failure> {
+        self.sync_context(ctx, ticks)
     }
 
-    /// Calls `set-taint-table` when this instance has not seen `taints.version` yet.
-    fn sync_taints(&mut self, taints: &TaintTable, ticks: u64) -> Result<(), Failure> {
-        if self.taint_version == Some(taints.version) {
+    /// Calls `set-context` when this instance has not seen `ctx` yet.
+    fn sync_context(&mut self, ctx: DecisionContext<'_>, ticks: u64) -> Result<(), Failure> {
+        if self.context == Some(ctx.key()) {
             return Ok(());
         }
-        let names: Vec<&str> = taints.names.iter().map(String::as_str).collect();
+        let names: Vec<&str> = ctx.taints.names.iter().map(String::as_str).collect();
         self.store.data_mut().arm();
         self.store.set_epoch_deadline(ticks);
-        match self.plugin.kvroute_policy_policy().call_set_taint_table(
-            &mut self.store,
-            taints.version,
-            &names,
-        ) {
+        let wire = HostContext {
+            version: ctx.taints.version,
+            block_size: ctx.block_size,
+            taint_names: &names,
+        };
+        match self
+            .plugin
+            .kvroute_policy_policy()
+            .call_set_context(&mut self.store, wire)
+        {
             Ok(()) => {
-                self.taint_version = Some(taints.version);
+                self.context = Some(ctx.key());
                 Ok(())
             }
             Err(e) => Err(Failure::wasm(
-                "set-taint-table",
+                "set-context",
                 e,
                 self.store.data().memory_denied,
             )),
@@ -366,10 +378,10 @@ impl PluginInstance {
         &mut self,
         req: Request<'_>,
         cands: Candidates<'_>,
-        taints: &TaintTable,
+        ctx: DecisionContext<'_>,
         ticks: u64,
     ) -> Result<Decision, Failure> {
-        self.sync_taints(taints, ticks)?;
+        self.sync_context(ctx, ticks)?;
         self.store.data_mut().arm();
         self.store.set_epoch_deadline(ticks);
         self.plugin
@@ -446,7 +458,7 @@ impl Stage {
         Ok(PluginInstance {
             store,
             plugin,
-            taint_version: None,
+            context: None,
             _live: LiveGuard(self.live.clone()),
         })
     }
@@ -504,14 +516,14 @@ impl Stage {
         self: &Arc<Self>,
         req: Request<'_>,
         cands: Candidates<'_>,
-        taints: &TaintTable,
+        ctx: DecisionContext<'_>,
         allow_pick: bool,
         ticks: u64,
     ) -> Result<Answer, Failure> {
-        let n = cands.count as usize;
+        let n = super::wire::candidate_count(&cands);
         let mut inst = self.take()?;
         match inst
-            .decide(req, cands, taints, ticks)
+            .decide(req, cands, ctx, ticks)
             .and_then(|d| validate(d, n, allow_pick))
         {
             Ok(answer) => {

@@ -5,11 +5,14 @@
 //! candidates; the active policy answers one cost per candidate (the router picks with the
 //! request's temperature) or one pick. The host stays in charge of every guarantee:
 //!
-//! - **Columns, not records.** Candidates cross the boundary as a record of primitive lists
-//!   ([`CandidateColumns`] mirrors it), lowered with one `memcpy` per column straight from the
-//!   router's buffers (the bindings borrow; nothing is copied on the host side). Lowering a list of
-//!   records costs ~3× more, and a string per candidate costs microseconds; taints are therefore
-//!   ids into a [`TaintTable`] that an instance receives only when its version changes.
+//! - **Columns, not records.** Candidates cross the boundary as columns of primitives packed into
+//!   one list per primitive type (`wire.rs` packs [`CandidateColumns`] into per-thread buffers),
+//!   each lowered with one `memcpy`. Lowering a list of records costs ~3× more, and a string per
+//!   candidate costs microseconds; taints are therefore ids into a [`TaintTable`] that an instance
+//!   receives (with the block size, through `set-context`) only when its version changes.
+//!   `decide`'s arguments flatten to 16 values so that they travel in registers: past 16 the
+//!   canonical ABI stores every field into guest memory one by one, which measured as ~30% of a
+//!   small decision.
 //! - **Long-lived instances.** Instantiating costs 3–11 µs and the first call on a fresh instance
 //!   0.1–0.3 ms, so each stage keeps a pool of configured instances; a decision takes one, calls it
 //!   and puts it back. Several router threads decide at once, each on its own instance.
@@ -79,6 +82,21 @@ pub use crate::candidate::{CandidateColumns, PolicyRequest};
 pub struct TaintTable {
     pub version: u64,
     pub names: Arc<[String]>,
+}
+
+/// What an instance is told through `set-context` before a decision: the taint table and the
+/// router's block size. An instance is called again only when either differs from what it saw.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct DecisionContext<'a> {
+    pub taints: &'a TaintTable,
+    pub block_size: u32,
+}
+
+impl DecisionContext<'_> {
+    /// What identifies this context for an instance.
+    pub(crate) fn key(&self) -> (u64, u32) {
+        (self.taints.version, self.block_size)
+    }
 }
 
 impl TaintTable {

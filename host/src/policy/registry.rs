@@ -12,7 +12,7 @@ use serde::Serialize;
 
 use crate::candidate::{CandidateColumns, PolicyRequest};
 
-use super::bindings::kvroute::policy::types::{Candidates, PreferredTaint, Request};
+use super::bindings::kvroute::policy::types::{Candidates, Request};
 use super::config::PolicyRuntimeConfig;
 use super::error::{FallbackReason, PolicyError};
 use super::instance::{Answer, Failure, InstanceError, Stage};
@@ -20,8 +20,8 @@ use super::pipeline::{is_path, PipelineSpec};
 use super::runtime::{sha256_hex, CompiledPlugin, PluginDescription, PluginKind, PolicyRuntime};
 use super::selftest;
 use super::stats::{PolicyStats, StatsSnapshot};
-use super::wire::with_wit_candidates;
-use super::TaintTable;
+use super::wire::{candidate_count, with_wit_decision};
+use super::{DecisionContext, TaintTable};
 
 /// What a decision through the policy produced.
 #[derive(Clone, Debug, PartialEq)]
@@ -161,18 +161,18 @@ impl PolicyVersion {
         &self,
         req: Request<'_>,
         cands: Candidates<'_>,
-        taints: &TaintTable,
+        ctx: DecisionContext<'_>,
         ticks: u64,
     ) -> Result<Answer, Failure> {
         if self.single() {
-            return self.scorers[0].decide(req, cands, taints, true, ticks);
+            return self.scorers[0].decide(req, cands, ctx, true, ticks);
         }
-        let n = cands.count as usize;
+        let n = candidate_count(&cands);
         let mut combined = None;
         if !self.scorers.is_empty() {
             let mut sum = vec![0.0; n];
             for stage in &self.scorers {
-                match stage.decide(req.clone(), cands.clone(), taints, false, ticks)? {
+                match stage.decide(req.clone(), cands.clone(), ctx, false, ticks)? {
                     Answer::Costs(c) => {
                         for (s, c) in sum.iter_mut().zip(c) {
                             *s += stage.weight * c;
@@ -196,11 +196,16 @@ impl PolicyVersion {
         }
         match &self.selector {
             Some(sel) => {
+                // The selector's base costs are the weighted sum; the preferred-taint weights
+                // after them stay.
+                let mut f64s;
                 let mut c = cands;
-                if let Some(sum) = &combined {
-                    c.base_cost = sum;
+                if let Some(sum) = combined {
+                    f64s = sum;
+                    f64s.extend_from_slice(c.columns_f64.get(n..).unwrap_or(&[]));
+                    c.columns_f64 = &f64s;
                 }
-                sel.decide(req, c, taints, true, ticks)
+                sel.decide(req, c, ctx, true, ticks)
             }
             None => Ok(Answer::Costs(combined.unwrap_or_default())),
         }
@@ -320,6 +325,8 @@ pub struct PolicyRegistry {
     admin: Mutex<()>,
     /// The last taint table seen by `decide`, to prime new instances with it.
     last_taints: ArcSwapOption<TaintTable>,
+    /// The block size of the last decision, for the same purpose.
+    last_block_size: AtomicU32,
     /// Compiled components by digest, so the same bytes are compiled once while any version uses them.
     compiled: Mutex<HashMap<String, std::sync::Weak<CompiledPlugin>>>,
     counters: RegistryCounters,
@@ -379,6 +386,7 @@ impl PolicyRegistry {
             }),
             admin: Mutex::new(()),
             last_taints: ArcSwapOption::empty(),
+            last_block_size: AtomicU32::new(16),
             compiled: Mutex::new(HashMap::new()),
             counters: RegistryCounters::default(),
         })
@@ -431,12 +439,17 @@ impl PolicyRegistry {
             };
         }
         self.remember_taints(taints);
+        if self.last_block_size.load(Relaxed) != req.block_size {
+            self.last_block_size.store(req.block_size, Relaxed);
+        }
         let policy = &active.policy;
         let start = Instant::now();
-        let result = with_wit_request(req, taints.version, |wreq| {
-            with_wit_candidates(cols, |wcands| {
-                policy.run(wreq, wcands, taints, self.runtime.shared.deadline_ticks)
-            })
+        let ctx = DecisionContext {
+            taints,
+            block_size: req.block_size,
+        };
+        let result = with_wit_decision(req, cols, |wreq, wcands| {
+            policy.run(wreq, wcands, ctx, self.runtime.shared.deadline_ticks)
         });
         let nanos = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
         let outcome = match result {
@@ -889,12 +902,13 @@ impl PolicyRegistry {
         let ticks = shared.setup_ticks;
         for n in selftest::SELF_TEST_SIZES {
             let (req, cols) = selftest::decision(n);
-            with_wit_request(&req, table.version, |wreq| {
-                with_wit_candidates(&cols, |wc| version.run(wreq, wc, &table, ticks))
-            })
-            .map_err(|f| {
-                PolicyError::SelfTest(format!("{n} candidates: {} ({})", f.reason, f.detail))
-            })?;
+            let ctx = DecisionContext {
+                taints: &table,
+                block_size: req.block_size,
+            };
+            with_wit_decision(&req, &cols, |wreq, wc| version.run(wreq, wc, ctx, ticks)).map_err(
+                |f| PolicyError::SelfTest(format!("{n} candidates: {} ({})", f.reason, f.detail)),
+            )?;
         }
         // Warm: make the pool's instances and run one decision on each (first calls are slow),
         // then hand them the router's current taint table.
@@ -908,18 +922,21 @@ impl PolicyRegistry {
                 warmed.push(inst);
             }
             for inst in &mut warmed {
-                with_wit_request(&req, table.version, |wreq| {
-                    with_wit_candidates(&cols, |wc| inst.decide(wreq, wc, &table, ticks))
-                })
-                .map_err(|f| {
-                    PolicyError::SelfTest(format!("warm-up: {} ({})", f.reason, f.detail))
-                })?;
+                let ctx = DecisionContext {
+                    taints: &table,
+                    block_size: req.block_size,
+                };
+                with_wit_decision(&req, &cols, |wreq, wc| inst.decide(wreq, wc, ctx, ticks))
+                    .map_err(|f| {
+                        PolicyError::SelfTest(format!("warm-up: {} ({})", f.reason, f.detail))
+                    })?;
                 if let Some(t) = &router_taints {
-                    inst.prime_taints(t, ticks).map_err(|f| {
-                        PolicyError::SelfTest(format!(
-                            "set-taint-table: {} ({})",
-                            f.reason, f.detail
-                        ))
+                    let ctx = DecisionContext {
+                        taints: t,
+                        block_size: self.last_block_size.load(Relaxed),
+                    };
+                    inst.prime_context(ctx, ticks).map_err(|f| {
+                        PolicyError::SelfTest(format!("set-context: {} ({})", f.reason, f.detail))
                     })?;
                 }
             }
@@ -954,46 +971,6 @@ fn columns_consistent(c: &CandidateColumns) -> bool {
         && c.taint_offsets.len() == n + 1
         && c.taint_offsets.first() == Some(&0)
         && c.taint_offsets.last().map(|&l| l as usize) == Some(c.taint_ids.len())
-}
-
-/// Calls `f` with the WIT view of `req` (preferred taints converted on the stack when few).
-fn with_wit_request<R>(
-    req: &PolicyRequest,
-    taint_version: u64,
-    f: impl FnOnce(Request<'_>) -> R,
-) -> R {
-    const INLINE: usize = 8;
-    let mut inline = [PreferredTaint {
-        taint: 0,
-        weight: 0.0,
-    }; INLINE];
-    let heap: Vec<PreferredTaint>;
-    let prefs: &[PreferredTaint] = if req.preferred_taints.len() <= INLINE {
-        for (slot, &(taint, weight)) in inline.iter_mut().zip(&req.preferred_taints) {
-            *slot = PreferredTaint { taint, weight };
-        }
-        &inline[..req.preferred_taints.len()]
-    } else {
-        heap = req
-            .preferred_taints
-            .iter()
-            .map(|&(taint, weight)| PreferredTaint { taint, weight })
-            .collect();
-        &heap
-    };
-    f(Request {
-        request_id: &req.request_id,
-        prompt_tokens: req.prompt_tokens,
-        request_blocks: req.request_blocks,
-        block_size: req.block_size,
-        preferred_taints: prefs,
-        priority: req.priority,
-        expected_output_tokens: req.expected_output_tokens,
-        temperature: req.temperature,
-        session_id: req.session_id.as_deref(),
-        taint_table_version: taint_version,
-        now_ms: req.now_ms,
-    })
 }
 
 /// RFC 3339 (UTC, seconds) of a system time.

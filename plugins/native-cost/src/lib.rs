@@ -27,7 +27,7 @@ wit_bindgen::generate!({
 });
 
 use exports::kvroute::policy::policy::Guest;
-use kvroute::policy::types::{Candidates, Decision, PluginInfo, PluginKind, Request};
+use kvroute::policy::types::{Candidates, Decision, HostContext, PluginInfo, PluginKind, Request};
 
 #[derive(Clone, Copy, Debug, serde::Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -54,6 +54,8 @@ const MAX_MASK_BITS: usize = 6;
 
 thread_local! {
     static CONFIG: RefCell<Config> = RefCell::new(Config::default());
+    /// Tokens per KV block, from the host's context.
+    static BLOCK_SIZE: std::cell::Cell<u32> = const { std::cell::Cell::new(16) };
 }
 
 struct NativeCost;
@@ -63,7 +65,7 @@ impl Guest for NativeCost {
         PluginInfo {
             name: "native-cost".to_string(),
             version: env!("CARGO_PKG_VERSION").to_string(),
-            abi_version: 2,
+            abi_version: 3,
             deterministic: true,
             kind: PluginKind::Scorer,
         }
@@ -91,29 +93,35 @@ impl Guest for NativeCost {
         Ok(())
     }
 
-    fn set_taint_table(_version: u64, _names: Vec<String>) {
+    fn set_context(context: HostContext) {
         // Taints are compared by id only; names are not needed.
+        BLOCK_SIZE.with(|b| b.set(context.block_size));
     }
 
     fn decide(req: Request, c: Candidates) -> Decision {
         let w = CONFIG.with(|c| *c.borrow());
         // The packed layout of `wit/policy.wit` (record `candidates`), read without the SDK so the
         // benchmark measures the interface alone.
-        let n = c.count as usize;
-        let col64 = |k: usize| &c.columns64[k * n..(k + 1) * n];
-        let col32 = |k: usize| &c.columns32[k * n..(k + 1) * n];
+        let n = c.columns_u64.len() / 4;
+        let col64 = |k: usize| &c.columns_u64[k * n..(k + 1) * n];
+        let col32 = |k: usize| &c.columns_u32[k * n..(k + 1) * n];
         let (active_prefill_tokens, active_decode_blocks) = (col64(1), col64(2));
         let (device_overlap, host_overlap, disk_overlap) = (col32(1), col32(2), col32(3));
         let active_prompt_blocks = col32(5);
-        let taint_offsets = &c.columns32[7 * n..8 * n + 1];
-        let taint_ids = &c.columns32[8 * n + 1..];
+        let taint_offsets = &c.columns_u32[7 * n..8 * n + 1];
+        let prefs_start = 8 * n + 1 + taint_offsets[n] as usize;
+        let taint_ids = &c.columns_u32[8 * n + 1..prefs_start];
+        // The request's preferred taints: ids after the taint index, weights after the costs.
+        let pref_ids = &c.columns_u32[prefs_start..];
+        let pref_weights = &c.columns_f64[n..];
         let mut costs = Vec::with_capacity(n);
         if w.use_base_cost {
-            costs.extend_from_slice(&c.base_cost);
+            costs.extend_from_slice(&c.columns_f64[..n]);
         } else {
-            let b = f64::from(req.block_size.max(1));
+            let block_size = BLOCK_SIZE.with(|b| b.get()).max(1);
+            let b = f64::from(block_size);
             let isl = req.prompt_tokens as f64;
-            let blocks = req.prompt_tokens.div_ceil(req.block_size.max(1));
+            let blocks = req.prompt_tokens.div_ceil(block_size);
             for i in 0..n {
                 let (device, host, disk) = (device_overlap[i], host_overlap[i], disk_overlap[i]);
                 let host_extra = host.saturating_sub(device);
@@ -127,8 +135,7 @@ impl Guest for NativeCost {
                 costs.push(w.prefill_load_scale * prefill + decode);
             }
         }
-        let prefs = &req.preferred_taints;
-        if prefs.is_empty() {
+        if pref_ids.is_empty() {
             return Decision::Costs(costs);
         }
         let taints_of = |i: usize| {
@@ -139,14 +146,14 @@ impl Guest for NativeCost {
         // The multiplier exp(-tanh(s)) only depends on which preferred taints a candidate has:
         // with few preferences, compute it once per subset instead of once per candidate. The sum
         // runs over the preferences in the same order as the host's, so results are identical.
-        if prefs.len() <= MAX_MASK_BITS {
-            let multipliers: Vec<f64> = (0..1usize << prefs.len())
+        if pref_ids.len() <= MAX_MASK_BITS {
+            let multipliers: Vec<f64> = (0..1usize << pref_ids.len())
                 .map(|mask| {
-                    let s: f64 = prefs
+                    let s: f64 = pref_weights
                         .iter()
                         .enumerate()
                         .filter(|(b, _)| mask & (1 << b) != 0)
-                        .map(|(_, p)| f64::from(p.weight))
+                        .map(|(_, w)| *w)
                         .sum();
                     (-s.tanh()).exp()
                 })
@@ -154,8 +161,8 @@ impl Guest for NativeCost {
             for (i, cost) in costs.iter_mut().enumerate() {
                 let taints = taints_of(i);
                 let mut mask = 0;
-                for (b, p) in prefs.iter().enumerate() {
-                    if taints.contains(&p.taint) {
+                for (b, id) in pref_ids.iter().enumerate() {
+                    if taints.contains(id) {
                         mask |= 1 << b;
                     }
                 }
@@ -164,10 +171,11 @@ impl Guest for NativeCost {
         } else {
             for (i, cost) in costs.iter_mut().enumerate() {
                 let taints = taints_of(i);
-                let s: f64 = prefs
+                let s: f64 = pref_ids
                     .iter()
-                    .filter(|p| taints.contains(&p.taint))
-                    .map(|p| f64::from(p.weight))
+                    .zip(pref_weights)
+                    .filter(|(id, _)| taints.contains(id))
+                    .map(|(_, w)| *w)
                     .sum();
                 *cost *= (-s.tanh()).exp();
             }

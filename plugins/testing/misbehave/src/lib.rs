@@ -31,7 +31,9 @@ wit_bindgen::generate!({
 
 use exports::kvroute::policy::policy::Guest;
 use kvroute::policy::host_log::log;
-use kvroute::policy::types::{Candidates, Decision, LogLevel, PluginInfo, PluginKind, Request};
+use kvroute::policy::types::{
+    Candidates, Decision, HostContext, LogLevel, PluginInfo, PluginKind, Request,
+};
 
 #[derive(Clone, Debug, Default, serde::Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -66,7 +68,8 @@ const MODES: &[&str] = &[
 struct Misbehave;
 
 fn ok(c: &Candidates) -> Decision {
-    Decision::Costs(c.base_cost.clone())
+    // The host's base costs: the first `n` entries of `columns-f64`.
+    Decision::Costs(c.columns_f64[..c.columns_u64.len() / 4].to_vec())
 }
 
 impl Guest for Misbehave {
@@ -74,7 +77,7 @@ impl Guest for Misbehave {
         PluginInfo {
             name: "misbehave".to_string(),
             version: env!("CARGO_PKG_VERSION").to_string(),
-            abi_version: 2,
+            abi_version: 3,
             deterministic: true,
             kind: PluginKind::Mixed,
         }
@@ -99,7 +102,7 @@ impl Guest for Misbehave {
         Ok(())
     }
 
-    fn set_taint_table(_version: u64, _names: Vec<String>) {}
+    fn set_context(_context: HostContext) {}
 
     fn decide(req: Request, c: Candidates) -> Decision {
         let config = CONFIG.with(|c| c.borrow().clone());
@@ -113,7 +116,7 @@ impl Guest for Misbehave {
         if !triggered {
             return ok(&c);
         }
-        let n = c.count as usize;
+        let n = c.columns_u64.len() / 4;
         match config.mode.as_str() {
             "pick" => Decision::Pick(0),
             "trap" => panic!("misbehave: asked to trap"),
