@@ -1,5 +1,5 @@
-//! Parsing a routing body with a 4,096-token prompt: serde_json alone vs the `tokens` fast path
-//! (`host/src/http/token_json.rs`), side by side in one run.
+//! Parsing a routing body with a 4,096-token prompt: serde_json alone vs the prompt fast path
+//! (`host/src/http/prompt_json.rs`), side by side in one run.
 //!
 //! `cargo bench -p kvroute-host --bench route_body -- --warm-up-time 1 --measurement-time 3`
 
@@ -8,7 +8,7 @@ use std::hint::black_box;
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use kvroute_host::http::dto::RouteBody;
 use kvroute_host::http::error::parse_json_object;
-use kvroute_host::http::token_json::parse_token_body;
+use kvroute_host::http::prompt_json::parse_prompt_body;
 
 /// A body like the load generator's: request id, 4,096 tokens of realistic magnitude, a session.
 fn body() -> Vec<u8> {
@@ -28,17 +28,39 @@ fn body() -> Vec<u8> {
     .into_bytes()
 }
 
+/// The same prompt as 256 precomputed block hashes (full-width `u64`s).
+fn hashes_body() -> Vec<u8> {
+    let mut x: u64 = 0x2545_f491_4f6c_dd1d;
+    let hashes: Vec<String> = (0..256)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x.to_string()
+        })
+        .collect();
+    format!(
+        r#"{{"request_id": "bench-1", "block_hashes": [{}], "session_id": "s-42"}}"#,
+        hashes.join(", ")
+    )
+    .into_bytes()
+}
+
 fn route_body(c: &mut Criterion) {
-    let bytes = body();
-    let mut group = c.benchmark_group("route_body_4096_tokens");
-    group.throughput(Throughput::Bytes(bytes.len() as u64));
-    group.bench_function("serde_json", |b| {
-        b.iter(|| black_box(parse_json_object::<RouteBody>(black_box(&bytes)).unwrap()))
-    });
-    group.bench_function("token_fast_path", |b| {
-        b.iter(|| black_box(parse_token_body::<RouteBody>(black_box(&bytes)).unwrap()))
-    });
-    group.finish();
+    for (name, bytes) in [
+        ("route_body_4096_tokens", body()),
+        ("route_body_256_block_hashes", hashes_body()),
+    ] {
+        let mut group = c.benchmark_group(name);
+        group.throughput(Throughput::Bytes(bytes.len() as u64));
+        group.bench_function("serde_json", |b| {
+            b.iter(|| black_box(parse_json_object::<RouteBody>(black_box(&bytes)).unwrap()))
+        });
+        group.bench_function("prompt_fast_path", |b| {
+            b.iter(|| black_box(parse_prompt_body::<RouteBody>(black_box(&bytes)).unwrap()))
+        });
+        group.finish();
+    }
 }
 
 criterion_group!(benches, route_body);

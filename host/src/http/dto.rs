@@ -88,9 +88,12 @@ fn prompt_of(tokens: Option<Vec<u32>>, block_hashes: Option<Vec<u64>>) -> Result
     }
 }
 
-impl super::token_json::TokenBody for RouteBody {
+impl super::prompt_json::PromptBody for RouteBody {
     fn tokens_mut(&mut self) -> &mut Option<Vec<u32>> {
         &mut self.tokens
+    }
+    fn block_hashes_mut(&mut self) -> &mut Option<Vec<u64>> {
+        &mut self.block_hashes
     }
 }
 
@@ -423,9 +426,12 @@ pub struct OverlapBody {
     pub cache_salt: Option<String>,
 }
 
-impl super::token_json::TokenBody for OverlapBody {
+impl super::prompt_json::PromptBody for OverlapBody {
     fn tokens_mut(&mut self) -> &mut Option<Vec<u32>> {
         &mut self.tokens
+    }
+    fn block_hashes_mut(&mut self) -> &mut Option<Vec<u64>> {
+        &mut self.block_hashes
     }
 }
 

@@ -9,7 +9,7 @@ pub mod dto;
 pub mod error;
 pub mod metrics;
 pub mod openapi;
-pub mod token_json;
+pub mod prompt_json;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -34,7 +34,7 @@ use crate::workers::{SpecError, TaintNames, WorkerSpec};
 use dto::*;
 use error::{ApiError, ApiJson, ApiPath, RawBody};
 pub use metrics::Metrics;
-use token_json::TokenJson;
+use prompt_json::PromptJson;
 
 /// Everything a handler may touch.
 #[derive(Clone)]
@@ -416,7 +416,7 @@ async fn post_events(
 
 async fn route(
     State(s): State<AppState>,
-    TokenJson(body): TokenJson<RouteBody>,
+    PromptJson(body): PromptJson<RouteBody>,
 ) -> Result<Json<RouteResponse>, ApiError> {
     let limits = BodyLimits {
         max_allowed_worker_ids: s.limits.max_allowed_worker_ids,
@@ -497,7 +497,7 @@ async fn free_request(
 
 async fn overlap(
     State(s): State<AppState>,
-    TokenJson(mut body): TokenJson<OverlapBody>,
+    PromptJson(mut body): PromptJson<OverlapBody>,
 ) -> Result<Json<OverlapResponse>, ApiError> {
     let prompt = body.prompt()?;
     let (num_blocks, scores) = s
