@@ -410,12 +410,16 @@ fn native_cost_plugin_equals_host_native_costs() {
                 1 => 1024,
                 _ => rng.gen_range(1..=1024),
             };
-            let (req, cols) = support::random_decision(&mut rng, n, 6);
+            // The block size reaches the plugin through `set-context`: changing it between
+            // decisions must reach every instance before its next `decide`.
+            let block_size = [16, 64, 8, 32][round % 4];
+            let (req, cols) = support::random_decision_with_block_size(&mut rng, n, 6, block_size);
             native_costs(&req, &cols, &mut want);
             let d = reg.decide(&req, &cols, &taints);
+            let what = format!("{name} n={n} block_size={block_size}");
             match d.outcome {
-                Outcome::Costs(got) => assert_close(&got, &want, &format!("{name} n={n}")),
-                other => panic!("{name} n={n}: {other:?}"),
+                Outcome::Costs(got) => assert_close(&got, &want, &what),
+                other => panic!("{what}: {other:?}"),
             }
         }
     }

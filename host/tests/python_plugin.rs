@@ -9,7 +9,7 @@ mod support;
 use std::path::PathBuf;
 use std::process::Command;
 
-use kvroute_host::cost::native_costs;
+use kvroute_host::cost::{fill_base_costs, native_costs, CostWeights};
 use kvroute_host::policy::{Outcome, PolicyRegistry, PolicyRuntimeConfig};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -94,7 +94,9 @@ fn python_plugin_answers_the_native_costs() {
             1 => 256,
             _ => rng.gen_range(1..=64),
         };
-        let (req, cols) = support::random_decision(&mut rng, n, 6);
+        // Block sizes change between decisions: they reach the plugin through `set-context`.
+        let block_size = [16, 64, 8][round % 3];
+        let (req, cols) = support::random_decision_with_block_size(&mut rng, n, 6, block_size);
         native_costs(&req, &cols, &mut want);
         match reg.decide(&req, &cols, &taints).outcome {
             Outcome::Costs(got) => {
@@ -102,11 +104,42 @@ fn python_plugin_answers_the_native_costs() {
                 for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                     assert!(
                         (g - w).abs() <= 1e-9 * g.abs().max(w.abs()) || g == w,
-                        "n={n} candidate {i}: python {g} vs native {w}"
+                        "n={n} block_size={block_size} candidate {i}: python {g} vs native {w}"
                     );
                 }
             }
             other => panic!("n={n}: {other:?}"),
+        }
+    }
+
+    // Its configuration takes effect: other weights give the host's costs under those weights.
+    let weights = CostWeights {
+        prefill_load_scale: 2.5,
+        host_tier_weight: 0.5,
+        disk_tier_weight: 0.125,
+    };
+    reg.load(
+        "py-weighted",
+        &bytes,
+        Some(r#"{"prefill_load_scale": 2.5, "host_tier_weight": 0.5, "disk_tier_weight": 0.125}"#),
+        true,
+    )
+    .expect("the configured Python component loads");
+    for round in 0..6 {
+        let n = 1 + round * 7;
+        let (req, mut cols) = support::random_decision(&mut rng, n, 6);
+        fill_base_costs(&req, &mut cols, &weights);
+        native_costs(&req, &cols, &mut want);
+        match reg.decide(&req, &cols, &taints).outcome {
+            Outcome::Costs(got) => {
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    assert!(
+                        (g - w).abs() <= 1e-9 * g.abs().max(w.abs()) || g == w,
+                        "configured, n={n} candidate {i}: python {g} vs native {w}"
+                    );
+                }
+            }
+            other => panic!("configured, n={n}: {other:?}"),
         }
     }
 

@@ -26,12 +26,12 @@ from wit_world.imports import host_log, types
 ABI_VERSION = 3
 DEFAULTS = {"prefill_load_scale": 1.0, "host_tier_weight": 0.75, "disk_tier_weight": 0.25}
 
+# Per-instance state lives at module level: componentize-py may create the exported class anew
+# for each call, so attributes of `self` do not survive from `configure` to `decide`.
+STATE = {"weights": dict(DEFAULTS), "block_size": 16}
+
 
 class Policy(exports.Policy):
-    def __init__(self):
-        self.weights = dict(DEFAULTS)
-        self.block_size = 16
-
     def info(self) -> types.PluginInfo:
         return types.PluginInfo(
             name="python-native-cost",
@@ -59,12 +59,12 @@ class Policy(exports.Policy):
             if not ok or not math.isfinite(value) or value < 0:
                 raise Err(f"python-native-cost: {key} must be a finite number >= 0, got {value!r}")
             weights[key] = float(value)
-        self.weights = weights
+        STATE["weights"] = weights
         host_log.log(types.LogLevel.DEBUG, f"configured: {weights}")
 
     def set_context(self, context: types.HostContext) -> None:
         # Taints are compared by id; names are not needed.
-        self.block_size = context.block_size
+        STATE["block_size"] = context.block_size
 
     def decide(self, req: types.Request, candidates: types.Candidates) -> types.Decision:
         # The packed layout of `record candidates` in wit/policy.wit.
@@ -84,8 +84,8 @@ class Policy(exports.Policy):
         # The request's preferred taints: ids after the taint index, weights after the costs.
         prefs = list(zip(c32[prefs_start:], f64[n:]))
 
-        w = self.weights
-        block_size = max(self.block_size, 1)
+        w = STATE["weights"]
+        block_size = max(STATE["block_size"], 1)
         b = float(block_size)
         isl = float(req.prompt_tokens)
         blocks = -(-req.prompt_tokens // block_size)

@@ -96,8 +96,17 @@ pub fn random_decision<R: rand::Rng>(
     n: usize,
     taints: u32,
 ) -> (kvroute_host::PolicyRequest, kvroute_host::CandidateColumns) {
+    random_decision_with_block_size(rng, n, taints, 16)
+}
+
+/// [`random_decision`] with another block size.
+pub fn random_decision_with_block_size<R: rand::Rng>(
+    rng: &mut R,
+    n: usize,
+    taints: u32,
+    block_size: u32,
+) -> (kvroute_host::PolicyRequest, kvroute_host::CandidateColumns) {
     use kvroute_host::cost::{fill_base_costs, CostWeights};
-    let block_size = 16;
     let prompt_tokens = rng.gen_range(1..8192u32);
     let request_blocks = prompt_tokens / block_size;
     let mut preferred = Vec::new();
