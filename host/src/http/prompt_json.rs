@@ -207,11 +207,20 @@ fn parse_int_array<T: TryFrom<u64>>(b: &[u8], max_digits: usize) -> Option<(Vec<
     if b.first() != Some(&b'[') {
         return None;
     }
-    // Each integer takes at least two bytes with its separator: a bound on the count.
-    let mut out = Vec::with_capacity((b.len() / 2 + 1).min(1 << 20));
+    // `b` runs to the end of the body, so its length only bounds the count (each integer takes at
+    // least two bytes with its separator): start with room for a typical prompt and let bigger
+    // ones grow; `done` gives back what a short array left unused, since the vector lives as long
+    // as the request does.
+    let mut out = Vec::with_capacity((b.len() / 2 + 1).min(8192));
+    let done = |mut out: Vec<T>| {
+        if out.capacity() > 2 * out.len() + 64 {
+            out.shrink_to_fit();
+        }
+        out
+    };
     let mut i = skip_ws(b, 1);
     if b.get(i) == Some(&b']') {
-        return Some((out, i + 1));
+        return Some((done(out), i + 1));
     }
     loop {
         let (v, len) = read_integer(b, i, max_digits)?;
@@ -219,7 +228,7 @@ fn parse_int_array<T: TryFrom<u64>>(b: &[u8], max_digits: usize) -> Option<(Vec<
         i = skip_ws(b, i + len);
         match *b.get(i)? {
             b',' => i = skip_ws(b, i + 1),
-            b']' => return Some((out, i + 1)),
+            b']' => return Some((done(out), i + 1)),
             _ => return None,
         }
     }
@@ -469,6 +478,17 @@ mod tests {
         let fast: RouteBody = fast_parse(body.as_bytes()).expect("no fallback");
         assert_eq!(fast.tokens.as_ref().map(Vec::len), Some(4096));
         assert_eq!(fast.session_id.as_deref(), Some("s-42"));
+    }
+
+    #[test]
+    fn a_short_array_in_a_long_body_keeps_little_memory() {
+        let body = format!(
+            r#"{{"block_hashes": [1], "request_id": "{}"}}"#,
+            "x".repeat(1 << 20)
+        );
+        let (v, _) = parse_int_array::<u64>(&body.as_bytes()[17..], 20).unwrap();
+        assert_eq!(v, vec![1]);
+        assert!(v.capacity() <= 66, "capacity {}", v.capacity());
     }
 
     #[test]
