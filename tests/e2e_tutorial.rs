@@ -132,7 +132,7 @@ fn sdk_tutorial_runs_as_written() {
         "uploaded and activated: {}",
         answers[1]
     );
-    assert_eq!(answers[1]["plugin"]["abi_version"], 2);
+    assert_eq!(answers[1]["plugin"]["abi_version"], 3);
     assert_eq!(
         answers[2]["version"], 2,
         "reconfiguring makes version 2: {}",
