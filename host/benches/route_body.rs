@@ -9,17 +9,14 @@ use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use kvroute_host::http::dto::RouteBody;
 use kvroute_host::http::error::parse_json_object;
 use kvroute_host::http::prompt_json::parse_prompt_body;
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
 
 /// A body like the load generator's: request id, 4,096 tokens of realistic magnitude, a session.
 fn body() -> Vec<u8> {
-    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut rng = SmallRng::seed_from_u64(1);
     let tokens: Vec<String> = (0..4096)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x % 151_936).to_string()
-        })
+        .map(|_| rng.gen_range(0..151_936u32).to_string())
         .collect();
     format!(
         r#"{{"request_id": "bench-1", "tokens": [{}], "session_id": "s-42", "temperature": 0.0}}"#,
@@ -28,17 +25,10 @@ fn body() -> Vec<u8> {
     .into_bytes()
 }
 
-/// The same prompt as 256 precomputed block hashes (full-width `u64`s).
+/// A prompt of the same length as 256 precomputed block hashes (full-width `u64`s).
 fn hashes_body() -> Vec<u8> {
-    let mut x: u64 = 0x2545_f491_4f6c_dd1d;
-    let hashes: Vec<String> = (0..256)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x.to_string()
-        })
-        .collect();
+    let mut rng = SmallRng::seed_from_u64(2);
+    let hashes: Vec<String> = (0..256).map(|_| rng.gen::<u64>().to_string()).collect();
     format!(
         r#"{{"request_id": "bench-1", "block_hashes": [{}], "session_id": "s-42"}}"#,
         hashes.join(", ")

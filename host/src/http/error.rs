@@ -172,10 +172,18 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for ApiJson<T> {
     type Rejection = ApiError;
 
     async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
-        require_json(req.headers())?;
-        let RawBody(bytes) = RawBody::from_request(req, state).await?;
-        parse_json_object(&bytes).map(ApiJson)
+        parse_json_object(&json_body(req, state).await?).map(ApiJson)
     }
+}
+
+/// The body of a request that must be JSON: the content type checked, the size limit applied.
+pub async fn json_body<S: Send + Sync>(
+    req: Request,
+    state: &S,
+) -> Result<axum::body::Bytes, ApiError> {
+    require_json(req.headers())?;
+    let RawBody(bytes) = RawBody::from_request(req, state).await?;
+    Ok(bytes)
 }
 
 /// The raw body, with a size-limit failure in the contract's error shape.

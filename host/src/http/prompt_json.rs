@@ -21,7 +21,7 @@ use std::ops::Range;
 use axum::extract::{FromRequest, Request};
 use serde::de::DeserializeOwned;
 
-use super::error::{parse_json_object, require_json, ApiError, RawBody};
+use super::error::{json_body, parse_json_object, ApiError};
 
 /// Extractor for a JSON body with a prompt: like `ApiJson`, with the prompt fast path.
 pub struct PromptJson<T>(pub T);
@@ -30,9 +30,7 @@ impl<T: PromptBody, S: Send + Sync> FromRequest<S> for PromptJson<T> {
     type Rejection = ApiError;
 
     async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
-        require_json(req.headers())?;
-        let RawBody(bytes) = RawBody::from_request(req, state).await?;
-        parse_prompt_body(&bytes).map(PromptJson)
+        parse_prompt_body(&json_body(req, state).await?).map(PromptJson)
     }
 }
 

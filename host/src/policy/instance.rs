@@ -334,17 +334,13 @@ pub(crate) enum InstanceError {
 }
 
 impl PluginInstance {
-    /// Hands the instance a context ahead of its first decision.
-    pub(crate) fn prime_context(
+    /// Calls `set-context` when this instance has not seen `ctx` yet (also used to prime a new
+    /// instance ahead of its first decision).
+    pub(crate) fn sync_context(
         &mut self,
         ctx: DecisionContext<'_>,
         ticks: u64,
     ) -> Result<(), Failure> {
-        self.sync_context(ctx, ticks)
-    }
-
-    /// Calls `set-context` when this instance has not seen `ctx` yet.
-    fn sync_context(&mut self, ctx: DecisionContext<'_>, ticks: u64) -> Result<(), Failure> {
         if self.context == Some(ctx.key()) {
             return Ok(());
         }

@@ -935,7 +935,7 @@ impl PolicyRegistry {
                         taints: t,
                         block_size: self.last_block_size.load(Relaxed),
                     };
-                    inst.prime_context(ctx, ticks).map_err(|f| {
+                    inst.sync_context(ctx, ticks).map_err(|f| {
                         PolicyError::SelfTest(format!("set-context: {} ({})", f.reason, f.detail))
                     })?;
                 }
