@@ -122,44 +122,54 @@ impl Guest for NativeCost {
             let b = f64::from(block_size);
             let isl = req.prompt_tokens as f64;
             let blocks = req.prompt_tokens.div_ceil(block_size);
-            for i in 0..n {
-                let (device, host, disk) = (device_overlap[i], host_overlap[i], disk_overlap[i]);
-                let host_extra = host.saturating_sub(device);
-                let disk_extra = disk.saturating_sub(device.max(host));
-                let credit = f64::from(device)
-                    + w.host_tier_weight * f64::from(host_extra)
-                    + w.disk_tier_weight * f64::from(disk_extra);
-                let prefill = ((active_prefill_tokens[i] as f64 + isl) / b - credit).max(0.0);
-                let new_blocks = blocks.saturating_sub(active_prompt_blocks[i]);
-                let decode = active_decode_blocks[i] as f64 + f64::from(new_blocks);
-                costs.push(w.prefill_load_scale * prefill + decode);
-            }
+            // Zipped iterators instead of indexing six columns: no bounds check per figure, so
+            // Cranelift keeps the loop tight. `prefill` is clamped with a compare rather than
+            // `f64::max`, which on wasm32 is a call into libm's `fmax` (NaN rules).
+            let rows = device_overlap
+                .iter()
+                .zip(host_overlap)
+                .zip(disk_overlap)
+                .zip(active_prefill_tokens)
+                .zip(active_decode_blocks)
+                .zip(active_prompt_blocks);
+            costs.extend(rows.map(
+                |(((((&device, &host), &disk), &prefill_tokens), &decode_blocks), &prompt_blocks)| {
+                    let host_extra = host.saturating_sub(device);
+                    let disk_extra = disk.saturating_sub(device.max(host));
+                    let credit = f64::from(device)
+                        + w.host_tier_weight * f64::from(host_extra)
+                        + w.disk_tier_weight * f64::from(disk_extra);
+                    let prefill = (prefill_tokens as f64 + isl) / b - credit;
+                    let prefill = if prefill > 0.0 { prefill } else { 0.0 };
+                    let new_blocks = blocks.saturating_sub(prompt_blocks);
+                    let decode = decode_blocks as f64 + f64::from(new_blocks);
+                    w.prefill_load_scale * prefill + decode
+                },
+            ));
         }
         if pref_ids.is_empty() {
             return Decision::Costs(costs);
         }
-        let taints_of = |i: usize| {
-            let lo = taint_offsets[i] as usize;
-            let hi = taint_offsets[i + 1] as usize;
-            &taint_ids[lo..hi]
-        };
+        // Each candidate's taint ids, from consecutive offsets.
+        let taint_lists = taint_offsets
+            .windows(2)
+            .map(|w| &taint_ids[w[0] as usize..w[1] as usize]);
         // The multiplier exp(-tanh(s)) only depends on which preferred taints a candidate has:
-        // with few preferences, compute it once per subset instead of once per candidate. The sum
-        // runs over the preferences in the same order as the host's, so results are identical.
+        // with few preferences, compute it once per subset (on the stack) instead of once per
+        // candidate. The sum runs over the preferences in the same order as the host's, so
+        // results are identical.
         if pref_ids.len() <= MAX_MASK_BITS {
-            let multipliers: Vec<f64> = (0..1usize << pref_ids.len())
-                .map(|mask| {
-                    let s: f64 = pref_weights
-                        .iter()
-                        .enumerate()
-                        .filter(|(b, _)| mask & (1 << b) != 0)
-                        .map(|(_, w)| *w)
-                        .sum();
-                    (-s.tanh()).exp()
-                })
-                .collect();
-            for (i, cost) in costs.iter_mut().enumerate() {
-                let taints = taints_of(i);
+            let mut multipliers = [1.0f64; 1 << MAX_MASK_BITS];
+            for (mask, m) in multipliers[..1 << pref_ids.len()].iter_mut().enumerate() {
+                let s: f64 = pref_weights
+                    .iter()
+                    .enumerate()
+                    .filter(|(b, _)| mask & (1 << b) != 0)
+                    .map(|(_, w)| *w)
+                    .sum();
+                *m = (-s.tanh()).exp();
+            }
+            for (cost, taints) in costs.iter_mut().zip(taint_lists) {
                 let mut mask = 0;
                 for (b, id) in pref_ids.iter().enumerate() {
                     if taints.contains(id) {
@@ -169,8 +179,7 @@ impl Guest for NativeCost {
                 *cost *= multipliers[mask];
             }
         } else {
-            for (i, cost) in costs.iter_mut().enumerate() {
-                let taints = taints_of(i);
+            for (cost, taints) in costs.iter_mut().zip(taint_lists) {
                 let s: f64 = pref_ids
                     .iter()
                     .zip(pref_weights)
