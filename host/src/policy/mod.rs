@@ -66,7 +66,9 @@ pub use registry::{
     ActivePolicy, Outcome, PolicyDecision, PolicyInfo, PolicyRegistry, PolicyVersion,
     RegistryCounters, StageInfo,
 };
-pub use runtime::{sha256_hex, PluginDescription, PluginKind, ABI_VERSION, POLICY_EXPORT};
+pub use runtime::{
+    engine_config, sha256_hex, PluginDescription, PluginKind, ABI_VERSION, POLICY_EXPORT,
+};
 pub use stats::{LatencyHistogram, PolicyStats, StatsSnapshot};
 pub use watch::{DirectoryScanner, DirectoryWatcher, ScanReport};
 

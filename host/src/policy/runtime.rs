@@ -193,6 +193,26 @@ impl RuntimeShared {
     }
 }
 
+/// The wasmtime configuration of the policy engine: the component model without its
+/// concurrency support (which triples the cost of a call), epoch interruption for deadlines, and
+/// the pooling allocator sized for `config`'s instances and memory cap. Public so that benchmarks
+/// measure exactly this engine.
+pub fn engine_config(config: &PolicyRuntimeConfig) -> Config {
+    let mut pool = PoolingAllocationConfig::default();
+    let slots = config.max_instances();
+    pool.total_component_instances(slots)
+        .total_core_instances(slots.saturating_mul(8))
+        .total_memories(slots.saturating_mul(2))
+        .total_tables(slots.saturating_mul(8))
+        .max_memory_size(usize::try_from(config.memory_limit_bytes).unwrap_or(usize::MAX));
+    let mut wasm = Config::new();
+    wasm.wasm_component_model(true)
+        .concurrency_support(false)
+        .epoch_interruption(true)
+        .allocation_strategy(InstanceAllocationStrategy::Pooling(pool));
+    wasm
+}
+
 /// The engine and its two helper threads: the epoch ticker (deadlines) and the maintenance thread
 /// (replacing poisoned instances off the request path). Dropping it stops both threads.
 pub(crate) struct PolicyRuntime {
@@ -206,19 +226,8 @@ pub(crate) struct PolicyRuntime {
 impl PolicyRuntime {
     pub(crate) fn new(config: PolicyRuntimeConfig) -> Result<Self, PolicyError> {
         config.validate()?;
-        let mut pool = PoolingAllocationConfig::default();
-        let slots = config.max_instances();
-        pool.total_component_instances(slots)
-            .total_core_instances(slots.saturating_mul(8))
-            .total_memories(slots.saturating_mul(2))
-            .total_tables(slots.saturating_mul(8))
-            .max_memory_size(usize::try_from(config.memory_limit_bytes).unwrap_or(usize::MAX));
-        let mut wasm = Config::new();
-        wasm.wasm_component_model(true)
-            .concurrency_support(false)
-            .epoch_interruption(true)
-            .allocation_strategy(InstanceAllocationStrategy::Pooling(pool));
-        let engine = Engine::new(&wasm).map_err(|e| PolicyError::Engine(format!("{e:#}")))?;
+        let engine = Engine::new(&engine_config(&config))
+            .map_err(|e| PolicyError::Engine(format!("{e:#}")))?;
 
         let stop = Arc::new(AtomicBool::new(false));
         let ticker = {

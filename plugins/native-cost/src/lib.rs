@@ -133,7 +133,10 @@ impl Guest for NativeCost {
                 .zip(active_decode_blocks)
                 .zip(active_prompt_blocks);
             costs.extend(rows.map(
-                |(((((&device, &host), &disk), &prefill_tokens), &decode_blocks), &prompt_blocks)| {
+                |(
+                    ((((&device, &host), &disk), &prefill_tokens), &decode_blocks),
+                    &prompt_blocks,
+                )| {
                     let host_extra = host.saturating_sub(device);
                     let disk_extra = disk.saturating_sub(device.max(host));
                     let credit = f64::from(device)

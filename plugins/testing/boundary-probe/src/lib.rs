@@ -1,0 +1,51 @@
+//! `boundary-probe`: the component behind `host/benches/boundary.rs`. Every export does as little
+//! as its signature allows, so a bench row is the price of the call's shape on the host: entering
+//! the guest, copying arguments in (each list or string is one call into the guest's allocator
+//! first), lifting a result and the post-return call that frees it.
+
+wit_bindgen::generate!({
+    path: "wit",
+    world: "boundary-probe",
+});
+
+use exports::kvroute::boundary_probe::probe::Guest;
+
+struct Probe;
+
+impl Guest for Probe {
+    fn nop() {}
+
+    fn take_list(a: Vec<f64>) -> u32 {
+        a.len() as u32
+    }
+
+    fn echo_list(a: Vec<f64>) -> Vec<f64> {
+        a
+    }
+
+    fn take_columns(a: Vec<u64>, b: Vec<u32>, c: Vec<f64>) -> u32 {
+        (a.len() + b.len() + c.len()) as u32
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn decide_shape(
+        request_id: String,
+        session_id: String,
+        _prompt_tokens: u32,
+        _request_blocks: u32,
+        _priority: f64,
+        _expected_output_tokens: u32,
+        _temperature: f64,
+        _now_ms: u64,
+        a: Vec<u64>,
+        b: Vec<u32>,
+        mut c: Vec<f64>,
+    ) -> Vec<f64> {
+        // As many costs as candidates (`a` holds four columns), as `decide` answers.
+        c.truncate(a.len() / 4);
+        let _ = (request_id, session_id, b);
+        c
+    }
+}
+
+export!(Probe);
