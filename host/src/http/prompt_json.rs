@@ -223,34 +223,38 @@ fn parse_int_array<T: TryFrom<u64>>(b: &[u8], max_digits: usize) -> Option<(Vec<
     loop {
         let (v, len) = read_integer(b, i, max_digits)?;
         out.push(T::try_from(v).ok()?);
-        i = skip_ws(b, i + len);
-        match *b.get(i)? {
-            b',' => i = skip_ws(b, i + 1),
-            b']' => return Some((done(out), i + 1)),
-            _ => return None,
+        i += len;
+        // A comma right after the number (what every encoder writes) without a call; anything
+        // else through the general whitespace skip.
+        match b.get(i) {
+            Some(b',') => {
+                i += 1;
+                if b.get(i).is_some_and(|&c| is_ws(c)) {
+                    i = skip_ws(b, i);
+                }
+            }
+            _ => {
+                i = skip_ws(b, i);
+                match *b.get(i)? {
+                    b',' => i = skip_ws(b, i + 1),
+                    b']' => return Some((done(out), i + 1)),
+                    _ => return None,
+                }
+            }
         }
     }
 }
 
 /// The JSON unsigned integer at `b[i..]` and its length in bytes; `None` when there is no digit
 /// there, the number has a leading zero, more than `max_digits` digits or does not fit in `u64`.
-#[inline]
+#[inline(always)]
 fn read_integer(b: &[u8], i: usize, max_digits: usize) -> Option<(u64, usize)> {
-    // Digits become their values 0..=9; any other byte becomes >= 10. Then the high bit is set in
-    // every byte >= 10 (a carry only leaves a byte that is already set).
-    let swar = |chunk: &[u8]| -> (u64, usize) {
-        let mut x = [0u8; 8];
-        x.copy_from_slice(chunk);
-        let t = u64::from_le_bytes(x) ^ 0x3030_3030_3030_3030;
-        let non_digit = (t.wrapping_add(0x7676_7676_7676_7676) | t) & 0x8080_8080_8080_8080;
-        (t, (non_digit.trailing_zeros() / 8) as usize)
-    };
-    let leading_zero = |n: usize| n > 1 && b[i] == b'0';
     // The common case, every token id of today's vocabularies: up to 7 digits, read in one load.
+    // Inlined into the array loop; longer numbers and the end of the body take the call below.
     if let Some(chunk) = b.get(i..i + 8) {
-        let (t, n) = swar(chunk);
+        let (t, n) = swar_digits(chunk);
         if n < 8 {
-            if n == 0 || n > max_digits || leading_zero(n) {
+            if n == 0 || n > max_digits || (n > 1 && b[i] == b'0') {
                 return None;
             }
             // The first byte is the most significant digit: move the `n` digits to the top bytes,
@@ -258,7 +262,28 @@ fn read_integer(b: &[u8], i: usize, max_digits: usize) -> Option<(u64, usize)> {
             return Some((eight_digits(t << (8 * (8 - n))), n));
         }
     }
-    // Longer numbers (block hashes): 8 digits at a time, then byte by byte.
+    read_long_integer(b, i, max_digits)
+}
+
+/// The eight bytes of `chunk` with the ASCII digits turned into their values, and how many
+/// leading bytes are digits. Digits become 0..=9 and any other byte >= 10; then the high bit is set
+/// in every byte >= 10 (a carry only leaves a byte that is already set).
+#[inline(always)]
+fn swar_digits(chunk: &[u8]) -> (u64, usize) {
+    let mut x = [0u8; 8];
+    x.copy_from_slice(chunk);
+    let t = u64::from_le_bytes(x) ^ 0x3030_3030_3030_3030;
+    let non_digit = (t.wrapping_add(0x7676_7676_7676_7676) | t) & 0x8080_8080_8080_8080;
+    (t, (non_digit.trailing_zeros() / 8) as usize)
+}
+
+/// [`read_integer`] for numbers of 8 digits or more (block hashes) and for the last bytes of a
+/// body.
+#[inline(never)]
+fn read_long_integer(b: &[u8], i: usize, max_digits: usize) -> Option<(u64, usize)> {
+    let swar = swar_digits;
+    let leading_zero = |n: usize| n > 1 && b[i] == b'0';
+    // 8 digits at a time, then byte by byte.
     let mut v: u64 = 0;
     let mut j = i;
     while let Some(chunk) = b.get(j..j + 8) {
