@@ -259,6 +259,50 @@ fn trap_falls_back() {
 }
 
 #[test]
+fn infinite_loop_hits_the_deadline_after_an_idle_spell() {
+    // After ~100 ms without a guest call the epoch ticker parks (an idle server must not wake
+    // 4,000 times a second); the next call wakes it, and a runaway call is still stopped in time.
+    let reg = registry();
+    let bytes = support::plugin_bytes(MISBEHAVE);
+    let config = serde_json::json!({"mode": "loop", "trigger": "bad"}).to_string();
+    reg.load("m", &bytes, Some(&config), true).expect("load");
+    let taints = support::taint_table(1, 4);
+    let (req, cols) = decision(64, 7);
+    let _serial = TIMING.lock().unwrap_or_else(|e| e.into_inner());
+    let bound = reg.config().deadline() + Duration::from_millis(1);
+    let mut best = Duration::MAX;
+    for attempt in 0..3 {
+        for _ in 0..20 {
+            let d = reg.decide(&req, &cols, &taints);
+            assert!(
+                matches!(d.outcome, Outcome::Costs(_)),
+                "warm-up {:?}",
+                d.outcome
+            );
+        }
+        eventually("ticker parked", || reg.epoch_ticker_parked());
+        let bad = with_id(req.clone(), &format!("bad-{attempt}"));
+        let start = Instant::now();
+        let d = reg.decide(&bad, &cols, &taints);
+        let elapsed = start.elapsed();
+        assert_eq!(d.outcome, Outcome::Fallback(FallbackReason::Deadline));
+        best = best.min(elapsed);
+        if best < bound {
+            break;
+        }
+    }
+    assert!(best < bound, "fallback took {best:?}, bound {bound:?}");
+    // And it parks again once calls stop.
+    eventually("ticker parked again", || reg.epoch_ticker_parked());
+    let d = reg.decide(&req, &cols, &taints);
+    assert!(
+        matches!(d.outcome, Outcome::Costs(ref c) if c.len() == 64),
+        "{:?}",
+        d.outcome
+    );
+}
+
+#[test]
 fn infinite_loop_hits_the_deadline() {
     misbehaviour_falls_back("loop", FallbackReason::Deadline);
 }

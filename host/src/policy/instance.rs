@@ -19,6 +19,7 @@ use super::bindings::{PolicyPlugin, PolicyPluginPre};
 use super::error::FallbackReason;
 use super::runtime::RuntimeShared;
 use super::stats::PolicyStats;
+use super::ticker::{CallGuard, GuestActivity};
 use super::DecisionContext;
 use crate::router::SeededRng;
 
@@ -44,6 +45,13 @@ pub(crate) struct HostState {
     max_grace_windows: u32,
     /// The fixed pseudo-random stream behind `wasi:random` (see `runtime.rs`).
     pub(crate) entropy: SeededRng,
+    /// The runtime's record of guest calls, whose ticker may be parked (see `ticker.rs`).
+    activity: Arc<GuestActivity>,
+    /// The epoch tick period.
+    tick: std::time::Duration,
+    /// A call that found the ticker parked keeps its own time until the ticker has ticked again:
+    /// when its first deadline check is due, and the ticker's count when it started.
+    self_timed: Option<(Instant, u64)>,
 }
 
 impl HostState {
@@ -63,6 +71,9 @@ impl HostState {
             grace_windows: 0,
             grace_ticks: shared.config.grace_ticks(),
             max_grace_windows: shared.config.max_grace_windows(),
+            activity: shared.activity.clone(),
+            tick: std::time::Duration::from_micros(shared.config.epoch_tick_us),
+            self_timed: None,
         }
     }
 
@@ -72,6 +83,27 @@ impl HostState {
         self.memory_denied = false;
         self.grace_window = None;
         self.grace_windows = 0;
+        self.self_timed = None;
+    }
+}
+
+/// Arms a guest call that may run for `ticks` epochs before its first deadline check. `running`
+/// says whether the call found the epoch ticker parked: then the epoch stands still until the
+/// ticker wakes (which takes up to a millisecond or two on a virtual machine), so the call keeps
+/// its own time: its deadline is due at once, and the deadline callback compares the wall clock
+/// with the due time at every check until the ticker has ticked, then hands the rest of the time
+/// back to epochs. Calls that find the ticker running pay nothing for this.
+pub(crate) fn arm_call(store: &mut Store<HostState>, ticks: u64, running: &CallGuard<'_>) {
+    let s = store.data_mut();
+    s.arm();
+    if running.found_ticker_parked() {
+        let budget = s
+            .tick
+            .saturating_mul(u32::try_from(ticks).unwrap_or(u32::MAX));
+        s.self_timed = Some((Instant::now() + budget, s.activity.ticks()));
+        store.set_epoch_deadline(0);
+    } else {
+        store.set_epoch_deadline(ticks);
     }
 }
 
@@ -101,6 +133,25 @@ fn thread_cpu_time() -> Option<std::time::Duration> {
 /// that was preempted gets to finish instead of the policy being blamed for the host's scheduling.
 fn on_deadline(mut ctx: StoreContextMut<'_, HostState>) -> wasmtime::Result<UpdateDeadline> {
     let s = ctx.data_mut();
+    if let Some((due, ticks_at_start)) = s.self_timed {
+        // The call started while the ticker was parked (see `arm_call`).
+        let now = Instant::now();
+        if now < due {
+            if s.activity.ticks() == ticks_at_start {
+                // Still no tick: check the clock again at the next opportunity.
+                return Ok(UpdateDeadline::Continue(0));
+            }
+            // The ticker runs again: the rest of the time in ticks, rounded up.
+            s.self_timed = None;
+            let left = due - now;
+            let ticks = left.as_nanos().div_ceil(s.tick.as_nanos().max(1));
+            return Ok(UpdateDeadline::Continue(
+                u64::try_from(ticks).unwrap_or(u64::MAX),
+            ));
+        }
+        // Due: the ordinary first deadline check below.
+        s.self_timed = None;
+    }
     let now = (thread_cpu_time(), Instant::now());
     let Some(cpu_now) = now.0 else {
         return Ok(UpdateDeadline::Interrupt);
@@ -318,6 +369,8 @@ pub(crate) struct PluginInstance {
     /// The context (taint-table version, block size) this instance was last given (`None`:
     /// never).
     context: Option<(u64, u32)>,
+    /// The runtime's record of running guest calls (keeps the epoch ticker awake).
+    activity: Arc<GuestActivity>,
     _live: LiveGuard,
 }
 
@@ -345,8 +398,8 @@ impl PluginInstance {
             return Ok(());
         }
         let names: Vec<&str> = ctx.taints.names.iter().map(String::as_str).collect();
-        self.store.data_mut().arm();
-        self.store.set_epoch_deadline(ticks);
+        let running = self.activity.enter();
+        arm_call(&mut self.store, ticks, &running);
         let wire = HostContext {
             version: ctx.taints.version,
             block_size: ctx.block_size,
@@ -378,8 +431,8 @@ impl PluginInstance {
         ticks: u64,
     ) -> Result<Decision, Failure> {
         self.sync_context(ctx, ticks)?;
-        self.store.data_mut().arm();
-        self.store.set_epoch_deadline(ticks);
+        let running = self.activity.enter();
+        arm_call(&mut self.store, ticks, &running);
         self.plugin
             .kvroute_policy_policy()
             .call_decide(&mut self.store, req, cands)
@@ -428,6 +481,7 @@ impl Stage {
     /// Instantiates and configures a new instance (not added to the pool).
     pub(crate) fn new_instance(&self) -> Result<PluginInstance, InstanceError> {
         let mut store = new_store(&self.shared, self.policy.clone(), self.stats.clone());
+        let running = self.shared.activity.enter();
         let plugin = self
             .pre()
             .instantiate(&mut store)
@@ -450,11 +504,13 @@ impl Stage {
                 })
             }
         }
+        drop(running);
         self.live.fetch_add(1, Relaxed);
         Ok(PluginInstance {
             store,
             plugin,
             context: None,
+            activity: self.shared.activity.clone(),
             _live: LiveGuard(self.live.clone()),
         })
     }

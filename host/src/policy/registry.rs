@@ -697,6 +697,12 @@ impl PolicyRegistry {
         out
     }
 
+    /// Whether the epoch ticker is parked: no guest call has run for a while (see
+    /// `policy/ticker.rs`). For operators' diagnostics and the runtime's tests.
+    pub fn epoch_ticker_parked(&self) -> bool {
+        self.runtime.shared.activity.is_parked()
+    }
+
     /// The active version and its activation number.
     pub fn active(&self) -> Option<Arc<ActivePolicy>> {
         self.active.load_full()

@@ -1,10 +1,9 @@
 //! The Wasm engine, its helper threads, and compiling + checking a component.
 
-use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::mpsc;
 use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde::Serialize;
 use sha2::{Digest, Sha256};
@@ -18,6 +17,7 @@ use super::config::PolicyRuntimeConfig;
 use super::error::PolicyError;
 use super::instance::{new_store, HostState, PluginInstance, Stage};
 use super::stats::PolicyStats;
+use super::ticker::{self, GuestActivity};
 
 /// The `abi-version` this host speaks (`plugin-info.abi-version`).
 pub const ABI_VERSION: u32 = 3;
@@ -173,6 +173,8 @@ pub(crate) struct RuntimeShared {
     pub(crate) deadline_ticks: u64,
     pub(crate) setup_ticks: u64,
     pub(crate) instances_per_stage: usize,
+    /// Guest calls in progress, for the epoch ticker (which parks when there are none).
+    pub(crate) activity: Arc<GuestActivity>,
     maintenance_tx: mpsc::Sender<Maintenance>,
 }
 
@@ -217,7 +219,6 @@ pub fn engine_config(config: &PolicyRuntimeConfig) -> Config {
 /// (replacing poisoned instances off the request path). Dropping it stops both threads.
 pub(crate) struct PolicyRuntime {
     pub(crate) shared: Arc<RuntimeShared>,
-    stop: Arc<AtomicBool>,
     maintenance_tx: mpsc::Sender<Maintenance>,
     ticker: Option<JoinHandle<()>>,
     maintenance: Option<JoinHandle<()>>,
@@ -229,14 +230,14 @@ impl PolicyRuntime {
         let engine = Engine::new(&engine_config(&config))
             .map_err(|e| PolicyError::Engine(format!("{e:#}")))?;
 
-        let stop = Arc::new(AtomicBool::new(false));
+        let activity = Arc::new(GuestActivity::default());
         let ticker = {
             let engine = engine.clone();
-            let stop = stop.clone();
+            let activity = activity.clone();
             let period = Duration::from_micros(config.epoch_tick_us);
             std::thread::Builder::new()
                 .name("kvroute-policy-epoch".into())
-                .spawn(move || epoch_ticker(engine, period, stop))
+                .spawn(move || ticker::run(engine, period, ticker::idle_ticks(period), activity))
                 .map_err(|e| {
                     PolicyError::Engine(format!("could not start the epoch ticker thread: {e}"))
                 })?
@@ -262,11 +263,11 @@ impl PolicyRuntime {
             setup_ticks: config.setup_ticks(),
             instances_per_stage,
             config,
+            activity,
             maintenance_tx: maintenance_tx.clone(),
         });
         Ok(Self {
             shared,
-            stop,
             maintenance_tx,
             ticker: Some(ticker),
             maintenance: Some(maintenance),
@@ -346,6 +347,7 @@ impl PolicyRuntime {
         // Ask the component who it is, on a throw-away instance.
         let stats = Arc::new(PolicyStats::default());
         let mut store = new_store(shared, Arc::from("(probe)"), stats);
+        let _running = shared.activity.enter();
         let plugin = pre
             .instantiate(&mut store)
             .map_err(|e| instantiate_error(&e))?;
@@ -400,33 +402,13 @@ pub(crate) fn instantiate_error(e: &wasmtime::Error) -> PolicyError {
 
 impl Drop for PolicyRuntime {
     fn drop(&mut self) {
-        self.stop.store(true, Relaxed);
+        self.shared.activity.stop();
         let _ = self.maintenance_tx.send(Maintenance::Stop);
         if let Some(t) = self.ticker.take() {
             let _ = t.join();
         }
         if let Some(t) = self.maintenance.take() {
             let _ = t.join();
-        }
-    }
-}
-
-/// Increments the engine's epoch every `period`, on an absolute schedule so sleeps that overshoot
-/// do not stretch deadlines; missed ticks are skipped, never burst.
-fn epoch_ticker(engine: Engine, period: Duration, stop: Arc<AtomicBool>) {
-    let mut next = Instant::now() + period;
-    while !stop.load(Relaxed) {
-        let now = Instant::now();
-        if next > now {
-            std::thread::sleep(next - now);
-        }
-        engine.increment_epoch();
-        next += period;
-        let now = Instant::now();
-        if next < now {
-            // The ticker was starved: never catch up with a burst of ticks, which would expire
-            // in-flight deadlines early. A late tick only makes a deadline later.
-            next = now + period / 2;
         }
     }
 }

@@ -1,0 +1,237 @@
+//! The epoch ticker: the clock behind every guest call's deadline, asleep while no guest runs.
+//!
+//! Wasmtime's epoch interruption needs another thread to advance the engine's epoch: a call's
+//! deadline is "N ticks from now", so the tick period is the deadline's resolution (250 µs by
+//! default). Ticking 4,000 times a second for ever cost an idle `kvroute serve` ~15% of a core in
+//! wake-ups alone, so the ticker parks once no guest call has run or started for
+//! [`IDLE_BEFORE_PARK`], and the next call wakes it.
+//!
+//! Every guest call (instantiation, `configure`, `info`, `set-context`, `decide`) runs inside a
+//! [`GuestActivity::enter`] guard: one atomic add on entry and one on exit. The guard and the
+//! ticker's decision to park form a Dekker pair over two sequentially consistent variables (the
+//! activity word and the `parked` flag): either the caller sees `parked` and unparks the ticker,
+//! or the ticker sees the call and does not park, so no call ever runs without a ticking clock.
+//! A parked ticker resumes within the thread wake-up latency (tens of µs), which only adds that
+//! much to the first call's deadline after an idle spell.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::SeqCst};
+use std::sync::{Arc, OnceLock};
+use std::thread::Thread;
+use std::time::{Duration, Instant};
+
+use wasmtime::Engine;
+
+/// How long without any guest call before the ticker parks: long enough that steady traffic never
+/// pays for a wake-up, short enough that an idle server is idle.
+pub(crate) const IDLE_BEFORE_PARK: Duration = Duration::from_millis(100);
+
+/// [`IDLE_BEFORE_PARK`] in ticks of `period` (at least 4).
+pub(crate) fn idle_ticks(period: Duration) -> u32 {
+    let ticks = IDLE_BEFORE_PARK.as_micros() / period.as_micros().max(1);
+    u32::try_from(ticks).unwrap_or(u32::MAX).max(4)
+}
+
+/// One started call in the high half of the activity word, one running call in the low half.
+const STARTED: u64 = 1 << 32;
+const RUNNING_MASK: u64 = STARTED - 1;
+
+/// What the guest calls tell the ticker, and how the ticker is woken.
+#[derive(Default)]
+pub(crate) struct GuestActivity {
+    /// High 32 bits: calls started (wrapping); low 32 bits: calls running.
+    word: AtomicU64,
+    /// Set by the ticker just before it parks, cleared when it resumes.
+    parked: AtomicBool,
+    /// Set when the runtime is dropped: the ticker exits.
+    stop: AtomicBool,
+    /// Epoch increments so far (for tests and diagnostics).
+    ticks: AtomicU64,
+    /// The ticker thread, to unpark it.
+    thread: OnceLock<Thread>,
+}
+
+/// Marks a guest call as running until dropped.
+pub(crate) struct CallGuard<'a>(&'a GuestActivity, bool);
+
+impl CallGuard<'_> {
+    /// Whether the call found the ticker parked: the epoch may stand still for a moment, so the
+    /// call must keep its own time until the ticker has ticked (`instance::arm_call`).
+    #[inline]
+    pub(crate) fn found_ticker_parked(&self) -> bool {
+        self.1
+    }
+}
+
+impl Drop for CallGuard<'_> {
+    #[inline]
+    fn drop(&mut self) {
+        self.0.word.fetch_sub(1, SeqCst);
+    }
+}
+
+impl GuestActivity {
+    /// Declares a guest call; keep the guard alive for the whole call.
+    #[inline]
+    pub(crate) fn enter(&self) -> CallGuard<'_> {
+        self.word.fetch_add(STARTED + 1, SeqCst);
+        let parked = self.parked.load(SeqCst);
+        if parked {
+            self.wake();
+        }
+        CallGuard(self, parked)
+    }
+
+    #[cold]
+    fn wake(&self) {
+        if let Some(t) = self.thread.get() {
+            t.unpark();
+        }
+    }
+
+    /// Epoch increments so far.
+    pub(crate) fn ticks(&self) -> u64 {
+        self.ticks.load(SeqCst)
+    }
+
+    /// Whether the ticker is parked (no guest call for a while).
+    pub(crate) fn is_parked(&self) -> bool {
+        self.parked.load(SeqCst)
+    }
+
+    /// Stops the ticker thread (it exits at its next wake-up, which this forces).
+    pub(crate) fn stop(&self) {
+        self.stop.store(true, SeqCst);
+        self.wake();
+    }
+}
+
+/// The ticker thread's body: increments the engine's epoch every `period` on an absolute schedule
+/// (sleeps that overshoot do not stretch deadlines; missed ticks are skipped, never burst), and
+/// parks after `idle_ticks` ticks in which no guest call ran or started (see the module docs).
+pub(crate) fn run(
+    engine: Engine,
+    period: Duration,
+    idle_ticks_to_park: u32,
+    activity: Arc<GuestActivity>,
+) {
+    // A second registration (not expected) keeps the first thread handle.
+    let _ = activity.thread.set(std::thread::current());
+    let mut next = Instant::now() + period;
+    let mut last_word = activity.word.load(SeqCst);
+    let mut idle_ticks = 0u32;
+    while !activity.stop.load(SeqCst) {
+        let word = activity.word.load(SeqCst);
+        if word & RUNNING_MASK == 0 && word >> 32 == last_word >> 32 {
+            idle_ticks = idle_ticks.saturating_add(1);
+        } else {
+            idle_ticks = 0;
+        }
+        last_word = word;
+        if idle_ticks >= idle_ticks_to_park {
+            activity.parked.store(true, SeqCst);
+            // Dekker with `enter`: a call that started after the load above either shows up here
+            // or saw `parked` and unparks us (an unpark before `park` makes it return at once).
+            if activity.word.load(SeqCst) == last_word && !activity.stop.load(SeqCst) {
+                std::thread::park();
+            }
+            activity.parked.store(false, SeqCst);
+            idle_ticks = 0;
+            last_word = activity.word.load(SeqCst);
+            // Tick at once, then on a fresh schedule: the call that woke us counts its deadline
+            // from the epoch it found, and a tick may come at any moment after a call starts.
+            next = Instant::now();
+        }
+        let now = Instant::now();
+        if next > now {
+            std::thread::sleep(next - now);
+        }
+        engine.increment_epoch();
+        activity.ticks.fetch_add(1, SeqCst);
+        next += period;
+        let now = Instant::now();
+        if next < now {
+            // The ticker was starved: never catch up with a burst of ticks, which would expire
+            // in-flight deadlines early. A late tick only makes a deadline later.
+            next = now + period / 2;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn engine() -> Engine {
+        let mut config = wasmtime::Config::new();
+        config.epoch_interruption(true);
+        Engine::new(&config).expect("engine")
+    }
+
+    /// Waits up to 2 s for `cond`.
+    fn eventually(what: &str, cond: impl Fn() -> bool) {
+        let start = Instant::now();
+        while !cond() {
+            assert!(
+                start.elapsed() < Duration::from_secs(2),
+                "timed out: {what}"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    #[test]
+    fn idle_ticks_cover_the_idle_spell() {
+        assert_eq!(idle_ticks(Duration::from_micros(250)), 400);
+        assert_eq!(idle_ticks(Duration::from_millis(1)), 100);
+        assert_eq!(idle_ticks(Duration::from_secs(1)), 4);
+    }
+
+    #[test]
+    fn parks_when_idle_ticks_while_a_call_runs_and_stops() {
+        let activity = Arc::new(GuestActivity::default());
+        let thread = {
+            let activity = activity.clone();
+            std::thread::spawn(move || run(engine(), Duration::from_millis(1), 10, activity))
+        };
+        // No call: it parks after 10 idle ticks and stops ticking.
+        eventually("parked while idle", || activity.is_parked());
+        let parked_at = activity.ticks();
+        assert!(parked_at >= 9, "ticked {parked_at} times before parking");
+        std::thread::sleep(Duration::from_millis(30));
+        assert_eq!(activity.ticks(), parked_at, "a parked ticker does not tick");
+
+        // A call wakes it, and it keeps ticking for as long as the call runs, although no other
+        // call starts (a long call is exactly the one that needs its deadline).
+        let call = activity.enter();
+        assert!(call.found_ticker_parked());
+        eventually("woken by a call", || activity.ticks() > parked_at);
+        assert!(!activity.is_parked());
+        let during = activity.ticks();
+        std::thread::sleep(Duration::from_millis(40));
+        assert!(
+            activity.ticks() >= during + 10,
+            "ticked {} times in 40 ms of a running call",
+            activity.ticks() - during
+        );
+        assert!(!activity.is_parked());
+
+        // The call ends: idle again, parked again.
+        drop(call);
+        eventually("parked again", || activity.is_parked());
+
+        // Steady short calls keep it awake.
+        let start = Instant::now();
+        let mut parked_seen = false;
+        while start.elapsed() < Duration::from_millis(60) {
+            drop(activity.enter());
+            if start.elapsed() > Duration::from_millis(5) {
+                parked_seen |= activity.is_parked();
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        assert!(!parked_seen, "parked under steady calls");
+
+        activity.stop();
+        thread.join().expect("ticker thread");
+    }
+}
