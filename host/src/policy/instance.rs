@@ -49,9 +49,8 @@ pub(crate) struct HostState {
     activity: Arc<GuestActivity>,
     /// The epoch tick period.
     tick: std::time::Duration,
-    /// A call that found the ticker parked keeps its own time until the ticker has ticked again:
-    /// when its first deadline check is due, and the ticker's count when it started.
-    self_timed: Option<(Instant, u64)>,
+    /// A call that found the ticker parked keeps its own time until the ticker has ticked again.
+    self_timed: Option<SelfTimed>,
 }
 
 impl HostState {
@@ -87,20 +86,32 @@ impl HostState {
     }
 }
 
+/// The clock of a call that started while the epoch ticker was parked.
+#[derive(Clone, Copy)]
+struct SelfTimed {
+    /// When the call started: its tick 0.
+    start: Instant,
+    /// The ticker's count then; a change means the ticker runs again.
+    ticks_at_start: u64,
+    /// The tick (counted from `start`) at which the current wait ends.
+    deadline: u64,
+}
+
 /// Arms a guest call that may run for `ticks` epochs before its first deadline check. `running`
 /// says whether the call found the epoch ticker parked: then the epoch stands still until the
 /// ticker wakes (which takes up to a millisecond or two on a virtual machine), so the call keeps
-/// its own time: its deadline is due at once, and the deadline callback compares the wall clock
-/// with the due time at every check until the ticker has ticked, then hands the rest of the time
-/// back to epochs. Calls that find the ticker running pay nothing for this.
+/// its own time: its epoch deadline is due at once, and the deadline callback counts ticks of the
+/// wall clock at every check (grace windows included) until the ticker has ticked, then hands the
+/// rest of the current wait back to epochs. Calls that find the ticker running pay nothing for this.
 pub(crate) fn arm_call(store: &mut Store<HostState>, ticks: u64, running: &CallGuard<'_>) {
     let s = store.data_mut();
     s.arm();
     if running.found_ticker_parked() {
-        let budget = s
-            .tick
-            .saturating_mul(u32::try_from(ticks).unwrap_or(u32::MAX));
-        s.self_timed = Some((Instant::now() + budget, s.activity.ticks()));
+        s.self_timed = Some(SelfTimed {
+            start: Instant::now(),
+            ticks_at_start: s.activity.ticks(),
+            deadline: ticks,
+        });
         store.set_epoch_deadline(0);
     } else {
         store.set_epoch_deadline(ticks);
@@ -133,43 +144,62 @@ fn thread_cpu_time() -> Option<std::time::Duration> {
 /// that was preempted gets to finish instead of the policy being blamed for the host's scheduling.
 fn on_deadline(mut ctx: StoreContextMut<'_, HostState>) -> wasmtime::Result<UpdateDeadline> {
     let s = ctx.data_mut();
-    if let Some((due, ticks_at_start)) = s.self_timed {
-        // The call started while the ticker was parked (see `arm_call`).
-        let now = Instant::now();
-        if now < due {
-            if s.activity.ticks() == ticks_at_start {
-                // Still no tick: check the clock again at the next opportunity.
-                return Ok(UpdateDeadline::Continue(0));
-            }
-            // The ticker runs again: the rest of the time in ticks, rounded up.
-            s.self_timed = None;
-            let left = due - now;
-            let ticks = left.as_nanos().div_ceil(s.tick.as_nanos().max(1));
-            return Ok(UpdateDeadline::Continue(
-                u64::try_from(ticks).unwrap_or(u64::MAX),
-            ));
-        }
-        // Due: the ordinary first deadline check below.
+    let Some(mut timed) = s.self_timed else {
+        return Ok(deadline_passed(s));
+    };
+    // The call started while the ticker was parked (see `arm_call`): it counts ticks of the wall
+    // clock itself, checking at every opportunity, until the ticker has ticked again.
+    let tick = s.tick.as_nanos().max(1);
+    let elapsed_ns = timed.start.elapsed().as_nanos();
+    let elapsed = u64::try_from(elapsed_ns / tick).unwrap_or(u64::MAX);
+    if s.activity.ticks() != timed.ticks_at_start {
+        // The ticker runs again and has just ticked: whatever is left of the current wait, in
+        // whole real ticks rounded down (a running ticker's first tick also comes anywhere within
+        // a period of a call's start, so a wait is never longer than its ticks).
         s.self_timed = None;
+        let wait_ns = u128::from(timed.deadline) * tick;
+        let left = u64::try_from(wait_ns.saturating_sub(elapsed_ns) / tick).unwrap_or(u64::MAX);
+        if left > 0 {
+            return Ok(UpdateDeadline::Continue(left));
+        }
+        return Ok(deadline_passed(s));
     }
+    if elapsed < timed.deadline {
+        return Ok(UpdateDeadline::Continue(0));
+    }
+    // A deadline passed on the call's own clock: the ordinary decision, whose next wait is again
+    // counted on the call's own clock.
+    Ok(match deadline_passed(s) {
+        UpdateDeadline::Continue(ticks) => {
+            timed.deadline = elapsed.saturating_add(ticks);
+            s.self_timed = Some(timed);
+            UpdateDeadline::Continue(0)
+        }
+        other => other,
+    })
+}
+
+/// The ordinary deadline decision (see [`on_deadline`]): open a grace window, or at the end of
+/// one, interrupt the call or give it another window.
+fn deadline_passed(s: &mut HostState) -> UpdateDeadline {
     let now = (thread_cpu_time(), Instant::now());
     let Some(cpu_now) = now.0 else {
-        return Ok(UpdateDeadline::Interrupt);
+        return UpdateDeadline::Interrupt;
     };
     match s.grace_window {
         None => {
             s.grace_window = Some((cpu_now, now.1));
-            Ok(UpdateDeadline::Continue(s.grace_ticks))
+            UpdateDeadline::Continue(s.grace_ticks)
         }
         Some((cpu_start, wall_start)) => {
             let ran = cpu_now.saturating_sub(cpu_start);
             let wall = now.1.duration_since(wall_start);
             s.grace_windows += 1;
             if ran * 4 >= wall || s.grace_windows >= s.max_grace_windows {
-                Ok(UpdateDeadline::Interrupt)
+                UpdateDeadline::Interrupt
             } else {
                 s.grace_window = Some((cpu_now, now.1));
-                Ok(UpdateDeadline::Continue(s.grace_ticks))
+                UpdateDeadline::Continue(s.grace_ticks)
             }
         }
     }
