@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use kvroute_host::cost::native_costs;
 use kvroute_host::policy::{
-    FallbackReason, Outcome, PipelineSpec, PolicyError, PolicyRegistry, PolicyRuntimeConfig,
-    TaintTable,
+    FallbackReason, Outcome, PipelineSpec, PolicyError, PolicyInfo, PolicyRegistry,
+    PolicyRuntimeConfig, TaintTable,
 };
 use kvroute_host::{CandidateColumns, PolicyRequest};
 use rand::rngs::SmallRng;
@@ -191,28 +191,45 @@ fn oversized_component_is_refused() {
 
 // ------------------------------------------------------------------------- misbehaving at runtime
 
-/// Loads misbehave with `mode` triggered by request ids containing "bad", checks the triggered
-/// decision falls back with `reason` within the deadline + 1 ms, that the poisoned instance is
-/// replaced, and that the next good decision works.
-fn misbehaviour_falls_back(mode: &str, reason: FallbackReason) {
+/// A registry with `misbehave` active as "m", misbehaving in `mode` on request ids containing
+/// "bad".
+fn load_misbehave(mode: &str) -> (PolicyRegistry, PolicyInfo) {
     let reg = registry();
     let bytes = support::plugin_bytes(MISBEHAVE);
     let config = serde_json::json!({"mode": mode, "trigger": "bad"}).to_string();
     let info = reg.load("m", &bytes, Some(&config), true).expect("load");
-    let target = info.instances;
-    assert!(target >= 2, "warm instances: {target}");
-    let taints = support::taint_table(1, 4);
-    let (req, cols) = decision(64, 7);
-    let _serial = TIMING.lock().unwrap_or_else(|e| e.into_inner());
-    // Warm-up on good requests.
+    (reg, info)
+}
+
+/// Twenty good decisions, each of which must answer costs.
+fn warm_up(
+    reg: &PolicyRegistry,
+    req: &PolicyRequest,
+    cols: &CandidateColumns,
+    taints: &TaintTable,
+    mode: &str,
+) {
     for _ in 0..20 {
-        let d = reg.decide(&req, &cols, &taints);
+        let d = reg.decide(req, cols, taints);
         assert!(
             matches!(d.outcome, Outcome::Costs(_)),
             "{mode}: warm-up {:?}",
             d.outcome
         );
     }
+}
+
+/// Loads misbehave with `mode` triggered by request ids containing "bad", checks the triggered
+/// decision falls back with `reason` within the deadline + 1 ms, that the poisoned instance is
+/// replaced, and that the next good decision works.
+fn misbehaviour_falls_back(mode: &str, reason: FallbackReason) {
+    let (reg, info) = load_misbehave(mode);
+    let target = info.instances;
+    assert!(target >= 2, "warm instances: {target}");
+    let taints = support::taint_table(1, 4);
+    let (req, cols) = decision(64, 7);
+    let _serial = TIMING.lock().unwrap_or_else(|e| e.into_inner());
+    warm_up(&reg, &req, &cols, &taints, mode);
     let bound = reg.config().deadline() + Duration::from_millis(1);
     let policy = reg.active().expect("active").policy.clone();
     let mut best = Duration::MAX;
@@ -262,24 +279,14 @@ fn trap_falls_back() {
 fn infinite_loop_hits_the_deadline_after_an_idle_spell() {
     // After ~100 ms without a guest call the epoch ticker parks (an idle server must not wake
     // 4,000 times a second); the next call wakes it, and a runaway call is still stopped in time.
-    let reg = registry();
-    let bytes = support::plugin_bytes(MISBEHAVE);
-    let config = serde_json::json!({"mode": "loop", "trigger": "bad"}).to_string();
-    reg.load("m", &bytes, Some(&config), true).expect("load");
+    let (reg, _) = load_misbehave("loop");
     let taints = support::taint_table(1, 4);
     let (req, cols) = decision(64, 7);
     let _serial = TIMING.lock().unwrap_or_else(|e| e.into_inner());
     let bound = reg.config().deadline() + Duration::from_millis(1);
     let mut best = Duration::MAX;
     for attempt in 0..3 {
-        for _ in 0..20 {
-            let d = reg.decide(&req, &cols, &taints);
-            assert!(
-                matches!(d.outcome, Outcome::Costs(_)),
-                "warm-up {:?}",
-                d.outcome
-            );
-        }
+        warm_up(&reg, &req, &cols, &taints, "loop");
         eventually("ticker parked", || reg.epoch_ticker_parked());
         let bad = with_id(req.clone(), &format!("bad-{attempt}"));
         let start = Instant::now();

@@ -281,13 +281,12 @@ fn swar_digits(chunk: &[u8]) -> (u64, usize) {
 /// body.
 #[inline(never)]
 fn read_long_integer(b: &[u8], i: usize, max_digits: usize) -> Option<(u64, usize)> {
-    let swar = swar_digits;
     let leading_zero = |n: usize| n > 1 && b[i] == b'0';
     // 8 digits at a time, then byte by byte.
     let mut v: u64 = 0;
     let mut j = i;
     while let Some(chunk) = b.get(j..j + 8) {
-        let (t, n) = swar(chunk);
+        let (t, n) = swar_digits(chunk);
         if n < 8 {
             break;
         }

@@ -399,7 +399,9 @@ pub(crate) struct PluginInstance {
     /// The context (taint-table version, block size) this instance was last given (`None`:
     /// never).
     context: Option<(u64, u32)>,
-    /// The runtime's record of running guest calls (keeps the epoch ticker awake).
+    /// The runtime's record of running guest calls (keeps the epoch ticker awake). The store's
+    /// state holds the same one; this copy lets a call's guard borrow it while the store is
+    /// borrowed mutably for the call.
     activity: Arc<GuestActivity>,
     _live: LiveGuard,
 }
