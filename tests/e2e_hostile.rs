@@ -1570,3 +1570,202 @@ fn hostile_policy_requests() {
 fn hostile_transport_requests() {
     run(transport_rows());
 }
+
+// ---- Oversize bodies over a raw socket -------------------------------------------------------
+//
+// A server that answers 413 and closes while the client is still sending makes the kernel reset
+// the connection: the client's next write fails with EPIPE and it never reads the answer (the CI
+// failure that led here: ureq writing a 200 kB body). The router reads and discards a rejected
+// body (bounded in time and bytes), so the client finishes, reads its 413, and can reuse the
+// connection.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+fn connect(s: &Server) -> TcpStream {
+    let addr = s
+        .url("")
+        .trim_start_matches("http://")
+        .trim_end_matches('/')
+        .to_string();
+    let c = TcpStream::connect(addr).expect("connect");
+    c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    c.set_write_timeout(Some(Duration::from_secs(10))).unwrap();
+    c
+}
+
+/// Reads one HTTP/1.1 response with a `content-length`: (status, lower-cased head, body).
+fn read_response(c: &mut TcpStream) -> std::io::Result<(u16, String, Value)> {
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 4096];
+    let head_end = loop {
+        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            break i + 4;
+        }
+        let n = c.read(&mut chunk)?;
+        if n == 0 {
+            return Err(std::io::Error::other(format!(
+                "connection closed after {} bytes of a response",
+                buf.len()
+            )));
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    };
+    let head = String::from_utf8_lossy(&buf[..head_end]).to_ascii_lowercase();
+    let status: u16 = head[9..12].parse().expect("status code");
+    let len: usize = head
+        .lines()
+        .find_map(|l| l.strip_prefix("content-length:"))
+        .map(|v| v.trim().parse().expect("content-length"))
+        .expect("a content-length header");
+    while buf.len() < head_end + len {
+        let n = c.read(&mut chunk)?;
+        if n == 0 {
+            return Err(std::io::Error::other(
+                "connection closed inside a response body",
+            ));
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    }
+    let body = serde_json::from_slice(&buf[head_end..head_end + len]).unwrap_or(Value::Null);
+    Ok((status, head, body))
+}
+
+/// Sends `body` in 8 KiB pieces with a pause before the first and 1 ms between the rest, so the
+/// server has long answered before the client is done.
+fn send_slowly(c: &mut TcpStream, head: &str, body: &[u8]) -> std::io::Result<()> {
+    c.write_all(head.as_bytes())?;
+    std::thread::sleep(Duration::from_millis(100));
+    for piece in body.chunks(8192) {
+        c.write_all(piece)?;
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    Ok(())
+}
+
+fn oversize_json(len: usize) -> Vec<u8> {
+    let mut b = br#"{"tokens": [1, 2, 3]}"#.to_vec();
+    b.resize(len, b' ');
+    b
+}
+
+#[test]
+fn oversize_body_sent_slowly_gets_its_413_and_the_connection_survives() {
+    let s = server();
+    for framing in ["content-length", "chunked"] {
+        let body = oversize_json(200_000);
+        let mut c = connect(&s);
+        let sent = match framing {
+            "content-length" => send_slowly(
+                &mut c,
+                &format!(
+                    "POST /v1/route HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+                     content-length: {}\r\n\r\n",
+                    body.len()
+                ),
+                &body,
+            ),
+            _ => {
+                let mut chunked = Vec::new();
+                for piece in body.chunks(8192) {
+                    chunked.extend_from_slice(format!("{:x}\r\n", piece.len()).as_bytes());
+                    chunked.extend_from_slice(piece);
+                    chunked.extend_from_slice(b"\r\n");
+                }
+                chunked.extend_from_slice(b"0\r\n\r\n");
+                send_slowly(
+                    &mut c,
+                    "POST /v1/route HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+                     transfer-encoding: chunked\r\n\r\n",
+                    &chunked,
+                )
+            }
+        };
+        sent.unwrap_or_else(|e| panic!("{framing}: the server cut the upload short: {e}"));
+        let (status, _, answer) =
+            read_response(&mut c).unwrap_or_else(|e| panic!("{framing}: no answer: {e}"));
+        assert_eq!(status, 413, "{framing}: {answer}");
+        assert_eq!(
+            answer["error"]["code"], "body_too_large",
+            "{framing}: {answer}"
+        );
+        // The body was read to its end, so the connection carries the next request.
+        c.write_all(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n")
+            .unwrap_or_else(|e| panic!("{framing}: connection closed after the 413: {e}"));
+        let (status, _, answer) = read_response(&mut c)
+            .unwrap_or_else(|e| panic!("{framing}: no answer after the 413: {e}"));
+        assert_eq!(status, 200, "{framing}: {answer}");
+    }
+    // Other answers given before the body is read: a wrong content type, a path that takes none.
+    for (head, status, code) in [
+        (
+            "POST /v1/route HTTP/1.1\r\nhost: x\r\ncontent-type: text/plain\r\n",
+            415,
+            "unsupported_media_type",
+        ),
+        (
+            "POST /v1/nowhere HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n",
+            404,
+            "not_found",
+        ),
+    ] {
+        let body = oversize_json(60_000);
+        let mut c = connect(&s);
+        send_slowly(
+            &mut c,
+            &format!("{head}content-length: {}\r\n\r\n", body.len()),
+            &body,
+        )
+        .unwrap_or_else(|e| panic!("{code}: the server cut the upload short: {e}"));
+        let (got, _, answer) =
+            read_response(&mut c).unwrap_or_else(|e| panic!("{code}: no answer: {e}"));
+        assert_eq!(
+            (got, answer["error"]["code"].as_str()),
+            (status, Some(code))
+        );
+        c.write_all(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n")
+            .unwrap_or_else(|e| panic!("{code}: connection closed after the answer: {e}"));
+        assert_eq!(read_response(&mut c).expect("healthz").0, 200, "{code}");
+    }
+    // Nothing was routed or booked by the rejected requests.
+    assert_eq!(
+        metric(&s.metrics(), "kvroute_active_bookings"),
+        Some(2.0),
+        "the fixture's two bookings only"
+    );
+}
+
+#[test]
+fn oversize_body_the_client_waits_to_send_is_refused_without_it() {
+    let s = server();
+    // `Expect: 100-continue`: the client sends the body only on a go-ahead, which must not come.
+    let mut c = connect(&s);
+    c.write_all(
+        b"POST /v1/route HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+          content-length: 1000000\r\nexpect: 100-continue\r\n\r\n",
+    )
+    .unwrap();
+    let (status, head, answer) = read_response(&mut c).expect("an answer without the body");
+    assert_eq!(status, 413, "{head}{answer}");
+    assert_eq!(answer["error"]["code"], "body_too_large", "{answer}");
+
+    // A client that announces a body and then stalls is answered once the drain time is up,
+    // not held for ever.
+    let mut c = connect(&s);
+    let started = Instant::now();
+    c.write_all(
+        b"POST /v1/route HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+          content-length: 1000000\r\n\r\n",
+    )
+    .unwrap();
+    c.write_all(&oversize_json(100_000)).unwrap();
+    let (status, _, answer) = read_response(&mut c).expect("an answer to a stalled upload");
+    assert_eq!(status, 413, "{answer}");
+    assert_eq!(answer["error"]["code"], "body_too_large", "{answer}");
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "answered after {:?}",
+        started.elapsed()
+    );
+}

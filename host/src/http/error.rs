@@ -87,12 +87,8 @@ impl IntoResponse for ApiError {
             body,
         )
             .into_response();
-        // An early rejection may leave an unread body on the connection: close it rather than
-        // let a keep-alive client send its next request into the leftovers.
-        if matches!(self.status.as_u16(), 401 | 403 | 413 | 415) {
-            resp.headers_mut()
-                .insert(header::CONNECTION, HeaderValue::from_static("close"));
-        }
+        // A body this answer left unread is drained by `super::drain` (or the connection
+        // closed there), so a keep-alive client never sends its next request into leftovers.
         if let Some(s) = self.retry_after {
             resp.headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from(s));
@@ -186,18 +182,86 @@ pub async fn json_body<S: Send + Sync>(
     Ok(bytes)
 }
 
+/// The most bytes a request body may have, set per route by an `Extension` layer (the app sets
+/// `limits.max_body_bytes`, policy uploads `limits.max_policy_bytes`). Without one, the body is
+/// read without a limit of ours (axum's default limit does not apply either: [`RawBody`] reads the
+/// body itself), so every route that takes a body sits under one.
+#[derive(Clone, Copy, Debug)]
+pub struct BodyLimit(pub usize);
+
 /// The raw body, with a size-limit failure in the contract's error shape.
 pub struct RawBody(pub axum::body::Bytes);
 
 impl<S: Send + Sync> FromRequest<S> for RawBody {
     type Rejection = ApiError;
 
-    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
-        axum::body::Bytes::from_request(req, state)
-            .await
-            .map(RawBody)
-            .map_err(body_error)
+    async fn from_request(req: Request, _state: &S) -> Result<Self, Self::Rejection> {
+        let limit = req
+            .extensions()
+            .get::<BodyLimit>()
+            .map_or(usize::MAX, |l| l.0);
+        read_body(req, limit).await.map(RawBody)
     }
+}
+
+fn body_too_large() -> ApiError {
+    ApiError::new(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "body_too_large",
+        "the request body is larger than limits.max_body_bytes",
+    )
+}
+
+/// Reads the whole body if it has at most `limit` bytes, else answers 413 (the middleware in
+/// [`super::drain`] reads what is left, so the client gets to see the answer). A body that arrives
+/// in one frame (the usual case for a small request) is handed on without a copy.
+async fn read_body(req: Request, limit: usize) -> Result<axum::body::Bytes, ApiError> {
+    use http_body_util::BodyExt;
+
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        // Not a byte read: a client waiting on `Expect: 100-continue` is never asked for it.
+        return Err(body_too_large());
+    }
+    let mut body = req.into_body();
+    let mut first: Option<axum::body::Bytes> = None;
+    let mut more: Option<bytes::BytesMut> = None;
+    let mut len = 0usize;
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| {
+            ApiError::bad_request("invalid_body", format!("cannot read the request body: {e}"))
+        })?;
+        let Ok(data) = frame.into_data() else {
+            continue; // trailers
+        };
+        if data.is_empty() {
+            continue;
+        }
+        len = len.saturating_add(data.len());
+        if len > limit {
+            return Err(body_too_large());
+        }
+        match (&mut first, &mut more) {
+            (None, _) => first = Some(data),
+            (Some(f), None) => {
+                let mut joined =
+                    bytes::BytesMut::with_capacity(declared.map_or(len, |n| n as usize).max(len));
+                joined.extend_from_slice(f);
+                joined.extend_from_slice(&data);
+                more = Some(joined);
+            }
+            (Some(_), Some(m)) => m.extend_from_slice(&data),
+        }
+    }
+    Ok(match (first, more) {
+        (_, Some(m)) => m.freeze(),
+        (Some(f), None) => f,
+        (None, None) => axum::body::Bytes::new(),
+    })
 }
 
 /// A path parameter; a malformed one (bad UTF-8, not a number) is a 400 naming the parameter.
@@ -218,18 +282,5 @@ where
             .await
             .map(|axum::extract::Path(v)| ApiPath(v))
             .map_err(|e| ApiError::bad_request("invalid_request", e.body_text()).with_field("path"))
-    }
-}
-
-/// Maps a body-read failure (usually the size limit) to the error body.
-pub fn body_error(e: axum::extract::rejection::BytesRejection) -> ApiError {
-    if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
-        ApiError::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "body_too_large",
-            "the request body is larger than limits.max_body_bytes",
-        )
-    } else {
-        ApiError::new(e.status(), "invalid_body", e.body_text())
     }
 }

@@ -5,6 +5,7 @@
 //! [`AppState`]; nothing is global. Admin endpoints (worker writes, events, policy writes) require
 //! the bearer token when one is configured, and answer loopback clients only when none is.
 
+pub mod drain;
 pub mod dto;
 pub mod error;
 pub mod metrics;
@@ -22,7 +23,7 @@ use axum::http::{header, HeaderMap, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post, put};
-use axum::Json;
+use axum::{Extension, Json};
 
 use crate::candidate::{CandidateColumns, CandidateKey, PolicyRequest};
 use crate::indexer::KvEvent;
@@ -32,7 +33,7 @@ use crate::router::{
 };
 use crate::workers::{SpecError, TaintNames, WorkerSpec};
 use dto::*;
-use error::{ApiError, ApiJson, ApiPath, RawBody};
+use error::{ApiError, ApiJson, ApiPath, BodyLimit, RawBody};
 pub use metrics::Metrics;
 use prompt_json::PromptJson;
 
@@ -123,7 +124,12 @@ pub fn app(state: AppState) -> axum::Router {
         .route(
             "/v1/policies/{name}",
             put(put_policy)
-                .layer(DefaultBodyLimit::max(state.limits.max_policy_bytes))
+                .layer::<_, std::convert::Infallible>(DefaultBodyLimit::max(
+                    state.limits.max_policy_bytes,
+                ))
+                .layer::<_, std::convert::Infallible>(Extension(BodyLimit(
+                    state.limits.max_policy_bytes,
+                )))
                 .delete(delete_policy),
         )
         .route("/v1/policies/{name}/config", put(put_policy_config))
@@ -151,6 +157,8 @@ pub fn app(state: AppState) -> axum::Router {
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(body_limit))
+        .layer(Extension(BodyLimit(body_limit)))
+        .layer(middleware::from_fn(drain::drain_leftovers))
         .with_state(state)
 }
 
