@@ -38,7 +38,7 @@ const SHIPPED: &[(&str, &[&str])] = &[
 /// A per-call deadline for checks that are about behaviour, not speed: the other tests of this
 /// file build components with cargo at the same time, and on a 2-core machine a 1,024-candidate
 /// call can then miss the 2 ms default for want of CPU. Deadlines themselves are tested with the
-/// `misbehave` builds (which use the default) and in `host/tests/policy_runtime.rs`.
+/// `misbehave` builds (which use the default) and in `host/tests/policy_deadlines.rs`.
 const FUNCTIONAL_DEADLINE: [&str; 2] = ["--deadline-us", "50000"];
 
 fn check(wasm: &std::path::Path, extra: &[&str]) -> (Output, String) {
