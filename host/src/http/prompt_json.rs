@@ -364,6 +364,52 @@ mod tests {
     }
 
     #[test]
+    fn reads_u64_of_every_length_whatever_follows() {
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        for _ in 0..200_000 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let digits = 1 + (x % 20) as u32;
+            let v = if digits == 20 {
+                x
+            } else {
+                x % 10u64.pow(digits)
+            };
+            // Tails shorter and longer than 8 bytes, with digits after the separator.
+            for tail in [
+                &b""[..],
+                b"]",
+                b"]}",
+                b", 1234567",
+                b", 12345678901234]}",
+                b"x9",
+            ] {
+                let mut s = v.to_string().into_bytes();
+                let len = s.len();
+                s.extend_from_slice(tail);
+                assert_eq!(read_integer(&s, 0, 20), Some((v, len)), "{v} then {tail:?}");
+            }
+        }
+        for tail in [&b""[..], b",", b", 1, 2, 3, 4, 5"] {
+            let with = |n: &str| [n.as_bytes(), tail].concat();
+            assert_eq!(
+                read_integer(&with("18446744073709551615"), 0, 20),
+                Some((u64::MAX, 20))
+            );
+            assert_eq!(read_integer(&with("18446744073709551616"), 0, 20), None);
+            assert_eq!(read_integer(&with("99999999999999999999"), 0, 20), None);
+            assert_eq!(read_integer(&with("100000000000000000000"), 0, 20), None);
+            assert_eq!(read_integer(&with("0123456789012"), 0, 20), None);
+            assert_eq!(read_integer(&with("123456789012"), 0, 11), None);
+            assert_eq!(
+                read_integer(&with("123456789012"), 0, 12),
+                Some((123_456_789_012, 12))
+            );
+        }
+    }
+
+    #[test]
     fn reads_integer_arrays() {
         let read = |b: &[u8]| parse_int_array::<u32>(b, 10).map(|(v, _)| v);
         assert_eq!(parse_int_array::<u32>(b"[]", 10), Some((vec![], 2)));
