@@ -74,76 +74,97 @@ impl Conn {
         self.stream()?.write_all(request)?;
         self.buf.clear();
         self.body.clear();
-        let head_end = loop {
-            if let Some(p) = find(&self.buf, b"\r\n\r\n") {
-                break p + 4;
+        let r = loop {
+            if let Some(r) = parse_response(&self.buf, &mut self.body)? {
+                break r;
             }
             self.fill()?;
         };
-        let head = std::str::from_utf8(&self.buf[..head_end])
-            .map_err(|_| bad("response head is not UTF-8"))?;
-        let mut lines = head.split("\r\n");
-        let status_line = lines.next().unwrap_or("");
-        let status: u16 = status_line
-            .split(' ')
-            .nth(1)
-            .and_then(|s| s.parse().ok())
-            .ok_or_else(|| bad("bad status line"))?;
-        let mut content_length = None;
-        let mut chunked = false;
-        let mut close = status_line.starts_with("HTTP/1.0");
-        for line in lines {
-            let Some((name, value)) = line.split_once(':') else {
-                continue;
-            };
-            let value = value.trim();
-            if name.eq_ignore_ascii_case("content-length") {
-                content_length = Some(
-                    value
-                        .parse::<usize>()
-                        .map_err(|_| bad("bad content-length"))?,
-                );
-            } else if name.eq_ignore_ascii_case("transfer-encoding") {
-                chunked = value.eq_ignore_ascii_case("chunked");
-            } else if name.eq_ignore_ascii_case("connection") {
-                close = value.eq_ignore_ascii_case("close");
-            }
-        }
-        if chunked {
-            let mut pos = head_end;
-            loop {
-                let line_end = loop {
-                    if let Some(p) = find(&self.buf[pos..], b"\r\n") {
-                        break pos + p;
-                    }
-                    self.fill()?;
-                };
-                let size_str = std::str::from_utf8(&self.buf[pos..line_end])
-                    .map_err(|_| bad("bad chunk size"))?;
-                let size_str = size_str.split(';').next().unwrap_or("").trim();
-                let size =
-                    usize::from_str_radix(size_str, 16).map_err(|_| bad("bad chunk size"))?;
-                let data_start = line_end + 2;
-                while self.buf.len() < data_start + size + 2 {
-                    self.fill()?;
-                }
-                if size == 0 {
-                    break;
-                }
-                self.body
-                    .extend_from_slice(&self.buf[data_start..data_start + size]);
-                pos = data_start + size + 2;
-            }
-        } else {
-            let len = content_length.unwrap_or(0);
-            while self.buf.len() < head_end + len {
-                self.fill()?;
-            }
-            self.body
-                .extend_from_slice(&self.buf[head_end..head_end + len]);
-        }
-        Ok((status, close))
+        Ok((r.status, r.close))
     }
+}
+
+/// A complete response at the front of a buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Parsed {
+    pub status: u16,
+    /// The server will close the connection after it.
+    pub close: bool,
+    /// Bytes of the buffer it takes (the next response starts there).
+    pub len: usize,
+}
+
+/// Parses the response at the front of `buf`: `None` until it is complete. The body (de-chunked)
+/// is appended to `body`, which is cleared first.
+pub fn parse_response(buf: &[u8], body: &mut Vec<u8>) -> io::Result<Option<Parsed>> {
+    body.clear();
+    let Some(p) = find(buf, b"\r\n\r\n") else {
+        return Ok(None);
+    };
+    let head_end = p + 4;
+    let head =
+        std::str::from_utf8(&buf[..head_end]).map_err(|_| bad("response head is not UTF-8"))?;
+    let mut lines = head.split("\r\n");
+    let status_line = lines.next().unwrap_or("");
+    let status: u16 = status_line
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| bad("bad status line"))?;
+    let mut content_length = None;
+    let mut chunked = false;
+    let mut close = status_line.starts_with("HTTP/1.0");
+    for line in lines {
+        let Some((name, value)) = line.split_once(':') else {
+            continue;
+        };
+        let value = value.trim();
+        if name.eq_ignore_ascii_case("content-length") {
+            content_length = Some(
+                value
+                    .parse::<usize>()
+                    .map_err(|_| bad("bad content-length"))?,
+            );
+        } else if name.eq_ignore_ascii_case("transfer-encoding") {
+            chunked = value.eq_ignore_ascii_case("chunked");
+        } else if name.eq_ignore_ascii_case("connection") {
+            close = value.eq_ignore_ascii_case("close");
+        }
+    }
+    let end = if chunked {
+        let mut pos = head_end;
+        loop {
+            let Some(p) = find(&buf[pos..], b"\r\n") else {
+                return Ok(None);
+            };
+            let line_end = pos + p;
+            let size_str =
+                std::str::from_utf8(&buf[pos..line_end]).map_err(|_| bad("bad chunk size"))?;
+            let size_str = size_str.split(';').next().unwrap_or("").trim();
+            let size = usize::from_str_radix(size_str, 16).map_err(|_| bad("bad chunk size"))?;
+            let data_start = line_end + 2;
+            if buf.len() < data_start + size + 2 {
+                return Ok(None);
+            }
+            if size == 0 {
+                break data_start + 2;
+            }
+            body.extend_from_slice(&buf[data_start..data_start + size]);
+            pos = data_start + size + 2;
+        }
+    } else {
+        let len = content_length.unwrap_or(0);
+        if buf.len() < head_end + len {
+            return Ok(None);
+        }
+        body.extend_from_slice(&buf[head_end..head_end + len]);
+        head_end + len
+    };
+    Ok(Some(Parsed {
+        status,
+        close,
+        len: end,
+    }))
 }
 
 fn bad(msg: &str) -> io::Error {

@@ -14,8 +14,15 @@
 //! Queries are query-only (`"book": false`) unless `--book`, which books each route and frees it
 //! (`DELETE /v1/requests/{id}`) on the same connection before the next query; only the route call
 //! is timed, but the free shares the server.
+//!
+//! Two engines drive the connections: `threads` (default; one blocking thread per connection, see
+//! [`client`]) and `epoll` (all connections of a phase on one thread, see [`poll`]). They measure
+//! the same thing. `epoll` was written to take less of the CPU the server needs; side by side on
+//! the 2-core VM it did not (BENCHMARKS.md): each answer still wakes the generator once, and in
+//! the open loop a single thread that loses its core delays every send, so it stays an option.
 
 mod client;
+mod poll;
 mod workload;
 
 use std::io::{BufRead, BufReader};
@@ -109,6 +116,17 @@ struct Cli {
     /// Book each route and free it (two calls per query) instead of query-only routes.
     #[arg(long)]
     book: bool,
+    /// How the connections are driven: a blocking thread each, or one epoll thread for all.
+    #[arg(long, value_enum, default_value = "threads")]
+    engine: Engine,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
+enum Engine {
+    /// All connections of a phase on one thread, over epoll and a timerfd.
+    Epoll,
+    /// One blocking thread per connection (`nanosleep` for the open-loop schedule).
+    Threads,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
@@ -167,7 +185,7 @@ struct Queries {
     /// Per prompt: the route body after `{`.
     bodies: Vec<String>,
     /// Per prompt: the complete request bytes (query-only mode).
-    requests: Vec<Vec<u8>>,
+    requests: Arc<Vec<Vec<u8>>>,
     book: bool,
     next_id: AtomicU64,
 }
@@ -193,6 +211,32 @@ impl Queries {
         );
         let ok = matches!(conn.call(&req), Ok((200, _)));
         (ok, ok.then_some(n))
+    }
+
+    /// Query `i` for the epoll engine: the request and, in booking mode, the free that follows.
+    fn poll_query(&self, i: usize) -> poll::Query {
+        if !self.book {
+            return poll::Query {
+                request: poll::Req::Shared(self.requests.clone(), i),
+                then: None,
+            };
+        }
+        let n = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let body = format!(
+            "{{\"{}\":\"lg-{n}\",{}",
+            self.target.id_field(),
+            self.bodies[i]
+        );
+        let path = format!("{}lg-{n}", self.target.free_path());
+        poll::Query {
+            request: poll::Req::Owned(request(
+                "POST",
+                self.target.route_path(true),
+                &self.host,
+                body.as_bytes(),
+            )),
+            then: Some(request("DELETE", &path, &self.host, b"")),
+        }
     }
 
     /// Frees a booked query (booking mode), untimed.
@@ -282,6 +326,9 @@ struct PhaseResult {
 }
 
 fn closed_loop(t: &Arc<Queries>, conns: usize, cli: &Cli, server_pid: Option<u32>) -> PhaseResult {
+    if cli.engine == Engine::Epoll {
+        return poll_phase(t, conns, None, cli, server_pid);
+    }
     let start = Instant::now();
     let measure_from = start + Duration::from_secs_f64(cli.warmup);
     let end = measure_from + Duration::from_secs_f64(cli.duration);
@@ -355,6 +402,9 @@ fn closed_loop(t: &Arc<Queries>, conns: usize, cli: &Cli, server_pid: Option<u32
 }
 
 fn open_loop(t: &Arc<Queries>, rate: f64, cli: &Cli, server_pid: Option<u32>) -> PhaseResult {
+    if cli.engine == Engine::Epoll {
+        return poll_phase(t, cli.open_conns, Some(rate), cli, server_pid);
+    }
     let conns = cli.open_conns;
     let start = Instant::now() + Duration::from_millis(20);
     let measure_from = start + Duration::from_secs_f64(cli.warmup);
@@ -440,6 +490,58 @@ fn open_loop(t: &Arc<Queries>, rate: f64, cli: &Cli, server_pid: Option<u32>) ->
         service: Some(svc),
         lag: Some(lag),
         errors,
+        server_cores,
+        loadgen_cores,
+    }
+}
+
+/// One phase on the epoll engine: closed loop (`rate` None) or open loop at `rate` routes/s.
+fn poll_phase(
+    t: &Arc<Queries>,
+    conns: usize,
+    rate: Option<f64>,
+    cli: &Cli,
+    server_pid: Option<u32>,
+) -> PhaseResult {
+    precise_timers();
+    let n_prompts = t.requests.len().max(t.bodies.len());
+    let start = Instant::now() + Duration::from_millis(20);
+    let measure_from = start + Duration::from_secs_f64(cli.warmup);
+    let end = measure_from + Duration::from_secs_f64(cli.duration);
+    let mut rng = Rng::new(if rate.is_some() { 0x1234 } else { 0xABCD });
+    let mut next_query = |_conn: usize| t.poll_query(rng.below(n_prompts));
+    let mut meter = None;
+    let mut on_measure = || meter = Some(CpuMeter::start(server_pid));
+    let mut plan = poll::Plan {
+        addr: t.addr,
+        conns,
+        period: rate.map(|r| Duration::from_secs_f64(1.0 / r)),
+        start,
+        measure_from,
+        end,
+        next_query: &mut next_query,
+        on_measure: &mut on_measure,
+    };
+    let out = poll::run(&mut plan).unwrap_or_else(|e| panic!("load phase: {e}"));
+    let (server_cores, loadgen_cores) = meter
+        .as_ref()
+        .map(|m: &CpuMeter| m.stop())
+        .unwrap_or((None, None));
+    let open = rate.is_some();
+    let window = if open {
+        (out.last - measure_from).as_secs_f64().max(cli.duration)
+    } else {
+        cli.duration
+    };
+    PhaseResult {
+        phase: if open { "open" } else { "closed" }.into(),
+        conns,
+        target_rate: rate,
+        routes_per_s: out.done as f64 / window,
+        latency: out.latency,
+        service: open.then_some(out.service),
+        lag: open.then_some(out.lag),
+        errors: out.errors,
         server_cores,
         loadgen_cores,
     }
@@ -680,10 +782,12 @@ fn measure(cli: &Cli, addr: SocketAddr, server_pid: Option<u32>) -> Result<(), S
             .map(|p| route_body_rest(p, form, cli.book, cli.target == Target::Dynamo))
             .collect();
         let path = cli.target.route_path(false);
-        let requests = bodies
-            .iter()
-            .map(|b| request("POST", path, &host, format!("{{{b}").as_bytes()))
-            .collect();
+        let requests = Arc::new(
+            bodies
+                .iter()
+                .map(|b| request("POST", path, &host, format!("{{{b}").as_bytes()))
+                .collect(),
+        );
         let t = Arc::new(Queries {
             addr,
             host: host.clone(),
