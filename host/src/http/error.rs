@@ -160,7 +160,7 @@ pub fn require_json(headers: &axum::http::HeaderMap) -> Result<(), ApiError> {
     Ok(())
 }
 
-/// A JSON body, parsed with [`parse_json`]. Body size is limited by the router's body-limit layer
+/// A JSON body, parsed with [`parse_json`]. Body size is limited by the route's [`BodyLimit`]
 /// (413 beyond it).
 pub struct ApiJson<T>(pub T);
 
@@ -183,11 +183,15 @@ pub async fn json_body<S: Send + Sync>(
 }
 
 /// The most bytes a request body may have, set per route by an `Extension` layer (the app sets
-/// `limits.max_body_bytes`, policy uploads `limits.max_policy_bytes`). Without one, the body is
-/// read without a limit of ours (axum's default limit does not apply either: [`RawBody`] reads the
-/// body itself), so every route that takes a body sits under one.
+/// `limits.max_body_bytes`, policy uploads `limits.max_policy_bytes`). A route without one gets
+/// [`BodyLimit::FALLBACK`] ([`RawBody`] reads the body itself, so axum's own limit never applies).
 #[derive(Clone, Copy, Debug)]
 pub struct BodyLimit(pub usize);
+
+impl BodyLimit {
+    /// The limit of a route that was not given one (axum's default, 2 MiB).
+    pub const FALLBACK: BodyLimit = BodyLimit(2 << 20);
+}
 
 /// The raw body, with a size-limit failure in the contract's error shape.
 pub struct RawBody(pub axum::body::Bytes);
@@ -199,7 +203,8 @@ impl<S: Send + Sync> FromRequest<S> for RawBody {
         let limit = req
             .extensions()
             .get::<BodyLimit>()
-            .map_or(usize::MAX, |l| l.0);
+            .unwrap_or(&BodyLimit::FALLBACK)
+            .0;
         read_body(req, limit).await.map(RawBody)
     }
 }
@@ -282,5 +287,104 @@ where
             .await
             .map(|axum::extract::Path(v)| ApiPath(v))
             .map_err(|e| ApiError::bad_request("invalid_request", e.body_text()).with_field("path"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::VecDeque;
+    use std::pin::Pin;
+    use std::task::{Context, Poll};
+
+    use axum::body::{Body, Bytes, HttpBody};
+    use http_body::Frame;
+
+    use super::*;
+
+    /// A body that arrives in the given pieces, one frame each.
+    struct Pieces(VecDeque<Bytes>);
+
+    impl HttpBody for Pieces {
+        type Data = Bytes;
+        type Error = std::convert::Infallible;
+
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+            Poll::Ready(self.0.pop_front().map(|b| Ok(Frame::data(b))))
+        }
+    }
+
+    fn request(pieces: &[&[u8]], limit: Option<usize>) -> Request {
+        let body = Pieces(pieces.iter().map(|p| Bytes::copy_from_slice(p)).collect());
+        let mut req = Request::new(Body::new(body));
+        if let Some(l) = limit {
+            req.extensions_mut().insert(BodyLimit(l));
+        }
+        req
+    }
+
+    fn read(pieces: &[&[u8]], limit: Option<usize>) -> Result<Bytes, ApiError> {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("runtime");
+        rt.block_on(RawBody::from_request(request(pieces, limit), &()))
+            .map(|RawBody(b)| b)
+    }
+
+    #[test]
+    fn raw_body_joins_frames_and_applies_the_route_limit() {
+        assert_eq!(read(&[], Some(10)).unwrap(), Bytes::new());
+        assert_eq!(read(&[b"", b"{}"], Some(10)).unwrap(), &b"{}"[..]);
+        assert_eq!(
+            read(&[b"0123", b"", b"456", b"789"], Some(10)).unwrap(),
+            &b"0123456789"[..]
+        );
+        let over = read(&[b"0123", b"456", b"7890"], Some(10)).unwrap_err();
+        assert_eq!(
+            (over.status, over.code),
+            (StatusCode::PAYLOAD_TOO_LARGE, "body_too_large")
+        );
+    }
+
+    /// A body that must not be read.
+    struct Untouchable;
+
+    impl HttpBody for Untouchable {
+        type Data = Bytes;
+        type Error = std::convert::Infallible;
+
+        fn poll_frame(
+            self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+            panic!("the body was read");
+        }
+    }
+
+    #[test]
+    fn a_declared_length_over_the_limit_is_refused_unread() {
+        // Unread, so a client waiting on `Expect: 100-continue` is never asked for the body.
+        let mut req = Request::new(Body::new(Untouchable));
+        req.extensions_mut().insert(BodyLimit(10));
+        req.headers_mut()
+            .insert(header::CONTENT_LENGTH, HeaderValue::from_static("11"));
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("runtime");
+        let err = rt
+            .block_on(RawBody::from_request(req, &()))
+            .err()
+            .expect("refused");
+        assert_eq!(err.status, StatusCode::PAYLOAD_TOO_LARGE);
+    }
+
+    #[test]
+    fn a_route_without_a_limit_gets_the_fallback() {
+        let big = vec![b' '; BodyLimit::FALLBACK.0];
+        assert_eq!(read(&[&big], None).unwrap().len(), big.len());
+        let err = read(&[&big, b" "], None).unwrap_err();
+        assert_eq!(err.status, StatusCode::PAYLOAD_TOO_LARGE);
     }
 }
