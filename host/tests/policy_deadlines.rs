@@ -46,18 +46,6 @@ fn with_id(mut req: PolicyRequest, id: &str) -> PolicyRequest {
     req
 }
 
-/// Waits (up to 2 s) until `f` holds.
-fn eventually(what: &str, mut f: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !f() {
-        assert!(
-            start.elapsed() < Duration::from_secs(2),
-            "timed out waiting for: {what}"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
-}
-
 // ------------------------------------------------------------------------- misbehaving at runtime
 
 /// A registry with `misbehave` active as "m", misbehaving in `mode` on request ids containing
@@ -125,7 +113,7 @@ fn misbehaviour_falls_back(mode: &str, reason: FallbackReason) {
     assert_eq!(snap.fallbacks, failures);
     assert_eq!(snap.errors_by_kind.get(reason.as_str()), Some(&failures));
     // The poisoned instance is replaced off the request path.
-    eventually("pool refilled", || policy.live_instances() >= target);
+    support::eventually("pool refilled", || policy.live_instances() >= target);
     // And the next good decision works, on the same version.
     let d = reg.decide(&req, &cols, &taints);
     assert!(
@@ -157,7 +145,7 @@ fn infinite_loop_hits_the_deadline_after_an_idle_spell() {
     let mut tries = Vec::new();
     for attempt in 0..3 {
         warm_up(&reg, &req, &cols, &taints, "loop");
-        eventually("ticker parked", || reg.epoch_ticker_parked());
+        support::eventually("ticker parked", || reg.epoch_ticker_parked());
         let bad = with_id(req.clone(), &format!("bad-{attempt}"));
         let start = Instant::now();
         let d = reg.decide(&bad, &cols, &taints);
@@ -174,7 +162,7 @@ fn infinite_loop_hits_the_deadline_after_an_idle_spell() {
         "fallbacks took {tries:?}, bound {bound:?}"
     );
     // And it parks again once calls stop.
-    eventually("ticker parked again", || reg.epoch_ticker_parked());
+    support::eventually("ticker parked again", || reg.epoch_ticker_parked());
     let d = reg.decide(&req, &cols, &taints);
     assert!(
         matches!(d.outcome, Outcome::Costs(ref c) if c.len() == 64),

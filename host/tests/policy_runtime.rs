@@ -5,7 +5,7 @@ mod support;
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use kvroute_host::cost::native_costs;
 use kvroute_host::policy::{
@@ -45,18 +45,6 @@ fn assert_close(got: &[f64], want: &[f64], context: &str) {
             (g - w).abs() <= 1e-9 * scale || g == w,
             "{context}: candidate {i}: plugin {g} vs native {w}"
         );
-    }
-}
-
-/// Waits (up to 2 s) until `f` holds.
-fn eventually(what: &str, mut f: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !f() {
-        assert!(
-            start.elapsed() < Duration::from_secs(2),
-            "timed out waiting for: {what}"
-        );
-        std::thread::sleep(Duration::from_millis(5));
     }
 }
 
@@ -464,7 +452,7 @@ fn watched_directory_loads_valid_files_and_keeps_serving_on_invalid_ones() {
         .watch_directory(&dir, Duration::from_millis(20))
         .expect("watch");
     std::fs::write(dir.join("gamma.wasm"), &native).expect("write");
-    eventually("gamma active", || {
+    support::eventually("gamma active", || {
         reg.active().is_some_and(|a| a.policy.name() == "gamma")
     });
     watcher.stop();

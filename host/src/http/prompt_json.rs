@@ -337,22 +337,36 @@ mod tests {
         }
     }
 
-    #[test]
-    fn reads_integers_of_every_length_like_the_slow_loop() {
-        let mut x: u64 = 0x2545_f491_4f6c_dd1d;
+    /// `read_integer` (at most `max_digits`) on 200,000 pseudo-random integers of 1 to
+    /// `max_digits` digits (xorshift from `seed`), each followed by every one of `tails`.
+    fn reads_random_integers(seed: u64, max_digits: u32, tails: &[&[u8]]) {
+        let mut x = seed;
         for _ in 0..200_000 {
             x ^= x << 13;
             x ^= x >> 7;
             x ^= x << 17;
-            let digits = 1 + (x % 10) as u32;
-            let v = (x >> 8) % 10u64.pow(digits);
-            for tail in [&b","[..], b"]", b" ", b", 17, 3]", b"\n"] {
+            let digits = 1 + (x % u64::from(max_digits)) as u32;
+            let v = match 10u64.checked_pow(digits) {
+                Some(p) => x.rotate_right(8) % p,
+                None => x,
+            };
+            for tail in tails {
                 let mut s = v.to_string().into_bytes();
                 let len = s.len();
                 s.extend_from_slice(tail);
-                assert_eq!(read_integer(&s, 0, 10), Some((v, len)), "{}", v);
+                assert_eq!(
+                    read_integer(&s, 0, max_digits as usize),
+                    Some((v, len)),
+                    "{v} then {tail:?}"
+                );
             }
         }
+    }
+
+    #[test]
+    fn reads_integers_of_every_length_like_the_slow_loop() {
+        let tails: [&[u8]; 5] = [b",", b"]", b" ", b", 17, 3]", b"\n"];
+        reads_random_integers(0x2545_f491_4f6c_dd1d, 10, &tails);
         assert_eq!(
             read_integer(b"4294967295,", 0, 10),
             Some((4_294_967_295, 10))
@@ -365,32 +379,9 @@ mod tests {
 
     #[test]
     fn reads_u64_of_every_length_whatever_follows() {
-        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
-        for _ in 0..200_000 {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            let digits = 1 + (x % 20) as u32;
-            let v = if digits == 20 {
-                x
-            } else {
-                x % 10u64.pow(digits)
-            };
-            // Tails shorter and longer than 8 bytes, with digits after the separator.
-            for tail in [
-                &b""[..],
-                b"]",
-                b"]}",
-                b", 1234567",
-                b", 12345678901234]}",
-                b"x9",
-            ] {
-                let mut s = v.to_string().into_bytes();
-                let len = s.len();
-                s.extend_from_slice(tail);
-                assert_eq!(read_integer(&s, 0, 20), Some((v, len)), "{v} then {tail:?}");
-            }
-        }
+        // Tails shorter and longer than 8 bytes, with digits after the separator.
+        let tails: [&[u8]; 6] = [b"", b"]", b"]}", b", 1234567", b", 12345678901234]}", b"x9"];
+        reads_random_integers(0x9e37_79b9_7f4a_7c15, 20, &tails);
         for tail in [&b""[..], b",", b", 1, 2, 3, 4, 5"] {
             let with = |n: &str| [n.as_bytes(), tail].concat();
             assert_eq!(

@@ -166,3 +166,15 @@ pub fn taint_table(version: u64, n: u32) -> kvroute_host::policy::TaintTable {
         (0..n).map(|i| format!("taint-{i}")).collect::<Vec<_>>(),
     )
 }
+
+/// Waits (up to 2 s, looking every 5 ms) until `f` holds; panics naming `what` otherwise.
+pub fn eventually(what: &str, mut f: impl FnMut() -> bool) {
+    let start = std::time::Instant::now();
+    while !f() {
+        assert!(
+            start.elapsed() < std::time::Duration::from_secs(2),
+            "timed out waiting for: {what}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+}
