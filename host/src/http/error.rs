@@ -184,7 +184,9 @@ pub async fn json_body<S: Send + Sync>(
 
 /// The most bytes a request body may have, set per route by an `Extension` layer (the app sets
 /// `limits.max_body_bytes`, policy uploads `limits.max_policy_bytes`). A route without one gets
-/// [`BodyLimit::FALLBACK`] ([`RawBody`] reads the body itself, so axum's own limit never applies).
+/// [`BodyLimit::FALLBACK`]. [`RawBody`] reads the body itself rather than through axum's `Bytes`
+/// extractor (whose `DefaultBodyLimit` it would otherwise use) so that a declared oversize length
+/// is refused without polling the body.
 #[derive(Clone, Copy, Debug)]
 pub struct BodyLimit(pub usize);
 
@@ -218,10 +220,12 @@ fn body_too_large() -> ApiError {
 }
 
 /// Reads the whole body if it has at most `limit` bytes, else answers 413 (the middleware in
-/// [`super::drain`] reads what is left, so the client gets to see the answer). A body that arrives
-/// in one frame (the usual case for a small request) is handed on without a copy.
+/// [`super::drain`] reads what is left, so the client gets to see the answer). A declared
+/// `Content-Length` over the limit is refused before a byte is read, so a client waiting on
+/// `Expect: 100-continue` is never asked for the body. A body that arrives in one frame (the usual
+/// case for a small request) is handed on without a copy.
 async fn read_body(req: Request, limit: usize) -> Result<axum::body::Bytes, ApiError> {
-    use http_body_util::BodyExt;
+    use http_body_util::{BodyExt, LengthLimitError, Limited};
 
     let declared = req
         .headers()
@@ -229,44 +233,16 @@ async fn read_body(req: Request, limit: usize) -> Result<axum::body::Bytes, ApiE
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
     if declared.is_some_and(|n| n > limit as u64) {
-        // Not a byte read: a client waiting on `Expect: 100-continue` is never asked for it.
         return Err(body_too_large());
     }
-    let mut body = req.into_body();
-    let mut first: Option<axum::body::Bytes> = None;
-    let mut more: Option<bytes::BytesMut> = None;
-    let mut len = 0usize;
-    while let Some(frame) = body.frame().await {
-        let frame = frame.map_err(|e| {
-            ApiError::bad_request("invalid_body", format!("cannot read the request body: {e}"))
-        })?;
-        let Ok(data) = frame.into_data() else {
-            continue; // trailers
-        };
-        if data.is_empty() {
-            continue;
-        }
-        len = len.saturating_add(data.len());
-        if len > limit {
-            return Err(body_too_large());
-        }
-        match (&mut first, &mut more) {
-            (None, _) => first = Some(data),
-            (Some(f), None) => {
-                let mut joined =
-                    bytes::BytesMut::with_capacity(declared.map_or(len, |n| n as usize).max(len));
-                joined.extend_from_slice(f);
-                joined.extend_from_slice(&data);
-                more = Some(joined);
-            }
-            (Some(_), Some(m)) => m.extend_from_slice(&data),
-        }
+    match Limited::new(req.into_body(), limit).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(e) if e.is::<LengthLimitError>() => Err(body_too_large()),
+        Err(e) => Err(ApiError::bad_request(
+            "invalid_body",
+            format!("cannot read the request body: {e}"),
+        )),
     }
-    Ok(match (first, more) {
-        (_, Some(m)) => m.freeze(),
-        (Some(f), None) => f,
-        (None, None) => axum::body::Bytes::new(),
-    })
 }
 
 /// A path parameter; a malformed one (bad UTF-8, not a number) is a 400 naming the parameter.

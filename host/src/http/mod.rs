@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use arc_swap::ArcSwap;
-use axum::extract::{ConnectInfo, DefaultBodyLimit, Request, State};
+use axum::extract::{ConnectInfo, Request, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
@@ -124,12 +124,7 @@ pub fn app(state: AppState) -> axum::Router {
         .route(
             "/v1/policies/{name}",
             put(put_policy)
-                .layer::<_, std::convert::Infallible>(DefaultBodyLimit::max(
-                    state.limits.max_policy_bytes,
-                ))
-                .layer::<_, std::convert::Infallible>(Extension(BodyLimit(
-                    state.limits.max_policy_bytes,
-                )))
+                .layer(Extension(BodyLimit(state.limits.max_policy_bytes)))
                 .delete(delete_policy),
         )
         .route("/v1/policies/{name}/config", put(put_policy_config))
@@ -156,7 +151,6 @@ pub fn app(state: AppState) -> axum::Router {
         .merge(public)
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
-        .layer(DefaultBodyLimit::max(body_limit))
         .layer(Extension(BodyLimit(body_limit)))
         .layer(middleware::from_fn(drain::drain_leftovers))
         .with_state(state)
@@ -611,17 +605,6 @@ async fn put_policy(
                 format!("upload the component as application/wasm, not {ct:?}"),
             ));
         }
-    }
-    if body.len() > s.limits.max_policy_bytes {
-        return Err(ApiError::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "component_too_large",
-            format!(
-                "the component is {} bytes; limits.max_policy_bytes is {}",
-                body.len(),
-                s.limits.max_policy_bytes
-            ),
-        ));
     }
     let registry = s.policies.clone();
     // Compiling takes tens of milliseconds: keep it off the async workers.

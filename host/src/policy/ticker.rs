@@ -45,7 +45,8 @@ pub(crate) struct GuestActivity {
     parked: AtomicBool,
     /// Set when the runtime is dropped: the ticker exits.
     stop: AtomicBool,
-    /// Epoch increments so far (for tests and diagnostics).
+    /// Epoch increments so far (a call that found the ticker parked watches it for the first
+    /// tick; also for tests).
     ticks: AtomicU64,
     /// The ticker thread, to unpark it.
     thread: OnceLock<Thread>,
