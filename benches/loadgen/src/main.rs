@@ -509,7 +509,7 @@ fn poll_phase(
     let measure_from = start + Duration::from_secs_f64(cli.warmup);
     let end = measure_from + Duration::from_secs_f64(cli.duration);
     let mut rng = Rng::new(if rate.is_some() { 0x1234 } else { 0xABCD });
-    let mut next_query = |_conn: usize| t.poll_query(rng.below(n_prompts));
+    let mut next_query = || t.poll_query(rng.below(n_prompts));
     let mut meter = None;
     let mut on_measure = || meter = Some(CpuMeter::start(server_pid));
     let mut plan = poll::Plan {

@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 use hdrhistogram::Histogram;
 
 use crate::client::parse_response;
+use crate::new_hist;
 
 /// What one phase asks of the engine.
 pub struct Plan<'a> {
@@ -32,9 +33,8 @@ pub struct Plan<'a> {
     pub start: Instant,
     pub measure_from: Instant,
     pub end: Instant,
-    /// The request for a query (prompt chosen by the engine's generator), and, in booking mode,
-    /// the request that frees it.
-    pub next_query: &'a mut dyn FnMut(usize) -> Query,
+    /// The next query to send, and, in booking mode, the request that frees it.
+    pub next_query: &'a mut dyn FnMut() -> Query,
     /// Called once when the measurement window opens (to start the CPU meter).
     pub on_measure: &'a mut dyn FnMut(),
 }
@@ -186,10 +186,6 @@ fn connect(addr: SocketAddr) -> io::Result<TcpStream> {
     s.set_nodelay(true)?;
     s.set_nonblocking(true)?;
     Ok(s)
-}
-
-fn new_hist() -> Histogram<u64> {
-    Histogram::new_with_bounds(1, 120_000_000_000, 3).expect("valid bounds")
 }
 
 struct Engine<'p, 'a> {
@@ -364,7 +360,7 @@ impl Engine<'_, '_> {
     }
 
     fn query(&mut self, i: usize, sched: Instant) -> io::Result<()> {
-        let q = (self.plan.next_query)(i);
+        let q = (self.plan.next_query)();
         self.conns[i].then = q.then;
         self.send(i, q.request, Stage::Query, sched)
     }
