@@ -35,6 +35,8 @@ pub struct ServeConfig {
     pub policy_dir: Option<PathBuf>,
     /// `text` or `json` logs.
     pub log_format: LogFormat,
+    /// Threads serving HTTP connections (each connection stays on one); 0 = one per CPU.
+    pub http_threads: usize,
     pub routing: RoutingSection,
     pub limits: LimitsSection,
     pub cost: CostWeights,
@@ -52,6 +54,7 @@ impl Default for ServeConfig {
             policy_config: None,
             policy_dir: None,
             log_format: LogFormat::Text,
+            http_threads: 0,
             routing: RoutingSection::default(),
             limits: LimitsSection::default(),
             cost: CostWeights::default(),
@@ -160,6 +163,12 @@ impl ServeConfig {
         {
             return Err("routing.default_temperature must be finite and >= 0".into());
         }
+        if self.http_threads > 1024 {
+            return Err(format!(
+                "http_threads must be at most 1024 (0 = one per CPU), got {}",
+                self.http_threads
+            ));
+        }
         if let Some(t) = &self.admin_token {
             if t.len() < 8 {
                 return Err("admin_token must be at least 8 characters".into());
@@ -170,6 +179,14 @@ impl ServeConfig {
                 .map_err(|e| format!("policy_config is not valid JSON: {e}"))?;
         }
         Ok(())
+    }
+
+    /// Serving threads to start: `http_threads`, or one per CPU when it is 0.
+    pub fn http_threads(&self) -> usize {
+        match self.http_threads {
+            0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+            n => n,
+        }
     }
 
     /// The routing core's configuration.
@@ -226,5 +243,19 @@ mod tests {
             ..Default::default()
         };
         assert!(bad.validate().unwrap_err().contains("block_size"));
+    }
+
+    #[test]
+    fn http_threads_default_to_one_per_cpu_and_are_bounded() {
+        let c: ServeConfig = toml::from_str("http_threads = 3").unwrap();
+        assert_eq!(c.http_threads(), 3);
+        assert!(ServeConfig::default().http_threads() >= 1);
+        let e = toml::from_str::<ServeConfig>("http_threads = -1").unwrap_err();
+        assert!(e.to_string().contains("http_threads"), "{e}");
+        let huge = ServeConfig {
+            http_threads: 5000,
+            ..Default::default()
+        };
+        assert!(huge.validate().unwrap_err().contains("http_threads"));
     }
 }

@@ -146,6 +146,9 @@ struct ServeArgs {
     /// Log format.
     #[arg(long, env = "KVROUTE_LOG_FORMAT", value_enum)]
     log_format: Option<LogFormat>,
+    /// Threads serving HTTP connections; 0 = one per CPU [default: 0].
+    #[arg(long, env = "KVROUTE_HTTP_THREADS")]
+    http_threads: Option<usize>,
 }
 
 impl ServeArgs {
@@ -181,6 +184,9 @@ impl ServeArgs {
         if let Some(v) = self.log_format {
             c.log_format = v;
         }
+        if let Some(v) = self.http_threads {
+            c.http_threads = v;
+        }
         c.validate()?;
         Ok(c)
     }
@@ -212,7 +218,9 @@ fn main() -> ExitCode {
                 }
             };
             init_logging(config.log_format);
-            let rt = match tokio::runtime::Builder::new_multi_thread()
+            // This runtime accepts connections, runs maintenance and waits for signals; the
+            // HTTP connections are served by threads of their own (`http::serving`).
+            let rt = match tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()
             {

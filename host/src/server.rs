@@ -123,11 +123,7 @@ pub async fn run(
     let app = http::app(state);
     let ready_flag = ready.clone();
     let draining_router = router.clone();
-    let result = axum::serve(
-        listener,
-        app.into_make_service_with_connect_info::<SocketAddr>(),
-    )
-    .with_graceful_shutdown(async move {
+    let result = http::serving::serve(listener, app, config.http_threads(), async move {
         shutdown.await;
         ready_flag.store(false, Ordering::Release);
         let waiting = draining_router.shutdown_queue();

@@ -11,6 +11,7 @@ pub mod error;
 pub mod metrics;
 pub mod openapi;
 pub mod prompt_json;
+pub mod serving;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -1,0 +1,293 @@
+//! Serving threads: each HTTP connection lives on one thread with a single-threaded runtime.
+//!
+//! A route costs the server tens of microseconds, and on a small machine much of a work-stealing
+//! runtime's cost at that grain is not the work but the hand-offs: a worker that picks up a
+//! connection's wake-up notifies a parked sibling in case there is more to steal, the sibling
+//! wakes, finds nothing, and parks again. Requests on one keep-alive connection are sequential,
+//! so there is nothing to gain from moving a connection between threads. Here one acceptor deals
+//! connections round-robin to `n` serving threads, each running its own current-thread runtime
+//! (the thread-per-core model of actix-web and of the fastest HTTP servers), so a connection's
+//! request is read, routed and answered on one thread with no cross-thread wake-up.
+//! `cargo run --release -p kvroute-loadgen` measures the difference (BENCHMARKS.md).
+//!
+//! Everything a handler touches is shared state (`Arc`s, locks, atomics) that works the same from
+//! any thread; blocking work (compiling a policy) still goes to each runtime's blocking pool.
+//! Graceful shutdown is the same as with one runtime: stop accepting, let every thread finish its
+//! in-flight requests, close idle connections.
+
+use std::future::Future;
+use std::io;
+use std::net::SocketAddr;
+use std::thread::JoinHandle;
+
+use axum::serve::ListenerExt;
+use tokio::net::TcpStream;
+use tokio::sync::{mpsc, watch};
+
+/// Connections dealt to one serving thread, as an axum [`axum::serve::Listener`].
+struct Dealt {
+    rx: mpsc::UnboundedReceiver<std::net::TcpStream>,
+    local_addr: SocketAddr,
+}
+
+impl axum::serve::Listener for Dealt {
+    type Io = TcpStream;
+    type Addr = SocketAddr;
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        loop {
+            let Some(std_stream) = self.rx.recv().await else {
+                // The acceptor is gone: nothing more will come (shutdown ends `serve`).
+                return std::future::pending().await;
+            };
+            let peer = std_stream.peer_addr();
+            match (TcpStream::from_std(std_stream), peer) {
+                (Ok(s), Ok(peer)) => return (s, peer),
+                // The peer hung up between accept and here: the connection is gone, not the server.
+                (Err(e), _) | (_, Err(e)) => {
+                    tracing::debug!(error = %e, "dropping a connection that closed before it was served")
+                }
+            }
+        }
+    }
+
+    fn local_addr(&self) -> io::Result<Self::Addr> {
+        Ok(self.local_addr)
+    }
+}
+
+/// Serves `app` on `listener` from `threads` serving threads until `shutdown` resolves, then
+/// finishes in-flight requests and returns.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    app: axum::Router,
+    threads: usize,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), String> {
+    let threads = threads.max(1);
+    let local_addr = listener
+        .local_addr()
+        .map_err(|e| format!("cannot read the bound address: {e}"))?;
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let mut deal = Vec::with_capacity(threads);
+    let mut handles: Vec<JoinHandle<Result<(), String>>> = Vec::with_capacity(threads);
+    for k in 0..threads {
+        let (tx, rx) = mpsc::unbounded_channel();
+        deal.push(tx);
+        let app = app.clone();
+        let mut stop = stop_rx.clone();
+        let handle = std::thread::Builder::new()
+            .name(format!("kvroute-http-{k}"))
+            .spawn(move || {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .map_err(|e| format!("cannot start serving thread {k}'s runtime: {e}"))?;
+                rt.block_on(async move {
+                    // Answers go out as soon as they are written: no Nagle delay on a response
+                    // that follows the request's ACK.
+                    let listener = Dealt { rx, local_addr }.tap_io(|s: &mut TcpStream| {
+                        let _ = s.set_nodelay(true);
+                    });
+                    axum::serve(
+                        listener,
+                        app.into_make_service_with_connect_info::<SocketAddr>(),
+                    )
+                    .with_graceful_shutdown(async move {
+                        let _ = stop.wait_for(|stopped| *stopped).await;
+                    })
+                    .await
+                    .map_err(|e| format!("serving thread {k}: {e}"))
+                })
+            })
+            .map_err(|e| format!("cannot start serving thread {k}: {e}"))?;
+        handles.push(handle);
+    }
+    let mut shutdown = std::pin::pin!(shutdown);
+    let mut next = 0usize;
+    loop {
+        tokio::select! {
+            _ = &mut shutdown => break,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => {
+                    let std_stream = match stream.into_std() {
+                        Ok(s) => s,
+                        Err(e) => {
+                            tracing::debug!(error = %e, "cannot hand over an accepted connection");
+                            continue;
+                        }
+                    };
+                    // A serving thread that has exited only does so at shutdown.
+                    let _ = deal[next % threads].send(std_stream);
+                    next = next.wrapping_add(1);
+                }
+                Err(e) => {
+                    // Out of file descriptors and the like: wait a little, as axum does.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                }
+            },
+        }
+    }
+    drop(listener);
+    let _ = stop_tx.send(true);
+    // The threads finish their in-flight requests; wait for them off this runtime's workers.
+    tokio::task::spawn_blocking(move || {
+        let mut result = Ok(());
+        for h in handles {
+            let r = h
+                .join()
+                .unwrap_or_else(|_| Err("a serving thread panicked".to_string()));
+            if result.is_ok() {
+                result = r;
+            }
+        }
+        result
+    })
+    .await
+    .map_err(|e| format!("waiting for the serving threads: {e}"))?
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    use axum::routing::get;
+
+    use super::*;
+
+    /// Starts `serve` with `threads` threads on an app that answers with the serving thread's
+    /// name (slowly on `/slow`); returns the address, a shutdown trigger and the server's thread.
+    fn start(
+        threads: usize,
+        arrived: Arc<AtomicUsize>,
+    ) -> (
+        SocketAddr,
+        tokio::sync::oneshot::Sender<()>,
+        std::thread::JoinHandle<Result<(), String>>,
+    ) {
+        let name = || std::thread::current().name().unwrap_or("?").to_string();
+        let app = axum::Router::new()
+            .route("/thread", get(move || async move { name() }))
+            .route(
+                "/slow",
+                get(move || async move {
+                    arrived.fetch_add(1, Ordering::SeqCst);
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                    name()
+                }),
+            );
+        let (addr_tx, addr_rx) = std::sync::mpsc::channel();
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let server = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async move {
+                let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+                addr_tx.send(listener.local_addr().unwrap()).unwrap();
+                serve(listener, app, threads, async move {
+                    let _ = stop_rx.await;
+                })
+                .await
+            })
+        });
+        (addr_rx.recv().unwrap(), stop_tx, server)
+    }
+
+    /// One client with its own connection (no pool shared with other clients).
+    fn client() -> ureq::Agent {
+        ureq::Agent::config_builder()
+            .timeout_global(Some(Duration::from_secs(10)))
+            .build()
+            .new_agent()
+    }
+
+    fn get_text(agent: &ureq::Agent, addr: SocketAddr, path: &str) -> String {
+        agent
+            .get(&format!("http://{addr}{path}"))
+            .call()
+            .unwrap()
+            .body_mut()
+            .read_to_string()
+            .unwrap()
+    }
+
+    #[test]
+    fn connections_are_dealt_round_robin_and_stay_on_their_thread() {
+        let (addr, stop, server) = start(3, Arc::default());
+        let agents: Vec<ureq::Agent> = (0..6).map(|_| client()).collect();
+        // Each agent opens its connection in turn, so the dealing order is the agents' order.
+        let first: Vec<String> = agents
+            .iter()
+            .map(|a| get_text(a, addr, "/thread"))
+            .collect();
+        assert_eq!(
+            first,
+            [0, 1, 2, 0, 1, 2].map(|k| format!("kvroute-http-{k}")),
+            "connections dealt round-robin"
+        );
+        for _ in 0..5 {
+            for (a, expected) in agents.iter().zip(&first) {
+                assert_eq!(
+                    &get_text(a, addr, "/thread"),
+                    expected,
+                    "a keep-alive connection moved"
+                );
+            }
+        }
+        stop.send(()).unwrap();
+        server.join().unwrap().unwrap();
+        assert!(
+            std::net::TcpStream::connect(addr).is_err(),
+            "still listening after shutdown"
+        );
+    }
+
+    #[test]
+    fn shutdown_lets_in_flight_requests_on_every_thread_finish() {
+        let arrived = Arc::new(AtomicUsize::new(0));
+        let (addr, stop, server) = start(2, arrived.clone());
+        let (done_tx, done_rx) = std::sync::mpsc::channel();
+        let clients: Vec<_> = (0..4)
+            .map(|_| {
+                let done = done_tx.clone();
+                std::thread::spawn(move || {
+                    let _ = done.send(get_text(&client(), addr, "/slow"));
+                })
+            })
+            .collect();
+        // All four requests in their handlers, then ask the server to stop.
+        let t0 = Instant::now();
+        while arrived.load(Ordering::SeqCst) < 4 {
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "requests never arrived"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        stop.send(()).unwrap();
+        let result = server.join().unwrap();
+        assert_eq!(result, Ok(()));
+        let mut answered: Vec<String> = (0..4)
+            .map(|_| done_rx.recv_timeout(Duration::from_secs(5)).unwrap())
+            .collect();
+        answered.sort();
+        assert_eq!(
+            answered,
+            [
+                "kvroute-http-0",
+                "kvroute-http-0",
+                "kvroute-http-1",
+                "kvroute-http-1"
+            ],
+            "every in-flight request answered, on both threads"
+        );
+        for c in clients {
+            c.join().unwrap();
+        }
+    }
+}
