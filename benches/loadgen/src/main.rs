@@ -6,10 +6,10 @@
 //! 3. For each prompt form (`tokens`, `block_hashes`) and each repeat:
 //!    - closed loop: `C` connections, each sends its next query as soon as the last one answered,
 //!      for every `C` in `--closed-conns`; peak = the best routes/s;
-//!    - open loop at `--load` × peak: queries are scheduled at a fixed rate and latency is measured
-//!      from the *scheduled* send time, so a stalled server is charged for the queries it delayed
-//!      (no coordinated omission). The service time (from the actual send) and the send lag are
-//!      reported beside it.
+//!    - open loop at `--load` × peak, one phase per listed fraction: queries are scheduled at a
+//!      fixed rate and latency is measured from the *scheduled* send time, so a stalled server is
+//!      charged for the queries it delayed (no coordinated omission). The service time (from the
+//!      actual send) and the send lag are reported beside it.
 //!
 //! Queries are query-only (`"book": false`) unless `--book`, which books each route and frees it
 //! (`DELETE /v1/requests/{id}`) on the same connection before the next query; only the route call
@@ -98,9 +98,10 @@ struct Cli {
     /// Connections (sending threads) of the open-loop phase.
     #[arg(long, default_value_t = 64)]
     open_conns: usize,
-    /// Open-loop rate as a fraction of the peak.
-    #[arg(long, default_value_t = 0.8)]
-    load: f64,
+    /// Open-loop rates as fractions of the peak: one open-loop phase per value, in order (e.g.
+    /// `0.5,0.6,0.7,0.8` for a latency-by-load curve).
+    #[arg(long, value_delimiter = ',', default_values = ["0.8"])]
+    load: Vec<f64>,
     /// Open-loop rate in routes/s, instead of a fraction of the measured peak.
     #[arg(long)]
     rate: Option<f64>,
@@ -706,6 +707,9 @@ fn check(w: &Workload, t: &Queries, conn: &mut Conn, form: PromptForm) -> Result
 
 fn run() -> Result<(), String> {
     let cli = Cli::parse();
+    if let Some(bad) = cli.load.iter().find(|l| !(l.is_finite() && **l > 0.0)) {
+        return Err(format!("--load: each value must be a fraction > 0, got {bad}"));
+    }
     let (mut child, addr) = match (&cli.spawn, &cli.url) {
         (Some(_), _) => {
             let (c, a) = spawn_server(&cli)?;
@@ -809,41 +813,90 @@ fn measure(cli: &Cli, addr: SocketAddr, server_pid: Option<u32>) -> Result<(), S
                     per_core = r.server_cores.map(|c| r.routes_per_s / c);
                 }
             }
-            let rate = cli.rate.unwrap_or(peak * cli.load);
-            let r = open_loop(&t, rate, cli, server_pid);
-            print_row(form.name(), run, &r);
-            summary.push((form, peak, per_core, r));
+            let loads: Vec<Option<f64>> = match cli.rate {
+                Some(_) => vec![None],
+                None => cli.load.iter().map(|&l| Some(l)).collect(),
+            };
+            for load in loads {
+                let rate = cli.rate.unwrap_or_else(|| peak * load.unwrap_or(1.0));
+                let r = open_loop(&t, rate, cli, server_pid);
+                print_row(form.name(), run, &r);
+                summary.push(Summary {
+                    form,
+                    peak,
+                    per_core,
+                    load,
+                    open: r,
+                });
+            }
         }
     }
     println!();
     println!("# summary: min-max over {} runs", cli.repeat);
     for &form in &cli.forms {
         let form: PromptForm = form.into();
-        let rows: Vec<_> = summary.iter().filter(|(f, _, _, _)| *f == form).collect();
         let range = |xs: Vec<f64>, prec: usize| {
             let lo = xs.iter().cloned().fold(f64::INFINITY, f64::min);
             let hi = xs.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
             format!("{lo:.prec$}-{hi:.prec$}")
         };
-        let q = |r: &PhaseResult, x: f64| r.latency.value_at_quantile(x) as f64 / 1e6;
+        let rows: Vec<&Summary> = summary.iter().filter(|r| r.form == form).collect();
+        // The peak is per run; the rows repeat it once per load level.
+        let peaks: Vec<&Summary> = rows
+            .iter()
+            .filter(|r| r.load == rows[0].load)
+            .copied()
+            .collect();
         println!(
-            "{:<12} peak {} routes/s ({} per server core); open loop at {} routes/s (achieved {}): p50 {} ms, p99 {} ms, p999 {} ms; errors {}",
+            "{:<12} peak {} routes/s ({} per server core)",
             form.name(),
-            range(rows.iter().map(|r| r.1).collect(), 0),
-            if rows.iter().all(|r| r.2.is_some()) {
-                range(rows.iter().map(|r| r.2.unwrap_or(0.0)).collect(), 0)
+            range(peaks.iter().map(|r| r.peak).collect(), 0),
+            if peaks.iter().all(|r| r.per_core.is_some()) {
+                range(peaks.iter().map(|r| r.per_core.unwrap_or(0.0)).collect(), 0)
             } else {
                 "-".to_string()
             },
-            range(rows.iter().map(|r| r.3.target_rate.unwrap_or(0.0)).collect(), 0),
-            range(rows.iter().map(|r| r.3.routes_per_s).collect(), 0),
-            range(rows.iter().map(|r| q(&r.3, 0.5)).collect(), 3),
-            range(rows.iter().map(|r| q(&r.3, 0.99)).collect(), 3),
-            range(rows.iter().map(|r| q(&r.3, 0.999)).collect(), 3),
-            rows.iter().map(|r| r.3.errors).sum::<u64>(),
         );
+        let mut levels: Vec<Option<f64>> = Vec::new();
+        for r in &rows {
+            if !levels.contains(&r.load) {
+                levels.push(r.load);
+            }
+        }
+        let q = |r: &PhaseResult, x: f64| r.latency.value_at_quantile(x) as f64 / 1e6;
+        for level in levels {
+            let at: Vec<&PhaseResult> = rows
+                .iter()
+                .filter(|r| r.load == level)
+                .map(|r| &r.open)
+                .collect();
+            println!(
+                "{:<12} open loop {}: {} routes/s (achieved {}): p50 {} ms, p99 {} ms, p999 {} ms; errors {}",
+                form.name(),
+                match level {
+                    Some(l) => format!("at {:.0}% of peak", l * 100.0),
+                    None => "at --rate".to_string(),
+                },
+                range(at.iter().map(|r| r.target_rate.unwrap_or(0.0)).collect(), 0),
+                range(at.iter().map(|r| r.routes_per_s).collect(), 0),
+                range(at.iter().map(|r| q(r, 0.5)).collect(), 3),
+                range(at.iter().map(|r| q(r, 0.99)).collect(), 3),
+                range(at.iter().map(|r| q(r, 0.999)).collect(), 3),
+                at.iter().map(|r| r.errors).sum::<u64>(),
+            );
+        }
     }
     Ok(())
+}
+
+/// One open-loop phase of a run, with the run's peak.
+struct Summary {
+    form: PromptForm,
+    peak: f64,
+    per_core: Option<f64>,
+    /// The phase's rate as a fraction of the peak (`None`: `--rate`).
+    load: Option<f64>,
+    open: PhaseResult,
 }
 
 fn main() -> std::process::ExitCode {
