@@ -680,7 +680,7 @@ mod tests {
             if k > 0 {
                 out.push_str(seps[(next(x) % seps.len() as u64) as usize]);
             }
-            if !defects.is_empty() && next(x) % 97 == 0 {
+            if !defects.is_empty() && next(x).is_multiple_of(97) {
                 out.push_str(defects[(next(x) % defects.len() as u64) as usize]);
                 continue;
             }
