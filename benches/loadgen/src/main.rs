@@ -708,7 +708,9 @@ fn check(w: &Workload, t: &Queries, conn: &mut Conn, form: PromptForm) -> Result
 fn run() -> Result<(), String> {
     let cli = Cli::parse();
     if let Some(bad) = cli.load.iter().find(|l| !(l.is_finite() && **l > 0.0)) {
-        return Err(format!("--load: each value must be a fraction > 0, got {bad}"));
+        return Err(format!(
+            "--load: each value must be a fraction > 0, got {bad}"
+        ));
     }
     let (mut child, addr) = match (&cli.spawn, &cli.url) {
         (Some(_), _) => {
