@@ -607,13 +607,23 @@ async fn put_policy(
             ));
         }
     }
+    // Compiling takes tens of milliseconds (seconds for a Python component).
+    let info = off_thread(&s, move |r| r.load(&name, &body, None, activate)).await?;
+    Ok((StatusCode::CREATED, Json(info)).into_response())
+}
+
+/// Runs a policy-registry operation on the blocking pool. Compiling holds the registry's admin
+/// lock, and every write waits for it: a serving thread that waited in place would stall every
+/// connection it serves (`serving`), routes included, for the length of someone's upload.
+async fn off_thread<T: Send + 'static>(
+    s: &AppState,
+    op: impl FnOnce(&PolicyRegistry) -> Result<T, PolicyError> + Send + 'static,
+) -> Result<T, ApiError> {
     let registry = s.policies.clone();
-    // Compiling takes tens of milliseconds: keep it off the async workers.
-    let info = tokio::task::spawn_blocking(move || registry.load(&name, &body, None, activate))
+    tokio::task::spawn_blocking(move || op(&registry))
         .await
         .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()))?
-        .map_err(policy_error)?;
-    Ok((StatusCode::CREATED, Json(info)).into_response())
+        .map_err(policy_error)
 }
 
 async fn put_policy_config(
@@ -628,11 +638,7 @@ async fn put_policy_config(
         .to_string();
     serde_json::from_str::<serde_json::Value>(&json)
         .map_err(|e| ApiError::bad_request("invalid_json", e.to_string()))?;
-    let registry = s.policies.clone();
-    let info = tokio::task::spawn_blocking(move || registry.configure(&name, &json))
-        .await
-        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()))?
-        .map_err(policy_error)?;
+    let info = off_thread(&s, move |r| r.configure(&name, &json)).await?;
     Ok(Json(info))
 }
 
@@ -640,20 +646,20 @@ async fn activate_policy(
     State(s): State<AppState>,
     ApiPath(name): ApiPath<String>,
 ) -> Result<Json<crate::policy::PolicyInfo>, ApiError> {
-    s.policies.activate(&name).map(Json).map_err(policy_error)
+    off_thread(&s, move |r| r.activate(&name)).await.map(Json)
 }
 
 async fn rollback_policy(
     State(s): State<AppState>,
 ) -> Result<Json<crate::policy::PolicyInfo>, ApiError> {
-    s.policies.rollback().map(Json).map_err(policy_error)
+    off_thread(&s, |r| r.rollback()).await.map(Json)
 }
 
 async fn delete_policy(
     State(s): State<AppState>,
     ApiPath(name): ApiPath<String>,
 ) -> Result<StatusCode, ApiError> {
-    s.policies.remove(&name).map_err(policy_error)?;
+    off_thread(&s, move |r| r.remove(&name)).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 

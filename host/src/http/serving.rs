@@ -11,7 +11,10 @@
 //! `cargo run --release -p kvroute-loadgen` measures the difference (BENCHMARKS.md).
 //!
 //! Everything a handler touches is shared state (`Arc`s, locks, atomics) that works the same from
-//! any thread; blocking work (compiling a policy) still goes to each runtime's blocking pool.
+//! any thread. The price of the model is that a handler that blocks holds up every connection of
+//! its thread, not just its own, so anything that can wait long goes to the runtime's blocking
+//! pool: every policy-registry write (compiling holds the registry's admin lock for up to seconds,
+//! and activations, rollbacks and removals wait for that lock).
 //! Graceful shutdown is the same as with one runtime: stop accepting, let every thread finish its
 //! in-flight requests, close idle connections.
 
