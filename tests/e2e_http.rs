@@ -993,6 +993,12 @@ fn config_errors_exit_nonzero_with_a_clear_message() {
             vec![],
             &["/nonexistent/policy.wasm"],
         ),
+        (
+            vec!["--http-threads".into(), "5000".into()],
+            vec![],
+            &["http_threads", "5000"],
+        ),
+        (vec![], vec![("KVROUTE_HTTP_THREADS", "-2")], &["-2"]),
         (vec!["--no-such-flag".into()], vec![], &["--no-such-flag"]),
         (vec![], vec![("KVROUTE_BLOCK_SIZE", "zero")], &["zero"]),
     ];
@@ -1015,6 +1021,51 @@ fn config_errors_exit_nonzero_with_a_clear_message() {
             );
         }
         assert!(stderr.len() < 4000, "a short message, not a dump: {stderr}");
+    }
+}
+
+// ------------------------------------------------------------------------------ serving threads
+
+#[test]
+fn serves_concurrent_connections_with_any_number_of_http_threads() {
+    for threads in ["1", "3"] {
+        let s = Server::start(&["--http-threads", threads]);
+        s.put_worker(1, &json!({}));
+        s.put_worker(2, &json!({}));
+        let url = s.url("/v1/route");
+        let clients: Vec<_> = (0..6u32)
+            .map(|c| {
+                let url = url.clone();
+                std::thread::spawn(move || {
+                    // Each thread its own client: its own connection, dealt to a serving thread.
+                    let agent = support::client();
+                    (0..20u32)
+                        .map(|i| {
+                            let body = serde_json::to_vec(
+                                &json!({"tokens": tokens(48, 1000 + c * 100 + i), "book": false}),
+                            )
+                            .unwrap();
+                            support::send(
+                                &agent,
+                                &url,
+                                "POST",
+                                &[("content-type", "application/json")],
+                                &body,
+                            )
+                            .map(|r| r.status)
+                            .unwrap_or(0)
+                        })
+                        .collect::<Vec<u16>>()
+                })
+            })
+            .collect();
+        for c in clients {
+            let statuses = c.join().unwrap();
+            assert!(
+                statuses.iter().all(|&st| st == 200),
+                "--http-threads {threads}: {statuses:?}"
+            );
+        }
     }
 }
 
