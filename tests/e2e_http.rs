@@ -1069,6 +1069,61 @@ fn serves_concurrent_connections_with_any_number_of_http_threads() {
     }
 }
 
+#[test]
+fn serving_threads_that_cannot_start_fail_the_start_with_a_clear_message() {
+    use std::os::unix::process::CommandExt;
+    use std::process::Stdio;
+    let mut cmd = support::command(
+        &["serve", "--listen", "127.0.0.1:0", "--http-threads", "64"],
+        &[],
+    );
+    // 64 file descriptors: enough to start, not for 64 serving runtimes.
+    // SAFETY: setrlimit is async-signal-safe and touches only the child being started.
+    unsafe {
+        cmd.pre_exec(|| {
+            let limit = libc::rlimit {
+                rlim_cur: 64,
+                rlim_max: 64,
+            };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if t0.elapsed() > Duration::from_secs(30) {
+            let _ = child.kill();
+            panic!("kvroute kept running without the descriptors for its serving threads");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let output = child.wait_with_output().unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr),
+    );
+    assert!(!status.success(), "stdout {stdout:?}, stderr {stderr:?}");
+    assert!(
+        !stdout.contains("listening"),
+        "said it was listening before its threads were up: {stdout}"
+    );
+    assert!(
+        stderr.contains("serving thread") && stderr.contains("open files"),
+        "the error names the serving thread and the cause: {stderr}"
+    );
+}
+
 // ------------------------------------------------------------------------------------ shutdown
 
 #[test]

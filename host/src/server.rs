@@ -118,12 +118,16 @@ pub async fn run(
             }
         })
     };
-    on_listening(local_addr);
-    tracing::info!(%local_addr, block_size = config.block_size, "kvroute listening");
     let app = http::app(state);
+    let block_size = config.block_size;
+    let ready_to_serve = move || {
+        on_listening(local_addr);
+        tracing::info!(%local_addr, block_size, "kvroute listening");
+    };
     let ready_flag = ready.clone();
     let draining_router = router.clone();
-    let result = http::serving::serve(listener, app, config.http_threads(), async move {
+    let threads = config.http_threads();
+    let result = http::serving::serve(listener, app, threads, ready_to_serve, async move {
         shutdown.await;
         ready_flag.store(false, Ordering::Release);
         let waiting = draining_router.shutdown_queue();

@@ -202,6 +202,8 @@ fn scan_members(b: &[u8]) -> Option<Found> {
 /// JSON forbids, such as `01`), so that serde reports it. This is the hot part of parsing a
 /// routing body.
 fn parse_int_array<T: TryFrom<u64>>(b: &[u8], max_digits: usize) -> Option<(Vec<T>, usize)> {
+    // `blocks` reads numbers of up to 20 digits (all a u64 can have).
+    debug_assert!(max_digits <= 20, "max_digits {max_digits}");
     if b.first() != Some(&b'[') {
         return None;
     }

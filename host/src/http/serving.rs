@@ -29,7 +29,7 @@ use tokio::sync::{mpsc, watch};
 
 /// Connections dealt to one serving thread, as an axum [`axum::serve::Listener`].
 struct Dealt {
-    rx: mpsc::UnboundedReceiver<std::net::TcpStream>,
+    rx: mpsc::UnboundedReceiver<(std::net::TcpStream, SocketAddr)>,
     local_addr: SocketAddr,
 }
 
@@ -39,17 +39,15 @@ impl axum::serve::Listener for Dealt {
 
     async fn accept(&mut self) -> (Self::Io, Self::Addr) {
         loop {
-            let Some(std_stream) = self.rx.recv().await else {
+            let Some((std_stream, peer)) = self.rx.recv().await else {
                 // The acceptor is gone: nothing more will come (shutdown ends `serve`).
                 return std::future::pending().await;
             };
-            let peer = std_stream.peer_addr();
-            match (TcpStream::from_std(std_stream), peer) {
-                (Ok(s), Ok(peer)) => return (s, peer),
-                // The peer hung up between accept and here: the connection is gone, not the server.
-                (Err(e), _) | (_, Err(e)) => {
-                    tracing::debug!(error = %e, "dropping a connection that closed before it was served")
-                }
+            match TcpStream::from_std(std_stream) {
+                Ok(s) => return (s, peer),
+                // Registering with this thread's reactor failed (out of memory or descriptors):
+                // this connection is lost, not the server.
+                Err(e) => tracing::warn!(error = %e, %peer, "cannot serve an accepted connection"),
             }
         }
     }
@@ -60,11 +58,13 @@ impl axum::serve::Listener for Dealt {
 }
 
 /// Serves `app` on `listener` from `threads` serving threads until `shutdown` resolves, then
-/// finishes in-flight requests and returns.
+/// finishes in-flight requests and returns. Calls `on_ready` once every thread is up, just before
+/// the first connection is accepted.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     app: axum::Router,
     threads: usize,
+    on_ready: impl FnOnce(),
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), String> {
     let threads = threads.max(1);
@@ -73,19 +73,30 @@ pub async fn serve(
         .map_err(|e| format!("cannot read the bound address: {e}"))?;
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut deal = Vec::with_capacity(threads);
+    let mut started = Vec::with_capacity(threads);
     let mut handles: Vec<JoinHandle<Result<(), String>>> = Vec::with_capacity(threads);
     for k in 0..threads {
         let (tx, rx) = mpsc::unbounded_channel();
         deal.push(tx);
+        let (ready_tx, ready_rx) = tokio::sync::oneshot::channel::<Result<(), String>>();
+        started.push(ready_rx);
         let app = app.clone();
         let mut stop = stop_rx.clone();
         let handle = std::thread::Builder::new()
             .name(format!("kvroute-http-{k}"))
             .spawn(move || {
-                let rt = tokio::runtime::Builder::new_current_thread()
+                let rt = match tokio::runtime::Builder::new_current_thread()
                     .enable_all()
                     .build()
-                    .map_err(|e| format!("cannot start serving thread {k}'s runtime: {e}"))?;
+                {
+                    Ok(rt) => rt,
+                    Err(e) => {
+                        let why = format!("cannot start serving thread {k}'s runtime: {e}");
+                        let _ = ready_tx.send(Err(why.clone()));
+                        return Err(why);
+                    }
+                };
+                let _ = ready_tx.send(Ok(()));
                 rt.block_on(async move {
                     // Answers go out as soon as they are written: no Nagle delay on a response
                     // that follows the request's ACK.
@@ -106,23 +117,52 @@ pub async fn serve(
             .map_err(|e| format!("cannot start serving thread {k}: {e}"))?;
         handles.push(handle);
     }
+    // Every thread has its runtime before anything is accepted: a machine that cannot give one
+    // (out of file descriptors, say) fails the start, instead of a thread missing from the
+    // rotation. The threads that did start see `stop` and end.
+    let mut not_started = None;
+    for ready in started {
+        match ready.await {
+            Ok(Ok(())) => {}
+            Ok(Err(why)) => not_started = not_started.or(Some(why)),
+            Err(_) => not_started = not_started.or(Some("a serving thread died starting".into())),
+        }
+    }
+    if let Some(why) = not_started {
+        let _ = stop_tx.send(true);
+        let _ = join_all(handles).await;
+        return Err(why);
+    }
+    on_ready();
     let mut shutdown = std::pin::pin!(shutdown);
     let mut next = 0usize;
+    let mut failed = None;
     loop {
         tokio::select! {
             _ = &mut shutdown => break,
             accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => {
-                    let std_stream = match stream.into_std() {
-                        Ok(s) => s,
+                Ok((stream, peer)) => {
+                    let mut conn = match stream.into_std() {
+                        Ok(s) => (s, peer),
                         Err(e) => {
-                            tracing::debug!(error = %e, "cannot hand over an accepted connection");
+                            tracing::warn!(error = %e, %peer, "cannot hand over an accepted connection");
                             continue;
                         }
                     };
-                    // A serving thread that has exited only does so at shutdown.
-                    let _ = deal[next % threads].send(std_stream);
-                    next = next.wrapping_add(1);
+                    // A serving thread only stops early if its server failed: deal the connection
+                    // to the next one, and stop serving when none is left.
+                    for _ in 0..threads {
+                        let k = next % threads;
+                        next = next.wrapping_add(1);
+                        match deal[k].send(conn) {
+                            Ok(()) => break,
+                            Err(mpsc::error::SendError(back)) => conn = back,
+                        }
+                    }
+                    if deal.iter().all(|d| d.is_closed()) {
+                        failed = Some("every serving thread has stopped".to_string());
+                        break;
+                    }
                 }
                 Err(e) => {
                     // Out of file descriptors and the like: wait a little, as axum does.
@@ -134,7 +174,15 @@ pub async fn serve(
     }
     drop(listener);
     let _ = stop_tx.send(true);
-    // The threads finish their in-flight requests; wait for them off this runtime's workers.
+    // The threads finish their in-flight requests.
+    match (join_all(handles).await, failed) {
+        (Ok(()), Some(why)) => Err(why),
+        (result, _) => result,
+    }
+}
+
+/// Waits for the serving threads (off the async thread), with the first one's error.
+async fn join_all(handles: Vec<JoinHandle<Result<(), String>>>) -> Result<(), String> {
     tokio::task::spawn_blocking(move || {
         let mut result = Ok(());
         for h in handles {
@@ -192,7 +240,7 @@ mod tests {
             rt.block_on(async move {
                 let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
                 addr_tx.send(listener.local_addr().unwrap()).unwrap();
-                serve(listener, app, threads, async move {
+                serve(listener, app, threads, || {}, async move {
                     let _ = stop_rx.await;
                 })
                 .await
