@@ -815,12 +815,12 @@ fn measure(cli: &Cli, addr: SocketAddr, server_pid: Option<u32>) -> Result<(), S
                     per_core = r.server_cores.map(|c| r.routes_per_s / c);
                 }
             }
-            let loads: Vec<Option<f64>> = match cli.rate {
-                Some(_) => vec![None],
-                None => cli.load.iter().map(|&l| Some(l)).collect(),
+            // (fraction of the peak, routes/s) of each open-loop phase.
+            let phases: Vec<(Option<f64>, f64)> = match cli.rate {
+                Some(rate) => vec![(None, rate)],
+                None => cli.load.iter().map(|&l| (Some(l), peak * l)).collect(),
             };
-            for load in loads {
-                let rate = cli.rate.unwrap_or_else(|| peak * load.unwrap_or(1.0));
+            for (load, rate) in phases {
                 let r = open_loop(&t, rate, cli, server_pid);
                 print_row(form.name(), run, &r);
                 summary.push(Summary {

@@ -287,11 +287,25 @@ fn read_integer(b: &[u8], i: usize, max_digits: usize) -> Option<(u64, usize)> {
 /// in every byte >= 10 (a carry only leaves a byte that is already set).
 #[inline(always)]
 fn swar_digits(chunk: &[u8]) -> (u64, usize) {
+    let t = ascii_values(chunk, 0);
+    (t, (non_digits(t).trailing_zeros() / 8) as usize)
+}
+
+/// The eight bytes at `b[at..]` with the ASCII digits turned into their values 0..=9 (any other
+/// byte becomes >= 10).
+#[inline(always)]
+fn ascii_values(b: &[u8], at: usize) -> u64 {
     let mut x = [0u8; 8];
-    x.copy_from_slice(chunk);
-    let t = u64::from_le_bytes(x) ^ 0x3030_3030_3030_3030;
-    let non_digit = (t.wrapping_add(0x7676_7676_7676_7676) | t) & 0x8080_8080_8080_8080;
-    (t, (non_digit.trailing_zeros() / 8) as usize)
+    x.copy_from_slice(&b[at..at + 8]);
+    u64::from_le_bytes(x) ^ 0x3030_3030_3030_3030
+}
+
+/// The high bit set in each byte of `t` (from [`ascii_values`]) that is not a digit. The addition
+/// touches the low seven bits only, so no byte carries into the next and every byte is judged
+/// on its own.
+#[inline(always)]
+fn non_digits(t: u64) -> u64 {
+    (((t & 0x7f7f_7f7f_7f7f_7f7f).wrapping_add(0x7676_7676_7676_7676)) | t) & 0x8080_8080_8080_8080
 }
 
 /// [`read_integer`] for numbers of 8 digits or more (block hashes) and for the last bytes of a
@@ -414,6 +428,7 @@ mod blocks {
     /// reference the SSE2 version is tested against).
     #[cfg_attr(target_arch = "x86_64", allow(dead_code))]
     pub(super) fn masks_swar(chunk: &[u8; 64]) -> Masks {
+        use super::{ascii_values, non_digits};
         const LOW7: u64 = 0x7f7f_7f7f_7f7f_7f7f;
         const HIGH: u64 = 0x8080_8080_8080_8080;
         // The high bit of each byte, gathered into the byte's bit of one `u8`.
@@ -430,33 +445,21 @@ mod blocks {
             zero: 0,
         };
         for k in 0..8 {
-            let mut x = [0u8; 8];
-            x.copy_from_slice(&chunk[8 * k..8 * k + 8]);
-            let w = u64::from_le_bytes(x);
-            let t = w ^ 0x3030_3030_3030_3030;
-            // Adding to the low seven bits only, so that no byte carries into the next.
-            let non_digit = (((t & LOW7).wrapping_add(0x7676_7676_7676_7676)) | t) & HIGH;
-            m.digit |= gather(!non_digit & HIGH) << (8 * k);
-            m.comma |= gather(equal(w, b',')) << (8 * k);
-            m.space |= gather(equal(w, b' ')) << (8 * k);
-            m.zero |= gather(equal(w, b'0')) << (8 * k);
+            // Bytes as `ascii_values` has them: a byte equals `c` where it equals `c ^ b'0'`.
+            let t = ascii_values(chunk, 8 * k);
+            m.digit |= gather(!non_digits(t) & HIGH) << (8 * k);
+            m.comma |= gather(equal(t, b',' ^ b'0')) << (8 * k);
+            m.space |= gather(equal(t, b' ' ^ b'0')) << (8 * k);
+            m.zero |= gather(equal(t, 0)) << (8 * k);
         }
         m
-    }
-
-    /// The eight bytes at `at` with the ASCII digits turned into their values.
-    #[inline(always)]
-    fn load(c: &[u8], at: usize) -> u64 {
-        let mut x = [0u8; 8];
-        x.copy_from_slice(&c[at..at + 8]);
-        u64::from_le_bytes(x) ^ 0x3030_3030_3030_3030
     }
 
     /// The number of `n` (1 to 20) digits at `c[at..]`; `None` when it does not fit in `u64`.
     /// Reads only inside the number, or 8 bytes from its start when it is shorter than that.
     #[inline(always)]
     fn digits(c: &[u8], at: usize, n: usize) -> Option<u64> {
-        use super::eight_digits;
+        use super::{ascii_values as load, eight_digits};
         // The first `k` digits of an 8-byte load move to its top bytes, zeros (leading zeros)
         // below; `eight_digits` then reads them as a number of `k` digits.
         let first = |k: usize| eight_digits(load(c, at) << (8 * (8 - k)));

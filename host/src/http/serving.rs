@@ -151,15 +151,19 @@ pub async fn serve(
                     };
                     // A serving thread only stops early if its server failed: deal the connection
                     // to the next one, and stop serving when none is left.
+                    let mut taken = false;
                     for _ in 0..threads {
                         let k = next % threads;
                         next = next.wrapping_add(1);
                         match deal[k].send(conn) {
-                            Ok(()) => break,
+                            Ok(()) => {
+                                taken = true;
+                                break;
+                            }
                             Err(mpsc::error::SendError(back)) => conn = back,
                         }
                     }
-                    if deal.iter().all(|d| d.is_closed()) {
+                    if !taken {
                         failed = Some("every serving thread has stopped".to_string());
                         break;
                     }
