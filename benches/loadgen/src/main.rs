@@ -872,8 +872,18 @@ fn measure(cli: &Cli, addr: SocketAddr, server_pid: Option<u32>) -> Result<(), S
                 .filter(|r| r.load == level)
                 .map(|r| &r.open)
                 .collect();
+            // The service time (from the actual send) and the send lag say which side a tail
+            // came from: the server, or a generator that could not send on time.
+            let side = |h: fn(&PhaseResult) -> Option<&Histogram<u64>>| {
+                range(
+                    at.iter()
+                        .map(|r| h(r).map_or(0.0, |h| h.value_at_quantile(0.99) as f64 / 1e6))
+                        .collect(),
+                    3,
+                )
+            };
             println!(
-                "{:<12} open loop {}: {} routes/s (achieved {}): p50 {} ms, p99 {} ms, p999 {} ms; errors {}",
+                "{:<12} open loop {}: {} routes/s (achieved {}): p50 {} ms, p99 {} ms, p999 {} ms; service p99 {} ms, send lag p99 {} ms; errors {}",
                 form.name(),
                 match level {
                     Some(l) => format!("at {:.0}% of peak", l * 100.0),
@@ -884,6 +894,8 @@ fn measure(cli: &Cli, addr: SocketAddr, server_pid: Option<u32>) -> Result<(), S
                 range(at.iter().map(|r| q(r, 0.5)).collect(), 3),
                 range(at.iter().map(|r| q(r, 0.99)).collect(), 3),
                 range(at.iter().map(|r| q(r, 0.999)).collect(), 3),
+                side(|r| r.service.as_ref()),
+                side(|r| r.lag.as_ref()),
                 at.iter().map(|r| r.errors).sum::<u64>(),
             );
         }
