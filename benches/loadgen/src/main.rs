@@ -548,11 +548,16 @@ fn poll_phase(
     }
 }
 
+/// The `q` quantile of a histogram of nanoseconds, in ms.
+fn quantile_ms(h: &Histogram<u64>, q: f64) -> f64 {
+    h.value_at_quantile(q) as f64 / 1e6
+}
+
 fn ms(h: &Histogram<u64>, q: f64) -> String {
     if h.is_empty() {
         return "-".into();
     }
-    format!("{:.3}", h.value_at_quantile(q) as f64 / 1e6)
+    format!("{:.3}", quantile_ms(h, q))
 }
 
 fn cores(x: Option<f64>) -> String {
@@ -865,7 +870,7 @@ fn measure(cli: &Cli, addr: SocketAddr, server_pid: Option<u32>) -> Result<(), S
                 levels.push(r.load);
             }
         }
-        let q = |r: &PhaseResult, x: f64| r.latency.value_at_quantile(x) as f64 / 1e6;
+        let q = |r: &PhaseResult, x: f64| quantile_ms(&r.latency, x);
         for level in levels {
             let at: Vec<&PhaseResult> = rows
                 .iter()
@@ -877,7 +882,7 @@ fn measure(cli: &Cli, addr: SocketAddr, server_pid: Option<u32>) -> Result<(), S
             let side = |h: fn(&PhaseResult) -> Option<&Histogram<u64>>| {
                 range(
                     at.iter()
-                        .map(|r| h(r).map_or(0.0, |h| h.value_at_quantile(0.99) as f64 / 1e6))
+                        .map(|r| h(r).map_or(0.0, |h| quantile_ms(h, 0.99)))
                         .collect(),
                     3,
                 )

@@ -378,7 +378,7 @@ mod blocks {
     }
 
     /// One bit per byte of a 64-byte block (bit `k` = byte `k`).
-    #[derive(Debug, PartialEq, Eq)]
+    #[derive(Debug, Default, PartialEq, Eq)]
     pub(super) struct Masks {
         pub digit: u64,
         pub comma: u64,
@@ -391,12 +391,7 @@ mod blocks {
     #[inline(always)]
     pub(super) fn masks(chunk: &[u8; 64]) -> Masks {
         use std::arch::x86_64::*;
-        let mut m = Masks {
-            digit: 0,
-            comma: 0,
-            space: 0,
-            zero: 0,
-        };
+        let mut m = Masks::default();
         // SAFETY: SSE2 is in the x86_64 baseline, so these intrinsics are always available; each
         // load reads 16 of `chunk`'s 64 bytes (unaligned loads).
         unsafe {
@@ -438,12 +433,7 @@ mod blocks {
             let y = w ^ (u64::from(c) * 0x0101_0101_0101_0101);
             !(((y & LOW7).wrapping_add(LOW7)) | y) & HIGH
         };
-        let mut m = Masks {
-            digit: 0,
-            comma: 0,
-            space: 0,
-            zero: 0,
-        };
+        let mut m = Masks::default();
         for k in 0..8 {
             // Bytes as `ascii_values` has them: a byte equals `c` where it equals `c ^ b'0'`.
             let t = ascii_values(chunk, 8 * k);
