@@ -23,6 +23,7 @@
 
 mod client;
 mod poll;
+mod timeline;
 mod workload;
 
 use std::io::{BufRead, BufReader};
@@ -36,6 +37,7 @@ use clap::{Parser, ValueEnum};
 use hdrhistogram::Histogram;
 
 use client::{call_ok, request, Conn};
+use timeline::Timeline;
 use workload::{route_body_rest, PromptForm, Rng, Shape, Workload};
 
 #[derive(Parser, Debug)]
@@ -120,6 +122,10 @@ struct Cli {
     /// How the connections are driven: a blocking thread each, or one epoll thread for all.
     #[arg(long, value_enum, default_value = "threads")]
     engine: Engine,
+    /// After each open-loop phase, print it per 100 ms of send time (sends/s, service time,
+    /// send lag), warm-up included: when a tail built up, not only how large it was.
+    #[arg(long)]
+    timeline: bool,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
@@ -321,6 +327,8 @@ struct PhaseResult {
     /// Open loop: latency from the actual send, and the send lag.
     service: Option<Histogram<u64>>,
     lag: Option<Histogram<u64>>,
+    /// Open loop: the phase per 100 ms of send time.
+    timeline: Option<Timeline>,
     errors: u64,
     server_cores: Option<f64>,
     loadgen_cores: Option<f64>,
@@ -396,6 +404,7 @@ fn closed_loop(t: &Arc<Queries>, conns: usize, cli: &Cli, server_pid: Option<u32
         latency,
         service: None,
         lag: None,
+        timeline: None,
         errors,
         server_cores,
         loadgen_cores,
@@ -408,6 +417,7 @@ fn open_loop(t: &Arc<Queries>, rate: f64, cli: &Cli, server_pid: Option<u32>) ->
     }
     let conns = cli.open_conns;
     let start = Instant::now() + Duration::from_millis(20);
+    let phase_timeline = Timeline::starting_in(start.saturating_duration_since(Instant::now()));
     let measure_from = start + Duration::from_secs_f64(cli.warmup);
     let end = measure_from + Duration::from_secs_f64(cli.duration);
     let period_ns = 1e9 / rate;
@@ -429,6 +439,7 @@ fn open_loop(t: &Arc<Queries>, rate: f64, cli: &Cli, server_pid: Option<u32>) ->
                 t.after(&mut conn, booked);
                 let mut rng = Rng::new(0x1234 + c as u64);
                 let (mut lat, mut svc, mut lag) = (new_hist(), new_hist(), new_hist());
+                let mut timeline = Timeline::default();
                 let mut done = 0u64;
                 let mut errors = 0u64;
                 loop {
@@ -448,6 +459,13 @@ fn open_loop(t: &Arc<Queries>, rate: f64, cli: &Cli, server_pid: Option<u32>) ->
                     let (ok, booked) = t.query(&mut conn, rng.below(n_prompts));
                     let fin = Instant::now();
                     t.after(&mut conn, booked);
+                    if ok {
+                        timeline.record(
+                            sent.saturating_duration_since(start),
+                            fin - sent,
+                            sent - sched,
+                        );
+                    }
                     if sched >= measure_from {
                         if ok {
                             done += 1;
@@ -459,19 +477,21 @@ fn open_loop(t: &Arc<Queries>, rate: f64, cli: &Cli, server_pid: Option<u32>) ->
                         }
                     }
                 }
-                (lat, svc, lag, done, errors, Instant::now())
+                (lat, svc, lag, timeline, done, errors, Instant::now())
             })
         })
         .collect();
     let (mut lat, mut svc, mut lag) = (new_hist(), new_hist(), new_hist());
+    let mut timeline = phase_timeline;
     let mut done = 0;
     let mut errors = 0;
     let mut last = end;
     for h in handles {
-        let (a, b, c, d, e, fin) = h.join().expect("sender thread");
+        let (a, b, c, tl, d, e, fin) = h.join().expect("sender thread");
         lat.add(&a).expect("same bounds");
         svc.add(&b).expect("same bounds");
         lag.add(&c).expect("same bounds");
+        timeline.merge(&tl);
         done += d;
         errors += e;
         last = last.max(fin);
@@ -490,6 +510,7 @@ fn open_loop(t: &Arc<Queries>, rate: f64, cli: &Cli, server_pid: Option<u32>) ->
         latency: lat,
         service: Some(svc),
         lag: Some(lag),
+        timeline: Some(timeline),
         errors,
         server_cores,
         loadgen_cores,
@@ -542,6 +563,7 @@ fn poll_phase(
         latency: out.latency,
         service: open.then_some(out.service),
         lag: open.then_some(out.lag),
+        timeline: open.then_some(out.timeline),
         errors: out.errors,
         server_cores,
         loadgen_cores,
@@ -828,6 +850,10 @@ fn measure(cli: &Cli, addr: SocketAddr, server_pid: Option<u32>) -> Result<(), S
             for (load, rate) in phases {
                 let r = open_loop(&t, rate, cli, server_pid);
                 print_row(form.name(), run, &r);
+                if let (true, Some(tl)) = (cli.timeline, &r.timeline) {
+                    let title = format!("{} run {run}, open loop at {rate:.0}/s", form.name());
+                    tl.print(&title, Duration::from_secs_f64(cli.warmup));
+                }
                 summary.push(Summary {
                     form,
                     peak,

@@ -22,6 +22,7 @@ use hdrhistogram::Histogram;
 
 use crate::client::parse_response;
 use crate::new_hist;
+use crate::timeline::Timeline;
 
 /// What one phase asks of the engine.
 pub struct Plan<'a> {
@@ -70,6 +71,8 @@ pub struct Outcome {
     /// Open loop: from the actual send, and the send lag (send - schedule).
     pub service: Histogram<u64>,
     pub lag: Histogram<u64>,
+    /// Open loop: every answered query (warm-up included) by send time.
+    pub timeline: Timeline,
     /// When the last counted answer arrived.
     pub last: Instant,
 }
@@ -316,6 +319,13 @@ impl Engine<'_, '_> {
         c.inbuf.drain(..parsed.len);
         let ok = parsed.status == 200;
         if let Stage::Query = c.stage {
+            if ok && self.plan.period.is_some() {
+                self.out.timeline.record(
+                    c.sent.saturating_duration_since(self.plan.start),
+                    now - c.sent,
+                    c.sent - c.sched,
+                );
+            }
             // Closed loop: answers inside the window. Open loop: every send scheduled in the
             // window, however late its answer (the run waits for them).
             let in_window = self.plan.period.is_some() || now <= self.plan.end;
@@ -377,6 +387,7 @@ pub fn run(plan: &mut Plan<'_>) -> io::Result<Outcome> {
         TIMER,
     )?;
     let n = plan.conns;
+    let timeline = Timeline::starting_in(plan.start.saturating_duration_since(Instant::now()));
     let mut e = Engine {
         plan,
         ep,
@@ -399,6 +410,7 @@ pub fn run(plan: &mut Plan<'_>) -> io::Result<Outcome> {
             latency: new_hist(),
             service: new_hist(),
             lag: new_hist(),
+            timeline,
             last: Instant::now(),
         },
         body: Vec::with_capacity(4096),
