@@ -11,6 +11,9 @@
 //!      charged for the queries it delayed (no coordinated omission). The service time (from the
 //!      actual send) and the send lag are reported beside it.
 //!
+//! `--timeline` also prints each open-loop phase per 100 ms of send time (see [`timeline`]), to
+//! tell a phase that starts behind from a stall mid-window or a generator that never keeps up.
+//!
 //! Queries are query-only (`"book": false`) unless `--book`, which books each route and frees it
 //! (`DELETE /v1/requests/{id}`) on the same connection before the next query; only the route call
 //! is timed, but the free shares the server.
