@@ -43,10 +43,10 @@
 //! is worse than forgetting blocks it still holds (those come back with its next stores).
 //!
 //! # Endpoints and data-parallel ranks
-//! `kv_events.endpoint` is where the worker's first rank (`dp_start`) publishes; rank `r`
-//! publishes on `port + (r - dp_start)`, and its replay socket on `replay_port + (r - dp_start)`
-//! (vLLM offsets both ports by the rank; for a worker whose `dp_start` is `s`, register the
-//! engine's base port + `s`). One subscription per rank. A `*` host (`tcp://*:5557`, as engines
+//! `kv_events.endpoint` is the engine's configured endpoint, as given to vLLM or SGLang; rank `r`
+//! publishes on `port + r` and its replay socket on `replay_port + r` (SPEC §4: the engines offset
+//! both ports by the global data-parallel rank, so a worker with `dp_start` 2 publishes rank 2 on
+//! `port + 2`). One subscription per rank. A `*` host (`tcp://*:5557`, as engines
 //! are configured) is connected as `127.0.0.1`. Only `tcp://` endpoints are supported. The topic
 //! is a ZMQ prefix filter; `""` receives everything. A non-nil `data_parallel_rank` in a batch
 //! overrides the subscription's rank.
@@ -168,7 +168,7 @@ pub fn subscriptions_for(worker: &Worker) -> Result<Vec<SubscriptionSpec>, Endpo
     worker
         .ranks()
         .map(|rank| {
-            let offset = rank - worker.dp_start;
+            let offset = rank;
             Ok(SubscriptionSpec {
                 worker_id: worker.worker_id,
                 dp_rank: rank,
@@ -206,6 +206,9 @@ pub struct IngestStats {
     /// Gaps on a subscription without a replay endpoint.
     pub gap_unrecoverable: AtomicU64,
     pub restarts: AtomicU64,
+    /// Messages with the sequence number of the last one seen, dropped (SPEC §4: only a lower
+    /// one means a restart).
+    pub duplicates: AtomicU64,
     pub clears: AtomicU64,
     pub connects: AtomicU64,
     pub connect_failures: AtomicU64,
@@ -297,6 +300,7 @@ impl IngestStats {
             ("replay_incomplete", &self.replay_incomplete),
             ("gap_unrecoverable", &self.gap_unrecoverable),
             ("engine_restart", &self.restarts),
+            ("duplicate", &self.duplicates),
             ("clear", &self.clears),
         ] {
             let _ = writeln!(

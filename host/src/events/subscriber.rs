@@ -150,9 +150,11 @@ pub enum SeqAction {
     /// Messages `from..seq` are missing: replay them, then apply this one. `catch_up` = nothing was
     /// seen yet on this subscription (we joined a running engine), so `from` is 0.
     Replay { from: u64, catch_up: bool },
-    /// Not above the last one seen: the engine restarted (sequence numbers start at 0 per engine
+    /// Below the last one seen: the engine restarted (sequence numbers start at 0 per engine
     /// process). Clear, forget the sequence, then handle the message as the first one.
     Restart,
+    /// The last one seen again: drop it (SPEC §4 calls only a lower one a restart).
+    Duplicate,
 }
 
 /// The next sequence number expected on one subscription.
@@ -174,6 +176,7 @@ impl SeqTracker {
                 from: n,
                 catch_up: false,
             },
+            Some(n) if seq.wrapping_add(1) == n => SeqAction::Duplicate,
             Some(_) => SeqAction::Restart,
         }
     }
@@ -257,6 +260,10 @@ impl<R: Replayer> Session<R> {
             return;
         }
         let mut action = self.tracker.classify(seq);
+        if action == SeqAction::Duplicate {
+            self.stats.duplicates.fetch_add(1, Relaxed);
+            return;
+        }
         if action == SeqAction::Restart {
             self.stats.restarts.fetch_add(1, Relaxed);
             tracing::info!(
@@ -321,6 +328,14 @@ impl<R: Replayer> Session<R> {
                         continue;
                     }
                     if seq >= until {
+                        if next < until {
+                            // The buffer's first message is past the gap: `next..until` is gone
+                            // (SPEC §4: the buffer rolled over).
+                            if !catch_up {
+                                self.stats.replay_rolled_over.fetch_add(1, Relaxed);
+                            }
+                            self.applier.clear();
+                        }
                         // The live copy of `until` is applied by the caller; later ones will
                         // arrive live too.
                         next = until;
@@ -529,7 +544,8 @@ mod tests {
             }
         );
         t.advance(4);
-        assert_eq!(t.classify(4), SeqAction::Restart);
+        assert_eq!(t.classify(4), SeqAction::Duplicate);
+        assert_eq!(t.classify(3), SeqAction::Restart);
         assert_eq!(t.classify(0), SeqAction::Restart);
         t.advance(END_SEQ);
         assert_eq!(t.next_expected(), Some(END_SEQ));

@@ -1151,6 +1151,30 @@ fn a_rolled_over_buffer_clears_then_applies_what_it_has() {
 }
 
 #[test]
+fn a_buffer_that_starts_at_the_live_message_clears() {
+    let router = router_with_worker(2, 1);
+    let mut script = Script::default();
+    // 1..=3 are lost: the buffer holds only the live message 4 and a later 5.
+    script.buffer.insert(4, store_payload(4));
+    script.buffer.insert(5, store_payload(5));
+    let (mut ss, stats) = session(&router, Some(script));
+    block_on(async {
+        ss.on_message(0, &store_payload(0)).await;
+        assert_eq!(overlap(&router, 1), 1);
+        ss.on_message(4, &store_payload(4)).await;
+    });
+    assert_eq!(s_asked(&ss), vec![1]);
+    assert_eq!(stats.replay_rolled_over.load(Relaxed), 1);
+    assert_eq!(stats.clears.load(Relaxed), 1);
+    assert_eq!(stats.replayed_messages.load(Relaxed), 0);
+    assert_eq!(
+        router.indexer().candidate_blocks(CandidateKey::new(1, 0))[0],
+        0,
+        "block 100 was cleared; 104's parent 103 is unknown, so it is dropped"
+    );
+}
+
+#[test]
 fn a_gap_without_replay_endpoint_clears_and_continues() {
     let router = router_with_worker(2, 1);
     let (mut ss, stats) = session(&router, None);
@@ -1207,6 +1231,30 @@ fn a_failed_or_short_replay_clears() {
     });
     assert_eq!(stats.replay_incomplete.load(Relaxed), 1);
     assert_eq!(overlap(&router, 1), 0);
+}
+
+#[test]
+fn the_last_sequence_number_again_is_dropped_not_a_restart() {
+    let router = router_with_worker(2, 1);
+    let (mut ss, stats) = session(&router, Some(Script::default()));
+    block_on(async {
+        for i in 0..3 {
+            ss.on_message(i, &store_payload(i)).await;
+        }
+        // Seq 2 again, carrying a removal of the first block: not applied.
+        let remove = batch(vec![V::A(vec![s("BlockRemoved"), ua(&[100]), s("GPU")])]);
+        ss.on_message(2, &remove).await;
+        ss.on_message(3, &store_payload(3)).await;
+    });
+    assert_eq!(stats.duplicates.load(Relaxed), 1);
+    assert_eq!(stats.restarts.load(Relaxed), 0);
+    assert_eq!(stats.clears.load(Relaxed), 0);
+    assert_eq!(
+        overlap(&router, 4),
+        4,
+        "nothing removed, 3 applied in order"
+    );
+    assert_eq!(ss.tracker.next_expected(), Some(4));
 }
 
 #[test]
@@ -1360,19 +1408,20 @@ fn endpoints_offset_by_rank() {
             },
         )
         .unwrap();
+    // SPEC §4: port + dp_rank (the global rank, not the rank within the worker).
     let specs = subscriptions_for(&w).unwrap();
     assert_eq!(specs.len(), 2);
     assert_eq!(
         (specs[0].dp_rank, specs[0].endpoint.as_str()),
-        (2, "tcp://127.0.0.1:6000")
+        (2, "tcp://127.0.0.1:6002")
     );
     assert_eq!(
         (specs[1].dp_rank, specs[1].endpoint.as_str()),
-        (3, "tcp://127.0.0.1:6001")
+        (3, "tcp://127.0.0.1:6003")
     );
     assert_eq!(
         specs[1].replay_endpoint.as_deref(),
-        Some("tcp://127.0.0.1:7001")
+        Some("tcp://127.0.0.1:7003")
     );
 }
 
