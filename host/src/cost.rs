@@ -120,7 +120,14 @@ pub fn pick<R: Rng + ?Sized>(costs: &[f64], temperature: f64, rng: &mut R) -> Op
         }
     }
     let spread = max - min;
-    let sampling = temperature > 0.0 && temperature.is_finite() && min.is_finite() && spread > 0.0;
+    let scale = spread * temperature;
+    // A temperature so small that the scale underflows to 0 picks as temperature 0 would (the
+    // weights below would divide 0 by 0 for the cheapest candidate).
+    let sampling = temperature > 0.0
+        && temperature.is_finite()
+        && min.is_finite()
+        && spread > 0.0
+        && scale > 0.0;
     if !sampling {
         // Lowest cost, uniform among ties: reservoir sampling in one pass.
         let mut best = 0usize;
@@ -139,7 +146,6 @@ pub fn pick<R: Rng + ?Sized>(costs: &[f64], temperature: f64, rng: &mut R) -> Op
         }
         return Some(best);
     }
-    let scale = spread * temperature;
     let weight = |c: f64| {
         let c = sane(c);
         if c.is_finite() {
@@ -285,5 +291,15 @@ mod tests {
             pick(&[f64::INFINITY, 5.0, f64::NAN], 2.0, &mut rng),
             Some(1)
         );
+    }
+
+    #[test]
+    fn pick_with_a_temperature_that_underflows_takes_the_lowest() {
+        let mut rng = SmallRng::seed_from_u64(2);
+        for t in [1e-320, f64::MIN_POSITIVE * 1e-10, 5e-324] {
+            for _ in 0..50 {
+                assert_eq!(pick(&[3.0, 1.0, 2.0], t, &mut rng), Some(1), "t = {t:e}");
+            }
+        }
     }
 }
