@@ -1335,8 +1335,8 @@ fn policy_rows() -> Vec<Row> {
             "policy over max_policy_bytes",
             "/v1/policies/x",
             too_big,
-            413,
-            "component_too_large|body_too_large",
+            400,
+            "component_too_large",
         ),
         row(
             "policy as JSON",

@@ -317,16 +317,26 @@ fn events_stored_removed_cleared_and_bad_beside_good() {
     assert_eq!(out["errors"][0]["code"], "parent_block_not_found", "{out}");
     assert_eq!(overlap(&s, &json!({"tokens": p})).1[&(1, 1)], [3, 0, 0]);
 
-    // Cleared: the rank holds nothing (the other rank keeps its host blocks).
+    // Cleared: the rank holds nothing, in any tier, whatever tier the event names (SPEC §3); the
+    // other rank keeps its host blocks.
+    let mut host1 = stored_event(1, 1, 7, &local[..1]);
+    host1["storage_tier"] = json!("host");
+    assert_eq!(post_events(&s, &json!([host1]))["applied"], 1);
+    assert_eq!(overlap(&s, &json!({"tokens": p})).1[&(1, 1)], [3, 1, 0]);
     let out = post_events(
         &s,
-        &json!([{"worker_id": 1, "event": {"event_id": 7, "dp_rank": 1, "data": "cleared"}}]),
+        &json!([{"worker_id": 1, "storage_tier": "disk",
+                 "event": {"event_id": 8, "dp_rank": 1, "data": "cleared"}}]),
     );
     assert_eq!(out["applied"], 1, "{out}");
     let rows = overlap(&s, &json!({"tokens": p})).1;
     assert!(!rows.contains_key(&(1, 1)), "{rows:?}");
     assert_eq!(rows[&(1, 0)], [0, 2, 0]);
     assert_eq!(rank(&s.workers()[&1], 1)["cached_blocks"], 0);
+    assert_eq!(
+        metric(&s.metrics(), "kvroute_index_blocks{tier=\"host\"}"),
+        Some(2.0)
+    );
 
     // Deleting the worker drops its blocks from the index.
     s.delete("/v1/workers/1").expect(204);
@@ -853,6 +863,23 @@ fn admin_token_guards_writes_only() {
             expected.contains(&r.status),
             "{method} {path} with the right token: {r}"
         );
+    }
+
+    // The scheme is case-insensitive and may be followed by several spaces (RFC 9110 §11.4).
+    for (method, auth, status) in [
+        ("PUT", format!("bearer  {TOKEN}"), 200),
+        ("DELETE", format!("BEARER {TOKEN}"), 204),
+    ] {
+        let r = s.raw(
+            method,
+            "/v1/workers/3",
+            &[
+                ("content-type", "application/json"),
+                ("authorization", &auth),
+            ],
+            b"{}",
+        );
+        assert_eq!(r.status, status, "{method} with {auth:?}: {r}");
     }
 
     // Reads, routing and lifecycle need no token.

@@ -303,8 +303,8 @@ impl RouteError {
             // is what clients program against).
             RouteError::AllOverloaded => 429,
             RouteError::QueueFull(QueueError::DuplicateRequest(_)) => 409,
-            RouteError::QueueFull(_) => 429,
-            RouteError::QueueTimeout(_) => 503,
+            // Waited its limit and no capacity freed: overloaded, as API.md counts it.
+            RouteError::QueueFull(_) | RouteError::QueueTimeout(_) => 429,
             RouteError::Cancelled => 409,
             RouteError::ShuttingDown => 503,
         }
@@ -608,7 +608,12 @@ impl Router {
             self.counters.events_unknown_worker.fetch_add(1, Relaxed);
             return Ok(None);
         }
-        self.indexer.apply(event).map(Some)
+        let applied = self.indexer.apply_to_known(event)?;
+        if applied.is_none() {
+            // Removed since the snapshot above was taken.
+            self.counters.events_unknown_worker.fetch_add(1, Relaxed);
+        }
+        Ok(applied)
     }
 
     /// Overlaps of a prompt (API.md `POST /v1/overlap`).
@@ -763,7 +768,7 @@ impl Router {
             priority_jump: prepared.req.priority,
             arrival_secs: self.epoch.elapsed().as_secs_f64(),
             prompt_tokens: prepared.prompt_tokens,
-            best_cached_tokens: 0,
+            best_cached_tokens: self.best_cached_tokens(&prepared),
             payload: Waiter {
                 prepared: prepared.clone(),
                 enqueued: Instant::now(),
@@ -791,6 +796,28 @@ impl Router {
                 Err(RouteError::QueueTimeout(self.config.queue_timeout))
             }
         }
+    }
+
+    /// SPEC §9's `best_cached_tokens` for the WSPT order: the most of the prompt any worker the
+    /// request may go to holds on its device. An estimate for ordering the queue (the other
+    /// filters are applied when the request is scored), computed only under WSPT.
+    fn best_cached_tokens(&self, p: &Prepared) -> u32 {
+        if self.config.queue_order != QueueOrder::Wspt {
+            return 0;
+        }
+        let scores = self.indexer.find_matches(&p.local);
+        let allowed = p.req.allowed_worker_ids.as_deref();
+        let pinned = p.req.pinned.map(|pin| pin.worker_id);
+        let best = scores
+            .device
+            .iter()
+            .filter(|(k, _)| allowed.is_none_or(|a| a.contains(&k.worker_id)))
+            .filter(|(k, _)| pinned.is_none_or(|w| w == k.worker_id))
+            .map(|&(_, blocks)| blocks)
+            .max()
+            .unwrap_or(0);
+        let tokens = u64::from(best) * u64::from(self.config.block_size);
+        tokens.min(u64::from(p.prompt_tokens)) as u32
     }
 
     /// Routes without waiting: a busy fleet is an immediate retryable error. For callers without an
@@ -843,7 +870,9 @@ impl Router {
     fn decide(&self, p: &Prepared, queued: Duration) -> Result<RouteDecision, RouteError> {
         let t0 = Instant::now();
         let snap = self.registry.snapshot();
-        if snap.candidates.is_empty() {
+        // A pin names its worker: with none registered, that worker is unknown (404), not
+        // merely unavailable.
+        if snap.candidates.is_empty() && p.req.pinned.is_none() {
             self.counters.rejected.fetch_add(1, Relaxed);
             return Err(RouteError::NoWorkers);
         }
@@ -1452,6 +1481,17 @@ mod tests {
             r.route_now(ask(prompt(16))).unwrap_err().code(),
             "no_workers"
         );
+        // A pin to a worker that does not exist is 404 even when none does (API.md).
+        let e = r
+            .route_now(RouteRequest {
+                pinned: Some(Pin {
+                    worker_id: 3,
+                    dp_rank: None,
+                }),
+                ..ask(prompt(16))
+            })
+            .unwrap_err();
+        assert_eq!((e.status(), e.code()), (404, "pinned_worker_not_found"));
         r.upsert_worker(1, worker(&[], 0)).unwrap();
         let bad = |req: RouteRequest| r.route_now(req).unwrap_err();
         let e = bad(ask(vec![]));
@@ -1624,6 +1664,55 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn wspt_serves_the_waiter_with_the_most_cached_first() {
+        let r = Arc::new(router(RouterConfig {
+            busy_threshold: Some(0.5),
+            queue_order: QueueOrder::Wspt,
+            queue_timeout: Duration::from_secs(5),
+            ..Default::default()
+        }));
+        r.upsert_worker(1, worker(&[], 100)).unwrap();
+        let b = r.config().block_size;
+        let uncached: Vec<u32> = (0..8 * b).map(|t| 1000 + t).collect();
+        let cached: Vec<u32> = (0..8 * b).map(|t| 2000 + t).collect();
+        store(&r, 1, &cached, 3);
+        let hog = r
+            .route(RouteRequest {
+                request_id: Some("hog".into()),
+                ..RouteRequest::tokens(prompt(96))
+            })
+            .await
+            .unwrap();
+        // Same length, same priority; the uncached one arrives first.
+        let mut waiters = vec![];
+        for (i, (id, tokens)) in [("uncached", uncached), ("cached", cached)]
+            .into_iter()
+            .enumerate()
+        {
+            let r2 = r.clone();
+            waiters.push(tokio::spawn(async move {
+                r2.route(RouteRequest {
+                    request_id: Some(id.into()),
+                    ..RouteRequest::tokens(tokens)
+                })
+                .await
+            }));
+            while r.queue_depth().0 < i + 1 {
+                tokio::task::yield_now().await;
+            }
+        }
+        // Each one served keeps the worker busy (128 - 48 and 128 uncached tokens > 50): one at a
+        // time.
+        r.prefill_complete(&hog.request_id).unwrap();
+        let second = waiters.remove(0);
+        let first = waiters.remove(0).await.unwrap().unwrap();
+        assert_eq!(first.request_id, "cached", "1/(128-48) beats 1/128");
+        assert_eq!(r.queue_depth().0, 1, "the uncached one still waits");
+        r.prefill_complete(&first.request_id).unwrap();
+        assert_eq!(second.await.unwrap().unwrap().request_id, "uncached");
+    }
+
+    #[tokio::test]
     async fn queue_limits_cancellation_and_timeout() {
         let r = Arc::new(router(RouterConfig {
             busy_threshold: Some(0.5),
@@ -1660,7 +1749,10 @@ mod tests {
         );
         // A lone waiter times out and leaves the queue.
         let e = r.route(RouteRequest::tokens(prompt(16))).await.unwrap_err();
-        assert_eq!((e.code(), e.retryable()), ("queue_timeout", true));
+        assert_eq!(
+            (e.status(), e.code(), e.retryable()),
+            (429, "queue_timeout", true)
+        );
         assert_eq!(r.queue_depth().0, 0);
     }
 
@@ -1684,5 +1776,39 @@ mod tests {
         };
         assert_eq!(r.apply_event(&ev), Ok(None));
         assert_eq!(r.counters.events_unknown_worker.load(Relaxed), 1);
+    }
+
+    #[test]
+    fn an_event_that_lost_the_race_with_a_removal_leaves_nothing_behind() {
+        let r = router(RouterConfig::default());
+        r.upsert_worker(1, worker(&[], 0)).unwrap();
+        let p = prompt(64);
+        let local =
+            hashing::local_block_hashes(&p, r.config().block_size as usize, hashing::BASE_SEED);
+        let root_store = KvEvent {
+            candidate: CandidateKey::new(1, 0),
+            tier: Tier::Device,
+            event_id: 0,
+            data: KvEventData::Stored {
+                parent_hash: None,
+                blocks: vec![StoredBlock {
+                    block_hash: 7,
+                    tokens_hash: local[0],
+                }],
+            },
+        };
+        // The router checked its registry (worker 1 present), then the worker was removed before
+        // the event reached the index: what `apply_event` does after its check.
+        r.remove_worker(1).unwrap();
+        assert_eq!(r.indexer().apply_to_known(&root_store), Ok(None));
+        assert_eq!(r.indexer().existing_slot(CandidateKey::new(1, 0)), None);
+        // The same id registered again starts empty.
+        r.upsert_worker(1, worker(&[], 0)).unwrap();
+        assert!(r
+            .overlap(&Prompt::Tokens(p), None, None)
+            .unwrap()
+            .1
+            .device
+            .is_empty());
     }
 }

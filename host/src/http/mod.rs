@@ -15,7 +15,7 @@ pub mod serving;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::Instant;
 
 use arc_swap::ArcSwap;
@@ -27,7 +27,7 @@ use axum::routing::{delete, get, post, put};
 use axum::{Extension, Json};
 
 use crate::candidate::{CandidateColumns, CandidateKey, PolicyRequest};
-use crate::indexer::KvEvent;
+use crate::indexer::{KvEvent, KvEventData, Tier};
 use crate::policy::{Outcome, PolicyError, PolicyRegistry, PolicyVersion};
 use crate::router::{
     LifecycleError, PolicyLabel, RouteError, Router, Scorer, ScorerDecision, ScorerOutcome,
@@ -65,21 +65,22 @@ pub enum WorkerChange {
 /// a decision allocates no strings.
 pub struct RegistryScorer {
     registry: Arc<PolicyRegistry>,
-    label: ArcSwap<(usize, Arc<PolicyLabel>)>,
+    /// The version the label was made for. A `Weak` keeps that version's allocation (not the
+    /// version) alive, so no later version can reuse its address and be taken for it.
+    label: ArcSwap<(Weak<PolicyVersion>, Arc<PolicyLabel>)>,
 }
 
 impl RegistryScorer {
     pub fn new(registry: Arc<PolicyRegistry>) -> Self {
         Self {
             registry,
-            label: ArcSwap::from_pointee((0, PolicyLabel::native())),
+            label: ArcSwap::from_pointee((Weak::new(), PolicyLabel::native())),
         }
     }
 
     fn label_of(&self, v: &Arc<PolicyVersion>) -> Arc<PolicyLabel> {
-        let key = Arc::as_ptr(v) as usize;
         let cached = self.label.load();
-        if cached.0 == key {
+        if std::ptr::eq(cached.0.as_ptr(), Arc::as_ptr(v)) {
             return cached.1.clone();
         }
         let label = Arc::new(PolicyLabel {
@@ -87,7 +88,8 @@ impl RegistryScorer {
             version: v.version().to_string(),
             digest: v.digest().to_string(),
         });
-        self.label.store(Arc::new((key, label.clone())));
+        self.label
+            .store(Arc::new((Arc::downgrade(v), label.clone())));
         label
     }
 }
@@ -189,7 +191,7 @@ async fn admin_auth(
             let ok = given
                 .to_str()
                 .ok()
-                .and_then(|v| v.strip_prefix("Bearer "))
+                .and_then(bearer_token)
                 .is_some_and(|t| constant_time_eq(t.as_bytes(), token.as_bytes()));
             if !ok {
                 return ApiError::new(StatusCode::FORBIDDEN, "forbidden", "wrong admin token")
@@ -249,7 +251,6 @@ fn policy_error(e: PolicyError) -> ApiError {
     let status = match &e {
         PolicyError::UnknownPolicy(_) => StatusCode::NOT_FOUND,
         PolicyError::ActivePolicy(_) | PolicyError::NoPrevious => StatusCode::CONFLICT,
-        PolicyError::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
         e if e.is_client_error() => StatusCode::BAD_REQUEST,
         _ => StatusCode::INTERNAL_SERVER_ERROR,
     };
@@ -339,6 +340,15 @@ async fn list_workers(State(s): State<AppState>) -> Json<serde_json::Value> {
     Json(serde_json::json!({ "workers": workers }))
 }
 
+/// The token of an `Authorization: Bearer <token>` value. The scheme is case-insensitive and
+/// may be followed by more than one space (RFC 9110 §11.4).
+fn bearer_token(value: &str) -> Option<&str> {
+    let (scheme, rest) = value.split_once(' ')?;
+    scheme
+        .eq_ignore_ascii_case("bearer")
+        .then(|| rest.trim_start_matches(' '))
+}
+
 // ---- events ------------------------------------------------------------------------------------
 
 async fn post_events(
@@ -391,13 +401,33 @@ async fn post_events(
         };
         let candidate = CandidateKey::new(env.worker_id, env.event.dp_rank.unwrap_or(0));
         let event_id = env.event.event_id;
-        let event = KvEvent {
-            candidate,
-            tier,
-            event_id,
-            data: env.into_data(),
+        let data = env.into_data();
+        let result = if let KvEventData::Cleared = data {
+            // SPEC §3: "the worker (and rank) holds nothing": every tier, whatever
+            // `storage_tier` says (as the ZMQ path clears on `AllBlocksCleared`).
+            let mut result = Ok(None);
+            for tier in Tier::ALL {
+                let event = KvEvent {
+                    candidate,
+                    tier,
+                    event_id,
+                    data: KvEventData::Cleared,
+                };
+                result = s.router.apply_event(&event);
+                if !matches!(result, Ok(Some(_))) {
+                    break;
+                }
+            }
+            result
+        } else {
+            s.router.apply_event(&KvEvent {
+                candidate,
+                tier,
+                event_id,
+                data,
+            })
         };
-        match s.router.apply_event(&event) {
+        match result {
             Ok(Some(_)) => {
                 s.metrics.record_event("applied");
                 out.applied += 1;
@@ -582,10 +612,11 @@ async fn put_policy(
     headers: HeaderMap,
     body: Result<RawBody, ApiError>,
 ) -> Result<Response, ApiError> {
+    // API.md lists "over size" among the reasons a component is not valid: 400, like the others.
     let RawBody(body) = body.map_err(|e| {
         if e.status == StatusCode::PAYLOAD_TOO_LARGE {
             ApiError::new(
-                StatusCode::PAYLOAD_TOO_LARGE,
+                StatusCode::BAD_REQUEST,
                 "component_too_large",
                 format!(
                     "the component is larger than limits.max_policy_bytes ({} bytes)",

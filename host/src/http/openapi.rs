@@ -173,7 +173,7 @@ fn base_document() -> Value {
                 "put": {"summary": "Load a policy component.", "security": admin,
                         "parameters": [{"name": "activate", "in": "query", "required": false, "schema": {"type": "boolean"}}],
                         "requestBody": {"required": true, "content": {"application/wasm": {"schema": {"type": "string", "format": "binary"}}}},
-                        "responses": {"201": ok("Loaded.", Some("Policy")), "400": error_response("Not a valid policy component."), "413": error_response("Too large.")}},
+                        "responses": {"201": ok("Loaded.", Some("Policy")), "400": error_response("Not a valid policy component: wrong world, missing export, over size (`component_too_large`), fails its self-test.")}},
                 "delete": {"summary": "Remove a policy (not the active one).", "security": admin,
                            "responses": {"204": ok("Removed.", None), "404": error_response("Unknown policy."), "409": error_response("Active policy.")}}
             },

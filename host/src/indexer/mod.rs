@@ -287,11 +287,27 @@ impl Indexer {
         self.state.read().slot_of.get(&key).copied()
     }
 
-    /// Applies one event. Errors are also counted by reason.
+    /// Applies one event; a store for a candidate the index does not know gives it a slot.
+    /// Errors are also counted by reason.
     pub fn apply(&self, event: &KvEvent) -> Result<Applied, ApplyError> {
-        let result = self.apply_inner(event);
+        self.apply_counted(event, true)
+            .map(|a| a.expect("a slot is created when missing"))
+    }
+
+    /// Applies one event only if its candidate already has a slot (the router gives every
+    /// registered candidate one); `Ok(None)` otherwise, and nothing changes. The router checks
+    /// its registry before applying, but a worker removed between that check and this call has
+    /// already had its slots released: creating one again here would leave blocks of a removed
+    /// worker in the index, found again if the same id registers later.
+    pub fn apply_to_known(&self, event: &KvEvent) -> Result<Option<Applied>, ApplyError> {
+        self.apply_counted(event, false)
+    }
+
+    fn apply_counted(&self, event: &KvEvent, create: bool) -> Result<Option<Applied>, ApplyError> {
+        let result = self.apply_inner(event, create);
         match result {
-            Ok(a) => {
+            Ok(None) => {}
+            Ok(Some(a)) => {
                 self.counters.events_applied.fetch_add(1, Relaxed);
                 if a.unknown_handles > 0 {
                     self.counters
@@ -309,7 +325,7 @@ impl Indexer {
         result
     }
 
-    fn apply_inner(&self, event: &KvEvent) -> Result<Applied, ApplyError> {
+    fn apply_inner(&self, event: &KvEvent, create: bool) -> Result<Option<Applied>, ApplyError> {
         let tier = event.tier.index();
         let mut applied = Applied::default();
         match &event.data {
@@ -325,8 +341,9 @@ impl Indexer {
                 // A store that fails or stores nothing allocates no slot.
                 let slot = match state.slot_of.get(&event.candidate) {
                     Some(&s) => s,
+                    None if !create => return Ok(None),
                     None if parent.is_some() => return Err(ApplyError::ParentBlockNotFound),
-                    None if blocks.is_empty() => return Ok(applied),
+                    None if blocks.is_empty() => return Ok(Some(applied)),
                     None => state.slot(event.candidate),
                 };
                 if blocks.is_empty() {
@@ -335,7 +352,7 @@ impl Indexer {
                         Some(p) if !state.trees[tier].has_handle(slot, p) => {
                             Err(ApplyError::ParentBlockNotFound)
                         }
-                        _ => Ok(applied),
+                        _ => Ok(Some(applied)),
                     };
                 }
                 let first = chunks.next().expect("non-empty");
@@ -379,7 +396,7 @@ impl Indexer {
                 }
             }
         }
-        Ok(applied)
+        Ok(Some(applied))
     }
 
     /// Removes a candidate from every tier and frees its slot. Returns the blocks it held.

@@ -90,7 +90,7 @@ impl fmt::Display for FallbackReason {
 /// Messages are meant for the operator: they say what is wrong and what to do.
 #[derive(Debug, thiserror::Error)]
 pub enum PolicyError {
-    #[error("policy name {0:?} is invalid: use 1 to 64 characters from [A-Za-z0-9_.-], not starting with '.'")]
+    #[error("policy name {0:?} is invalid: use 1 to 64 characters from [A-Za-z0-9_.-], not starting with '.', other than `rollback` (the API's `POST /v1/policies/rollback`)")]
     InvalidName(String),
     #[error("the component is {size} bytes, over the {max}-byte limit (raise `max_component_bytes` if this is intended)")]
     TooLarge { size: usize, max: usize },

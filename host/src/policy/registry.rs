@@ -334,9 +334,12 @@ pub struct PolicyRegistry {
 
 /// Checks a policy name: 1 to 64 of `[A-Za-z0-9_.-]`, not starting with `.`.
 pub(crate) fn validate_name(name: &str) -> Result<(), PolicyError> {
+    // `rollback` would be shadowed by `POST /v1/policies/rollback` in the HTTP API: such a
+    // policy could be loaded from a file but never updated or removed over HTTP.
     let ok = !name.is_empty()
         && name.len() <= 64
         && !name.starts_with('.')
+        && name != "rollback"
         && name
             .bytes()
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'));
@@ -1022,7 +1025,7 @@ mod tests {
     #[test]
     fn names() {
         assert!(validate_name("native-cost_v1.2").is_ok());
-        for bad in ["", ".hidden", "a/b", "sp ace", &"x".repeat(65)] {
+        for bad in ["", ".hidden", "a/b", "sp ace", "rollback", &"x".repeat(65)] {
             assert!(validate_name(bad).is_err(), "{bad:?}");
         }
     }
