@@ -528,6 +528,15 @@ fn worker_rows() -> Vec<Row> {
             "unknown_worker",
         ),
         jrow(
+            "delete worker with a body field",
+            "DELETE",
+            w1,
+            json!({"force": true}),
+            400,
+            "invalid_request",
+        )
+        .field("force"),
+        jrow(
             "patch draining wrong type",
             "PATCH",
             w1,
@@ -1200,6 +1209,33 @@ fn route_rows() -> Vec<Row> {
 
 fn lifecycle_rows() -> Vec<Row> {
     vec![
+        // Endpoints without a body take nothing, whitespace or `{}`; a field is unknown.
+        jrow(
+            "prefill_complete with a body field",
+            "POST",
+            "/v1/requests/booked-1/prefill_complete",
+            json!({"bogus": 1}),
+            400,
+            "invalid_request",
+        )
+        .field("bogus"),
+        jrow(
+            "free with a body field",
+            "DELETE",
+            "/v1/requests/booked-1",
+            json!({"force": true}),
+            400,
+            "invalid_request",
+        )
+        .field("force"),
+        row(
+            "free with a body that is not an object",
+            "DELETE",
+            "/v1/requests/booked-1",
+            "[1]",
+            400,
+            "invalid_request",
+        ),
         row(
             "prefill_complete unknown id",
             "POST",
@@ -1390,6 +1426,24 @@ fn policy_rows() -> Vec<Row> {
             404,
             "unknown_policy",
         ),
+        jrow(
+            "activate with a body field",
+            "POST",
+            "/v1/policies/default/activate",
+            json!({"now": true}),
+            400,
+            "invalid_request",
+        )
+        .field("now"),
+        jrow(
+            "delete policy with a body field",
+            "DELETE",
+            "/v1/policies/default",
+            json!({"force": true}),
+            400,
+            "invalid_request",
+        )
+        .field("force"),
         row(
             "rollback with nothing to roll back to",
             "POST",

@@ -1517,6 +1517,16 @@ fn openapi_documents_the_error_statuses_served() {
                     b"{}".to_vec(),
                 ));
             }
+            if body_ct.is_none() && method != "get" {
+                tries.push((
+                    "with a body field where none is taken",
+                    vec![
+                        ("content-type", "application/json".into()),
+                        ("authorization", auth.clone()),
+                    ],
+                    br#"{"bogus": 1}"#.to_vec(),
+                ));
+            }
             if let Some(ct) = &body_ct {
                 let wrong = if ct == "application/json" {
                     "text/plain"

@@ -211,6 +211,25 @@ impl<S: Send + Sync> FromRequest<S> for RawBody {
     }
 }
 
+/// The body of an endpoint that takes none: nothing, whitespace or `{}` passes; any field is a 400
+/// naming it (API.md: unknown fields in a request body are an error), as is anything not an object.
+pub struct NoBody;
+
+impl<S: Send + Sync> FromRequest<S> for NoBody {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+        #[derive(serde::Deserialize)]
+        #[serde(deny_unknown_fields)]
+        struct Empty {}
+        let RawBody(bytes) = RawBody::from_request(req, state).await?;
+        if bytes.iter().all(u8::is_ascii_whitespace) {
+            return Ok(NoBody);
+        }
+        parse_json_object::<Empty>(&bytes).map(|_| NoBody)
+    }
+}
+
 fn body_too_large() -> ApiError {
     ApiError::new(
         StatusCode::PAYLOAD_TOO_LARGE,

@@ -34,7 +34,7 @@ use crate::router::{
 };
 use crate::workers::{SpecError, TaintNames, WorkerSpec};
 use dto::*;
-use error::{ApiError, ApiJson, ApiPath, BodyLimit, RawBody};
+use error::{ApiError, ApiJson, ApiPath, BodyLimit, NoBody, RawBody};
 pub use metrics::Metrics;
 use prompt_json::PromptJson;
 
@@ -319,6 +319,7 @@ async fn patch_worker(
 async fn delete_worker(
     State(s): State<AppState>,
     ApiPath(raw): ApiPath<String>,
+    _: NoBody,
 ) -> Result<StatusCode, ApiError> {
     let id = parse_worker_id(&raw)?;
     s.router.remove_worker(id).ok_or_else(|| {
@@ -480,6 +481,7 @@ fn lifecycle_error(e: LifecycleError) -> ApiError {
 async fn prefill_complete(
     State(s): State<AppState>,
     ApiPath(id): ApiPath<String>,
+    _: NoBody,
 ) -> Result<Json<LifecycleResponse>, ApiError> {
     let c = s.router.prefill_complete(&id).map_err(lifecycle_error)?;
     Ok(Json(LifecycleResponse {
@@ -510,6 +512,7 @@ async fn output(
 async fn free_request(
     State(s): State<AppState>,
     ApiPath(id): ApiPath<String>,
+    _: NoBody,
 ) -> Result<Json<LifecycleResponse>, ApiError> {
     let b = s.router.free(&id).map_err(lifecycle_error)?;
     Ok(Json(match b {
@@ -676,12 +679,14 @@ async fn put_policy_config(
 async fn activate_policy(
     State(s): State<AppState>,
     ApiPath(name): ApiPath<String>,
+    _: NoBody,
 ) -> Result<Json<crate::policy::PolicyInfo>, ApiError> {
     off_thread(&s, move |r| r.activate(&name)).await.map(Json)
 }
 
 async fn rollback_policy(
     State(s): State<AppState>,
+    _: NoBody,
 ) -> Result<Json<crate::policy::PolicyInfo>, ApiError> {
     off_thread(&s, |r| r.rollback()).await.map(Json)
 }
@@ -689,6 +694,7 @@ async fn rollback_policy(
 async fn delete_policy(
     State(s): State<AppState>,
     ApiPath(name): ApiPath<String>,
+    _: NoBody,
 ) -> Result<StatusCode, ApiError> {
     off_thread(&s, move |r| r.remove(&name)).await?;
     Ok(StatusCode::NO_CONTENT)

@@ -22,8 +22,9 @@ fn ok(desc: &str, schema: Option<&str>) -> Value {
     }
 }
 
-/// The document, with the statuses every admin operation (401, 403) and every operation with a
-/// body (413, 415) can answer added uniformly.
+/// The document, with the statuses every admin operation (401, 403), every operation with a
+/// body (413, 415) and every write without one (400 for a body with fields) can answer added
+/// uniformly.
 pub fn document() -> Value {
     let mut doc = base_document();
     if let Some(paths) = doc.get_mut("paths").and_then(Value::as_object_mut) {
@@ -53,6 +54,11 @@ pub fn document() -> Value {
                     add("400", "Malformed body.");
                     add("413", "Body over the configured limit.");
                     add("415", "Wrong Content-Type.");
+                } else if method != "get" {
+                    add(
+                        "400",
+                        "A body with fields: this operation takes none (send nothing, or {}).",
+                    );
                 }
             }
         }
