@@ -359,6 +359,37 @@ struct Prepared {
     hash_time: Duration,
 }
 
+/// A queued request's side of the wait. If the caller goes away before the answer (an HTTP
+/// client disconnects and its handler future is dropped), dropping this takes the request out of
+/// the queue at once, instead of it holding its place, its queued tokens and its id until it
+/// reaches the head; and a decision made for it just before is freed instead of keeping its
+/// booking until expiry.
+struct Waiting<'a> {
+    router: &'a Router,
+    request_id: &'a str,
+    rx: tokio::sync::oneshot::Receiver<Result<RouteDecision, RouteError>>,
+    /// The wait ended normally: the caller handles the outcome.
+    settled: bool,
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        if self.settled {
+            return;
+        }
+        // `pump` decides and sends under the queue lock: once we hold it, the request is either
+        // still queued or its answer is in the channel.
+        let removed = self.router.queue.lock().cancel(self.request_id);
+        if removed.is_none() {
+            if let Ok(Ok(decision)) = self.rx.try_recv() {
+                if decision.booked {
+                    let _ = self.router.load.lock().free(&decision.request_id);
+                }
+            }
+        }
+    }
+}
+
 struct Waiter {
     prepared: Arc<Prepared>,
     enqueued: Instant,
@@ -781,9 +812,17 @@ impl Router {
             return Err(RouteError::QueueFull(e));
         }
         self.counters.queued.fetch_add(1, Relaxed);
+        let mut waiting = Waiting {
+            router: self,
+            request_id: &prepared.request_id,
+            rx,
+            settled: false,
+        };
         // Capacity may have freed between the failed attempt and the push.
         self.pump();
-        match tokio::time::timeout(self.config.queue_timeout, rx).await {
+        let outcome = tokio::time::timeout(self.config.queue_timeout, &mut waiting.rx).await;
+        waiting.settled = true;
+        match outcome {
             Ok(Ok(result)) => result,
             Ok(Err(_)) => Err(RouteError::Cancelled),
             Err(_) => {
@@ -1710,6 +1749,49 @@ mod tests {
         assert_eq!(r.queue_depth().0, 1, "the uncached one still waits");
         r.prefill_complete(&first.request_id).unwrap();
         assert_eq!(second.await.unwrap().unwrap().request_id, "uncached");
+    }
+
+    #[tokio::test]
+    async fn a_waiter_whose_caller_goes_away_leaves_the_queue_at_once() {
+        let r = Arc::new(router(RouterConfig {
+            busy_threshold: Some(0.5),
+            queue_timeout: Duration::from_secs(30),
+            ..Default::default()
+        }));
+        r.upsert_worker(1, worker(&[], 100)).unwrap();
+        let hog = r
+            .route(RouteRequest {
+                request_id: Some("hog".into()),
+                ..RouteRequest::tokens(prompt(96))
+            })
+            .await
+            .unwrap();
+        let r2 = r.clone();
+        let waiter = tokio::spawn(async move {
+            r2.route(RouteRequest {
+                request_id: Some("gone".into()),
+                ..RouteRequest::tokens(prompt(16))
+            })
+            .await
+        });
+        while r.queue_depth().0 < 1 {
+            tokio::task::yield_now().await;
+        }
+        // The caller goes away (an HTTP client disconnecting drops its handler the same way).
+        waiter.abort();
+        assert!(waiter.await.unwrap_err().is_cancelled());
+        assert_eq!(r.queue_depth(), (0, 0), "out of the queue at once");
+        // Its id is free: the same id routes once there is room, with nothing else booked.
+        r.prefill_complete(&hog.request_id).unwrap();
+        let again = r
+            .route(RouteRequest {
+                request_id: Some("gone".into()),
+                ..RouteRequest::tokens(prompt(16))
+            })
+            .await
+            .unwrap();
+        assert_eq!(again.request_id, "gone");
+        assert_eq!(r.active_bookings(), 2);
     }
 
     #[tokio::test]
