@@ -1657,11 +1657,16 @@ mod tests {
         assert_eq!(r.indexer().stats().held_blocks[0], 0);
     }
 
-    #[tokio::test]
-    async fn busy_fleet_queues_and_wakes_on_capacity() {
+    /// A router with queueing on and its one worker made busy by a booked 96-token "hog"
+    /// (96 > 0.5 × 100).
+    async fn busy_fleet(
+        order: QueueOrder,
+        queue_timeout: Duration,
+    ) -> (Arc<Router>, RouteDecision) {
         let r = Arc::new(router(RouterConfig {
             busy_threshold: Some(0.5),
-            queue_timeout: Duration::from_secs(5),
+            queue_order: order,
+            queue_timeout,
             ..Default::default()
         }));
         r.upsert_worker(1, worker(&[], 100)).unwrap();
@@ -1672,6 +1677,12 @@ mod tests {
             })
             .await
             .unwrap();
+        (r, hog)
+    }
+
+    #[tokio::test]
+    async fn busy_fleet_queues_and_wakes_on_capacity() {
+        let (r, hog) = busy_fleet(QueueOrder::Fcfs, Duration::from_secs(5)).await;
         // The worker is now busy (96 > 50): the next two wait, in order.
         let mut waiters = vec![];
         for i in 0..2u32 {
@@ -1704,24 +1715,11 @@ mod tests {
 
     #[tokio::test]
     async fn wspt_serves_the_waiter_with_the_most_cached_first() {
-        let r = Arc::new(router(RouterConfig {
-            busy_threshold: Some(0.5),
-            queue_order: QueueOrder::Wspt,
-            queue_timeout: Duration::from_secs(5),
-            ..Default::default()
-        }));
-        r.upsert_worker(1, worker(&[], 100)).unwrap();
+        let (r, hog) = busy_fleet(QueueOrder::Wspt, Duration::from_secs(5)).await;
         let b = r.config().block_size;
         let uncached: Vec<u32> = (0..8 * b).map(|t| 1000 + t).collect();
         let cached: Vec<u32> = (0..8 * b).map(|t| 2000 + t).collect();
         store(&r, 1, &cached, 3);
-        let hog = r
-            .route(RouteRequest {
-                request_id: Some("hog".into()),
-                ..RouteRequest::tokens(prompt(96))
-            })
-            .await
-            .unwrap();
         // Same length, same priority; the uncached one arrives first.
         let mut waiters = vec![];
         for (i, (id, tokens)) in [("uncached", uncached), ("cached", cached)]
@@ -1753,19 +1751,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_waiter_whose_caller_goes_away_leaves_the_queue_at_once() {
-        let r = Arc::new(router(RouterConfig {
-            busy_threshold: Some(0.5),
-            queue_timeout: Duration::from_secs(30),
-            ..Default::default()
-        }));
-        r.upsert_worker(1, worker(&[], 100)).unwrap();
-        let hog = r
-            .route(RouteRequest {
-                request_id: Some("hog".into()),
-                ..RouteRequest::tokens(prompt(96))
-            })
-            .await
-            .unwrap();
+        let (r, hog) = busy_fleet(QueueOrder::Fcfs, Duration::from_secs(30)).await;
         let r2 = r.clone();
         let waiter = tokio::spawn(async move {
             r2.route(RouteRequest {
