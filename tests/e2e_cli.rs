@@ -77,6 +77,27 @@ fn policy_check_passes_every_shipped_plugin() {
 }
 
 #[test]
+fn policy_check_takes_any_deadline_in_its_range() {
+    let wasm = build_plugin("kvroute-plugin-default");
+    // A short deadline gets a clock and grace window that fit inside it: the suite runs (whether
+    // every scenario meets 300 us on a busy machine is not the point here).
+    let (_, text) = check(&wasm, &["--deadline-us", "300"]);
+    assert!(
+        !text.contains("invalid policy runtime configuration"),
+        "{text}"
+    );
+    assert!(text.contains("latency at 64 candidates"), "{text}");
+    assert!(
+        text.contains("deadline 300"),
+        "the report names the deadline: {text}"
+    );
+    // Outside the range: a usage error naming the flag.
+    let (out, text) = check(&wasm, &["--deadline-us", "50"]);
+    assert_eq!(out.status.code(), Some(2), "{text}");
+    assert!(text.contains("--deadline-us"), "{text}");
+}
+
+#[test]
 fn policy_check_fails_broken_plugins_and_says_why() {
     let wasm = build_plugin("kvroute-test-misbehave");
     // `trigger` makes the plugin behave during the load-time self-test (whose request ids never

@@ -1772,3 +1772,17 @@ fn policy_hot_swap_over_http_under_traffic() {
     );
     assert_eq!(s.get("/v1/policies").body()["active"], "a");
 }
+
+// ---------------------------------------------------------------------------------------- logs
+
+#[test]
+fn logs_to_a_pipe_are_plain_text() {
+    let s = Server::start(&[]);
+    s.get("/healthz").expect(200);
+    let err = s.stderr();
+    assert!(err.contains("kvroute listening"), "{err}");
+    assert!(
+        !err.contains('\u{1b}'),
+        "colour codes in a log that is not a terminal: {err:?}"
+    );
+}

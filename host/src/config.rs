@@ -140,18 +140,34 @@ impl Default for LimitsSection {
     }
 }
 
+/// The largest block size accepted: engines use 16 to a few hundred tokens per KV block.
+pub const MAX_BLOCK_SIZE: u32 = 65_536;
+
 impl ServeConfig {
-    /// Reads a TOML file. Errors name the file and the offending key.
+    /// Reads a TOML file. Errors name the file and the offending key. Relative `policy` and
+    /// `policy_dir` paths are taken from the file's directory, not from wherever `kvroute` was
+    /// started, so a config file and the components next to it move together.
     pub fn from_file(path: &Path) -> Result<Self, String> {
         let text = std::fs::read_to_string(path)
             .map_err(|e| format!("cannot read config file {}: {e}", path.display()))?;
-        toml::from_str(&text).map_err(|e| format!("config file {}: {e}", path.display()))
+        let mut c: Self =
+            toml::from_str(&text).map_err(|e| format!("config file {}: {e}", path.display()))?;
+        let base = path.parent().unwrap_or(Path::new(""));
+        for p in [&mut c.policy, &mut c.policy_dir].into_iter().flatten() {
+            if p.is_relative() {
+                *p = base.join(&*p);
+            }
+        }
+        Ok(c)
     }
 
     /// Checks values that parse but make no sense.
     pub fn validate(&self) -> Result<(), String> {
-        if self.block_size == 0 {
-            return Err("block_size must be at least 1".into());
+        if !(1..=MAX_BLOCK_SIZE).contains(&self.block_size) {
+            return Err(format!(
+                "block_size must be between 1 and {MAX_BLOCK_SIZE} tokens, got {}",
+                self.block_size
+            ));
         }
         if let Some(t) = self.routing.busy_threshold {
             if !(t.is_finite() && t > 0.0) {
@@ -178,6 +194,35 @@ impl ServeConfig {
             serde_json::from_str::<serde_json::Value>(c)
                 .map_err(|e| format!("policy_config is not valid JSON: {e}"))?;
         }
+        // The native cost is every policy's fallback and base cost: a weight that is not a finite
+        // number >= 0 makes every decision a fallback, and the active policy is taken out.
+        for (key, w) in [
+            ("cost.prefill_load_scale", self.cost.prefill_load_scale),
+            ("cost.host_tier_weight", self.cost.host_tier_weight),
+            ("cost.disk_tier_weight", self.cost.disk_tier_weight),
+        ] {
+            if !(w.is_finite() && w >= 0.0) {
+                return Err(format!("{key} must be a finite number >= 0, got {w}"));
+            }
+        }
+        // Limits of 0 would refuse every request of their kind.
+        let l = &self.limits;
+        for (key, v) in [
+            ("limits.max_body_bytes", l.max_body_bytes),
+            ("limits.max_prompt_tokens", l.max_prompt_tokens),
+            ("limits.max_events_per_request", l.max_events_per_request),
+            ("limits.max_policy_bytes", l.max_policy_bytes),
+            ("limits.max_workers", l.max_workers),
+            ("limits.max_dp_size", l.max_dp_size as usize),
+            ("limits.max_taint_len", l.max_taint_len),
+        ] {
+            if v == 0 {
+                return Err(format!("{key} must be at least 1"));
+            }
+        }
+        self.policy_runtime
+            .validate()
+            .map_err(|e| format!("policy_runtime: {e}"))?;
         Ok(())
     }
 
@@ -257,5 +302,52 @@ mod tests {
             ..Default::default()
         };
         assert!(huge.validate().unwrap_err().contains("http_threads"));
+        let huge_blocks = ServeConfig {
+            block_size: u32::MAX,
+            ..Default::default()
+        };
+        assert!(huge_blocks.validate().unwrap_err().contains("block_size"));
+    }
+
+    #[test]
+    fn relative_policy_paths_are_taken_from_the_config_file() {
+        let dir = std::env::temp_dir().join(format!("kvroute-config-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("kvroute.toml");
+        std::fs::write(
+            &file,
+            "policy = \"p.wasm\"\npolicy_dir = \"/abs/policies\"\n",
+        )
+        .unwrap();
+        let c = ServeConfig::from_file(&file).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(c.policy, Some(dir.join("p.wasm")));
+        assert_eq!(c.policy_dir, Some(PathBuf::from("/abs/policies")));
+    }
+
+    /// Values that parse but would break a running server are refused at start, naming the key.
+    #[test]
+    fn cost_weights_limits_and_runtime_are_checked() {
+        let refused = |toml_text: &str, key: &str| {
+            let c: ServeConfig = toml::from_str(toml_text).unwrap();
+            let e = c.validate().unwrap_err();
+            assert!(e.contains(key), "{toml_text:?}: {e}");
+        };
+        refused(
+            "[cost]\nprefill_load_scale = nan\n",
+            "cost.prefill_load_scale",
+        );
+        refused("[cost]\nhost_tier_weight = -5.0\n", "cost.host_tier_weight");
+        refused("[cost]\ndisk_tier_weight = inf\n", "cost.disk_tier_weight");
+        refused("[limits]\nmax_body_bytes = 0\n", "limits.max_body_bytes");
+        refused("[limits]\nmax_workers = 0\n", "limits.max_workers");
+        refused(
+            "[limits]\nmax_prompt_tokens = 0\n",
+            "limits.max_prompt_tokens",
+        );
+        refused("[policy_runtime]\ndeadline_us = 10\n", "policy_runtime");
+        let ok: ServeConfig =
+            toml::from_str("[cost]\nprefill_load_scale = 0.0\nhost_tier_weight = 1.5\n").unwrap();
+        assert_eq!(ok.validate(), Ok(()));
     }
 }

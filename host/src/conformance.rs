@@ -191,6 +191,10 @@ pub fn check(
     };
     if let Some(d) = deadline_us {
         rc.deadline_us = d;
+        // A deadline shorter than the server's needs a finer clock and a shorter grace window
+        // (both must fit inside it); the server's default deadline keeps the server's values.
+        rc.epoch_tick_us = rc.epoch_tick_us.min((d / 8).max(50));
+        rc.preemption_grace_us = rc.preemption_grace_us.min(d / 4).max(rc.epoch_tick_us);
     }
     let deadline = rc.deadline_us;
     let registry = Arc::new(PolicyRegistry::new(rc).map_err(|e| e.to_string())?);

@@ -40,8 +40,8 @@ enum PolicyCommand {
         /// JSON configuration handed to `configure`.
         #[arg(long)]
         config: Option<String>,
-        /// Per-call deadline in microseconds [default: the server's, 2000].
-        #[arg(long)]
+        /// Per-call deadline in microseconds, 100 to 60,000,000 [default: the server's, 2000].
+        #[arg(long, value_parser = clap::value_parser!(u64).range(100..=60_000_000))]
         deadline_us: Option<u64>,
     },
     /// Scaffold a plugin crate that builds and passes `policy check` as created.
@@ -128,10 +128,12 @@ struct ServeArgs {
     /// A policy component to load and activate instead of the default.
     #[arg(long, env = "KVROUTE_POLICY")]
     policy: Option<PathBuf>,
-    /// JSON configuration for --policy.
+    /// JSON configuration for --policy (or, without it, for the embedded default policy).
     #[arg(long, env = "KVROUTE_POLICY_CONFIG")]
     policy_config: Option<String>,
-    /// Directory watched for NAME.wasm policies (and NAME.json configs).
+    /// Directory watched for NAME.wasm policies (and NAME.json configs): a file dropped in or
+    /// changed is loaded and activated. With --policy, the files already there at start are
+    /// loaded but do not replace it.
     #[arg(long, env = "KVROUTE_POLICY_DIR")]
     policy_dir: Option<PathBuf>,
     /// Bearer token for admin endpoints.
@@ -193,10 +195,23 @@ impl ServeArgs {
 }
 
 fn init_logging(format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("KVROUTE_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let filter = match std::env::var("KVROUTE_LOG") {
+        Ok(v) if !v.trim().is_empty() => {
+            tracing_subscriber::EnvFilter::try_new(&v).unwrap_or_else(|e| {
+                eprintln!(
+                    "warning: KVROUTE_LOG={v:?} is not a valid log filter ({e}); logging at info"
+                );
+                tracing_subscriber::EnvFilter::new("info")
+            })
+        }
+        _ => tracing_subscriber::EnvFilter::new("info"),
+    };
+    // Colour only on a terminal (a log file or collector gets plain text), and never with NO_COLOR.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr())
+        && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(ansi)
         .with_writer(std::io::stderr);
     match format {
         LogFormat::Json => builder.json().init(),

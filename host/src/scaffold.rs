@@ -8,7 +8,73 @@ pub fn default_sdk_path() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../sdk")
 }
 
-/// Checks a plugin name: lower-case letters, digits and dashes, starting with a letter.
+/// Names a crate cannot take: Rust keywords (the library's name would be one) and crates the
+/// generated crate depends on or that every crate sees.
+const RESERVED: &[&str] = &[
+    "abstract",
+    "alloc",
+    "as",
+    "async",
+    "await",
+    "become",
+    "box",
+    "break",
+    "const",
+    "continue",
+    "core",
+    "crate",
+    "do",
+    "dyn",
+    "else",
+    "enum",
+    "extern",
+    "false",
+    "final",
+    "fn",
+    "for",
+    "gen",
+    "if",
+    "impl",
+    "in",
+    "kvroute-sdk",
+    "let",
+    "loop",
+    "macro",
+    "match",
+    "mod",
+    "move",
+    "mut",
+    "override",
+    "priv",
+    "proc-macro",
+    "pub",
+    "ref",
+    "return",
+    "self",
+    "serde",
+    "serde-derive",
+    "static",
+    "std",
+    "struct",
+    "super",
+    "test",
+    "trait",
+    "true",
+    "try",
+    "type",
+    "typeof",
+    "unsafe",
+    "unsized",
+    "use",
+    "virtual",
+    "where",
+    "while",
+    "wit-bindgen",
+    "yield",
+];
+
+/// Checks a plugin name: lower-case letters, digits and dashes, starting with a letter, and not a
+/// name the crate could not build under.
 pub fn validate_name(name: &str) -> Result<(), String> {
     let ok = !name.is_empty()
         && name.len() <= 64
@@ -16,12 +82,37 @@ pub fn validate_name(name: &str) -> Result<(), String> {
         && name
             .chars()
             .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-');
-    if ok {
-        Ok(())
-    } else {
-        Err(format!(
+    if !ok {
+        return Err(format!(
             "{name:?} is not a plugin name: use lower-case letters, digits and dashes, starting with a letter (e.g. `my-policy`)"
-        ))
+        ));
+    }
+    if RESERVED.contains(&name) || RESERVED.contains(&name.replace('-', "_").as_str()) {
+        return Err(format!(
+            "{name:?} is a Rust keyword or the name of a crate the plugin depends on: choose another (e.g. `{name}-policy`)"
+        ));
+    }
+    Ok(())
+}
+
+/// The policy type's name: the plugin name in CamelCase, ending in `Policy` (`my-policy` →
+/// `MyPolicy`, `ttft` → `TtftPolicy`), so it never shadows a name the generated code uses (the
+/// SDK's `Policy`, `Request`, `Config`, `Harness`, or the prelude's `Result`, `Default`, `Ok`).
+fn type_name(name: &str) -> String {
+    let camel: String = name
+        .split('-')
+        .map(|p| {
+            let mut c = p.chars();
+            match c.next() {
+                Some(f) => f.to_ascii_uppercase().to_string() + c.as_str(),
+                None => String::new(),
+            }
+        })
+        .collect();
+    if camel.ends_with("Policy") && camel != "Policy" {
+        camel
+    } else {
+        camel + "Policy"
     }
 }
 
@@ -43,16 +134,7 @@ pub fn scaffold(name: &str, dir: &Path, sdk: &Path) -> Result<Vec<PathBuf>, Stri
             sdk.display()
         ));
     }
-    let ident: String = name
-        .split('-')
-        .map(|p| {
-            let mut c = p.chars();
-            match c.next() {
-                Some(f) => f.to_ascii_uppercase().to_string() + c.as_str(),
-                None => String::new(),
-            }
-        })
-        .collect();
+    let ident = type_name(name);
     let cargo = format!(
         r#"[package]
 name = "{name}"
@@ -183,6 +265,29 @@ mod tests {
         assert!(validate_name("my-policy2").is_ok());
         for bad in ["", "My", "9lives", "a_b", "a b", "../x"] {
             assert!(validate_name(bad).is_err(), "{bad}");
+        }
+        for reserved in ["self", "kvroute-sdk", "serde", "std", "type", "proc-macro"] {
+            let e = validate_name(reserved).unwrap_err();
+            assert!(
+                e.contains("keyword or the name of a crate"),
+                "{reserved}: {e}"
+            );
+        }
+    }
+
+    #[test]
+    fn type_names_end_in_policy_and_shadow_nothing() {
+        assert_eq!(type_name("my-policy"), "MyPolicy");
+        assert_eq!(type_name("ttft"), "TtftPolicy");
+        assert_eq!(type_name("cache-aware2"), "CacheAware2Policy");
+        for (name, ident) in [
+            ("policy", "PolicyPolicy"),
+            ("config", "ConfigPolicy"),
+            ("request", "RequestPolicy"),
+            ("harness", "HarnessPolicy"),
+            ("result", "ResultPolicy"),
+        ] {
+            assert_eq!(type_name(name), ident);
         }
     }
 

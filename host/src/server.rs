@@ -33,7 +33,7 @@ pub fn build(config: &ServeConfig) -> Result<(Arc<Router>, Arc<PolicyRegistry>),
         Arc::new(PolicyRegistry::new(config.policy_runtime.clone()).map_err(|e| e.to_string())?);
     if let Some(path) = &config.policy {
         let bytes = std::fs::read(path)
-            .map_err(|e| format!("cannot read --policy {}: {e}", path.display()))?;
+            .map_err(|e| format!("cannot read the policy component {}: {e}", path.display()))?;
         let name = path
             .file_stem()
             .and_then(|s| s.to_str())
@@ -67,7 +67,11 @@ pub async fn run(
     let _watcher = match &config.policy_dir {
         Some(dir) => Some(
             policies
-                .watch_directory(dir.clone(), Duration::from_millis(500))
+                .watch_directory_with(
+                    crate::policy::DirectoryScanner::new(dir.clone())
+                        .keep_active_at_start(config.policy.is_some()),
+                    Duration::from_millis(500),
+                )
                 .map_err(|e| format!("cannot watch --policy-dir {}: {e}", dir.display()))?,
         ),
         None => None,

@@ -407,6 +407,35 @@ fn pipeline_sums_weighted_stages_and_selector_picks() {
 }
 
 #[test]
+fn files_present_at_start_do_not_displace_an_explicit_policy() {
+    use kvroute_host::policy::DirectoryScanner;
+    let reg = Arc::new(registry());
+    let native = support::plugin_bytes(NATIVE);
+    reg.load("explicit", &native, None, true).expect("load");
+    let dir = support::temp_dir("policy-watch-keep");
+    std::fs::write(dir.join("other.wasm"), &native).expect("write");
+    let mut scanner = DirectoryScanner::new(&dir).keep_active_at_start(true);
+    scanner.scan(&reg);
+    assert_eq!(scanner.scan(&reg).loaded, vec!["other".to_string()]);
+    assert!(reg.get("other").is_some(), "loaded");
+    assert_eq!(
+        reg.active().expect("active").policy.name(),
+        "explicit",
+        "the policy chosen at start stays active"
+    );
+    // A change afterwards is an operator's swap: it activates.
+    std::fs::write(dir.join("other.json"), r#"{"use_base_cost": true}"#).expect("write");
+    scanner.scan(&reg);
+    assert_eq!(scanner.scan(&reg).loaded, vec!["other".to_string()]);
+    assert_eq!(reg.active().expect("active").policy.name(), "other");
+    // So does a file that was not there at start.
+    std::fs::write(dir.join("third.wasm"), &native).expect("write");
+    scanner.scan(&reg);
+    assert_eq!(scanner.scan(&reg).loaded, vec!["third".to_string()]);
+    assert_eq!(reg.active().expect("active").policy.name(), "third");
+}
+
+#[test]
 fn watched_directory_loads_valid_files_and_keeps_serving_on_invalid_ones() {
     use kvroute_host::policy::DirectoryScanner;
     let reg = Arc::new(registry());

@@ -8,6 +8,10 @@
 //! `watch_rejected` is bumped, and the file is not retried until it changes. Deleting a file
 //! unloads nothing. When several files change in one scan, they are loaded oldest first, so the
 //! newest ends up active.
+//!
+//! When the server was also told which policy to start with (`--policy`), the files already in the
+//! directory at start are loaded but not activated: the explicit choice stays active, and a file
+//! dropped in (or changed) afterwards is activated as usual.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -41,6 +45,11 @@ pub struct DirectoryScanner {
     done: HashMap<String, Stamp>,
     /// Stamps seen once, waiting to be seen unchanged again.
     pending: HashMap<String, Stamp>,
+    /// Files present at the first scan whose first load must not activate them
+    /// ([`Self::keep_active_at_start`]).
+    initial: std::collections::HashSet<String>,
+    keep_active_at_start: bool,
+    scanned: bool,
 }
 
 enum Kind {
@@ -59,7 +68,17 @@ impl DirectoryScanner {
             dir: dir.into(),
             done: HashMap::new(),
             pending: HashMap::new(),
+            initial: Default::default(),
+            keep_active_at_start: false,
+            scanned: false,
         }
+    }
+
+    /// Loads the files present at the first scan without activating them, so a policy chosen
+    /// explicitly at start stays active; later files are activated as usual.
+    pub fn keep_active_at_start(mut self, keep: bool) -> Self {
+        self.keep_active_at_start = keep;
+        self
     }
 
     pub fn dir(&self) -> &Path {
@@ -99,6 +118,9 @@ impl DirectoryScanner {
             };
             let stamp: Stamp = (mtime, len, config_stamp);
             let key = file_name.to_string();
+            if !self.scanned && self.keep_active_at_start {
+                self.initial.insert(key.clone());
+            }
             if self.done.get(&key) == Some(&stamp) {
                 continue;
             }
@@ -109,12 +131,17 @@ impl DirectoryScanner {
             self.pending.remove(&key);
             ready.push((mtime, key, name.to_string(), kind, path, stamp));
         }
+        self.scanned = true;
         ready.sort_by(|a, b| a.0.cmp(&b.0).then_with(|| a.1.cmp(&b.1)));
         for (_, key, name, kind, path, stamp) in ready {
+            // A file from before the start loads unchanged; only a later one (or a change) activates.
+            let first_load_of_a_file_from_before =
+                self.initial.remove(&key) && !self.done.contains_key(&key);
+            let activate = !first_load_of_a_file_from_before;
             self.done.insert(key, stamp);
             let result = match kind {
-                Kind::Component => self.load_component(registry, &name, &path),
-                Kind::Pipeline => self.load_pipeline(registry, &name, &path),
+                Kind::Component => self.load_component(registry, &name, &path, activate),
+                Kind::Pipeline => self.load_pipeline(registry, &name, &path, activate),
             };
             match result {
                 Ok(true) => {
@@ -142,6 +169,7 @@ impl DirectoryScanner {
         registry: &PolicyRegistry,
         name: &str,
         path: &Path,
+        activate: bool,
     ) -> Result<bool, PolicyError> {
         let io = |p: &Path, e: std::io::Error| PolicyError::Io {
             path: p.display().to_string(),
@@ -160,7 +188,7 @@ impl DirectoryScanner {
                 return Ok(false);
             }
         }
-        registry.load(name, &bytes, config.as_deref(), true)?;
+        registry.load(name, &bytes, config.as_deref(), activate)?;
         Ok(true)
     }
 
@@ -169,13 +197,14 @@ impl DirectoryScanner {
         registry: &PolicyRegistry,
         name: &str,
         path: &Path,
+        activate: bool,
     ) -> Result<bool, PolicyError> {
         let json = std::fs::read_to_string(path).map_err(|e| PolicyError::Io {
             path: path.display().to_string(),
             message: e.to_string(),
         })?;
         let spec = PipelineSpec::from_json(&json)?;
-        registry.load_pipeline(name, &spec, Some(&self.dir), true)?;
+        registry.load_pipeline(name, &spec, Some(&self.dir), activate)?;
         Ok(true)
     }
 }
@@ -215,7 +244,17 @@ impl PolicyRegistry {
         dir: impl Into<PathBuf>,
         interval: Duration,
     ) -> std::io::Result<DirectoryWatcher> {
-        let dir = dir.into();
+        self.watch_directory_with(DirectoryScanner::new(dir), interval)
+    }
+
+    /// [`Self::watch_directory`] with a configured scanner (e.g.
+    /// [`DirectoryScanner::keep_active_at_start`]).
+    pub fn watch_directory_with(
+        self: &Arc<Self>,
+        scanner: DirectoryScanner,
+        interval: Duration,
+    ) -> std::io::Result<DirectoryWatcher> {
+        let dir = scanner.dir.clone();
         if !dir.is_dir() {
             return Err(std::io::Error::new(
                 std::io::ErrorKind::NotFound,
@@ -232,7 +271,7 @@ impl PolicyRegistry {
             std::thread::Builder::new()
                 .name("kvroute-policy-watch".into())
                 .spawn(move || {
-                    let mut scanner = DirectoryScanner::new(dir);
+                    let mut scanner = scanner;
                     while !stop.load(Relaxed) {
                         let Some(registry) = registry.upgrade() else {
                             break;
