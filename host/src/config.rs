@@ -309,6 +309,17 @@ mod tests {
         assert!(huge_blocks.validate().unwrap_err().contains("block_size"));
     }
 
+    /// The README's example configuration is a valid one.
+    #[test]
+    fn the_readme_example_parses_and_validates() {
+        let readme = include_str!("../../README.md");
+        let start = readme.find("```toml\n").expect("a toml block") + "```toml\n".len();
+        let len = readme[start..].find("```").expect("closed");
+        let c: ServeConfig = toml::from_str(&readme[start..start + len]).unwrap();
+        assert_eq!(c.validate(), Ok(()));
+        assert_eq!(c.cost, CostWeights::default());
+    }
+
     #[test]
     fn relative_policy_paths_are_taken_from_the_config_file() {
         let dir = std::env::temp_dir().join(format!("kvroute-config-{}", std::process::id()));
