@@ -31,7 +31,8 @@ type Stamp = (Option<SystemTime>, u64, Option<(Option<SystemTime>, u64)>);
 /// What one scan did.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct ScanReport {
-    /// Names loaded (and activated).
+    /// Names loaded (and activated, but for files kept inactive at start:
+    /// [`DirectoryScanner::keep_active_at_start`]).
     pub loaded: Vec<String>,
     /// Names refused, with the reason.
     pub rejected: Vec<(String, String)>,
