@@ -820,20 +820,14 @@ impl Router {
         };
         // Capacity may have freed between the failed attempt and the push.
         self.pump();
-        let outcome = tokio::time::timeout(self.config.queue_timeout, &mut waiting.rx).await;
-        waiting.settled = true;
-        match outcome {
-            Ok(Ok(result)) => result,
-            Ok(Err(_)) => Err(RouteError::Cancelled),
-            Err(_) => {
-                let removed = self.queue.lock().cancel(&prepared.request_id);
-                if removed.is_none() {
-                    // Served at the last moment: the decision was sent into a channel nobody reads.
-                    // Release what it booked.
-                    let _ = self.load.lock().free(&prepared.request_id);
-                }
-                Err(RouteError::QueueTimeout(self.config.queue_timeout))
+        match tokio::time::timeout(self.config.queue_timeout, &mut waiting.rx).await {
+            Ok(answer) => {
+                waiting.settled = true;
+                answer.unwrap_or(Err(RouteError::Cancelled))
             }
+            // Leaving takes the request out of the queue, or frees a decision made for it at the
+            // last moment (`Waiting`'s drop).
+            Err(_) => Err(RouteError::QueueTimeout(self.config.queue_timeout)),
         }
     }
 
@@ -1680,24 +1674,38 @@ mod tests {
         (r, hog)
     }
 
+    /// Routes `tokens` as `id` on a task of its own and returns once the request is queued
+    /// (the queue then holds `depth` requests).
+    async fn spawn_queued(
+        r: &Arc<Router>,
+        id: &str,
+        tokens: Vec<u32>,
+        depth: usize,
+    ) -> tokio::task::JoinHandle<Result<RouteDecision, RouteError>> {
+        let r2 = r.clone();
+        let id = id.to_string();
+        let task = tokio::spawn(async move {
+            r2.route(RouteRequest {
+                request_id: Some(id),
+                ..RouteRequest::tokens(tokens)
+            })
+            .await
+        });
+        while r.queue_depth().0 < depth {
+            tokio::task::yield_now().await;
+        }
+        task
+    }
+
     #[tokio::test]
     async fn busy_fleet_queues_and_wakes_on_capacity() {
         let (r, hog) = busy_fleet(QueueOrder::Fcfs, Duration::from_secs(5)).await;
         // The worker is now busy (96 > 50): the next two wait, in order.
+        // Each enqueues before the next arrives (FCFS).
         let mut waiters = vec![];
         for i in 0..2u32 {
-            let r2 = r.clone();
-            waiters.push(tokio::spawn(async move {
-                r2.route(RouteRequest {
-                    request_id: Some(format!("w{i}")),
-                    ..RouteRequest::tokens((0..16).map(|t| t + 100 * i).collect())
-                })
-                .await
-            }));
-            // Let it enqueue before the next arrives (FCFS).
-            while r.queue_depth().0 < (i + 1) as usize {
-                tokio::task::yield_now().await;
-            }
+            let tokens = (0..16).map(|t| t + 100 * i).collect();
+            waiters.push(spawn_queued(&r, &format!("w{i}"), tokens, i as usize + 1).await);
         }
         assert_eq!(r.queue_depth(), (2, 32));
         // Ask-only requests never wait: they see the overload.
@@ -1721,23 +1729,8 @@ mod tests {
         let cached: Vec<u32> = (0..8 * b).map(|t| 2000 + t).collect();
         store(&r, 1, &cached, 3);
         // Same length, same priority; the uncached one arrives first.
-        let mut waiters = vec![];
-        for (i, (id, tokens)) in [("uncached", uncached), ("cached", cached)]
-            .into_iter()
-            .enumerate()
-        {
-            let r2 = r.clone();
-            waiters.push(tokio::spawn(async move {
-                r2.route(RouteRequest {
-                    request_id: Some(id.into()),
-                    ..RouteRequest::tokens(tokens)
-                })
-                .await
-            }));
-            while r.queue_depth().0 < i + 1 {
-                tokio::task::yield_now().await;
-            }
-        }
+        let mut waiters = vec![spawn_queued(&r, "uncached", uncached, 1).await];
+        waiters.push(spawn_queued(&r, "cached", cached, 2).await);
         // Each one served keeps the worker busy (128 - 48 and 128 uncached tokens > 50): one at a
         // time.
         r.prefill_complete(&hog.request_id).unwrap();
@@ -1752,17 +1745,7 @@ mod tests {
     #[tokio::test]
     async fn a_waiter_whose_caller_goes_away_leaves_the_queue_at_once() {
         let (r, hog) = busy_fleet(QueueOrder::Fcfs, Duration::from_secs(30)).await;
-        let r2 = r.clone();
-        let waiter = tokio::spawn(async move {
-            r2.route(RouteRequest {
-                request_id: Some("gone".into()),
-                ..RouteRequest::tokens(prompt(16))
-            })
-            .await
-        });
-        while r.queue_depth().0 < 1 {
-            tokio::task::yield_now().await;
-        }
+        let waiter = spawn_queued(&r, "gone", prompt(16), 1).await;
         // The caller goes away (an HTTP client disconnecting drops its handler the same way).
         waiter.abort();
         assert!(waiter.await.unwrap_err().is_cancelled());
@@ -1793,17 +1776,7 @@ mod tests {
         }));
         r.upsert_worker(1, worker(&[], 100)).unwrap();
         r.route(RouteRequest::tokens(prompt(96))).await.unwrap();
-        let r2 = r.clone();
-        let waiting = tokio::spawn(async move {
-            r2.route(RouteRequest {
-                request_id: Some("wait".into()),
-                ..RouteRequest::tokens(prompt(16))
-            })
-            .await
-        });
-        while r.queue_depth().0 < 1 {
-            tokio::task::yield_now().await;
-        }
+        let waiting = spawn_queued(&r, "wait", prompt(16), 1).await;
         let full = r.route(RouteRequest::tokens(prompt(16))).await.unwrap_err();
         assert_eq!(
             (full.status(), full.code(), full.retryable()),

@@ -87,7 +87,7 @@ pub fn validate_name(name: &str) -> Result<(), String> {
             "{name:?} is not a plugin name: use lower-case letters, digits and dashes, starting with a letter (e.g. `my-policy`)"
         ));
     }
-    if RESERVED.contains(&name) || RESERVED.contains(&name.replace('-', "_").as_str()) {
+    if RESERVED.contains(&name) {
         return Err(format!(
             "{name:?} is a Rust keyword or the name of a crate the plugin depends on: choose another (e.g. `{name}-policy`)"
         ));

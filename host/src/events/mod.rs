@@ -168,14 +168,13 @@ pub fn subscriptions_for(worker: &Worker) -> Result<Vec<SubscriptionSpec>, Endpo
     worker
         .ranks()
         .map(|rank| {
-            let offset = rank;
             Ok(SubscriptionSpec {
                 worker_id: worker.worker_id,
                 dp_rank: rank,
-                endpoint: offset_endpoint(&kv.endpoint, offset)?,
+                endpoint: offset_endpoint(&kv.endpoint, rank)?,
                 replay_endpoint: match kv.replay_endpoint.as_deref() {
                     None | Some("") => None,
-                    Some(ep) => Some(offset_endpoint(ep, offset)?),
+                    Some(ep) => Some(offset_endpoint(ep, rank)?),
                 },
                 topic: kv.topic.clone(),
             })
