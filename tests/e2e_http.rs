@@ -950,6 +950,10 @@ fn config_errors_exit_nonzero_with_a_clear_message() {
     let nested = temp_file("nested.toml", "[limits]\nmax_prompt_tokenz = 5\n");
     let bad_type = temp_file("type.toml", "block_size = \"big\"\n");
     let zero = temp_file("zero.toml", "block_size = 0\n");
+    // The name check comes before the file is read: any bytes do.
+    let bad_name = temp_file("My Policy.wasm", "not wasm");
+    let rollback = temp_file("rollback.wasm", "not wasm");
+    let no_port = temp_file("no_port.toml", "listen = \"localhost\"\n");
     let p = |f: &std::path::PathBuf| f.to_str().unwrap().to_string();
     let cases: Vec<(Vec<String>, EnvVars, &[&str])> = vec![
         (vec!["--config".into(), p(&unknown)], vec![], &["bogus_key"]),
@@ -993,7 +997,7 @@ fn config_errors_exit_nonzero_with_a_clear_message() {
         (
             vec!["--listen".into(), "not-an-address".into()],
             vec![],
-            &["--listen"],
+            &["--listen", "not-an-address", "HOST:PORT"],
         ),
         (
             vec!["--admin-token".into(), "short".into()],
@@ -1027,12 +1031,54 @@ fn config_errors_exit_nonzero_with_a_clear_message() {
         ),
         (vec![], vec![("KVROUTE_HTTP_THREADS", "-2")], &["-2"]),
         (vec!["--no-such-flag".into()], vec![], &["--no-such-flag"]),
-        (vec![], vec![("KVROUTE_BLOCK_SIZE", "zero")], &["zero"]),
+        (
+            vec![],
+            vec![("KVROUTE_BLOCK_SIZE", "zero")],
+            &["zero", "environment variable KVROUTE_BLOCK_SIZE"],
+        ),
+        // A negative number is a value to judge, not an unknown flag.
+        (
+            vec!["--busy-threshold".into(), "-1".into()],
+            vec![],
+            &["busy_threshold", "-1"],
+        ),
+        (
+            vec!["--config".into(), p(&no_port)],
+            vec![],
+            &["listen", "HOST:PORT"],
+        ),
+        (
+            vec!["--policy".into(), p(&bad_name)],
+            vec![],
+            &["My Policy", "--policy-name"],
+        ),
+        (
+            vec!["--policy-name".into(), "mine".into()],
+            vec![],
+            &["policy_name"],
+        ),
+        (
+            vec![
+                "--policy".into(),
+                p(&rollback),
+                "--policy-name".into(),
+                "rollback".into(),
+            ],
+            vec![],
+            &["policy_name", "rollback"],
+        ),
     ];
     for (args, env, needles) in cases {
-        let mut all = vec!["serve", "--listen", "127.0.0.1:0"];
+        let mut all = vec!["serve"];
+        if !args.iter().any(|a| a == "--listen") {
+            all.extend(["--listen", "127.0.0.1:0"]);
+        }
         all.extend(args.iter().map(String::as_str));
         let (status, stdout, stderr) = run_to_exit(&all, &env, Duration::from_secs(30));
+        assert!(
+            !stderr.contains("cannot be used multiple times"),
+            "{args:?}: the case must test its value, not a repeated flag: {stderr}"
+        );
         assert!(
             !status.success(),
             "{args:?} {env:?} must fail; stdout {stdout:?}, stderr {stderr:?}"
@@ -1049,6 +1095,43 @@ fn config_errors_exit_nonzero_with_a_clear_message() {
         }
         assert!(stderr.len() < 4000, "a short message, not a dump: {stderr}");
     }
+}
+
+#[test]
+fn serve_takes_a_host_name_a_bare_approximate_flag_and_a_policy_name() {
+    let wasm = temp_file("file name with spaces.wasm", "");
+    std::fs::write(&wasm, kvroute_host::server::DEFAULT_POLICY_WASM).unwrap();
+    let mut s = Server::start(&[
+        "--listen",
+        "localhost:0",
+        "--approximate",
+        "--policy",
+        wasm.to_str().unwrap(),
+        "--policy-name",
+        "mine",
+    ]);
+    let active = s.get("/v1/policies").expect(200).body().clone();
+    assert_eq!(active["active"], "mine", "{active}");
+    // `--approximate` alone turned approximate indexing on: with no KV events at all, a routed
+    // (booked) prompt is indexed on the worker it went to.
+    s.put_worker(1, &json!({}));
+    s.put_worker(2, &json!({}));
+    let tokens: Vec<u32> = (0..64).collect();
+    let d = s.route_ok(&json!({"tokens": tokens}));
+    let again = s
+        .post("/v1/overlap", &json!({"tokens": tokens}))
+        .expect(200)
+        .body()
+        .clone();
+    let chosen = d["worker_id"].as_u64().unwrap();
+    let scores = again.to_string();
+    assert!(
+        again["workers"].as_array().is_some_and(|w| w
+            .iter()
+            .any(|x| x["worker_id"] == chosen && x["device_blocks"] == 4)),
+        "worker {chosen} holds the routed prompt's 4 blocks: {scores}"
+    );
+    assert!(s.terminate(Duration::from_secs(10)).success());
 }
 
 // ------------------------------------------------------------------------------ serving threads

@@ -21,7 +21,9 @@ use crate::workers::RegistryLimits;
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ServeConfig {
-    /// Address of the HTTP server.
+    /// Address of the HTTP server: `IP:PORT` or `HOST:PORT` (resolved once, at start; the first
+    /// address the name resolves to is used).
+    #[serde(deserialize_with = "deserialize_listen")]
     pub listen: SocketAddr,
     /// Tokens per KV block; must match the engines'.
     pub block_size: u32,
@@ -29,6 +31,8 @@ pub struct ServeConfig {
     pub admin_token: Option<String>,
     /// A policy component to load and activate at start (instead of the embedded default).
     pub policy: Option<PathBuf>,
+    /// The name `policy` is registered under [default: the file name without `.wasm`].
+    pub policy_name: Option<String>,
     /// JSON configuration handed to that policy's `configure`.
     pub policy_config: Option<String>,
     /// A directory watched for `NAME.wasm` policies (with optional `NAME.json` configs).
@@ -44,6 +48,33 @@ pub struct ServeConfig {
     pub policy_runtime: crate::policy::PolicyRuntimeConfig,
 }
 
+/// Parses a listen address: `IP:PORT` (`127.0.0.1:8080`, `[::1]:8080`) or `HOST:PORT`
+/// (`localhost:8080`), resolved now; a name takes the first address it resolves to.
+pub fn parse_listen(s: &str) -> Result<SocketAddr, String> {
+    use std::net::ToSocketAddrs;
+    if let Ok(a) = s.parse::<SocketAddr>() {
+        return Ok(a);
+    }
+    if s.rsplit_once(':')
+        .is_none_or(|(h, p)| h.is_empty() || p.parse::<u16>().is_err())
+    {
+        return Err(format!(
+            "{s:?} is not an address to listen on: use IP:PORT or HOST:PORT, e.g. 127.0.0.1:8080"
+        ));
+    }
+    match s.to_socket_addrs() {
+        Ok(mut addrs) => addrs
+            .next()
+            .ok_or_else(|| format!("{s:?} resolves to no address")),
+        Err(e) => Err(format!("cannot resolve {s:?}: {e}")),
+    }
+}
+
+fn deserialize_listen<'de, D: serde::Deserializer<'de>>(d: D) -> Result<SocketAddr, D::Error> {
+    let s = String::deserialize(d)?;
+    parse_listen(&s).map_err(serde::de::Error::custom)
+}
+
 impl Default for ServeConfig {
     fn default() -> Self {
         Self {
@@ -51,6 +82,7 @@ impl Default for ServeConfig {
             block_size: 16,
             admin_token: None,
             policy: None,
+            policy_name: None,
             policy_config: None,
             policy_dir: None,
             log_format: LogFormat::Text,
@@ -161,6 +193,17 @@ impl ServeConfig {
         Ok(c)
     }
 
+    /// The name the start-up policy (`policy`) is registered under: `policy_name`, else the
+    /// file's name without its extension. `None` when there is no start-up policy file.
+    pub fn start_policy_name(&self) -> Option<String> {
+        let path = self.policy.as_ref()?;
+        Some(self.policy_name.clone().unwrap_or_else(|| {
+            path.file_stem()
+                .map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or_default()
+        }))
+    }
+
     /// Checks values that parse but make no sense.
     pub fn validate(&self) -> Result<(), String> {
         if !(1..=MAX_BLOCK_SIZE).contains(&self.block_size) {
@@ -189,6 +232,19 @@ impl ServeConfig {
             if t.len() < 8 {
                 return Err("admin_token must be at least 8 characters".into());
             }
+        }
+        if let Some(name) = self.start_policy_name() {
+            crate::policy::validate_name(&name).map_err(|e| match &self.policy_name {
+                Some(_) => format!("policy_name: {e}"),
+                None => format!(
+                    "policy {}: {e} (the name comes from the file name: rename the file or \
+                     set policy_name, --policy-name)",
+                    self.policy.as_deref().unwrap_or(Path::new("")).display()
+                ),
+            })?;
+        }
+        if self.policy_name.is_some() && self.policy.is_none() {
+            return Err("policy_name is set but policy is not: name the component to load".into());
         }
         if let Some(c) = &self.policy_config {
             serde_json::from_str::<serde_json::Value>(c)
@@ -271,6 +327,55 @@ impl ServeConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn listen_takes_addresses_and_host_names() {
+        assert_eq!(
+            parse_listen("127.0.0.1:9000").unwrap(),
+            SocketAddr::from(([127, 0, 0, 1], 9000))
+        );
+        assert_eq!(parse_listen("[::1]:80").unwrap().port(), 80);
+        let local = parse_listen("localhost:7000").unwrap();
+        assert!(local.ip().is_loopback() && local.port() == 7000, "{local}");
+        for bad in [
+            "localhost",
+            ":80",
+            "127.0.0.1",
+            "127.0.0.1:99999",
+            "host:port",
+            "",
+        ] {
+            let e = parse_listen(bad).unwrap_err();
+            assert!(e.contains("HOST:PORT"), "{bad:?}: {e}");
+        }
+        let c: ServeConfig = toml::from_str("listen = \"localhost:7001\"\n").unwrap();
+        assert_eq!(c.listen.port(), 7001);
+        let e = toml::from_str::<ServeConfig>("listen = \"nowhere\"\n").unwrap_err();
+        assert!(e.to_string().contains("listen"), "{e}");
+    }
+
+    #[test]
+    fn the_start_policy_is_named_by_policy_name_or_its_file() {
+        let mut c = ServeConfig::default();
+        assert_eq!(c.start_policy_name(), None);
+        c.policy = Some("/p/cache-first.v2.wasm".into());
+        assert_eq!(c.start_policy_name().as_deref(), Some("cache-first.v2"));
+        c.validate().unwrap();
+        c.policy = Some("/p/my policy.wasm".into());
+        let e = c.validate().unwrap_err();
+        assert!(
+            e.contains("my policy") && e.contains("--policy-name"),
+            "{e}"
+        );
+        c.policy_name = Some("mine".into());
+        assert_eq!(c.start_policy_name().as_deref(), Some("mine"));
+        c.validate().unwrap();
+        c.policy_name = Some("rollback".into());
+        assert!(c.validate().unwrap_err().starts_with("policy_name"));
+        c.policy = None;
+        c.policy_name = Some("mine".into());
+        assert!(c.validate().unwrap_err().contains("policy is not"));
+    }
 
     #[test]
     fn file_parses_and_unknown_keys_are_named() {

@@ -119,8 +119,8 @@ struct ServeArgs {
     /// TOML configuration file.
     #[arg(long, env = "KVROUTE_CONFIG")]
     config: Option<PathBuf>,
-    /// Address to listen on [default: 127.0.0.1:8080].
-    #[arg(long, env = "KVROUTE_LISTEN")]
+    /// Address to listen on, IP:PORT or HOST:PORT [default: 127.0.0.1:8080].
+    #[arg(long, env = "KVROUTE_LISTEN", value_parser = kvroute_host::config::parse_listen)]
     listen: Option<SocketAddr>,
     /// Tokens per KV block; must match the engines' [default: 16].
     #[arg(long, env = "KVROUTE_BLOCK_SIZE")]
@@ -128,6 +128,9 @@ struct ServeArgs {
     /// A policy component to load and activate instead of the default.
     #[arg(long, env = "KVROUTE_POLICY")]
     policy: Option<PathBuf>,
+    /// The name --policy is registered under [default: its file name without .wasm].
+    #[arg(long, env = "KVROUTE_POLICY_NAME")]
+    policy_name: Option<String>,
     /// JSON configuration for --policy (or, without it, for the embedded default policy).
     #[arg(long, env = "KVROUTE_POLICY_CONFIG")]
     policy_config: Option<String>,
@@ -140,10 +143,17 @@ struct ServeArgs {
     #[arg(long, env = "KVROUTE_ADMIN_TOKEN", hide_env_values = true)]
     admin_token: Option<String>,
     /// Busy threshold (fraction of max_num_batched_tokens); turns the queue on.
-    #[arg(long, env = "KVROUTE_BUSY_THRESHOLD")]
+    #[arg(long, env = "KVROUTE_BUSY_THRESHOLD", allow_negative_numbers = true)]
     busy_threshold: Option<f64>,
-    /// Index from routing decisions (for engines that publish no KV events).
-    #[arg(long, env = "KVROUTE_APPROXIMATE")]
+    /// Index from routing decisions (for engines that publish no KV events); `--approximate`
+    /// alone means true.
+    #[arg(
+        long,
+        env = "KVROUTE_APPROXIMATE",
+        num_args = 0..=1,
+        default_missing_value = "true",
+        require_equals = false
+    )]
     approximate: Option<bool>,
     /// Log format.
     #[arg(long, env = "KVROUTE_LOG_FORMAT", value_enum)]
@@ -167,6 +177,9 @@ impl ServeArgs {
         }
         if let Some(v) = self.policy {
             c.policy = Some(v);
+        }
+        if let Some(v) = self.policy_name {
+            c.policy_name = Some(v);
         }
         if let Some(v) = self.policy_config {
             c.policy_config = Some(v);
@@ -219,8 +232,53 @@ fn init_logging(format: LogFormat) {
     }
 }
 
+/// Parses the command line. A bad value that came from a `KVROUTE_*` variable rather than the
+/// command line gets a note naming the variable: clap's message names only the flag, which the
+/// operator never typed.
+fn parse_cli() -> Cli {
+    let err = match Cli::try_parse() {
+        Ok(cli) => return cli,
+        Err(e) => e,
+    };
+    use clap::error::{ContextKind, ContextValue, ErrorKind};
+    let from_env = match (err.kind(), err.get(ContextKind::InvalidArg)) {
+        (ErrorKind::InvalidValue | ErrorKind::ValueValidation, Some(ContextValue::String(arg))) => {
+            env_source_of(arg)
+        }
+        _ => None,
+    };
+    let code = err.exit_code();
+    let _ = err.print();
+    if let Some(var) = from_env {
+        eprintln!("note: the value comes from the environment variable {var}");
+    }
+    std::process::exit(code);
+}
+
+/// The environment variable behind flag `arg` (as clap prints it, `--name <NAME>`), if the flag
+/// is not on the command line and its variable is set.
+fn env_source_of(arg: &str) -> Option<String> {
+    use clap::CommandFactory;
+    let long = arg.split_whitespace().next()?.strip_prefix("--")?;
+    let typed = std::env::args()
+        .skip(1)
+        .any(|a| a == format!("--{long}") || a.starts_with(&format!("--{long}=")));
+    if typed {
+        return None;
+    }
+    let cmd = Cli::command();
+    let var = cmd
+        .get_subcommands()
+        .flat_map(|s| s.get_arguments())
+        .find(|a| a.get_long() == Some(long))?
+        .get_env()?
+        .to_string_lossy()
+        .into_owned();
+    std::env::var_os(&var).map(|_| var)
+}
+
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = parse_cli();
     match cli.command {
         Command::Replay(args) => kvroute_host::replay::cli_main(args),
         Command::Policy(cmd) => policy_main(cmd),

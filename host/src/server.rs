@@ -34,11 +34,7 @@ pub fn build(config: &ServeConfig) -> Result<(Arc<Router>, Arc<PolicyRegistry>),
     if let Some(path) = &config.policy {
         let bytes = std::fs::read(path)
             .map_err(|e| format!("cannot read the policy component {}: {e}", path.display()))?;
-        let name = path
-            .file_stem()
-            .and_then(|s| s.to_str())
-            .unwrap_or("policy")
-            .to_string();
+        let name = config.start_policy_name().unwrap_or_default();
         policies
             .load(&name, &bytes, config.policy_config.as_deref(), true)
             .map_err(|e| format!("--policy {}: {e}", path.display()))?;

@@ -368,6 +368,33 @@ fn cli_replays_a_truncated_trace_and_writes_results_and_plots() {
     ]);
     assert!(!o.status.success());
     assert!(String::from_utf8_lossy(&o.stderr).contains("unknown policy"));
+    // Values out of range are named, negative numbers included (not taken for flags).
+    for (flag, value, says) in [
+        ("--max-requests", "0", "--max-requests must be at least 1"),
+        ("--speedup", "-2", "--speedup must be a positive number"),
+        (
+            "--temperature",
+            "-1",
+            "--temperature must be a finite number >= 0",
+        ),
+        ("--workers", "0", "--workers must be at least 1"),
+    ] {
+        let mut args = vec![
+            "replay",
+            "--trace",
+            file.to_str().unwrap(),
+            "--workers",
+            "2",
+        ];
+        args.extend(["--out", dir.to_str().unwrap(), flag, value]);
+        if flag == "--workers" {
+            args.drain(3..5);
+        }
+        let o = kvroute(&args);
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success(), "{flag} {value}");
+        assert!(stderr.contains(says), "{flag} {value}: {stderr}");
+    }
 }
 
 #[test]

@@ -150,14 +150,17 @@ pub fn command(args: &[&str], env: &[(&str, &str)]) -> Command {
 }
 
 impl Server {
-    /// `kvroute serve --listen 127.0.0.1:0 ARGS...`.
+    /// `kvroute serve --listen 127.0.0.1:0 ARGS...` (without the `--listen` when ARGS has one).
     pub fn start(args: &[&str]) -> Server {
         Self::start_env(args, &[])
     }
 
     /// The same, with extra environment variables.
     pub fn start_env(args: &[&str], env: &[(&str, &str)]) -> Server {
-        let mut all = vec!["serve", "--listen", "127.0.0.1:0"];
+        let mut all = vec!["serve"];
+        if !args.contains(&"--listen") {
+            all.extend(["--listen", "127.0.0.1:0"]);
+        }
         all.extend_from_slice(args);
         let mut child = command(&all, env)
             .stdin(Stdio::null())

@@ -66,8 +66,8 @@ pub use config::PolicyRuntimeConfig;
 pub use error::{FallbackReason, PolicyError};
 pub use pipeline::{PipelineSpec, SelectorSpec, StageSpec};
 pub use registry::{
-    ActivePolicy, Outcome, PolicyDecision, PolicyInfo, PolicyRegistry, PolicyVersion,
-    RegistryCounters, StageInfo,
+    validate_name, ActivePolicy, Outcome, PolicyDecision, PolicyInfo, PolicyRegistry,
+    PolicyVersion, RegistryCounters, StageInfo,
 };
 pub use runtime::{
     engine_config, sha256_hex, PluginDescription, PluginKind, ABI_VERSION, POLICY_EXPORT,

@@ -333,7 +333,7 @@ pub struct PolicyRegistry {
 }
 
 /// Checks a policy name: 1 to 64 of `[A-Za-z0-9_.-]`, not starting with `.`.
-pub(crate) fn validate_name(name: &str) -> Result<(), PolicyError> {
+pub fn validate_name(name: &str) -> Result<(), PolicyError> {
     // `rollback` would be shadowed by `POST /v1/policies/rollback` in the HTTP API: such a
     // policy could be loaded from a file but never updated or removed over HTTP.
     let ok = !name.is_empty()

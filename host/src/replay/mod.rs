@@ -352,7 +352,7 @@ pub struct ReplayArgs {
     #[arg(long)]
     pub out: PathBuf,
     /// Divide arrival times by this (compress the trace).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     pub speedup: f64,
     /// Keep only the first N requests.
     #[arg(long)]
@@ -366,7 +366,7 @@ pub struct ReplayArgs {
     pub seed: u64,
     /// Router temperature: 0 picks the lowest cost (random among ties); T > 0 samples with
     /// `p ∝ exp(-(cost - min) / ((max - min) T))` (SPEC §7).
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     pub temperature: f64,
     /// Azure traces: seed of the synthesized prefix sharing [default: --seed].
     #[arg(long)]
@@ -381,19 +381,19 @@ pub struct ReplayArgs {
     #[arg(long, default_value_t = 8192)]
     pub max_num_batched_tokens: u32,
     /// Divide engine step times by this (faster engines).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     pub worker_speedup: f64,
     /// Simulated delay of KV events from an engine to the router, in ms.
-    #[arg(long, default_value_t = 5.0)]
+    #[arg(long, default_value_t = 5.0, allow_negative_numbers = true)]
     pub kv_event_lag_ms: f64,
     /// Azure traces: number of system prompts to draw from.
     #[arg(long, default_value_t = 64)]
     pub azure_prompts: u32,
     /// Azure traces: Zipf exponent of the system-prompt draw.
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     pub azure_zipf: f64,
     /// Azure traces: fraction of each prompt taken from its system prompt.
-    #[arg(long, default_value_t = 0.5)]
+    #[arg(long, default_value_t = 0.5, allow_negative_numbers = true)]
     pub azure_shared_frac: f64,
     /// Skip the plots.
     #[arg(long)]
@@ -422,6 +422,9 @@ fn cli_run(args: ReplayArgs) -> Result<()> {
     };
     if args.workers == 0 {
         bail!("--workers must be at least 1");
+    }
+    if args.max_requests == Some(0) {
+        bail!("--max-requests must be at least 1 (leave it out to replay the whole trace)");
     }
     if !(args.temperature.is_finite() && args.temperature >= 0.0) {
         bail!("--temperature must be a finite number >= 0");
