@@ -470,6 +470,60 @@ fn worker_rows() -> Vec<Row> {
         )
         .field("kv_events.endpoint"),
         jrow(
+            "kv_events endpoint that is not tcp://",
+            "PUT",
+            w1,
+            json!({"kv_events": {"endpoint": "http://10.0.0.1:5557"}}),
+            400,
+            "invalid_request",
+        )
+        .field("kv_events.endpoint"),
+        jrow(
+            "kv_events endpoint without a port",
+            "PUT",
+            w1,
+            json!({"kv_events": {"endpoint": "tcp://10.0.0.1"}}),
+            400,
+            "invalid_request",
+        )
+        .field("kv_events.endpoint"),
+        jrow(
+            "kv_events port + rank past 65535",
+            "PUT",
+            w1,
+            json!({"dp_size": 2, "kv_events": {"endpoint": "tcp://10.0.0.1:65535"}}),
+            400,
+            "invalid_request",
+        )
+        .field("kv_events.endpoint"),
+        jrow(
+            "kv_events replay endpoint that is not tcp://",
+            "PUT",
+            w1,
+            json!({"kv_events": {"endpoint": "tcp://10.0.0.1:5557", "replay_endpoint": "ipc:///tmp/x"}}),
+            400,
+            "invalid_request",
+        )
+        .field("kv_events.replay_endpoint"),
+        jrow(
+            "worker_id in the body differs from the path",
+            "PUT",
+            w1,
+            json!({"worker_id": 2, "dp_size": 2}),
+            400,
+            "invalid_request",
+        )
+        .field("worker_id"),
+        row(
+            "gzip-encoded body",
+            "PUT",
+            w1,
+            r#"{"dp_size": 2, "taints": ["zone=a"], "max_num_batched_tokens": 8192}"#,
+            415,
+            "unsupported_media_type",
+        )
+        .header("content-encoding", "gzip"),
+        jrow(
             "kv_events without endpoint",
             "PUT",
             w1,

@@ -681,6 +681,11 @@ fn busy_threshold_queue_waits_then_429_when_full() {
         assert!(r.status == 429 || r.status == 503, "all overloaded: {r}");
         assert_eq!(r.code(), Some("all_overloaded"));
         assert!(r.header("retry-after").is_some(), "{r:?}");
+        // Progress on a queued request is a conflict (it has no worker yet), not "unknown".
+        s.post("/v1/requests/waiter/prefill_complete", &json!({}))
+            .expect_error(409, "request_queued");
+        s.post("/v1/requests/waiter/output", &json!({"tokens": 3}))
+            .expect_error(409, "request_queued");
         std::thread::sleep(Duration::from_millis(200));
         assert!(!waiter.is_finished());
 
@@ -699,6 +704,80 @@ fn busy_threshold_queue_waits_then_429_when_full() {
     });
     assert_eq!(metric(&s.metrics(), "kvroute_queue_depth"), Some(0.0));
     assert_eq!(metric(&s.metrics(), "kvroute_active_bookings"), Some(2.0));
+}
+
+#[test]
+fn request_details_clients_rely_on() {
+    let s = Server::start(&[]);
+    // A body may repeat the path's worker id.
+    s.put(
+        "/v1/workers/7",
+        &json!({"worker_id": 7, "dp_start": 3, "dp_size": 2}),
+    )
+    .expect(200);
+    // Media types compare case-insensitively, parameters aside.
+    let r = s.raw(
+        "PUT",
+        "/v1/workers/8",
+        &[("content-type", "Application/JSON; charset=UTF-8")],
+        b"{}",
+    );
+    r.expect(200);
+    // An event without dp_rank is for the worker's first rank (dp_start), not rank 0.
+    let t = tokens(32, 91);
+    let local = local_hashes(&t, 16, BASE_SEED);
+    let mut ev = stored_event(7, 0, 1, &local);
+    ev["event"].as_object_mut().unwrap().remove("dp_rank");
+    let r = post_events(&s, &json!([ev]));
+    assert_eq!(r["applied"], 1, "{r}");
+    let (_, by_rank) = overlap(&s, &json!({"tokens": t}));
+    assert_eq!(by_rank.get(&(7, 3)).map(|b| b[0]), Some(2), "{by_rank:?}");
+    // A weight just inside (-1, 1) stays inside once rounded to the f32 it travels as.
+    let d = s.route_ok(&json!({"tokens": t, "book": false,
+        "routing_constraints": {"preferred_taints": {"fast": 0.99999999, "slow": -0.99999999}}}));
+    assert_eq!(d["worker_id"], 7, "{d}");
+    // Every worker draining: the message says so, with counts, whatever else filtered.
+    for id in [7, 8] {
+        s.patch(&format!("/v1/workers/{id}"), &json!({"draining": true}))
+            .expect(200);
+    }
+    let r = s.post(
+        "/v1/route",
+        &json!({"tokens": t, "allowed_worker_ids": [7]}),
+    );
+    r.expect_error(503, "all_filtered_by_constraints");
+    let msg = r.body()["error"]["message"].as_str().unwrap_or("");
+    assert!(
+        msg.contains("2 draining") && msg.contains("1 not in allowed_worker_ids"),
+        "{r}"
+    );
+}
+
+#[test]
+fn a_dual_stack_listener_treats_ipv4_loopback_as_loopback() {
+    if std::net::TcpListener::bind("[::]:0").is_err() {
+        eprintln!("skipped: no IPv6 on this machine");
+        return;
+    }
+    let s = Server::start(&["--listen", "[::]:0"]);
+    let port = s
+        .url("/")
+        .rsplit_once(':')
+        .unwrap()
+        .1
+        .trim_end_matches('/')
+        .to_string();
+    // Without a token, admin endpoints answer loopback clients: 127.0.0.1 arrives here as
+    // ::ffff:127.0.0.1 and must count as loopback.
+    let r = support::send(
+        &support::client(),
+        &format!("http://127.0.0.1:{port}/v1/events"),
+        "POST",
+        &[("content-type", "application/json")],
+        b"[]",
+    )
+    .expect("transport");
+    r.expect(200);
 }
 
 // ---------------------------------------------------------------------------------- operations
@@ -821,13 +900,31 @@ fn admin_token_guards_writes_only() {
         ("DELETE", "/v1/workers/1", Vec::new(), "application/json"),
     ];
     for (method, path, body, ct) in &writes {
-        let r = s.raw(method, path, &[("content-type", ct)], body);
-        r.expect_error(401, "unauthorized");
+        // No bearer credential (no header, another scheme, no token): 401 with the challenge.
+        for missing in [
+            None,
+            Some(format!("Basic {TOKEN}")),
+            Some("Bearer".into()),
+            Some("Bearer   ".into()),
+            Some(TOKEN.into()),
+        ] {
+            let mut headers = vec![("content-type", *ct)];
+            if let Some(m) = &missing {
+                headers.push(("authorization", m));
+            }
+            let r = s.raw(method, path, &headers, body);
+            r.expect_error(401, "unauthorized");
+            assert!(
+                r.header("www-authenticate")
+                    .is_some_and(|h| h.starts_with("Bearer")),
+                "{method} {path} with {missing:?}: {r}"
+            );
+        }
+        // A bearer token that is not the configured one: 403.
         for bad in [
             "Bearer wrong-token-123".to_string(),
-            format!("Basic {TOKEN}"),
             format!("Bearer {TOKEN}x"),
-            "Bearer".to_string(),
+            format!("Bearer {}", &TOKEN[1..]),
         ] {
             let r = s.raw(
                 method,
@@ -1663,6 +1760,44 @@ fn sha256_hex(bytes: &[u8]) -> String {
         .collect()
 }
 
+#[test]
+fn policy_upload_takes_its_configuration_in_the_same_step() {
+    let s = Server::start(&[]);
+    let wasm = kvroute_host::server::DEFAULT_POLICY_WASM;
+    let up = |query: &str| {
+        s.raw(
+            "PUT",
+            &format!("/v1/policies/tuned{query}"),
+            &[("content-type", "Application/Wasm")],
+            wasm,
+        )
+    };
+    // The component's own refusal, and JSON that is not JSON, load nothing.
+    let r = up("?config=%7B%22no_such_key%22%3A1%7D");
+    r.expect_error(400, "config_rejected");
+    assert!(
+        r.body()["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("no_such_key"),
+        "{r}"
+    );
+    up("?config=%7Bnope").expect_error(400, "invalid_json");
+    let listed = s.get("/v1/policies").body().clone();
+    assert!(
+        !listed.to_string().contains("tuned"),
+        "a refused upload is not loaded: {listed}"
+    );
+    // `{"preference_floor": 2}`, URL-encoded, activated in the same request.
+    let r = up("?activate=true&config=%7B%22preference_floor%22%3A%202%7D");
+    r.expect(201);
+    assert_eq!(s.get("/v1/policies").body()["active"], "tuned");
+    assert!(
+        r.body().to_string().contains("preference_floor"),
+        "the answer shows the configuration: {r}"
+    );
+}
+
 fn put_policy(s: &Server, name: &str, wasm: &[u8], activate: bool) -> Value {
     let q = if activate { "?activate=true" } else { "" };
     let r = s.raw(
@@ -1720,6 +1855,11 @@ fn policy_upload_decides_routes() {
         let d = s.route_ok(&json!({"tokens": p, "book": false}));
         assert_eq!(d["policy"]["name"], "native", "{d}");
         assert_eq!(d["policy"]["digest"], digest.as_str(), "{d}");
+        assert!(listed["version"].is_u64(), "{listed}");
+        assert_eq!(
+            d["policy"]["version"], listed["version"],
+            "the decision's version is the listed one, as the same type: {d}"
+        );
         assert_eq!(d["fallback"], false, "{d}");
         assert_eq!(
             d["worker_id"], 2,

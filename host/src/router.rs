@@ -149,7 +149,9 @@ impl RouteRequest {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct PolicyLabel {
     pub name: String,
-    pub version: String,
+    /// The loaded version's number (`GET /v1/policies`); 0 for the host's built-in policies
+    /// (`host-native`, the replay's `round-robin`), which are not loaded versions.
+    pub version: u64,
     pub digest: String,
 }
 
@@ -158,7 +160,7 @@ impl PolicyLabel {
     pub fn native() -> Arc<PolicyLabel> {
         Arc::new(PolicyLabel {
             name: "host-native".into(),
-            version: env!("CARGO_PKG_VERSION").into(),
+            version: 0,
             digest: String::new(),
         })
     }
@@ -248,7 +250,7 @@ pub enum RouteError {
     Pin(#[from] PinError),
     #[error("no workers are registered")]
     NoWorkers,
-    #[error("every worker was filtered out by the request's constraints ({0})")]
+    #[error("no candidate is eligible: {0}")]
     AllFiltered(String),
     #[error("every eligible worker is overloaded; retry shortly")]
     AllOverloaded,
@@ -345,6 +347,9 @@ fn invalid(field: &str, message: impl Into<String>) -> RouteError {
 pub enum LifecycleError {
     #[error("no booked or queued request has id {0:?}")]
     UnknownRequest(String),
+    /// Prefill or output progress for a request still waiting in the queue: it has no worker.
+    #[error("request {0:?} is still queued: it has no worker yet (free it to cancel it)")]
+    Queued(String),
 }
 
 /// A validated, hashed request, ready to be scored (maybe several times, if it waits).
@@ -966,6 +971,8 @@ impl Router {
             loads.clear();
             let mut first_failure: Option<Ineligible> = None;
             let mut busy = 0usize;
+            // Candidates excluded, by `Ineligible` reason (for the error's message).
+            let mut excluded = [0u32; 4];
             let mut eligible_idx: Vec<u32> = Vec::with_capacity(pool.len().min(1024));
             {
                 let load = self.load.lock();
@@ -980,6 +987,7 @@ impl Router {
                             if why == Ineligible::Busy {
                                 busy += 1;
                             }
+                            excluded[why as usize] += 1;
                             first_failure.get_or_insert(why);
                         }
                     }
@@ -1004,12 +1012,18 @@ impl Router {
                 return Err(if busy > 0 {
                     RouteError::AllOverloaded
                 } else {
-                    let why = match first_failure {
-                        Some(Ineligible::NotAllowed) => "allowed_worker_ids",
-                        Some(Ineligible::MissingTaints) => "required_taints",
-                        _ => "every worker is draining",
-                    };
-                    RouteError::AllFiltered(why.to_string())
+                    // Every reason with its count: the first candidate's reason alone can
+                    // name allowed_worker_ids when the allowed workers were all draining.
+                    let why: Vec<String> = [
+                        (Ineligible::NotAllowed, "not in allowed_worker_ids"),
+                        (Ineligible::MissingTaints, "without the required_taints"),
+                        (Ineligible::Draining, "draining"),
+                    ]
+                    .iter()
+                    .filter(|(r, _)| excluded[*r as usize] > 0)
+                    .map(|(r, what)| format!("{} {what}", excluded[*r as usize]))
+                    .collect();
+                    RouteError::AllFiltered(why.join(", "))
                 });
             }
             for (&i, l) in eligible_idx.iter().zip(loads.iter()) {
@@ -1167,11 +1181,9 @@ impl Router {
 
     /// The request's first token arrived: its prompt no longer loads the candidate.
     pub fn prefill_complete(&self, request_id: &str) -> Result<CandidateKey, LifecycleError> {
-        let r = self
-            .load
-            .lock()
-            .prefill_complete(request_id)
-            .map_err(|_| LifecycleError::UnknownRequest(request_id.into()))?;
+        // The load lock is released before `not_booked` takes the queue's.
+        let r = self.load.lock().prefill_complete(request_id);
+        let r = r.map_err(|_| self.not_booked(request_id))?;
         self.pump();
         Ok(r)
     }
@@ -1182,10 +1194,17 @@ impl Router {
         request_id: &str,
         tokens: u32,
     ) -> Result<CandidateKey, LifecycleError> {
-        self.load
-            .lock()
-            .output_progress(request_id, tokens)
-            .map_err(|_| LifecycleError::UnknownRequest(request_id.into()))
+        let r = self.load.lock().output_progress(request_id, tokens);
+        r.map_err(|_| self.not_booked(request_id))
+    }
+
+    /// Why a lifecycle call found no booking for `request_id`: queued, or unknown.
+    fn not_booked(&self, request_id: &str) -> LifecycleError {
+        if self.queue.lock().contains(request_id) {
+            LifecycleError::Queued(request_id.into())
+        } else {
+            LifecycleError::UnknownRequest(request_id.into())
+        }
     }
 
     /// The request is done or cancelled: release its booking, or take it out of the queue.
@@ -1596,7 +1615,7 @@ mod tests {
                 outcome: self.0.clone(),
                 label: Arc::new(PolicyLabel {
                     name: "fixed".into(),
-                    version: "1".into(),
+                    version: 1,
                     digest: "d".into(),
                 }),
             }

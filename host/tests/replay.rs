@@ -128,7 +128,7 @@ impl Scorer for MaxOverlap {
             ),
             label: Arc::new(PolicyLabel {
                 name: "max-overlap".into(),
-                version: "1".into(),
+                version: 1,
                 digest: String::new(),
             }),
         }

@@ -121,7 +121,10 @@ impl RouteBody {
                     format!("weight {w} must be finite and strictly between -1 and 1"),
                 ));
             }
-            preferred.push((name, w as f32));
+            // Weights travel as f32: one within 2^-25 of ±1 would round onto the bound it was
+            // accepted inside of, so it is kept at the nearest f32 inside the interval.
+            const INSIDE: f32 = 1.0 - f32::EPSILON / 2.0;
+            preferred.push((name, (w as f32).clamp(-INSIDE, INSIDE)));
         }
         if let Some(ids) = &self.allowed_worker_ids {
             if ids.len() > limits.max_allowed_worker_ids {
@@ -157,7 +160,8 @@ impl RouteBody {
 #[derive(Debug, Serialize)]
 pub struct PolicyRef {
     pub name: String,
-    pub version: String,
+    /// The same number as `version` in `GET /v1/policies`.
+    pub version: u64,
     pub digest: String,
 }
 
@@ -228,7 +232,7 @@ impl From<RouteDecision> for RouteResponse {
             cached_tokens: d.cached_tokens,
             policy: PolicyRef {
                 name: d.policy.name.clone(),
-                version: d.policy.version.clone(),
+                version: d.policy.version,
                 digest: d.policy.digest.clone(),
             },
             fallback: d.fallback,

@@ -145,15 +145,36 @@ pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
     Ok(value)
 }
 
-/// Rejects a body whose declared content type is not JSON (a missing type is accepted).
+/// Rejects a body whose declared content type is not JSON (a missing type is accepted) or that
+/// is sent encoded (`Content-Encoding` other than `identity`: the server decodes none).
 pub fn require_json(headers: &axum::http::HeaderMap) -> Result<(), ApiError> {
+    require_media_type(headers, "application/json")
+}
+
+/// [`require_json`] for any media type. Media types compare case-insensitively (RFC 9110
+/// §8.3.1) and parameters such as `charset` are ignored.
+pub fn require_media_type(headers: &axum::http::HeaderMap, expected: &str) -> Result<(), ApiError> {
     if let Some(ct) = headers.get(header::CONTENT_TYPE) {
-        let ct = ct.to_str().unwrap_or("");
-        if !ct.is_empty() && !ct.starts_with("application/json") {
+        let ct = String::from_utf8_lossy(ct.as_bytes());
+        let essence = ct.split(';').next().unwrap_or("").trim();
+        if !essence.is_empty() && !essence.eq_ignore_ascii_case(expected) {
             return Err(ApiError::new(
                 StatusCode::UNSUPPORTED_MEDIA_TYPE,
                 "unsupported_media_type",
-                format!("expected Content-Type application/json, got {ct:?}"),
+                format!("expected Content-Type {expected}, got {ct:?}"),
+            ));
+        }
+    }
+    for enc in headers.get_all(header::CONTENT_ENCODING) {
+        let enc = String::from_utf8_lossy(enc.as_bytes());
+        if enc
+            .split(',')
+            .any(|e| !e.trim().is_empty() && !e.trim().eq_ignore_ascii_case("identity"))
+        {
+            return Err(ApiError::new(
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                "unsupported_media_type",
+                format!("Content-Encoding {enc:?} is not supported: send the body uncompressed"),
             ));
         }
     }

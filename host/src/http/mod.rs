@@ -85,7 +85,7 @@ impl RegistryScorer {
         }
         let label = Arc::new(PolicyLabel {
             name: v.name().to_string(),
-            version: v.version().to_string(),
+            version: v.version(),
             digest: v.digest().to_string(),
         });
         self.label
@@ -180,25 +180,33 @@ async fn admin_auth(
 ) -> Response {
     match &state.admin_token {
         Some(token) => {
-            let Some(given) = headers.get(header::AUTHORIZATION) else {
-                return ApiError::new(
+            // No bearer credential at all (no header, another scheme, an empty token) is 401
+            // with the challenge (RFC 9110 §11.6.1); a bearer token that is not ours is 403.
+            let given = headers
+                .get(header::AUTHORIZATION)
+                .and_then(|v| v.to_str().ok())
+                .and_then(bearer_token)
+                .filter(|t| !t.is_empty());
+            let Some(given) = given else {
+                let mut resp = ApiError::new(
                     StatusCode::UNAUTHORIZED,
                     "unauthorized",
                     "this admin endpoint needs `Authorization: Bearer <token>`",
                 )
                 .into_response();
+                resp.headers_mut().insert(
+                    header::WWW_AUTHENTICATE,
+                    axum::http::HeaderValue::from_static("Bearer realm=\"kvroute admin\""),
+                );
+                return resp;
             };
-            let ok = given
-                .to_str()
-                .ok()
-                .and_then(bearer_token)
-                .is_some_and(|t| constant_time_eq(t.as_bytes(), token.as_bytes()));
-            if !ok {
+            if !constant_time_eq(given.as_bytes(), token.as_bytes()) {
                 return ApiError::new(StatusCode::FORBIDDEN, "forbidden", "wrong admin token")
                     .into_response();
             }
         }
-        None if !peer.ip().is_loopback() => {
+        // `to_canonical`: on a dual-stack listener an IPv4 client arrives as `::ffff:a.b.c.d`.
+        None if !peer.ip().to_canonical().is_loopback() => {
             return ApiError::new(
                 StatusCode::FORBIDDEN,
                 "admin_token_required",
@@ -291,7 +299,24 @@ async fn put_worker(
     let spec: WorkerSpec = if body.iter().all(u8::is_ascii_whitespace) {
         WorkerSpec::default()
     } else {
-        error::parse_json_object(&body)?
+        // The id belongs to the path; a body may repeat it ("all optional but worker_id"), and
+        // then it must be the same id.
+        let mut object = serde_json::from_slice::<serde_json::Value>(&body).ok();
+        match object
+            .as_mut()
+            .and_then(|v| v.as_object_mut()?.remove("worker_id"))
+        {
+            Some(given) if given.as_u64() == Some(id) => {
+                error::parse_json_object(&serde_json::to_vec(&object).unwrap_or_default())?
+            }
+            Some(given) => {
+                return Err(ApiError::invalid_field(
+                    "worker_id",
+                    format!("{given} does not match the worker id in the path ({id})"),
+                ))
+            }
+            None => error::parse_json_object(&body)?,
+        }
     };
     let w = s.router.upsert_worker(id, spec).map_err(spec_error)?;
     if let Some(f) = &s.on_worker_change {
@@ -344,10 +369,10 @@ async fn list_workers(State(s): State<AppState>) -> Json<serde_json::Value> {
 /// The token of an `Authorization: Bearer <token>` value. The scheme is case-insensitive and
 /// may be followed by more than one space (RFC 9110 §11.4).
 fn bearer_token(value: &str) -> Option<&str> {
-    let (scheme, rest) = value.split_once(' ')?;
+    let (scheme, rest) = value.split_once(' ').unwrap_or((value, ""));
     scheme
         .eq_ignore_ascii_case("bearer")
-        .then(|| rest.trim_start_matches(' '))
+        .then(|| rest.trim_matches(' '))
 }
 
 // ---- events ------------------------------------------------------------------------------------
@@ -400,7 +425,16 @@ async fn post_events(
                 continue;
             }
         };
-        let candidate = CandidateKey::new(env.worker_id, env.event.dp_rank.unwrap_or(0));
+        // Without `dp_rank`, the worker's first rank (its `dp_start`; 0 for an unknown worker,
+        // which the router then reports as unknown).
+        let dp_rank = env.event.dp_rank.unwrap_or_else(|| {
+            let registry = s.router.registry().snapshot();
+            registry
+                .workers
+                .get(&env.worker_id)
+                .map_or(0, |w| w.dp_start)
+        });
+        let candidate = CandidateKey::new(env.worker_id, dp_rank);
         let event_id = env.event.event_id;
         let data = env.into_data();
         let result = if let KvEventData::Cleared = data {
@@ -475,6 +509,9 @@ fn lifecycle_error(e: LifecycleError) -> ApiError {
             "unknown_request",
             format!("no booked or queued request has id {id:?}"),
         ),
+        e @ LifecycleError::Queued(_) => {
+            ApiError::new(StatusCode::CONFLICT, "request_queued", e.to_string())
+        }
     }
 }
 
@@ -579,14 +616,19 @@ async fn list_policies(State(s): State<AppState>) -> Json<serde_json::Value> {
     }))
 }
 
-/// `?activate=true|false`, the only query parameter of a policy upload.
-fn parse_activate(query: Option<&str>) -> Result<bool, ApiError> {
+/// The query of a policy upload: `activate=true|false` and `config=JSON` (URL-encoded; what
+/// `PUT /v1/policies/{name}/config` would take), so a policy that needs a configuration is loaded
+/// and configured in one step.
+fn parse_upload_query(uri: &axum::http::Uri) -> Result<(bool, Option<String>), ApiError> {
+    let pairs = axum::extract::Query::<Vec<(String, String)>>::try_from_uri(uri)
+        .map_err(|e| ApiError::bad_request("invalid_request", format!("bad query string: {e}")))?
+        .0;
     let mut activate = false;
-    for pair in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
-        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
-        match k {
+    let mut config = None;
+    for (k, v) in pairs {
+        match k.as_str() {
             "activate" => {
-                activate = match v {
+                activate = match v.as_str() {
                     "true" | "1" | "" => true,
                     "false" | "0" => false,
                     other => {
@@ -597,15 +639,22 @@ fn parse_activate(query: Option<&str>) -> Result<bool, ApiError> {
                     }
                 }
             }
+            "config" => {
+                serde_json::from_str::<serde_json::Value>(&v).map_err(|e| {
+                    ApiError::bad_request("invalid_json", format!("config is not JSON: {e}"))
+                        .with_field("config")
+                })?;
+                config = Some(v);
+            }
             other => {
                 return Err(ApiError::invalid_field(
                     other,
-                    "unknown query parameter; only `activate` is accepted",
+                    "unknown query parameter; `activate` and `config` are accepted",
                 ))
             }
         }
     }
-    Ok(activate)
+    Ok((activate, config))
 }
 
 async fn put_policy(
@@ -630,19 +679,19 @@ async fn put_policy(
             e
         }
     })?;
-    let activate = parse_activate(uri.query())?;
-    if let Some(ct) = headers.get(header::CONTENT_TYPE) {
-        let ct = ct.to_str().unwrap_or("");
-        if !(ct.starts_with("application/wasm") || ct.starts_with("application/octet-stream")) {
-            return Err(ApiError::new(
-                StatusCode::UNSUPPORTED_MEDIA_TYPE,
-                "unsupported_media_type",
-                format!("upload the component as application/wasm, not {ct:?}"),
-            ));
-        }
+    let (activate, config) = parse_upload_query(&uri)?;
+    // application/octet-stream too: what generic tools send for a binary file.
+    if error::require_media_type(&headers, "application/octet-stream").is_err() {
+        error::require_media_type(&headers, "application/wasm").map_err(|mut e| {
+            e.message = format!("upload the component as application/wasm; {}", e.message);
+            e
+        })?;
     }
     // Compiling takes tens of milliseconds (seconds for a Python component).
-    let info = off_thread(&s, move |r| r.load(&name, &body, None, activate)).await?;
+    let info = off_thread(&s, move |r| {
+        r.load(&name, &body, config.as_deref(), activate)
+    })
+    .await?;
     Ok((StatusCode::CREATED, Json(info)).into_response())
 }
 
@@ -735,7 +784,14 @@ async fn metrics_text(State(s): State<AppState>) -> Response {
         elapsed_us = started.elapsed().as_micros() as u64,
         "rendered metrics"
     );
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body).into_response()
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        body,
+    )
+        .into_response()
 }
 
 async fn openapi_json() -> Json<serde_json::Value> {

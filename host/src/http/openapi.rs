@@ -9,6 +9,13 @@ fn error_response(desc: &str) -> Value {
     json!({"description": desc, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}})
 }
 
+/// A retryable rejection: the error body and `Retry-After` (seconds).
+fn retryable(desc: &str) -> Value {
+    let mut r = error_response(desc);
+    r["headers"] = json!({"Retry-After": {"description": "Seconds to wait before retrying.", "schema": {"type": "integer", "minimum": 0}}});
+    r
+}
+
 fn json_body(schema: &str) -> Value {
     json!({"required": true, "content": {"application/json": {"schema": {"$ref": format!("#/components/schemas/{schema}")}}}})
 }
@@ -38,6 +45,10 @@ pub fn document() -> Value {
                 }
                 let admin = op.get("security").is_some();
                 let body = op.get("requestBody").is_some();
+                // A component over the size limit is 400 `component_too_large` (API.md).
+                let component = op
+                    .pointer("/requestBody/content/application~1wasm")
+                    .is_some();
                 let Some(responses) = op.get_mut("responses").and_then(Value::as_object_mut) else {
                     continue;
                 };
@@ -47,13 +58,18 @@ pub fn document() -> Value {
                         .or_insert_with(|| error_response(desc));
                 };
                 if admin {
-                    add("401", "Admin token required.");
+                    add("401", "No bearer token (with `WWW-Authenticate: Bearer`).");
                     add("403", "Wrong admin token, or no token configured and the client is not on loopback.");
                 }
                 if body {
                     add("400", "Malformed body.");
-                    add("413", "Body over the configured limit.");
-                    add("415", "Wrong Content-Type.");
+                    if !component {
+                        add("413", "Body over the configured limit.");
+                    }
+                    add(
+                        "415",
+                        "Wrong Content-Type, or a Content-Encoding (bodies are sent uncompressed).",
+                    );
                 } else if method != "get" {
                     add(
                         "400",
@@ -81,12 +97,13 @@ fn base_document() -> Value {
             "schemas": {
                 "Error": {"type": "object", "required": ["error"], "properties": {"error": {"type": "object", "required": ["code", "message"], "properties": {
                     "code": {"type": "string"}, "message": {"type": "string"}, "field": {"type": "string"}}}}},
-                "WorkerSpec": {"type": "object", "additionalProperties": false, "properties": {
+                "WorkerSpec": {"type": "object", "additionalProperties": false, "description": "Re-registering keeps the worker's draining flag, its bookings and its cached blocks (of the ranks it keeps); removed ranks lose theirs.", "properties": {
+                    "worker_id": {"type": "integer", "description": "Optional: the path's id, repeated (400 if it differs)."},
                     "dp_start": {"type": "integer", "minimum": 0}, "dp_size": {"type": "integer", "minimum": 1},
                     "taints": {"type": "array", "items": {"type": "string"}},
                     "total_kv_blocks": {"type": "integer", "minimum": 0}, "max_num_batched_tokens": {"type": "integer", "minimum": 0},
                     "kv_events": {"type": "object", "additionalProperties": false, "required": ["endpoint"], "properties": {
-                        "endpoint": {"type": "string"}, "replay_endpoint": {"type": ["string", "null"]}, "topic": {"type": "string"}}}}},
+                        "endpoint": {"type": "string", "description": "tcp://HOST:PORT of rank dp_start's publisher; rank r subscribes on PORT + r; a `*` host is connected as 127.0.0.1."}, "replay_endpoint": {"type": ["string", "null"]}, "topic": {"type": "string"}}}}},
                 "WorkerPatch": {"type": "object", "additionalProperties": false, "properties": {
                     "taints": {"type": "array", "items": {"type": "string"}}, "draining": {"type": "boolean"}}},
                 "Worker": {"type": "object", "required": ["worker_id", "dp_start", "dp_size", "taints", "draining", "ranks"], "properties": {
@@ -125,7 +142,7 @@ fn base_document() -> Value {
                 "RouteDecision": {"type": "object", "required": ["request_id", "worker_id", "dp_rank", "overlap_blocks", "cached_tokens", "policy", "fallback", "queued_ms"], "properties": {
                     "request_id": {"type": "string"}, "worker_id": {"type": "integer"}, "dp_rank": {"type": "integer"},
                     "overlap_blocks": {"type": "integer"}, "cached_tokens": {"type": "integer"},
-                    "policy": {"type": "object", "required": ["name", "version", "digest"], "properties": {"name": {"type": "string"}, "version": {"type": "string"}, "digest": {"type": "string"}}},
+                    "policy": {"type": "object", "required": ["name", "version", "digest"], "properties": {"name": {"type": "string"}, "version": {"type": "integer", "description": "As in GET /v1/policies."}, "digest": {"type": "string"}}},
                     "fallback": {"type": "boolean"}, "fallback_reason": {"type": "string"}, "queued_ms": {"type": "integer"},
                     "candidates": {"type": "array", "items": {"type": "object", "required": ["worker_id", "dp_rank", "overlap_blocks", "active_prefill_tokens", "active_decode_blocks", "taints", "cost"], "properties": {
                         "worker_id": {"type": "integer"}, "dp_rank": {"type": "integer"}, "overlap_blocks": {"type": "integer"},
@@ -163,12 +180,12 @@ fn base_document() -> Value {
                 "responses": {"200": ok("Per-event outcome.", Some("EventsResult")), "400": error_response("Not a JSON array."), "413": error_response("Too many events.")}}},
             "/v1/route": {"post": {"summary": "Choose a worker for a request.", "requestBody": json_body("RouteRequest"),
                 "responses": {"200": ok("The decision.", Some("RouteDecision")), "400": error_response("Bad input."), "404": error_response("Pinned worker unknown."),
-                              "409": error_response("Pinned worker lacks required taints, or duplicate request id."), "429": error_response("Overloaded or queue full (Retry-After)."),
+                              "409": error_response("Pinned worker lacks required taints or is draining (`pinned_worker_draining`), duplicate request id (`duplicate_request_id`), or the request was cancelled while queued (`request_cancelled`)."), "429": retryable("Overloaded or queue full."),
                               "503": error_response("No eligible worker.")}}},
             "/v1/requests/{request_id}/prefill_complete": {"parameters": [request_id.clone()], "post": {"summary": "The first token arrived.",
-                "responses": {"200": ok("Recorded.", Some("Lifecycle")), "404": error_response("Unknown request.")}}},
+                "responses": {"200": ok("Recorded.", Some("Lifecycle")), "404": error_response("Unknown request (never routed, freed, or its worker or rank was removed)."), "409": error_response("Still queued (`request_queued`): no worker yet.")}}},
             "/v1/requests/{request_id}/output": {"parameters": [request_id.clone()], "post": {"summary": "Output progress (total tokens so far).", "requestBody": json_body("Output"),
-                "responses": {"200": ok("Recorded.", Some("Lifecycle")), "400": error_response("Bad body."), "404": error_response("Unknown request.")}}},
+                "responses": {"200": ok("Recorded.", Some("Lifecycle")), "400": error_response("Bad body."), "404": error_response("Unknown request."), "409": error_response("Still queued (`request_queued`): no worker yet.")}}},
             "/v1/requests/{request_id}": {"parameters": [request_id], "delete": {"summary": "Free (done or cancelled).",
                 "responses": {"200": ok("Freed or cancelled.", Some("Lifecycle")), "404": error_response("Unknown request.")}}},
             "/v1/overlap": {"post": {"summary": "Cached blocks of a prompt per worker and tier.", "requestBody": json_body("OverlapRequest"),
@@ -176,8 +193,9 @@ fn base_document() -> Value {
             "/v1/policies": {"get": {"summary": "Loaded policies and the active one.", "responses": {"200": ok("Policies.", Some("PolicyList"))}}},
             "/v1/policies/{name}": {
                 "parameters": [name.clone()],
-                "put": {"summary": "Load a policy component.", "security": admin,
-                        "parameters": [{"name": "activate", "in": "query", "required": false, "schema": {"type": "boolean"}}],
+                "put": {"summary": "Load a policy component. A new version under the active policy's name serves at once, as a new configuration does.", "security": admin,
+                        "parameters": [{"name": "activate", "in": "query", "required": false, "schema": {"type": "boolean"}},
+                                       {"name": "config", "in": "query", "required": false, "description": "JSON handed to the component's configure export (URL-encoded), so loading and configuring are one step; `{}` when absent.", "schema": {"type": "string"}}],
                         "requestBody": {"required": true, "content": {"application/wasm": {"schema": {"type": "string", "format": "binary"}}}},
                         "responses": {"201": ok("Loaded.", Some("Policy")), "400": error_response("Not a valid policy component: wrong world, missing export, over size (`component_too_large`), fails its self-test.")}},
                 "delete": {"summary": "Remove a policy (not the active one).", "security": admin,
