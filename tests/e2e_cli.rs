@@ -166,6 +166,22 @@ fn policy_check_fails_broken_plugins_and_says_why() {
     );
     assert!(text.contains("deadline"), "{text}");
 
+    // Slow on every call: it could never serve, so it is refused at load, saying so.
+    let (out, text) = check(
+        &wasm,
+        &[
+            "--config",
+            r#"{"mode": "slow", "spin_iters": 3000000}"#,
+            "--deadline-us",
+            "500",
+        ],
+    );
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains("serving deadline of 500 µs") && text.contains("policy_runtime.deadline_us"),
+        "{text}"
+    );
+
     // Misbehaving from the first call: refused at load, with the reason.
     let (out, text) = check(&wasm, &["--config", r#"{"mode": "nan"}"#]);
     assert_eq!(out.status.code(), Some(1), "{text}");
@@ -252,4 +268,72 @@ fn policy_new_scaffold_builds_and_passes_check() {
         "a misspelt key is refused:\n{text}"
     );
     assert!(text.contains("cache_wieght"), "{text}");
+
+    // A panic reaches the author as its message and location (the SDK's hook logs it through
+    // the host before the trap), not as a missing stderr import.
+    let lib = krate.join("src/lib.rs");
+    let source = std::fs::read_to_string(&lib).unwrap();
+    let marker = "        Decision::Costs(";
+    assert!(
+        source.contains(marker),
+        "the scaffold's decide changed:\n{source}"
+    );
+    let panicking = source.replacen(
+        marker,
+        "        if !c.is_empty() {\n            panic!(\"gave up on {} candidates\", c.count());\n        }\n        Decision::Costs(",
+        1,
+    );
+    std::fs::write(&lib, panicking).unwrap();
+    let built = std::process::Command::new(&cargo)
+        .current_dir(&krate)
+        .args(["build", "--release", "--target", "wasm32-wasip2"])
+        .env("CARGO_TARGET_DIR", &target)
+        .env_remove("RUSTFLAGS")
+        .env_remove("CARGO_ENCODED_RUSTFLAGS")
+        .output()
+        .unwrap();
+    assert!(
+        built.status.success(),
+        "{}",
+        String::from_utf8_lossy(&built.stderr)
+    );
+    let (out, text) = check(&wasm, &[]);
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(
+        text.contains("panicked at src/lib.rs") && text.contains("gave up on"),
+        "the panic's location and message are shown:\n{text}"
+    );
+    assert!(!text.contains("get-stderr"), "{text}");
+
+    // A policy that only fails on a prompt shorter than a block (request_blocks = 0) loads, and
+    // the check still finds it, naming the scenario and the panic.
+    let dividing = source.replacen(
+        marker,
+        "        std::hint::black_box(1000 / req.request_blocks);\n        Decision::Costs(",
+        1,
+    );
+    std::fs::write(&lib, dividing).unwrap();
+    let built = std::process::Command::new(&cargo)
+        .current_dir(&krate)
+        .args(["build", "--release", "--target", "wasm32-wasip2"])
+        .env("CARGO_TARGET_DIR", &target)
+        .env_remove("RUSTFLAGS")
+        .env_remove("CARGO_ENCODED_RUSTFLAGS")
+        .output()
+        .unwrap();
+    assert!(
+        built.status.success(),
+        "{}",
+        String::from_utf8_lossy(&built.stderr)
+    );
+    let (out, text) = check(&wasm, &FUNCTIONAL_DEADLINE);
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    let failing: Vec<&str> = text.lines().filter(|l| l.contains("[FAIL]")).collect();
+    assert!(!failing.is_empty(), "{text}");
+    assert!(
+        failing
+            .iter()
+            .all(|l| l.contains("0 complete blocks") && l.contains("divide by zero")),
+        "only the short prompt fails, and says why:\n{text}"
+    );
 }

@@ -45,9 +45,15 @@ impl Report {
     pub fn render(&self) -> String {
         let mut out = String::new();
         let _ = writeln!(out, "kvroute policy check: {}", self.plugin);
+        let width = self
+            .results
+            .iter()
+            .map(|r| r.name.chars().count())
+            .max()
+            .unwrap_or(0);
         for r in &self.results {
             let mark = if r.passed { "ok  " } else { "FAIL" };
-            let _ = writeln!(out, "  [{mark}] {:<44} {}", r.name, r.detail);
+            let _ = writeln!(out, "  [{mark}] {:<width$}  {}", r.name, r.detail);
         }
         let _ = writeln!(
             out,
@@ -78,16 +84,20 @@ enum Scenario {
     ZeroCosts,
     HugeLoads,
     Preferences,
+    ShortPrompt,
+    EveryField,
 }
 
 impl Scenario {
-    const ALL: [Scenario; 6] = [
+    const ALL: [Scenario; 8] = [
         Scenario::Idle,
         Scenario::RandomLoad,
         Scenario::ManyTaints,
         Scenario::ZeroCosts,
         Scenario::HugeLoads,
         Scenario::Preferences,
+        Scenario::ShortPrompt,
+        Scenario::EveryField,
     ];
 
     fn name(self) -> &'static str {
@@ -98,6 +108,8 @@ impl Scenario {
             Scenario::ZeroCosts => "every base cost 0",
             Scenario::HugeLoads => "huge loads (1e15 tokens)",
             Scenario::Preferences => "preferred taints and a session",
+            Scenario::ShortPrompt => "3-token prompt (0 complete blocks)",
+            Scenario::EveryField => "every tier, ranks, active blocks, temperature",
         }
     }
 }
@@ -116,7 +128,13 @@ fn taint_table() -> TaintTable {
 /// Builds a request and candidate columns for a scenario, like the router would.
 fn generate(n: usize, s: Scenario, rng: &mut SmallRng) -> (PolicyRequest, CandidateColumns) {
     let block_size = 16;
-    let prompt_tokens = 4096;
+    // A prompt shorter than a block is common (chat turns, health probes): `request_blocks` is
+    // then 0, and a policy dividing by it traps.
+    let prompt_tokens = if matches!(s, Scenario::ShortPrompt) {
+        3
+    } else {
+        4096
+    };
     let mut req = PolicyRequest {
         request_id: format!("check-{n}-{}", s.name().len()),
         prompt_tokens,
@@ -132,8 +150,13 @@ fn generate(n: usize, s: Scenario, rng: &mut SmallRng) -> (PolicyRequest, Candid
     };
     for i in 0..n {
         c.worker_id.push(i as u64 + 1);
-        c.dp_rank.push(0);
+        c.dp_rank.push(if matches!(s, Scenario::EveryField) {
+            (i % 4) as u32
+        } else {
+            0
+        });
         let (dev, prefill, decode, reqs) = match s {
+            Scenario::ShortPrompt => (0, rng.gen_range(0..20_000), rng.gen_range(0..16_384), 1),
             Scenario::Idle | Scenario::ZeroCosts => (0, 0, 0, 0),
             Scenario::HugeLoads => (0, 1_000_000_000_000_000u64, 1u64 << 50, u32::MAX / 2),
             _ => (
@@ -144,16 +167,27 @@ fn generate(n: usize, s: Scenario, rng: &mut SmallRng) -> (PolicyRequest, Candid
             ),
         };
         c.device_overlap.push(dev);
-        c.host_overlap.push(if matches!(s, Scenario::RandomLoad) {
+        c.host_overlap.push(
+            if matches!(s, Scenario::RandomLoad | Scenario::EveryField) {
+                rng.gen_range(0..=256)
+            } else {
+                0
+            },
+        );
+        c.disk_overlap.push(if matches!(s, Scenario::EveryField) {
             rng.gen_range(0..=256)
         } else {
             0
         });
-        c.disk_overlap.push(0);
         c.active_prefill_tokens.push(prefill);
         c.active_decode_blocks.push(decode);
         c.active_requests.push(reqs);
-        c.active_prompt_blocks.push(0);
+        c.active_prompt_blocks
+            .push(if matches!(s, Scenario::EveryField) {
+                dev.min(rng.gen_range(0..=32))
+            } else {
+                0
+            });
         c.total_kv_blocks.push(16_384);
         c.max_num_batched_tokens.push(8_192);
         match s {
@@ -164,6 +198,11 @@ fn generate(n: usize, s: Scenario, rng: &mut SmallRng) -> (PolicyRequest, Candid
             _ => {}
         }
         c.taint_offsets.push(c.taint_ids.len() as u32);
+    }
+    if matches!(s, Scenario::EveryField) {
+        req.temperature = 0.5;
+        req.priority = 2.0;
+        req.expected_output_tokens = Some(1024);
     }
     if matches!(s, Scenario::Preferences) {
         req.preferred_taints = vec![(0, 0.5), (1, -0.5), (2, 0.25)];
@@ -228,13 +267,29 @@ pub fn check(
         detail: format!("digest {}", &info.digest[..16.min(info.digest.len())]),
     });
     if !info.trapping_imports.is_empty() {
+        // Not a failure (a `std` Rust guest imports WASI it never calls), but named, so an
+        // import the author did not expect stands out.
+        let names = &info.trapping_imports;
+        let foreign: Vec<&String> = names.iter().filter(|n| !n.starts_with("wasi:")).collect();
+        let mut detail = format!(
+            "note: {} linked as traps (calling one fails the decision): {}",
+            names.len(),
+            names.join(", ")
+        );
+        if !foreign.is_empty() {
+            detail.push_str(&format!(
+                "; warning: not WASI, nothing provides these: {}",
+                foreign
+                    .iter()
+                    .map(|s| s.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ));
+        }
         report.results.push(CheckResult {
-            name: "imports only host-log".into(),
+            name: "imports besides host-log".into(),
             passed: true,
-            detail: format!(
-                "note: {} other imports are linked as traps (calling one fails the decision)",
-                info.trapping_imports.len()
-            ),
+            detail,
         });
     }
     let taints = taint_table();
@@ -242,7 +297,16 @@ pub fn check(
     for n in [1usize, 2, 8, 64, 256, 1024] {
         for s in Scenario::ALL {
             let (req, cols) = generate(n, s, &mut rng);
-            let first = registry.decide(&req, &cols, &taints).outcome;
+            let decision = registry.decide(&req, &cols, &taints);
+            let first = decision.outcome.clone();
+            // What the runtime or the plugin said about a failure (a panic's message).
+            let said = |d: &crate::policy::PolicyDecision| {
+                d.policy
+                    .as_ref()
+                    .and_then(|p| p.last_failure())
+                    .map(|f| format!(": {f}"))
+                    .unwrap_or_default()
+            };
             let name = format!("{n:>4} candidates: {}", s.name());
             let (mut passed, mut detail) = match &first {
                 Outcome::Costs(c) => (
@@ -255,16 +319,32 @@ pub fn check(
                 Outcome::Pick(i) => (true, format!("pick {i}")),
                 Outcome::Fallback(r) => (
                     false,
-                    format!("the host would fall back: {}", explain(r.as_str())),
+                    format!(
+                        "the host would fall back: {}{}",
+                        explain(r.as_str()),
+                        said(&decision)
+                    ),
                 ),
             };
             if passed && deterministic {
-                let again = registry.decide(&req, &cols, &taints).outcome;
-                if again != first {
-                    passed = false;
-                    detail =
-                        "declares itself deterministic but answered differently for the same input"
+                let second = registry.decide(&req, &cols, &taints);
+                match &second.outcome {
+                    // A failure the second time is that failure, not nondeterminism.
+                    Outcome::Fallback(r) => {
+                        passed = false;
+                        detail = format!(
+                            "answered once, then the host would fall back: {}{}",
+                            explain(r.as_str()),
+                            said(&second)
+                        );
+                    }
+                    again if *again != first => {
+                        passed = false;
+                        detail = "declares itself deterministic but answered differently for \
+                                  the same input"
                             .into();
+                    }
+                    _ => {}
                 }
             }
             report.results.push(CheckResult {

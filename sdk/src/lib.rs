@@ -485,6 +485,24 @@ pub mod __private {
     use super::*;
     use std::cell::RefCell;
 
+    /// Routes panic messages to the host's log. Without it, Rust's default hook writes them to
+    /// stderr, which a policy does not have: the write itself traps, the message is lost, and
+    /// the author reads about a missing `wasi:cli/stderr` import instead of their panic. With
+    /// it, the host shows `panicked at src/lib.rs:10:5: ...` as the reason of the trap (in
+    /// `kvroute policy check`, upload errors and the server's log). Natively (tests) the
+    /// default hook stays.
+    fn install_panic_hook() {
+        #[cfg(target_arch = "wasm32")]
+        {
+            static ONCE: std::sync::Once = std::sync::Once::new();
+            ONCE.call_once(|| {
+                std::panic::set_hook(Box::new(|info| {
+                    log(LogLevel::Error, &info.to_string());
+                }));
+            });
+        }
+    }
+
     /// Per-instance state behind the generated exports.
     pub struct Slot<P: Policy> {
         pub policy: RefCell<Option<P>>,
@@ -493,6 +511,7 @@ pub mod __private {
 
     impl<P: Policy> Slot<P> {
         pub fn new() -> Self {
+            install_panic_hook();
             Self {
                 policy: RefCell::new(None),
                 ctx: RefCell::new(Context::default()),

@@ -1462,11 +1462,13 @@ fn the_manager_follows_the_registry() {
     assert_eq!(ing.subscriptions()[0].endpoint, "tcp://127.0.0.1:10");
     assert_eq!(overlap(&router, 1), 0);
 
-    // A bad endpoint subscribes nothing and is counted.
-    let w = router.upsert_worker(1, spec("udp://x")).unwrap();
-    hook(&WorkerChange::Upserted(w));
-    assert_eq!(ing.subscription_count(), 0);
-    assert_eq!(ing.stats().bad_endpoints.load(Relaxed), 1);
+    // An endpoint that could never be subscribed is refused by the registry, naming the
+    // field; the registration and its subscription stay as they were.
+    let e = router.upsert_worker(1, spec("udp://x")).unwrap_err();
+    assert_eq!(e.field, "kv_events.endpoint", "{e:?}");
+    assert_eq!(ing.subscription_count(), 1);
+    assert_eq!(ing.subscriptions()[0].endpoint, "tcp://127.0.0.1:10");
+    assert_eq!(ing.stats().bad_endpoints.load(Relaxed), 0);
 
     let w = router.upsert_worker(1, spec("tcp://127.0.0.1:11")).unwrap();
     hook(&WorkerChange::Upserted(w));

@@ -32,6 +32,10 @@ pub(crate) struct HostState {
     memory_limit: usize,
     /// Set when the limiter refused a `memory.grow`; a trap after that is a memory-limit failure.
     memory_denied: bool,
+    /// The last error-level line the plugin logged during the current call, kept even when the
+    /// rate limit drops it from the log: the SDK's panic hook logs the panic's message and
+    /// location there just before the trap, which is what an author needs to see.
+    last_error_log: Option<String>,
     log_tokens: f64,
     log_last: Instant,
     log_rate: f64,
@@ -60,6 +64,7 @@ impl HostState {
             policy,
             memory_limit: usize::try_from(shared.config.memory_limit_bytes).unwrap_or(usize::MAX),
             memory_denied: false,
+            last_error_log: None,
             log_tokens: burst,
             log_last: Instant::now(),
             log_rate: f64::from(shared.config.log_lines_per_second),
@@ -80,6 +85,7 @@ impl HostState {
     #[inline]
     fn arm(&mut self) {
         self.memory_denied = false;
+        self.last_error_log = None;
         self.grace_window = None;
         self.grace_windows = 0;
         self.self_timed = None;
@@ -233,6 +239,13 @@ impl super::bindings::kvroute::policy::types::Host for HostState {}
 
 impl super::bindings::kvroute::policy::host_log::Host for HostState {
     fn log(&mut self, level: LogLevel, mut message: String) {
+        if matches!(level, LogLevel::Error) {
+            let mut cut = message.len().min(MAX_LOG_LINE);
+            while !message.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            self.last_error_log = Some(message[..cut].to_string());
+        }
         let now = Instant::now();
         let elapsed = now.duration_since(self.log_last).as_secs_f64();
         self.log_last = now;
@@ -283,6 +296,27 @@ pub(crate) fn new_store(
     store
 }
 
+/// What an author reads about a failed guest call: the plugin's own last error line first (a
+/// panic's message and location, logged by the SDK's hook), then what the runtime saw, without
+/// the wasm backtrace unless there is nothing else to go on.
+pub(crate) fn describe_failure(error: &wasmtime::Error, state: &HostState) -> String {
+    let cause = error.root_cause().to_string();
+    let mut out = String::new();
+    if state.memory_denied {
+        out.push_str(&format!(
+            "ran out of memory: a memory.grow past the limit of {} bytes \
+             (policy_runtime.memory_limit_bytes) was refused; ",
+            state.memory_limit
+        ));
+    }
+    match &state.last_error_log {
+        Some(said) => out.push_str(&format!("the plugin logged {said:?}, then: {cause}")),
+        None if out.is_empty() => out.push_str(&format!("{error:#}")),
+        None => out.push_str(&cause),
+    }
+    out
+}
+
 /// Classifies a failed call.
 pub(crate) fn classify(err: &wasmtime::Error, memory_denied: bool) -> FallbackReason {
     if matches!(err.downcast_ref::<Trap>(), Some(Trap::Interrupt)) {
@@ -331,9 +365,19 @@ impl Failure {
         }
     }
 
-    fn wasm(during: &'static str, error: wasmtime::Error, memory_denied: bool) -> Self {
+    fn wasm(during: &'static str, error: wasmtime::Error, state: &HostState) -> Self {
+        let reason = classify(&error, state.memory_denied);
+        // With a line from the plugin (or a refused grow) the short form says more than the
+        // backtrace; formatting it is only paid on failure.
+        if state.memory_denied || state.last_error_log.is_some() {
+            let message = describe_failure(&error, state);
+            return Self {
+                reason,
+                detail: FailureDetail::Message(format!("{during}: {message}").into()),
+            };
+        }
         Self {
-            reason: classify(&error, memory_denied),
+            reason,
             detail: FailureDetail::Wasm { during, error },
         }
     }
@@ -446,11 +490,7 @@ impl PluginInstance {
                 self.context = Some(ctx.key());
                 Ok(())
             }
-            Err(e) => Err(Failure::wasm(
-                "set-context",
-                e,
-                self.store.data().memory_denied,
-            )),
+            Err(e) => Err(Failure::wasm("set-context", e, self.store.data())),
         }
     }
 
@@ -468,7 +508,7 @@ impl PluginInstance {
         self.plugin
             .kvroute_policy_policy()
             .call_decide(&mut self.store, req, cands)
-            .map_err(|e| Failure::wasm("decide", e, self.store.data().memory_denied))
+            .map_err(|e| Failure::wasm("decide", e, self.store.data()))
     }
 }
 
@@ -519,7 +559,7 @@ impl Stage {
             .instantiate(&mut store)
             .map_err(|e| InstanceError::Failed {
                 during: "instantiation",
-                message: format!("{e:#}"),
+                message: describe_failure(&e, store.data()),
             })?;
         store.data_mut().arm();
         store.set_epoch_deadline(self.shared.setup_ticks);
@@ -532,7 +572,7 @@ impl Stage {
             Err(e) => {
                 return Err(InstanceError::Failed {
                     during: "configure",
-                    message: format!("{e:#}"),
+                    message: describe_failure(&e, store.data()),
                 })
             }
         }

@@ -84,6 +84,8 @@ pub struct PolicyVersion {
     selector: Option<Arc<Stage>>,
     stats: Arc<PolicyStats>,
     consecutive_failures: AtomicU32,
+    /// The reason and detail of the latest failed decision (formatted on failure only).
+    last_failure: parking_lot::Mutex<Option<String>>,
 }
 
 impl std::fmt::Debug for PolicyVersion {
@@ -100,6 +102,12 @@ impl PolicyVersion {
     /// The name it was loaded under.
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    /// The latest failed decision of this version: its reason and what the runtime (or the
+    /// plugin, through its last error log line) said. `kvroute policy check` prints it.
+    pub fn last_failure(&self) -> Option<String> {
+        self.last_failure.lock().clone()
     }
 
     /// Per-name version number: 1 for the first load, +1 for every reload or reconfiguration.
@@ -468,13 +476,16 @@ impl PolicyRegistry {
             }
             Err(failure) => {
                 policy.stats.record_failure(failure.reason, nanos);
+                let detail = failure.detail.to_string();
                 tracing::debug!(
                     policy = policy.name(),
                     version = policy.version,
                     reason = failure.reason.as_str(),
-                    detail = %failure.detail,
+                    detail = %detail,
                     "policy decision fell back to the native cost"
                 );
+                *policy.last_failure.lock() =
+                    Some(format!("{}: {detail}", failure.reason.as_str()));
                 let n = policy.consecutive_failures.fetch_add(1, Relaxed) + 1;
                 if n >= self.config().max_consecutive_failures {
                     self.auto_restore(&active, failure.reason, n);
@@ -518,6 +529,7 @@ impl PolicyRegistry {
                 version = failed.policy.version,
                 failures = count,
                 last_reason = reason.as_str(),
+                last_failure = failed.policy.last_failure().unwrap_or_default(),
                 restored = prev.name(),
                 restored_version = prev.version,
                 "policy failed too many decisions in a row: restored the previously active version"
@@ -527,6 +539,7 @@ impl PolicyRegistry {
                 version = failed.policy.version,
                 failures = count,
                 last_reason = reason.as_str(),
+                last_failure = failed.policy.last_failure().unwrap_or_default(),
                 "policy failed too many decisions in a row: deactivated; the native cost serves"
             ),
         }
@@ -894,6 +907,7 @@ impl PolicyRegistry {
             selector,
             stats,
             consecutive_failures: AtomicU32::new(0),
+            last_failure: parking_lot::Mutex::new(None),
         };
 
         // Configure one instance per stage: a rejected configuration surfaces verbatim.
@@ -952,6 +966,41 @@ impl PolicyRegistry {
             for inst in warmed {
                 stage.put(inst);
             }
+        }
+        // The serving deadline, on warm instances: a policy that cannot answer an 8-candidate
+        // decision in time even once in three tries would fall back on every decision, and be
+        // taken out by the automatic restore after a few. Refusing it here says why at once.
+        // (The best of three, so a noisy moment on the host does not refuse a good policy.)
+        let (req, cols) = selftest::decision(8);
+        let ctx = DecisionContext {
+            taints: &table,
+            block_size: req.block_size,
+        };
+        let mut in_time = false;
+        for _ in 0..3 {
+            match with_wit_decision(&req, &cols, |wreq, wc| {
+                version.run(wreq, wc, ctx, shared.deadline_ticks)
+            }) {
+                Ok(_) => {
+                    in_time = true;
+                    break;
+                }
+                Err(f) if f.reason == FallbackReason::Deadline => {}
+                Err(f) => {
+                    return Err(PolicyError::SelfTest(format!(
+                        "8 candidates, serving deadline: {} ({})",
+                        f.reason, f.detail
+                    )))
+                }
+            }
+        }
+        if !in_time {
+            return Err(PolicyError::SelfTest(format!(
+                "8 candidates: no answer within the serving deadline of {} µs \
+                 (policy_runtime.deadline_us) in 3 tries; every decision would fall back. \
+                 Make decide faster, or raise the deadline",
+                shared.config.deadline_us
+            )));
         }
         Ok(version)
     }

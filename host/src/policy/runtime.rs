@@ -356,7 +356,7 @@ impl PolicyRuntime {
             .call_info(&mut store)
             .map_err(|e| PolicyError::Trapped {
                 during: "info",
-                message: format!("{e:#}"),
+                message: super::instance::describe_failure(&e, store.data()),
             })?;
         if info.abi_version != ABI_VERSION {
             return Err(PolicyError::AbiMismatch {
