@@ -514,12 +514,25 @@ fn deleting_a_worker_stops_its_subscription() {
     p.store(&a, None, json!({}));
     server.wait_overlap(&a, None, 1, 0, 3);
     assert_eq!(server.metric("kvroute_kv_subscriptions"), 1.0);
+    let up = r#"kvroute_kv_subscription_up{worker_id="1",dp_rank="0"}"#;
+    assert_eq!(server.metric(up), 1.0, "the connected rank is up");
 
     let (status, _) = server.send("DELETE", "/v1/workers/1", None);
     assert_eq!(status, 204);
     // The publisher sees kvroute's subscription leave.
     p.cmd(json!({"cmd": "wait_unsub", "timeout": WAIT.as_secs()}));
     assert_eq!(server.metric("kvroute_kv_subscriptions"), 0.0);
+    let (_, text) = server.send("GET", "/metrics", None);
+    assert!(!text.contains(up), "a removed worker's series goes: {text}");
+
+    // Nobody publishes on this port: the rank is registered and down.
+    server.register(2, json!({"kv_events": {"endpoint": "tcp://127.0.0.1:9"}}));
+    assert_eq!(
+        server.metric(r#"kvroute_kv_subscription_up{worker_id="2",dp_rank="0"}"#),
+        0.0
+    );
+    let (status, _) = server.send("DELETE", "/v1/workers/2", None);
+    assert_eq!(status, 204);
 
     // Registered again without kv_events: the engine's further events change nothing.
     server.register(1, json!({}));

@@ -330,6 +330,8 @@ impl IngestStats {
 struct Running {
     spec: SubscriptionSpec,
     stop: Arc<AtomicBool>,
+    /// True while the subscription's socket is connected and subscribed.
+    up: Arc<AtomicBool>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -493,14 +495,21 @@ impl EventIngestion {
             .into_iter()
             .map(|spec| {
                 let stop = Arc::new(AtomicBool::new(false));
+                let up = Arc::new(AtomicBool::new(false));
                 let task = rt.handle.spawn(subscriber::run_subscription(
                     spec.clone(),
                     inner.router.clone(),
                     inner.stats.clone(),
                     inner.config,
                     stop.clone(),
+                    up.clone(),
                 ));
-                Running { spec, stop, task }
+                Running {
+                    spec,
+                    stop,
+                    up,
+                    task,
+                }
             })
             .collect();
         subs.insert(worker_id, running);
@@ -528,6 +537,27 @@ impl EventIngestion {
     /// Appends the ingestion's metrics (Prometheus text format) to `out`.
     pub fn render_metrics(&self, out: &mut String) {
         self.inner.stats.render(self.subscription_count(), out);
+        // One series per subscribed rank; a removed worker's series go with it.
+        let mut ups: Vec<(WorkerId, u32, bool)> = self
+            .inner
+            .subs
+            .lock()
+            .values()
+            .flatten()
+            .map(|r| (r.spec.worker_id, r.spec.dp_rank, r.up.load(Relaxed)))
+            .collect();
+        ups.sort_unstable();
+        out.push_str(
+            "# HELP kvroute_kv_subscription_up 1 while the rank's KV event subscription is \
+             connected and subscribed, 0 while it is (re)connecting.\n\
+             # TYPE kvroute_kv_subscription_up gauge\n",
+        );
+        for (w, r, up) in ups {
+            out.push_str(&format!(
+                "kvroute_kv_subscription_up{{worker_id=\"{w}\",dp_rank=\"{r}\"}} {}\n",
+                u8::from(up)
+            ));
+        }
     }
 
     /// Stops every subscription and the ingestion thread. Idempotent; later worker changes

@@ -266,8 +266,9 @@ impl<R: Replayer> Session<R> {
         }
         if action == SeqAction::Restart {
             self.stats.restarts.fetch_add(1, Relaxed);
-            tracing::info!(
+            tracing::warn!(
                 worker_id = self.applier.worker_id,
+                dp_rank = self.applier.rank,
                 seq,
                 expected = self.tracker.next_expected(),
                 "KV event sequence went back: engine restarted; clearing its index"
@@ -281,11 +282,13 @@ impl<R: Replayer> Session<R> {
                 self.stats.catch_ups.fetch_add(1, Relaxed);
             } else {
                 self.stats.gaps.fetch_add(1, Relaxed);
-                tracing::debug!(
+                tracing::warn!(
                     worker_id = self.applier.worker_id,
+                    dp_rank = self.applier.rank,
                     from,
                     until = seq,
-                    "KV event gap"
+                    replay = self.replayer.is_some(),
+                    "KV events lost (sequence gap); replaying them, or clearing the rank's index if they cannot be"
                 );
             }
             self.replay(from, seq, catch_up).await;
@@ -305,6 +308,11 @@ impl<R: Replayer> Session<R> {
         let Some(replayer) = self.replayer.as_mut() else {
             if !catch_up {
                 self.stats.gap_unrecoverable.fetch_add(1, Relaxed);
+                tracing::warn!(
+                    worker_id = self.applier.worker_id,
+                    dp_rank = self.applier.rank,
+                    "KV events lost and no replay endpoint: cleared the rank's index; it refills as the engine publishes"
+                );
             }
             self.applier.clear();
             return;
@@ -447,6 +455,21 @@ impl Replayer for ZmqReplayer {
     }
 }
 
+fn log_connect_failure(spec: &SubscriptionSpec, failures: u32, warn_every: u32, error: &str) {
+    if failures % warn_every == 0 {
+        tracing::warn!(
+            worker_id = spec.worker_id,
+            dp_rank = spec.dp_rank,
+            endpoint = %spec.endpoint,
+            attempts = failures + 1,
+            error,
+            "KV events: cannot connect to the engine's publisher; retrying (the rank's cache is not tracked meanwhile)"
+        );
+    } else {
+        tracing::debug!(worker_id = spec.worker_id, endpoint = %spec.endpoint, error, "KV events: connect failed");
+    }
+}
+
 /// Runs one subscription until its task is aborted: connect (retrying with exponential backoff),
 /// subscribe to the topic, and feed every message to a [`Session`]. The sequence state survives
 /// reconnections, so a restarted engine is recognised by its sequence going back.
@@ -456,6 +479,7 @@ pub(crate) async fn run_subscription(
     stats: Arc<IngestStats>,
     config: IngestConfig,
     stop: Arc<AtomicBool>,
+    up: Arc<AtomicBool>,
 ) {
     let applier = PayloadApplier::new(router, stats.clone(), spec.worker_id, spec.dp_rank);
     let replayer = spec
@@ -464,6 +488,10 @@ pub(crate) async fn run_subscription(
         .map(|ep| ZmqReplayer::new(ep, config.replay_timeout));
     let mut session = Session::new(applier, replayer, stop.clone());
     let mut backoff = config.backoff_initial;
+    // Failed attempts since the last success: the first is a warning, then one warning a minute
+    // or so (the backoff caps at `backoff_max`), the rest debug lines.
+    let mut failures = 0u32;
+    let warn_every = (60 / config.backoff_max.as_secs().max(1)).max(1) as u32;
     loop {
         if stop.load(Relaxed) {
             return;
@@ -482,12 +510,16 @@ pub(crate) async fn run_subscription(
                 }
             },
             Ok(Err(e)) => {
-                tracing::debug!(worker_id = spec.worker_id, endpoint = %spec.endpoint, error = %e, "KV events: connect failed");
+                log_connect_failure(&spec, failures, warn_every, &e.to_string());
                 false
             }
-            Err(_) => false,
+            Err(_) => {
+                log_connect_failure(&spec, failures, warn_every, "connect timed out");
+                false
+            }
         };
         if !ok {
+            failures += 1;
             stats.connect_failures.fetch_add(1, Relaxed);
             drop(socket);
             tokio::time::sleep(backoff).await;
@@ -495,6 +527,8 @@ pub(crate) async fn run_subscription(
             continue;
         }
         stats.connects.fetch_add(1, Relaxed);
+        failures = 0;
+        up.store(true, Relaxed);
         tracing::info!(worker_id = spec.worker_id, dp_rank = spec.dp_rank, endpoint = %spec.endpoint, topic = %spec.topic, "KV events: subscribed");
         backoff = config.backoff_initial;
         loop {
@@ -513,6 +547,7 @@ pub(crate) async fn run_subscription(
                 }
             }
         }
+        up.store(false, Relaxed);
         drop(socket);
         tokio::time::sleep(backoff).await;
         backoff = (backoff * 2).min(config.backoff_max);
