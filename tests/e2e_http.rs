@@ -1334,6 +1334,29 @@ fn serving_threads_that_cannot_start_fail_the_start_with_a_clear_message() {
 // ------------------------------------------------------------------------------------ shutdown
 
 #[test]
+fn a_client_stalled_mid_request_does_not_hold_up_shutdown() {
+    use std::io::Write;
+    let cfg = temp_file("grace.toml", "shutdown_grace_secs = 1\n");
+    let mut s = Server::start(&["--config", cfg.to_str().unwrap()]);
+    // Half a request header, then nothing: the connection is in flight for ever.
+    let mut stalled = std::net::TcpStream::connect(s.addr.as_str()).unwrap();
+    stalled
+        .write_all(b"POST /v1/route HTTP/1.1\r\nHost: x\r\nContent-Le")
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    let started = Instant::now();
+    let status = s.terminate(Duration::from_secs(15));
+    assert!(status.success(), "{status:?}\n{}", s.stderr());
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "exited after the 1 s grace period, not when the client left: {:?}",
+        started.elapsed()
+    );
+    assert!(s.stderr().contains("grace period"), "{}", s.stderr());
+    drop(stalled);
+}
+
+#[test]
 fn sigterm_lets_a_queued_request_finish_and_exits_zero() {
     let cfg = temp_file("shutdown.toml", "[routing]\nqueue_timeout_ms = 3000\n");
     let mut s = Server::start(&["--config", cfg.to_str().unwrap(), "--busy-threshold", "0.5"]);
@@ -1798,6 +1821,34 @@ fn policy_upload_takes_its_configuration_in_the_same_step() {
     );
 }
 
+#[test]
+fn a_policy_directory_is_loaded_before_the_server_answers() {
+    let dir = support::temp_dir("policy-dir");
+    std::fs::write(
+        dir.join("from-dir.wasm"),
+        kvroute_host::server::DEFAULT_POLICY_WASM,
+    )
+    .unwrap();
+    std::fs::write(dir.join("from-dir.json"), r#"{"preference_floor": 1}"#).unwrap();
+    // The very first answer already has the directory's policy active.
+    let s = Server::start(&["--policy-dir", dir.to_str().unwrap()]);
+    let listed = s.get("/v1/policies").body().clone();
+    assert_eq!(listed["active"], "from-dir", "{listed}");
+    assert!(listed.to_string().contains("preference_floor"), "{listed}");
+    // With --policy too, the explicit one serves and the directory's is loaded beside it.
+    let own = support::temp_dir("own-policy").join("explicit.wasm");
+    std::fs::write(&own, kvroute_host::server::DEFAULT_POLICY_WASM).unwrap();
+    let s = Server::start(&[
+        "--policy-dir",
+        dir.to_str().unwrap(),
+        "--policy",
+        own.to_str().unwrap(),
+    ]);
+    let listed = s.get("/v1/policies").body().clone();
+    assert_eq!(listed["active"], "explicit", "{listed}");
+    assert!(listed.to_string().contains("from-dir"), "{listed}");
+}
+
 fn put_policy(s: &Server, name: &str, wasm: &[u8], activate: bool) -> Value {
     let q = if activate { "?activate=true" } else { "" };
     let r = s.raw(
@@ -1876,9 +1927,16 @@ fn policy_upload_decides_routes() {
         .and_then(|p| p["stats"]["calls"].as_u64())
         .unwrap();
     assert!(calls >= 10, "{}", list.text);
-    assert!(s
-        .metrics()
-        .contains("kvroute_policy_calls_total{policy=\"native\"}"));
+    let version = listed["version"].as_u64().unwrap();
+    let text = s.metrics();
+    assert!(
+        metric(
+            &text,
+            &format!("kvroute_policy_calls_total{{policy=\"native\",version=\"{version}\"}}")
+        )
+        .is_some_and(|n| n >= 10.0),
+        "{text}"
+    );
 
     // The active one cannot be deleted; config rejected by the component is a 400 with its words.
     s.delete("/v1/policies/native")
@@ -1897,6 +1955,40 @@ fn policy_upload_decides_routes() {
         s.route_ok(&json!({"tokens": p, "book": false}))["policy"]["digest"],
         digest.as_str(),
         "a rejected config keeps the old version serving"
+    );
+
+    // A new configuration is a new version; rolling back leaves two versions of the name
+    // loaded. Every series stays unique (Prometheus refuses a scrape with duplicates) and says
+    // which version serves.
+    let r = s.put("/v1/policies/native/config", &json!({}));
+    r.expect(200);
+    assert_eq!(
+        r.body()["version"].as_u64(),
+        Some(version + 1),
+        "the rejected configuration used no version number: {r}"
+    );
+    s.route_ok(&json!({"tokens": p, "book": false}));
+    s.post("/v1/policies/rollback", &json!({})).expect(200);
+    let text = s.metrics();
+    let mut seen = BTreeSet::new();
+    for line in text
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+    {
+        let series = line.rsplit_once(' ').map_or(line, |(name, _)| name);
+        assert!(
+            seen.insert(series.to_string()),
+            "duplicate series {series}:\n{text}"
+        );
+    }
+    let active: Vec<&str> = text
+        .lines()
+        .filter(|l| l.starts_with("kvroute_policy_active{") && l.ends_with(" 1"))
+        .collect();
+    assert_eq!(active.len(), 1, "{text}");
+    assert!(
+        active[0].contains(&format!("version=\"{version}\"")),
+        "the rollback restored version {version}: {text}"
     );
 }
 

@@ -41,6 +41,9 @@ pub struct ServeConfig {
     pub log_format: LogFormat,
     /// Threads serving HTTP connections (each connection stays on one); 0 = one per CPU.
     pub http_threads: usize,
+    /// On SIGTERM/SIGINT, how long requests in flight may take to finish before the process
+    /// exits anyway (a client stalled mid-request would otherwise hold it up).
+    pub shutdown_grace_secs: u64,
     pub routing: RoutingSection,
     pub limits: LimitsSection,
     pub cost: CostWeights,
@@ -87,6 +90,7 @@ impl Default for ServeConfig {
             policy_dir: None,
             log_format: LogFormat::Text,
             http_threads: 0,
+            shutdown_grace_secs: 30,
             routing: RoutingSection::default(),
             limits: LimitsSection::default(),
             cost: CostWeights::default(),
@@ -221,6 +225,15 @@ impl ServeConfig {
             && self.routing.default_temperature >= 0.0)
         {
             return Err("routing.default_temperature must be finite and >= 0".into());
+        }
+        if !(1..=3600).contains(&self.shutdown_grace_secs) {
+            return Err(format!(
+                "shutdown_grace_secs must be between 1 and 3600, got {}",
+                self.shutdown_grace_secs
+            ));
+        }
+        if self.routing.queue_timeout_ms == 0 {
+            return Err("routing.queue_timeout_ms must be at least 1".into());
         }
         if self.http_threads > 1024 {
             return Err(format!(

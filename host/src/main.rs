@@ -311,8 +311,14 @@ fn main() -> ExitCode {
                     println!("kvroute listening on http://{addr}");
                 },
             ));
+            // Do not wait for what the grace period gave up on (a serving thread still in a
+            // stalled client's request, the blocking task joining it): the process ends here.
+            rt.shutdown_background();
             match result {
-                Ok(()) => ExitCode::SUCCESS,
+                Ok(()) => {
+                    tracing::info!("kvroute stopped");
+                    ExitCode::SUCCESS
+                }
                 Err(e) => {
                     eprintln!("error: {e}");
                     ExitCode::FAILURE

@@ -61,15 +61,32 @@ pub async fn run(
 ) -> Result<(), String> {
     let (router, policies) = build(&config)?;
     let _watcher = match &config.policy_dir {
-        Some(dir) => Some(
-            policies
-                .watch_directory_with(
-                    crate::policy::DirectoryScanner::new(dir.clone())
-                        .keep_active_at_start(config.policy.is_some()),
-                    Duration::from_millis(500),
-                )
-                .map_err(|e| format!("cannot watch --policy-dir {}: {e}", dir.display()))?,
-        ),
+        Some(dir) => {
+            if !dir.is_dir() {
+                return Err(format!(
+                    "policy_dir (--policy-dir) {}: not a directory",
+                    dir.display()
+                ));
+            }
+            // The files already there are loaded before the server listens, so /readyz never
+            // reports ready with a policy the directory is about to replace. A file counts once
+            // it looks the same on two scans (it is not being written).
+            let mut scanner = crate::policy::DirectoryScanner::new(dir.clone())
+                .keep_active_at_start(config.policy.is_some());
+            scanner.scan(&policies);
+            std::thread::sleep(Duration::from_millis(100));
+            scanner.scan(&policies);
+            Some(
+                policies
+                    .watch_directory_with(scanner, Duration::from_millis(500))
+                    .map_err(|e| {
+                        format!(
+                            "cannot watch policy_dir (--policy-dir) {}: {e}",
+                            dir.display()
+                        )
+                    })?,
+            )
+        }
         None => None,
     };
     let listener = tokio::net::TcpListener::bind(config.listen)
@@ -127,12 +144,24 @@ pub async fn run(
     let ready_flag = ready.clone();
     let draining_router = router.clone();
     let threads = config.http_threads();
-    let result = http::serving::serve(listener, app, threads, ready_to_serve, async move {
-        shutdown.await;
-        ready_flag.store(false, Ordering::Release);
-        let waiting = draining_router.shutdown_queue();
-        tracing::info!(waiting, "shutting down: finishing in-flight requests");
-    })
+    let grace = Duration::from_secs(config.shutdown_grace_secs);
+    let result = http::serving::serve(
+        listener,
+        app,
+        threads,
+        ready_to_serve,
+        async move {
+            shutdown.await;
+            ready_flag.store(false, Ordering::Release);
+            let queued = draining_router.shutdown_queue();
+            tracing::info!(
+                queued_refused = queued,
+                grace_secs = grace.as_secs(),
+                "shutting down: queued requests get 503 shutting_down; requests in flight finish"
+            );
+        },
+        grace,
+    )
     .await
     .map_err(|e| format!("server error: {e}"));
     ticker.abort();

@@ -456,7 +456,7 @@ impl Replayer for ZmqReplayer {
 }
 
 fn log_connect_failure(spec: &SubscriptionSpec, failures: u32, warn_every: u32, error: &str) {
-    if failures % warn_every == 0 {
+    if failures.is_multiple_of(warn_every) {
         tracing::warn!(
             worker_id = spec.worker_id,
             dp_rank = spec.dp_rank,

@@ -152,6 +152,17 @@ impl Metrics {
         }
     }
 
+    /// Drops a removed worker's per-candidate series, so worker ids that come and go (pods
+    /// replaced) do not grow the scrape for ever.
+    pub fn forget_worker(&self, worker: &crate::workers::Worker) {
+        let id = worker.worker_id.to_string();
+        for rank in worker.ranks() {
+            let _ = self
+                .decisions
+                .remove_label_values(&[&id, &rank.to_string()]);
+        }
+    }
+
     pub fn record_route_error(&self, code: &str) {
         self.route_errors.with_label_values(&[code]).inc();
     }
@@ -280,51 +291,101 @@ fn counter_header(out: &mut String, name: &str, help: &str) {
     let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
 }
 
+/// Per policy version: counters belong to one loaded version, so `version` is a label (after a
+/// rollback the name has two versions listed; without it their series would collide). A
+/// version's series go when it is unloaded.
 fn render_policies(out: &mut String, p: &crate::policy::PolicyRegistry) {
     let list = p.list();
-    counter_header(out, "kvroute_policy_calls_total", "Calls into each policy.");
+    let labels = |i: &crate::policy::PolicyInfo| {
+        format!("policy=\"{}\",version=\"{}\"", esc(&i.name), i.version)
+    };
+    gauge_header(
+        out,
+        "kvroute_policy_active",
+        "1 for the policy version that serves decisions, 0 for the other loaded ones.",
+    );
     for i in &list {
         let _ = writeln!(
             out,
-            "kvroute_policy_calls_total{{policy=\"{}\"}} {}",
-            esc(&i.name),
+            "kvroute_policy_active{{{},digest=\"{}\"}} {}",
+            labels(i),
+            esc(&i.digest),
+            u8::from(i.active)
+        );
+    }
+    counter_header(
+        out,
+        "kvroute_policy_calls_total",
+        "Calls into each policy version.",
+    );
+    for i in &list {
+        let _ = writeln!(
+            out,
+            "kvroute_policy_calls_total{{{}}} {}",
+            labels(i),
             i.stats.calls
         );
     }
     counter_header(
         out,
         "kvroute_policy_errors_total",
-        "Policy failures, by policy and kind.",
+        "Policy failures, by policy version and kind.",
     );
     for i in &list {
         for (kind, n) in &i.stats.errors_by_kind {
             let _ = writeln!(
                 out,
-                "kvroute_policy_errors_total{{policy=\"{}\",kind=\"{}\"}} {n}",
-                esc(&i.name),
+                "kvroute_policy_errors_total{{{},kind=\"{}\"}} {n}",
+                labels(i),
                 esc(kind)
             );
         }
     }
-    gauge_header(
+    counter_header(
         out,
-        "kvroute_policy_call_latency_microseconds",
-        "Policy call latency percentiles.",
+        "kvroute_policy_log_dropped_total",
+        "Plugin log lines dropped by the per-instance rate limit.",
     );
     for i in &list {
         let _ = writeln!(
             out,
-            "kvroute_policy_call_latency_microseconds{{policy=\"{}\",quantile=\"0.5\"}} {}",
-            esc(&i.name),
+            "kvroute_policy_log_dropped_total{{{}}} {}",
+            labels(i),
+            i.stats.log_dropped
+        );
+    }
+    gauge_header(
+        out,
+        "kvroute_policy_call_latency_microseconds",
+        "Policy call latency percentiles over the version's life (GET /v1/policies shows the \
+         same); kvroute_route_duration_seconds{phase=\"policy\"} is the histogram to aggregate.",
+    );
+    for i in &list {
+        let _ = writeln!(
+            out,
+            "kvroute_policy_call_latency_microseconds{{{},quantile=\"0.5\"}} {}",
+            labels(i),
             i.stats.p50_us
         );
         let _ = writeln!(
             out,
-            "kvroute_policy_call_latency_microseconds{{policy=\"{}\",quantile=\"0.99\"}} {}",
-            esc(&i.name),
+            "kvroute_policy_call_latency_microseconds{{{},quantile=\"0.99\"}} {}",
+            labels(i),
             i.stats.p99_us
         );
     }
+    counter_header(
+        out,
+        "kvroute_policy_auto_restores_total",
+        "Times the active policy was taken out after too many failed decisions in a row.",
+    );
+    let _ = writeln!(
+        out,
+        "kvroute_policy_auto_restores_total {}",
+        p.counters()
+            .auto_restores
+            .load(std::sync::atomic::Ordering::Relaxed)
+    );
 }
 
 fn esc(s: &str) -> String {

@@ -319,6 +319,14 @@ async fn put_worker(
         }
     };
     let w = s.router.upsert_worker(id, spec).map_err(spec_error)?;
+    tracing::info!(
+        worker_id = id,
+        dp_start = w.dp_start,
+        dp_size = w.dp_size,
+        taints = w.taints.len(),
+        kv_events = w.kv_events.as_ref().map(|k| k.endpoint.as_str()),
+        "worker registered"
+    );
     if let Some(f) = &s.on_worker_change {
         f(&WorkerChange::Upserted(w.clone()));
     }
@@ -338,6 +346,12 @@ async fn patch_worker(
         .ok_or_else(|| {
             ApiError::not_found("unknown_worker", format!("worker {id} is not registered"))
         })?;
+    tracing::info!(
+        worker_id = id,
+        draining = w.draining,
+        taints = w.taints.len(),
+        "worker patched"
+    );
     Ok(Json(worker_out(&s.router, w)))
 }
 
@@ -347,9 +361,11 @@ async fn delete_worker(
     _: NoBody,
 ) -> Result<StatusCode, ApiError> {
     let id = parse_worker_id(&raw)?;
-    s.router.remove_worker(id).ok_or_else(|| {
+    let removed = s.router.remove_worker(id).ok_or_else(|| {
         ApiError::not_found("unknown_worker", format!("worker {id} is not registered"))
     })?;
+    s.metrics.forget_worker(&removed);
+    tracing::info!(worker_id = id, "worker removed");
     if let Some(f) = &s.on_worker_change {
         f(&WorkerChange::Removed(id));
     }

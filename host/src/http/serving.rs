@@ -58,7 +58,8 @@ impl axum::serve::Listener for Dealt {
 }
 
 /// Serves `app` on `listener` from `threads` serving threads until `shutdown` resolves, then
-/// finishes in-flight requests and returns. Calls `on_ready` once every thread is up, just before
+/// finishes in-flight requests (for at most `grace`: a client that stalls mid-request cannot
+/// hold the process up for ever) and returns. Calls `on_ready` once every thread is up, just before
 /// the first connection is accepted.
 pub async fn serve(
     listener: tokio::net::TcpListener,
@@ -66,6 +67,7 @@ pub async fn serve(
     threads: usize,
     on_ready: impl FnOnce(),
     shutdown: impl Future<Output = ()> + Send + 'static,
+    grace: std::time::Duration,
 ) -> Result<(), String> {
     let threads = threads.max(1);
     let local_addr = listener
@@ -178,8 +180,19 @@ pub async fn serve(
     }
     drop(listener);
     let _ = stop_tx.send(true);
-    // The threads finish their in-flight requests.
-    match (join_all(handles).await, failed) {
+    // The threads finish their in-flight requests, within the grace period; past it the
+    // process ends anyway (the threads go with it).
+    let joined = match tokio::time::timeout(grace, join_all(handles)).await {
+        Ok(result) => result,
+        Err(_) => {
+            tracing::warn!(
+                grace_secs = grace.as_secs_f64(),
+                "connections still open after the shutdown grace period; closing them"
+            );
+            Ok(())
+        }
+    };
+    match (joined, failed) {
         (Ok(()), Some(why)) => Err(why),
         (result, _) => result,
     }
@@ -244,9 +257,16 @@ mod tests {
             rt.block_on(async move {
                 let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
                 addr_tx.send(listener.local_addr().unwrap()).unwrap();
-                serve(listener, app, threads, || {}, async move {
-                    let _ = stop_rx.await;
-                })
+                serve(
+                    listener,
+                    app,
+                    threads,
+                    || {},
+                    async move {
+                        let _ = stop_rx.await;
+                    },
+                    Duration::from_secs(30),
+                )
                 .await
             })
         });

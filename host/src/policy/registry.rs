@@ -652,6 +652,7 @@ impl PolicyRegistry {
             .is_some_and(|a| Arc::ptr_eq(&a.policy, &version));
         if !already {
             self.set_active(&mut state, Some(version.clone()), true);
+            tracing::info!(policy = name, version = version.version, "policy activated");
         }
         Ok(version.info(true))
     }
@@ -662,6 +663,11 @@ impl PolicyRegistry {
         let mut state = self.state.lock();
         let previous = state.history.pop().ok_or(PolicyError::NoPrevious)?;
         self.set_active(&mut state, Some(previous.clone()), false);
+        tracing::info!(
+            policy = previous.name(),
+            version = previous.version,
+            "policy rolled back: the previously active version serves"
+        );
         Ok(previous.info(true))
     }
 
@@ -690,6 +696,7 @@ impl PolicyRegistry {
             return Err(PolicyError::UnknownPolicy(name.to_string()));
         }
         state.history.retain(|p| &*p.name != name);
+        tracing::info!(policy = name, "policy removed");
         Ok(())
     }
 
@@ -771,7 +778,22 @@ impl PolicyRegistry {
             *v += 1;
             *v
         };
-        let version = Arc::new(self.build(name, number, build)?);
+        let version = match self.build(name, number, build) {
+            Ok(v) => Arc::new(v),
+            Err(e) => {
+                // A refused version leaves no trace, its number included (the admin lock is
+                // held, so no other install took a number meanwhile).
+                let mut state = self.state.lock();
+                if let Some(v) = state.versions.get_mut(name) {
+                    *v -= 1;
+                    if *v == 0 {
+                        state.versions.remove(name);
+                    }
+                }
+                tracing::warn!(policy = name, code = e.code(), error = %e, "policy refused; nothing changed");
+                return Err(e);
+            }
+        };
         let mut state = self.state.lock();
         let name_active = self
             .active
