@@ -235,14 +235,17 @@ fn policy_new_scaffold_builds_and_passes_check() {
     // Share the plugins' target directory: the crate's dependencies are the same ones.
     let target = workspace_root().join("target").join("wasm-plugins");
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let built = std::process::Command::new(&cargo)
-        .current_dir(&krate)
-        .args(["build", "--release", "--target", "wasm32-wasip2"])
-        .env("CARGO_TARGET_DIR", &target)
-        .env_remove("RUSTFLAGS")
-        .env_remove("CARGO_ENCODED_RUSTFLAGS")
-        .output()
-        .unwrap();
+    let build = || {
+        std::process::Command::new(&cargo)
+            .current_dir(&krate)
+            .args(["build", "--release", "--target", "wasm32-wasip2"])
+            .env("CARGO_TARGET_DIR", &target)
+            .env_remove("RUSTFLAGS")
+            .env_remove("CARGO_ENCODED_RUSTFLAGS")
+            .output()
+            .unwrap()
+    };
+    let built = build();
     assert!(
         built.status.success(),
         "the scaffold must build as created:\n{}",
@@ -278,27 +281,28 @@ fn policy_new_scaffold_builds_and_passes_check() {
         source.contains(marker),
         "the scaffold's decide changed:\n{source}"
     );
-    let panicking = source.replacen(
-        marker,
-        "        if !c.is_empty() {\n            panic!(\"gave up on {} candidates\", c.count());\n        }\n        Decision::Costs(",
-        1,
+    // The scaffold with `code` inserted at the top of decide, built and checked.
+    let variant = |code: &str, args: &[&str]| {
+        let changed = source.replacen(marker, &format!("{code}\n{marker}"), 1);
+        std::fs::write(&lib, changed).unwrap();
+        let built = build();
+        assert!(
+            built.status.success(),
+            "{}",
+            String::from_utf8_lossy(&built.stderr)
+        );
+        let (out, text) = check(&wasm, args);
+        assert_eq!(
+            out.status.code(),
+            Some(1),
+            "{code} must fail the check:\n{text}"
+        );
+        text
+    };
+    let text = variant(
+        "        if !c.is_empty() { panic!(\"gave up on {} candidates\", c.count()); }",
+        &[],
     );
-    std::fs::write(&lib, panicking).unwrap();
-    let built = std::process::Command::new(&cargo)
-        .current_dir(&krate)
-        .args(["build", "--release", "--target", "wasm32-wasip2"])
-        .env("CARGO_TARGET_DIR", &target)
-        .env_remove("RUSTFLAGS")
-        .env_remove("CARGO_ENCODED_RUSTFLAGS")
-        .output()
-        .unwrap();
-    assert!(
-        built.status.success(),
-        "{}",
-        String::from_utf8_lossy(&built.stderr)
-    );
-    let (out, text) = check(&wasm, &[]);
-    assert_eq!(out.status.code(), Some(1), "{text}");
     assert!(
         text.contains("panicked at src/lib.rs") && text.contains("gave up on"),
         "the panic's location and message are shown:\n{text}"
@@ -307,27 +311,10 @@ fn policy_new_scaffold_builds_and_passes_check() {
 
     // A policy that only fails on a prompt shorter than a block (request_blocks = 0) loads, and
     // the check still finds it, naming the scenario and the panic.
-    let dividing = source.replacen(
-        marker,
-        "        std::hint::black_box(1000 / req.request_blocks);\n        Decision::Costs(",
-        1,
+    let text = variant(
+        "        std::hint::black_box(1000 / req.request_blocks);",
+        &FUNCTIONAL_DEADLINE,
     );
-    std::fs::write(&lib, dividing).unwrap();
-    let built = std::process::Command::new(&cargo)
-        .current_dir(&krate)
-        .args(["build", "--release", "--target", "wasm32-wasip2"])
-        .env("CARGO_TARGET_DIR", &target)
-        .env_remove("RUSTFLAGS")
-        .env_remove("CARGO_ENCODED_RUSTFLAGS")
-        .output()
-        .unwrap();
-    assert!(
-        built.status.success(),
-        "{}",
-        String::from_utf8_lossy(&built.stderr)
-    );
-    let (out, text) = check(&wasm, &FUNCTIONAL_DEADLINE);
-    assert_eq!(out.status.code(), Some(1), "{text}");
     let failing: Vec<&str> = text.lines().filter(|l| l.contains("[FAIL]")).collect();
     assert!(!failing.is_empty(), "{text}");
     assert!(
@@ -336,4 +323,11 @@ fn policy_new_scaffold_builds_and_passes_check() {
             .all(|l| l.contains("0 complete blocks") && l.contains("divide by zero")),
         "only the short prompt fails, and says why:\n{text}"
     );
+
+    // A scorer (the scaffold's declared kind) that answers a pick is told to declare its kind.
+    let text = variant(
+        "        #[allow(unreachable_code)]\n        return Decision::Pick(0);",
+        &FUNCTIONAL_DEADLINE,
+    );
+    assert!(text.contains("declares a scorer"), "{text}");
 }

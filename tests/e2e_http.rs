@@ -1822,6 +1822,32 @@ fn policy_upload_takes_its_configuration_in_the_same_step() {
 }
 
 #[test]
+fn an_ask_only_route_changes_nothing_even_in_a_policy_with_memory() {
+    let s = Server::start(&[]);
+    let wasm = support::plugin_bytes("kvroute-plugin-session-affinity");
+    put_policy(&s, "sessions", &wasm, true);
+    s.put_worker(1, &json!({}));
+    s.put_worker(2, &json!({}));
+    // Worker 2 holds the conversation's prefix: the default cost places the session there.
+    let prompt = tokens(64, 71);
+    let local = local_hashes(&prompt, 16, BASE_SEED);
+    post_events(&s, &json!([stored_event(2, 0, 1, &local)]));
+    // A probe that may only answer worker 1 gets worker 1...
+    let probe = s.route_ok(
+        &json!({"tokens": prompt, "session_id": "conv-1", "book": false,
+        "allowed_worker_ids": [1]}),
+    );
+    assert_eq!(probe["worker_id"], 1, "{probe}");
+    // ...and leaves no trace: the booked turn goes where it would have gone without it.
+    for turn in 0..3 {
+        let d = s.route_ok(&json!({"tokens": prompt, "session_id": "conv-1",
+            "request_id": format!("turn-{turn}")}));
+        assert_eq!(d["worker_id"], 2, "turn {turn}: {d}");
+        s.delete(&format!("/v1/requests/turn-{turn}")).expect(200);
+    }
+}
+
+#[test]
 fn a_policy_directory_is_loaded_before_the_server_answers() {
     let dir = support::temp_dir("policy-dir");
     std::fs::write(

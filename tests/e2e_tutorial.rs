@@ -124,7 +124,7 @@ fn sdk_tutorial_runs_as_written() {
         .into_iter::<serde_json::Value>()
         .map_while(Result::ok)
         .collect();
-    assert!(answers.len() >= 5, "five JSON answers:\n{output}");
+    assert!(answers.len() >= 8, "eight JSON answers:\n{output}");
     assert_eq!(answers[0]["status"], "ready", "{}", answers[0]);
     assert_eq!(answers[1]["name"], "my-policy");
     assert_eq!(
@@ -132,18 +132,31 @@ fn sdk_tutorial_runs_as_written() {
         "uploaded and activated: {}",
         answers[1]
     );
-    assert_eq!(answers[1]["plugin"]["abi_version"], 3);
+    assert_eq!(answers[1]["plugin"]["abi_version"], 4);
+    assert_eq!(answers[2]["worker_id"], 1, "{}", answers[2]);
+    assert_eq!(answers[3]["worker_id"], 2, "{}", answers[3]);
+    let route = &answers[4];
     assert_eq!(
-        answers[2]["version"], 2,
-        "reconfiguring makes version 2: {}",
-        answers[2]
+        route["policy"]["name"], "my-policy",
+        "the new policy decided: {route}"
     );
-    assert_eq!(answers[2]["config"], "{\"cache_weight\": 0.5}");
-    assert_eq!(answers[3]["active"], "my-policy", "{}", answers[3]);
+    assert_eq!(route["fallback"], false, "{route}");
     assert_eq!(
-        (answers[4]["name"].as_str(), answers[4]["version"].as_u64()),
+        route["candidates"].as_array().map(Vec::len),
+        Some(2),
+        "explain lists both workers: {route}"
+    );
+    assert_eq!(
+        answers[5]["version"], 2,
+        "reconfiguring makes version 2: {}",
+        answers[5]
+    );
+    assert_eq!(answers[5]["config"], "{\"cache_weight\": 0.5}");
+    assert_eq!(answers[6]["active"], "my-policy", "{}", answers[6]);
+    assert_eq!(
+        (answers[7]["name"].as_str(), answers[7]["version"].as_u64()),
         (Some("my-policy"), Some(1)),
         "rollback restores the previous active version: {}",
-        answers[4]
+        answers[7]
     );
 }

@@ -124,4 +124,7 @@ pub struct PolicyRequest {
     pub session_id: Option<String>,
     /// The router's clock at the decision, in milliseconds since the Unix epoch (WIT `now-ms`).
     pub now_ms: u64,
+    /// The client only asks (`"book": false`): a policy must remember nothing from this
+    /// decision (WIT `request-flags.ask-only`).
+    pub ask_only: bool,
 }

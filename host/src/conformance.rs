@@ -261,6 +261,9 @@ pub fn check(
         ..Default::default()
     };
     let deterministic = plugin.as_ref().is_some_and(|p| p.deterministic);
+    let declares_scorer = plugin
+        .as_ref()
+        .is_some_and(|p| p.kind == crate::policy::PluginKind::Scorer);
     report.results.push(CheckResult {
         name: "loads: world, abi version, configure, self-test".into(),
         passed: true,
@@ -314,6 +317,13 @@ pub fn check(
                     format!(
                         "costs, min {:.3}",
                         c.iter().cloned().fold(f64::INFINITY, f64::min)
+                    ),
+                ),
+                Outcome::Pick(i) if declares_scorer => (
+                    false,
+                    format!(
+                        "pick {i}, but info() declares a scorer: a pipeline would refuse this \
+                         answer (unexpected_pick); declare kind selector or mixed"
                     ),
                 ),
                 Outcome::Pick(i) => (true, format!("pick {i}")),

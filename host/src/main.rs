@@ -52,7 +52,7 @@ enum PolicyCommand {
         #[arg(long)]
         dir: Option<PathBuf>,
         /// Path to kvroute's sdk/ directory [default: the one this binary was built from].
-        #[arg(long)]
+        #[arg(long, env = "KVROUTE_SDK_PATH")]
         sdk_path: Option<PathBuf>,
     },
 }

@@ -1067,6 +1067,7 @@ impl Router {
                 temperature: p.temperature,
                 session_id: p.req.session_id.clone(),
                 now_ms: self.clock_ms(),
+                ask_only: !p.req.book,
             };
             cost::fill_base_costs(&preq, cols, &self.config.cost);
 

@@ -125,9 +125,13 @@ pub fn scaffold(name: &str, dir: &Path, sdk: &Path) -> Result<Vec<PathBuf>, Stri
             dir.display()
         ));
     }
-    let sdk = sdk
-        .canonicalize()
-        .map_err(|e| format!("the SDK is not at {} ({e}): pass --sdk-path", sdk.display()))?;
+    let sdk = sdk.canonicalize().map_err(|e| {
+        format!(
+            "the SDK is not at {} ({e}): pass --sdk-path (or set KVROUTE_SDK_PATH) with the \
+                 path of the sdk/ directory of a kvroute checkout",
+            sdk.display()
+        )
+    })?;
     if !sdk.join("Cargo.toml").exists() {
         return Err(format!(
             "{} has no Cargo.toml: pass --sdk-path pointing at kvroute's sdk/ directory",

@@ -29,7 +29,14 @@ impl Default for CostWeights {
 
 /// The host's native cost of one candidate, recomputed from its figures (equal to the
 /// `base-cost` column with default weights):
-/// `prefill_load_scale * max((active_prefill + isl)/B - credit, 0) + active_decode + new_blocks`.
+/// `prefill_load_scale * max((active_prefill + isl)/B - credit, 0) + active_decode + new_blocks`,
+/// where `new_blocks` counts the prompt's blocks rounded up, less those already active.
+///
+/// `credit` differs from SPEC §7's `1.0*device + 0.75*host + 0.25*disk` on purpose: the tiers
+/// are matched independently, so a block held both on the device and in host memory appears in
+/// both overlaps. Summing would credit it twice; here host counts only past the device overlap
+/// and disk only past both: `device + 0.75*(host - device)⁺ + 0.25*(disk - max(device, host))⁺`.
+/// With one tier in use the two formulas agree.
 pub fn native_cost(req: &Request, row: Row<'_>, w: &CostWeights) -> f64 {
     let b = f64::from(req.block_size.max(1));
     let (d, h, k) = (row.device_overlap(), row.host_overlap(), row.disk_overlap());
@@ -117,7 +124,34 @@ pub fn softmax_pick(costs: &[f64], temperature: f64, u: f64) -> Option<usize> {
 /// `T::default()` when `T` is `#[serde(default)]`.
 pub fn parse_config<T: DeserializeOwned>(policy: &str, json: &str) -> Result<T, String> {
     let json = if json.trim().is_empty() { "{}" } else { json };
-    serde_json::from_str(json).map_err(|e| format!("{policy}: invalid configuration: {e}"))
+    // A configuration is an object: serde would also read a struct from an array of its values.
+    if let Some(first) = json.trim_start().chars().next() {
+        if first != '{' {
+            let what = match first {
+                '[' => "an array",
+                '"' => "a string",
+                'n' => "null",
+                't' | 'f' => "a boolean",
+                _ => "a number or not JSON",
+            };
+            return Err(format!(
+                "{policy}: invalid configuration: expected a JSON object, got {what}"
+            ));
+        }
+    }
+    let de = &mut serde_json::Deserializer::from_str(json);
+    let value: T = serde_path_to_error::deserialize(&mut *de).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        if path.is_empty() || path == "." {
+            format!("{policy}: invalid configuration: {inner}")
+        } else {
+            format!("{policy}: invalid configuration: `{path}`: {inner}")
+        }
+    })?;
+    de.end()
+        .map_err(|e| format!("{policy}: invalid configuration: {e}"))?;
+    Ok(value)
 }
 
 /// A small, fast, seedable random number generator (SplitMix64) for policies that sample.
@@ -140,5 +174,53 @@ impl SplitMix64 {
     /// A float in [0, 1).
     pub fn next_f64(&mut self) -> f64 {
         (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug, Default, serde::Deserialize, PartialEq)]
+    #[serde(default, deny_unknown_fields)]
+    struct Weights {
+        decode: f64,
+    }
+
+    #[derive(Debug, Default, serde::Deserialize, PartialEq)]
+    #[serde(default, deny_unknown_fields)]
+    struct Config {
+        weights: Weights,
+        limit: u32,
+    }
+
+    #[test]
+    fn parse_config_names_the_key_and_wants_an_object() {
+        assert_eq!(parse_config::<Config>("p", "").unwrap(), Config::default());
+        assert_eq!(
+            parse_config::<Config>("p", r#"{"weights": {"decode": 2}}"#)
+                .unwrap()
+                .weights
+                .decode,
+            2.0
+        );
+        let e = parse_config::<Config>("p", r#"{"weights": {"decode": "x"}}"#).unwrap_err();
+        assert!(
+            e.contains("`weights.decode`") && e.starts_with("p: "),
+            "{e}"
+        );
+        let e = parse_config::<Config>("p", r#"{"limt": 1}"#).unwrap_err();
+        assert!(e.contains("limt") && e.contains("limit"), "{e}");
+        for (json, what) in [("[1]", "an array"), ("null", "null"), ("3", "a number")] {
+            let e = parse_config::<Config>("p", json).unwrap_err();
+            assert!(
+                e.contains("expected a JSON object") && e.contains(what),
+                "{json}: {e}"
+            );
+        }
+        assert!(
+            parse_config::<Config>("p", "{} x").is_err(),
+            "trailing characters"
+        );
     }
 }

@@ -69,10 +69,12 @@ pub use bindings::kvroute::policy::types::HostContext as WireContext;
 /// The request exactly as it crosses the interface (WIT `record request`). Policies see it as a
 /// [`Request`].
 pub use bindings::kvroute::policy::types::Request as WireRequest;
+/// [`WireRequest`]'s yes-or-no facts ([`Request::ask_only`]).
+pub use bindings::kvroute::policy::types::RequestFlags;
 pub use helpers::*;
 
 /// The ABI version this SDK speaks (`plugin-info.abi-version`).
-pub const ABI_VERSION: u32 = 3;
+pub const ABI_VERSION: u32 = 4;
 
 /// One soft preference of the request: a taint id (see [`Context::taint_name`]) and a weight in
 /// (-1, 1); positive means preferred, negative avoided, 0 neutral.
@@ -91,10 +93,14 @@ pub struct Request {
     pub request_id: String,
     /// Prompt length in tokens (`isl`).
     pub prompt_tokens: u32,
-    /// Complete blocks in the prompt (what the KV index can match).
+    /// Complete blocks in the prompt (what the KV index can match): `prompt_tokens /
+    /// block_size`, rounded down, so 0 for a prompt shorter than a block.
     pub request_blocks: u32,
     /// Tokens per KV block.
     pub block_size: u32,
+    /// The client only asks where the request would go (`"book": false`): answer as usual,
+    /// but remember nothing from this decision (the API promises that nothing changes).
+    pub ask_only: bool,
     /// Soft taint preferences (hard requirements were already applied by the host).
     pub preferred_taints: Vec<PreferredTaint>,
     /// Scheduling priority given by the client (higher = more important); 0 by default.
@@ -130,8 +136,9 @@ impl Request {
         Ok(Self {
             request_id: w.request_id,
             prompt_tokens: w.prompt_tokens,
-            request_blocks: w.request_blocks,
+            request_blocks: w.prompt_tokens.checked_div(ctx.block_size()).unwrap_or(0),
             block_size: ctx.block_size(),
+            ask_only: w.flags.bits() & RequestFlags::ASK_ONLY.bits() != 0,
             preferred_taints,
             priority: w.priority,
             expected_output_tokens: (w.expected_output_tokens != 0)
@@ -150,7 +157,11 @@ impl Request {
             request_id: self.request_id.clone(),
             session_id: self.session_id.clone().unwrap_or_default(),
             prompt_tokens: self.prompt_tokens,
-            request_blocks: self.request_blocks,
+            flags: if self.ask_only {
+                RequestFlags::ASK_ONLY
+            } else {
+                RequestFlags::empty()
+            },
             priority: self.priority,
             expected_output_tokens: self.expected_output_tokens.unwrap_or(0),
             temperature: self.temperature,

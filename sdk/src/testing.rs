@@ -122,6 +122,7 @@ pub struct RequestSpec {
     session_id: Option<String>,
     request_id: String,
     now_ms: u64,
+    ask_only: bool,
 }
 
 /// A request with this many prompt tokens, block size 16, no preferences, temperature 0, at
@@ -137,6 +138,7 @@ pub fn request(prompt_tokens: u32) -> RequestSpec {
         session_id: None,
         request_id: "test".into(),
         now_ms: 1_700_000_000_000,
+        ask_only: false,
     }
 }
 
@@ -175,6 +177,12 @@ impl RequestSpec {
     /// 1,700,000,000,000).
     pub fn at_ms(mut self, now_ms: u64) -> Self {
         self.now_ms = now_ms;
+        self
+    }
+    /// An ask-only decision (`"book": false` in the HTTP API): the policy must remember nothing
+    /// from it.
+    pub fn ask_only(mut self) -> Self {
+        self.ask_only = true;
         self
     }
     /// Request id.
@@ -324,6 +332,7 @@ pub fn build(req: &RequestSpec, set: &[CandidateSpec]) -> (Context, Request, Can
         prompt_tokens: req.prompt_tokens,
         request_blocks: req.prompt_tokens / req.block_size.max(1),
         block_size: req.block_size,
+        ask_only: req.ask_only,
         preferred_taints: preferred,
         priority: req.priority,
         expected_output_tokens: req.expected_output_tokens,

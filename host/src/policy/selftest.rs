@@ -35,6 +35,8 @@ pub(crate) fn decision(n: usize) -> (PolicyRequest, CandidateColumns) {
         temperature: 0.0,
         session_id: Some("kvroute-self-test".to_string()),
         now_ms: 1_700_000_000_000,
+        // Self-test and warm-up decisions are not traffic: a policy with memory keeps none.
+        ask_only: true,
     };
     let mut c = CandidateColumns::default();
     let mut x: u64 = 0x9e37_79b9_7f4a_7c15;

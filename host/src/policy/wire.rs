@@ -11,7 +11,7 @@
 
 use std::cell::RefCell;
 
-use super::bindings::kvroute::policy::types::{Candidates, Request};
+use super::bindings::kvroute::policy::types::{Candidates, Request, RequestFlags};
 use crate::candidate::{CandidateColumns, PolicyRequest};
 
 /// Reusable buffers for the packed lists of one decision.
@@ -92,7 +92,11 @@ pub(crate) fn with_wit_decision<R>(
                 request_id: &req.request_id,
                 session_id: req.session_id.as_deref().unwrap_or(""),
                 prompt_tokens: req.prompt_tokens,
-                request_blocks: req.request_blocks,
+                flags: if req.ask_only {
+                    RequestFlags::ASK_ONLY
+                } else {
+                    RequestFlags::empty()
+                },
                 priority: req.priority,
                 expected_output_tokens: req.expected_output_tokens.unwrap_or(0),
                 temperature: req.temperature,
@@ -145,8 +149,10 @@ mod tests {
             temperature: 0.0,
             session_id: None,
             now_ms: 5,
+            ask_only: true,
         };
         with_wit_decision(&req, &c, |r, w| {
+            assert_eq!(r.flags, RequestFlags::ASK_ONLY);
             assert_eq!(r.session_id, "");
             assert_eq!(r.expected_output_tokens, 0);
             assert_eq!(candidate_count(&w), 2);
@@ -156,6 +162,13 @@ mod tests {
                 &[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 0, 512, 1024, 0, 1, 3, 7, 8, 9, 8, 2]
             );
             assert_eq!(w.columns_f64, &[0.5, 1.5, 0.5, -0.25]);
+        });
+        let booked = PolicyRequest {
+            ask_only: false,
+            ..req
+        };
+        with_wit_decision(&booked, &c, |r, _| {
+            assert_eq!(r.flags, RequestFlags::empty())
         });
     }
 }

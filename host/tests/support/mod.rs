@@ -128,6 +128,7 @@ pub fn random_decision_with_block_size<R: rand::Rng>(
         temperature: 0.0,
         session_id: None,
         now_ms: 1_700_000_000_000,
+        ask_only: false,
     };
     let mut c = kvroute_host::CandidateColumns::default();
     c.taint_offsets.push(0);

@@ -264,12 +264,18 @@ impl Policy for SessionAffinity {
         let Some(session) = req.session_id.as_deref() else {
             return Decision::Costs(c.rows().map(|r| default_cost(req, r)).collect());
         };
-        self.expire(req.now_ms);
+        // An ask-only decision gets the answer a booked one would, and changes nothing: not the
+        // session's home, not its last-seen time, not the expiry.
+        if !req.ask_only {
+            self.expire(req.now_ms);
+        }
         let pick = match self.home_of(session, c, req.now_ms) {
             Some(i) => i,
             None => self.place(session, req, c),
         };
-        self.remember(session, c.row(pick), req.now_ms);
+        if !req.ask_only {
+            self.remember(session, c.row(pick), req.now_ms);
+        }
         Decision::Pick(pick as u32)
     }
 }
@@ -301,6 +307,27 @@ mod tests {
         assert_eq!(h.pick(&request(256).session("s1"), &set), first);
         // A request without a session follows the cost and avoids it.
         assert_ne!(h.pick(&request(256), &set), first);
+    }
+
+    #[test]
+    fn an_ask_only_decision_remembers_nothing() {
+        let mut h = configured("{}");
+        let set = fleet();
+        // Asked with only candidate 3 allowed: the answer is 3, but the session stays unplaced.
+        let only_3 = [candidate(3)];
+        assert_eq!(h.pick(&request(256).session("s").ask_only(), &only_3), 0);
+        assert_eq!(h.policy.remembered(), 0);
+        // Booked: placed by the cost as if the probe had never happened...
+        let home = h.pick(&request(256).session("s"), &set);
+        assert_eq!(h.policy.remembered(), 1);
+        // ...and a probe that would move it (its home not allowed) leaves it where it is.
+        let elsewhere: Vec<_> = set
+            .iter()
+            .filter(|c| c.id() != set[home].id())
+            .cloned()
+            .collect();
+        h.pick(&request(256).session("s").ask_only(), &elsewhere);
+        assert_eq!(h.pick(&request(256).session("s"), &set), home);
     }
 
     #[test]
