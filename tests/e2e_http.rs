@@ -780,6 +780,27 @@ fn a_dual_stack_listener_treats_ipv4_loopback_as_loopback() {
     r.expect(200);
 }
 
+#[test]
+fn a_queue_timeout_is_429_and_counts_its_wait() {
+    let cfg = temp_file("qt.toml", "[routing]\nqueue_timeout_ms = 300\n");
+    let s = Server::start(&["--config", cfg.to_str().unwrap(), "--busy-threshold", "0.5"]);
+    s.put_worker(1, &json!({"max_num_batched_tokens": 100}));
+    s.route_ok(&json!({"request_id": "hog", "tokens": tokens(64, 61)}));
+    let r = s.post("/v1/route", &json!({"tokens": tokens(32, 62)}));
+    r.expect_error(429, "queue_timeout");
+    assert!(r.header("retry-after").is_some(), "{r:?}");
+    let text = s.metrics();
+    assert_eq!(
+        metric(&text, "kvroute_queue_wait_seconds_count"),
+        Some(1.0),
+        "{text}"
+    );
+    assert!(
+        metric(&text, "kvroute_queue_wait_seconds_sum").is_some_and(|w| w >= 0.3),
+        "{text}"
+    );
+}
+
 // ---------------------------------------------------------------------------------- operations
 
 #[test]
@@ -1013,6 +1034,25 @@ fn served_block_size(s: &Server) -> u64 {
 }
 
 #[test]
+fn workers_in_the_config_file_are_registered_at_start() {
+    let cfg = temp_file(
+        "workers.toml",
+        "[workers.4]\ndp_size = 2\ntaints = [\"zone=a\"]\n\n[workers.9]\n",
+    );
+    let s = Server::start(&["--config", cfg.to_str().unwrap()]);
+    let workers = s.workers();
+    assert_eq!(workers.len(), 2, "{workers:?}");
+    assert_eq!(workers[&4]["dp_size"], 2);
+    assert_eq!(workers[&4]["taints"], json!(["zone=a"]));
+    assert_eq!(workers[&9]["dp_size"], 1);
+    // They route like any other, and the API can change them.
+    let d = s.route_ok(&json!({"tokens": tokens(32, 5),
+        "routing_constraints": {"required_taints": ["zone=a"]}}));
+    assert_eq!(d["worker_id"], 4, "{d}");
+    s.delete("/v1/workers/9").expect(204);
+}
+
+#[test]
 fn config_precedence_file_then_env_then_flag() {
     let cfg = temp_file("bs.toml", "block_size = 32\n");
     let cfg = cfg.to_str().unwrap();
@@ -1047,6 +1087,9 @@ fn config_errors_exit_nonzero_with_a_clear_message() {
     let nested = temp_file("nested.toml", "[limits]\nmax_prompt_tokenz = 5\n");
     let bad_type = temp_file("type.toml", "block_size = \"big\"\n");
     let zero = temp_file("zero.toml", "block_size = 0\n");
+    let worker_key = temp_file("wkey.toml", "[workers.x]\ndp_size = 1\n");
+    let worker_spec = temp_file("wspec.toml", "[workers.3]\ndp_size = 0\n");
+    let worker_field = temp_file("wfield.toml", "[workers.3]\ndp_sise = 2\n");
     // The name check comes before the file is read: any bytes do.
     let bad_name = temp_file("My Policy.wasm", "not wasm");
     let rollback = temp_file("rollback.wasm", "not wasm");
@@ -1065,6 +1108,21 @@ fn config_errors_exit_nonzero_with_a_clear_message() {
             &["block_size"],
         ),
         (vec!["--config".into(), p(&zero)], vec![], &["block_size"]),
+        (
+            vec!["--config".into(), p(&worker_key)],
+            vec![],
+            &["workers.x", "id"],
+        ),
+        (
+            vec!["--config".into(), p(&worker_spec)],
+            vec![],
+            &["workers.3.dp_size"],
+        ),
+        (
+            vec!["--config".into(), p(&worker_field)],
+            vec![],
+            &["dp_sise"],
+        ),
         (
             vec!["--config".into(), "/nonexistent/kvroute.toml".into()],
             vec![],

@@ -49,6 +49,10 @@ pub struct ServeConfig {
     pub cost: CostWeights,
     /// Limits of the Wasm policy runtime (memory cap, per-call deadline, failures before restore).
     pub policy_runtime: crate::policy::PolicyRuntimeConfig,
+    /// Workers registered at start, by id (`[workers.7]` in TOML), each as the body of
+    /// `PUT /v1/workers/{id}` would give it (`kv_events` subscribes at start). The API can
+    /// change or remove them later; the file is read once.
+    pub workers: std::collections::BTreeMap<String, crate::workers::WorkerSpec>,
 }
 
 /// Parses a listen address: `IP:PORT` (`127.0.0.1:8080`, `[::1]:8080`) or `HOST:PORT`
@@ -95,6 +99,7 @@ impl Default for ServeConfig {
             limits: LimitsSection::default(),
             cost: CostWeights::default(),
             policy_runtime: crate::policy::PolicyRuntimeConfig::default(),
+            workers: Default::default(),
         }
     }
 }
@@ -208,6 +213,23 @@ impl ServeConfig {
         }))
     }
 
+    /// The `[workers.ID]` entries with their ids, checked as the registry checks a
+    /// `PUT /v1/workers/{id}` (on a scratch router, so nothing is half applied).
+    pub fn start_workers(&self) -> Result<Vec<(u64, crate::workers::WorkerSpec)>, String> {
+        let scratch = crate::router::Router::new(self.router_config())?;
+        let mut out = Vec::with_capacity(self.workers.len());
+        for (key, spec) in &self.workers {
+            let id: u64 = key.parse().map_err(|_| {
+                format!("workers.{key}: a worker's key is its id, an integer from 0 to 2^64-1")
+            })?;
+            scratch
+                .upsert_worker(id, spec.clone())
+                .map_err(|e| format!("workers.{key}.{}: {}", e.field, e.message))?;
+            out.push((id, spec.clone()));
+        }
+        Ok(out)
+    }
+
     /// Checks values that parse but make no sense.
     pub fn validate(&self) -> Result<(), String> {
         if !(1..=MAX_BLOCK_SIZE).contains(&self.block_size) {
@@ -292,6 +314,9 @@ impl ServeConfig {
         self.policy_runtime
             .validate()
             .map_err(|e| format!("policy_runtime: {e}"))?;
+        if !self.workers.is_empty() {
+            self.start_workers()?;
+        }
         Ok(())
     }
 

@@ -115,6 +115,18 @@ fn policy_main(cmd: PolicyCommand) -> ExitCode {
 
 /// Flags override `KVROUTE_*` environment variables, which override the config file.
 #[derive(Args, Debug)]
+#[command(after_help = "\
+More settings live only in the config file (--config): [routing] (queue order, limits and \
+timeout, load expiry, temperature), [limits], [cost], [policy_runtime], [workers.ID] (workers \
+registered at start) and shutdown_grace_secs. README.md, \"Configure\", has an example of each.
+
+Operating it:
+  GET /healthz, GET /readyz      liveness, readiness (a policy is active)
+  GET /metrics                   Prometheus text format
+  GET /openapi.json              the HTTP API
+  KVROUTE_LOG=info,kvroute_host=debug   log filter; --log-format json for collectors
+  Without --admin-token, admin endpoints (worker, event and policy writes) answer loopback
+  clients only. SIGTERM/SIGINT: queued requests are refused, requests in flight finish.")]
 struct ServeArgs {
     /// TOML configuration file.
     #[arg(long, env = "KVROUTE_CONFIG")]

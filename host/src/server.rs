@@ -29,6 +29,18 @@ pub const DEFAULT_POLICY_WASM: &[u8] =
 pub fn build(config: &ServeConfig) -> Result<(Arc<Router>, Arc<PolicyRegistry>), String> {
     config.validate()?;
     let router = Arc::new(Router::new(config.router_config())?);
+    for (id, spec) in config.start_workers()? {
+        let w = router
+            .upsert_worker(id, spec)
+            .map_err(|e| format!("workers.{id}.{}: {}", e.field, e.message))?;
+        tracing::info!(
+            worker_id = id,
+            dp_start = w.dp_start,
+            dp_size = w.dp_size,
+            kv_events = w.kv_events.as_ref().map(|k| k.endpoint.as_str()),
+            "worker registered from the configuration"
+        );
+    }
     let policies =
         Arc::new(PolicyRegistry::new(config.policy_runtime.clone()).map_err(|e| e.to_string())?);
     if let Some(path) = &config.policy {
@@ -137,9 +149,31 @@ pub async fn run(
     };
     let app = http::app(state);
     let block_size = config.block_size;
+    let summary = format!(
+        "busy_threshold={:?} queue_order={:?} approximate={} admin_token={} policy_dir={:?} workers={}",
+        config.routing.busy_threshold,
+        config.routing.queue_order,
+        config.routing.approximate,
+        if config.admin_token.is_some() { "set" } else { "none (admin from loopback only)" },
+        config.policy_dir,
+        router.registry().snapshot().workers.len(),
+    );
+    let active = policies
+        .active_info()
+        .map(|i| format!("{} v{}", i.name, i.version))
+        .unwrap_or_else(|| "none".into());
+    let http_threads = config.http_threads();
     let ready_to_serve = move || {
         on_listening(local_addr);
-        tracing::info!(%local_addr, block_size, "kvroute listening");
+        tracing::info!(
+            %local_addr,
+            version = env!("CARGO_PKG_VERSION"),
+            block_size,
+            http_threads,
+            policy = %active,
+            settings = %summary,
+            "kvroute listening"
+        );
     };
     let ready_flag = ready.clone();
     let draining_router = router.clone();

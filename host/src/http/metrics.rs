@@ -86,7 +86,7 @@ impl Metrics {
         let queue_wait_seconds = Histogram::with_opts(
             HistogramOpts::new(
                 "kvroute_queue_wait_seconds",
-                "Time routed requests waited in the queue.",
+                "Time requests waited in the queue: until routed, or until queue_timeout_ms when they time out.",
             )
             .buckets(vec![0.001, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0]),
         )
@@ -163,8 +163,13 @@ impl Metrics {
         }
     }
 
-    pub fn record_route_error(&self, code: &str) {
-        self.route_errors.with_label_values(&[code]).inc();
+    pub fn record_route_error(&self, e: &crate::router::RouteError) {
+        self.route_errors.with_label_values(&[e.code()]).inc();
+        // A request that timed out in the queue waited too: leaving it out would hide the
+        // longest waits from the histogram.
+        if let crate::router::RouteError::QueueTimeout(waited) = e {
+            self.queue_wait_seconds.observe(waited.as_secs_f64());
+        }
     }
 
     pub fn record_event(&self, outcome: &str) {

@@ -513,7 +513,7 @@ async fn route(
             Ok(Json(d.into()))
         }
         Err(e) => {
-            s.metrics.record_route_error(e.code());
+            s.metrics.record_route_error(&e);
             Err(route_error(e))
         }
     }
