@@ -531,6 +531,14 @@ fn route_ask_only_and_explain() {
         .unwrap();
     assert_eq!(chosen["overlap_blocks"], 2);
     assert_eq!(chosen["taints"], json!(["zone=b"]));
+    // The row of the decision is marked, and the answer says how the embedded default decided.
+    assert_eq!(chosen["chosen"], true, "{d}");
+    assert_eq!(
+        cands.iter().filter(|c| c["chosen"] == true).count(),
+        1,
+        "{d}"
+    );
+    assert_eq!(d["answer"], "costs", "{d}");
     let min = cands
         .iter()
         .map(|c| c["cost"].as_f64().unwrap())
@@ -551,6 +559,7 @@ fn route_ask_only_and_explain() {
     // With explain off there are no candidates.
     let d = s.route_ok(&json!({"tokens": p, "book": false, "explain": false}));
     assert!(d.get("candidates").is_none());
+    assert!(d.get("answer").is_none());
 }
 
 #[test]
@@ -1893,9 +1902,12 @@ fn an_ask_only_route_changes_nothing_even_in_a_policy_with_memory() {
     // A probe that may only answer worker 1 gets worker 1...
     let probe = s.route_ok(
         &json!({"tokens": prompt, "session_id": "conv-1", "book": false,
-        "allowed_worker_ids": [1]}),
+        "allowed_worker_ids": [1], "explain": true}),
     );
     assert_eq!(probe["worker_id"], 1, "{probe}");
+    // session-affinity answers a pick; explain says so (its costs column is the native one).
+    assert_eq!(probe["answer"], "pick", "{probe}");
+    assert_eq!(probe["candidates"][0]["chosen"], true, "{probe}");
     // ...and leaves no trace: the booked turn goes where it would have gone without it.
     for turn in 0..3 {
         let d = s.route_ok(&json!({"tokens": prompt, "session_id": "conv-1",

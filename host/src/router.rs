@@ -210,7 +210,11 @@ pub struct ExplainRow {
     pub active_requests: u32,
     pub taints: Vec<String>,
     pub base_cost: f64,
+    /// The cost the pick was made from: the policy's when it answered costs, else the native
+    /// cost (it picked, or the decision fell back).
     pub cost: f64,
+    /// The candidate the decision chose.
+    pub chosen: bool,
 }
 
 /// Time spent in each phase of a decision.
@@ -236,6 +240,9 @@ pub struct RouteDecision {
     pub queued: Duration,
     pub booked: bool,
     pub candidates: Option<Vec<ExplainRow>>,
+    /// With `explain`: what the policy answered (`costs`, `pick`), or `native` when the native
+    /// cost decided (no policy, or a fallback).
+    pub answer: Option<&'static str>,
     pub timings: Timings,
 }
 
@@ -1081,14 +1088,17 @@ impl Router {
                 None => (self.native_label.clone(), ScorerOutcome::Native),
             };
             let n = cols.len();
+            let mut answer = "native";
             let (chosen, fallback_reason) = self.with_rng(|rng| match outcome {
                 ScorerOutcome::Costs(c) if c.len() == n && c.iter().all(|x| x.is_finite()) => {
                     let i = cost::pick(&c, p.temperature, rng).expect("n > 0");
                     *costs = c;
+                    answer = "costs";
                     (i, None)
                 }
                 ScorerOutcome::Pick(i) if i < n => {
                     cost::native_costs(&preq, cols, costs);
+                    answer = "pick";
                     (i, None)
                 }
                 other => {
@@ -1153,6 +1163,7 @@ impl Router {
                             .collect(),
                         base_cost: cols.base_cost[i],
                         cost: costs[i],
+                        chosen: i == chosen,
                     })
                     .collect()
             });
@@ -1167,6 +1178,7 @@ impl Router {
                 fallback_reason,
                 queued,
                 booked: p.req.book,
+                answer: p.req.explain.then_some(answer),
                 candidates: explain,
                 timings: Timings {
                     hash: p.hash_time,

@@ -177,7 +177,9 @@ pub struct CandidateOut {
     pub active_requests: u32,
     pub taints: Vec<String>,
     pub base_cost: f64,
+    /// What the pick was made from: the policy's cost when it answered costs, else the native.
     pub cost: f64,
+    pub chosen: bool,
 }
 
 impl From<ExplainRow> for CandidateOut {
@@ -194,6 +196,7 @@ impl From<ExplainRow> for CandidateOut {
             taints: r.taints,
             base_cost: finite_or_max(r.base_cost),
             cost: finite_or_max(r.cost),
+            chosen: r.chosen,
         }
     }
 }
@@ -218,6 +221,9 @@ pub struct RouteResponse {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub fallback_reason: Option<&'static str>,
     pub queued_ms: u64,
+    /// With `explain`: `costs` or `pick` (what the policy answered), or `native`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub answer: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub candidates: Option<Vec<CandidateOut>>,
 }
@@ -238,6 +244,7 @@ impl From<RouteDecision> for RouteResponse {
             fallback: d.fallback,
             fallback_reason: d.fallback_reason,
             queued_ms: d.queued.as_millis() as u64,
+            answer: d.answer,
             candidates: d
                 .candidates
                 .map(|rows| rows.into_iter().map(CandidateOut::from).collect()),

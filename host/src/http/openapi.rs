@@ -144,10 +144,12 @@ fn base_document() -> Value {
                     "overlap_blocks": {"type": "integer"}, "cached_tokens": {"type": "integer"},
                     "policy": {"type": "object", "required": ["name", "version", "digest"], "properties": {"name": {"type": "string"}, "version": {"type": "integer", "description": "As in GET /v1/policies."}, "digest": {"type": "string"}}},
                     "fallback": {"type": "boolean"}, "fallback_reason": {"type": "string"}, "queued_ms": {"type": "integer"},
+                    "answer": {"type": "string", "enum": ["costs", "pick", "native"], "description": "With explain: what the policy answered, or native when the native cost decided."},
                     "candidates": {"type": "array", "items": {"type": "object", "required": ["worker_id", "dp_rank", "overlap_blocks", "active_prefill_tokens", "active_decode_blocks", "taints", "cost"], "properties": {
                         "worker_id": {"type": "integer"}, "dp_rank": {"type": "integer"}, "overlap_blocks": {"type": "integer"},
                         "active_prefill_tokens": {"type": "integer"}, "active_decode_blocks": {"type": "integer"},
-                        "taints": {"type": "array", "items": {"type": "string"}}, "cost": {"type": "number"}}}}}},
+                        "taints": {"type": "array", "items": {"type": "string"}}, "cost": {"type": "number", "description": "What the pick was made from: the policy's cost when it answered costs, else the native cost."},
+                        "chosen": {"type": "boolean"}}}}}},
                 "Lifecycle": {"type": "object", "required": ["request_id", "status"], "properties": {"request_id": {"type": "string"}, "status": {"type": "string"}, "worker_id": {"type": "integer"}, "dp_rank": {"type": "integer"}}},
                 "Output": {"type": "object", "additionalProperties": false, "required": ["tokens"], "properties": {"tokens": {"type": "integer", "minimum": 0}}},
                 "OverlapRequest": {"type": "object", "additionalProperties": false, "properties": {
