@@ -166,12 +166,13 @@ fn policy_check_fails_broken_plugins_and_says_why() {
     );
     assert!(text.contains("deadline"), "{text}");
 
-    // Slow on every call: it could never serve, so it is refused at load, saying so.
+    // Slow on every call (tens of ms against 500 µs): it could never serve, so it is refused at
+    // load, saying so.
     let (out, text) = check(
         &wasm,
         &[
             "--config",
-            r#"{"mode": "slow", "spin_iters": 3000000}"#,
+            r#"{"mode": "slow", "spin_iters": 60000000}"#,
             "--deadline-us",
             "500",
         ],

@@ -217,11 +217,19 @@ impl ServeConfig {
     /// `PUT /v1/workers/{id}` (on a scratch router, so nothing is half applied).
     pub fn start_workers(&self) -> Result<Vec<(u64, crate::workers::WorkerSpec)>, String> {
         let scratch = crate::router::Router::new(self.router_config())?;
-        let mut out = Vec::with_capacity(self.workers.len());
+        let mut out: Vec<(u64, crate::workers::WorkerSpec)> =
+            Vec::with_capacity(self.workers.len());
         for (key, spec) in &self.workers {
-            let id: u64 = key.parse().map_err(|_| {
-                format!("workers.{key}: a worker's key is its id, an integer from 0 to 2^64-1")
-            })?;
+            let id: u64 = key
+                .parse()
+                .ok()
+                .filter(|id: &u64| id.to_string() == *key)
+                .ok_or_else(|| {
+                    format!(
+                        "workers.{key}: a worker's key is its id, written as a plain integer \
+                         from 0 to 2^64-1 (no sign, no leading zeros)"
+                    )
+                })?;
             scratch
                 .upsert_worker(id, spec.clone())
                 .map_err(|e| format!("workers.{key}.{}: {}", e.field, e.message))?;

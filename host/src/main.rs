@@ -272,9 +272,10 @@ fn parse_cli() -> Cli {
 fn env_source_of(arg: &str) -> Option<String> {
     use clap::CommandFactory;
     let long = arg.split_whitespace().next()?.strip_prefix("--")?;
-    let typed = std::env::args()
-        .skip(1)
-        .any(|a| a == format!("--{long}") || a.starts_with(&format!("--{long}=")));
+    let typed = std::env::args_os().skip(1).any(|a| {
+        let a = a.to_string_lossy();
+        a == format!("--{long}") || a.starts_with(&format!("--{long}="))
+    });
     if typed {
         return None;
     }

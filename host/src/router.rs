@@ -497,6 +497,8 @@ pub struct Router {
     registry: Registry,
     load: Mutex<LoadTracker>,
     queue: Mutex<PendingQueue<Waiter>>,
+    /// Set by `shutdown_queue` (under the queue's lock): no request joins the queue after it.
+    queue_closed: std::sync::atomic::AtomicBool,
     scorer: ArcSwapOption<Box<dyn Scorer>>,
     native_label: Arc<PolicyLabel>,
     /// `Some` when `config.rng_seed` is set; otherwise the per-thread OS-seeded `RNG`.
@@ -556,6 +558,7 @@ impl Router {
             registry: Registry::new(config.registry),
             load: Mutex::new(LoadTracker::new(config.load)),
             queue: Mutex::new(PendingQueue::new(config.queue_order, config.queue_limits)),
+            queue_closed: std::sync::atomic::AtomicBool::new(false),
             scorer: ArcSwapOption::empty(),
             native_label: PolicyLabel::native(),
             seeded_rng: config.rng_seed.map(SeededRng::new),
@@ -772,11 +775,13 @@ impl Router {
             .request_id
             .clone()
             .unwrap_or_else(|| self.with_rng(|r| format!("kvr-{:016x}", r.gen::<u64>())));
-        if req.book
-            && (self.load.lock().get(&request_id).is_some()
-                || self.queue.lock().contains(&request_id))
-        {
-            return Err(RouteError::DuplicateRequest(request_id));
+        // One lock at a time: `pump` takes the queue's lock and then the load's, so holding the
+        // load's guard (a temporary of the `||`) while taking the queue's could deadlock.
+        if req.book {
+            let booked = self.load.lock().get(&request_id).is_some();
+            if booked || self.queue.lock().contains(&request_id) {
+                return Err(RouteError::DuplicateRequest(request_id));
+            }
         }
         Ok(Prepared {
             request_id,
@@ -819,9 +824,17 @@ impl Router {
             },
         };
         let workers = self.registry.snapshot().workers.len();
-        if let Err((e, _)) = self.queue.lock().push(entry, workers) {
-            self.counters.rejected.fetch_add(1, Relaxed);
-            return Err(RouteError::QueueFull(e));
+        {
+            let mut queue = self.queue.lock();
+            // After `shutdown_queue` nobody will serve the queue: refuse rather than wait for
+            // a timeout that the shutdown grace period may cut short.
+            if self.queue_closed.load(Relaxed) {
+                return Err(RouteError::ShuttingDown);
+            }
+            if let Err((e, _)) = queue.push(entry, workers) {
+                self.counters.rejected.fetch_add(1, Relaxed);
+                return Err(RouteError::QueueFull(e));
+            }
         }
         self.counters.queued.fetch_add(1, Relaxed);
         let mut waiting = Waiting {
@@ -1250,7 +1263,11 @@ impl Router {
     /// Answers every waiting request with a retryable `shutting_down` error (graceful shutdown:
     /// waiting requests must not hold the process for the queue timeout).
     pub fn shutdown_queue(&self) -> usize {
-        let drained = self.queue.lock().drain();
+        let drained = {
+            let mut queue = self.queue.lock();
+            self.queue_closed.store(true, Relaxed);
+            queue.drain()
+        };
         let n = drained.len();
         for e in drained {
             let _ = e.payload.tx.send(Err(RouteError::ShuttingDown));
@@ -1751,6 +1768,24 @@ mod tests {
         assert_eq!((a.request_id.as_str(), b.request_id.as_str()), ("w0", "w1"));
         assert!(a.queued > Duration::ZERO);
         assert_eq!(r.queue_depth(), (0, 0));
+    }
+
+    #[tokio::test]
+    async fn after_shutdown_the_queue_refuses_instead_of_holding_requests() {
+        let (r, _hog) = busy_fleet(QueueOrder::Fcfs, Duration::from_secs(30)).await;
+        let waiter = spawn_queued(&r, "early", prompt(16), 1).await;
+        assert_eq!(r.shutdown_queue(), 1);
+        assert_eq!(waiter.await.unwrap().unwrap_err().code(), "shutting_down");
+        // A request that arrives after the drain (its body was still coming in) is refused at
+        // once: nobody would ever serve the queue again.
+        let late = tokio::time::timeout(
+            Duration::from_secs(5),
+            r.route(RouteRequest::tokens(prompt(16))),
+        )
+        .await
+        .expect("answered at once, not after the queue timeout");
+        assert_eq!(late.unwrap_err().code(), "shutting_down");
+        assert_eq!(r.queue_depth().0, 0);
     }
 
     #[tokio::test]

@@ -165,6 +165,12 @@ pub fn require_media_type(headers: &axum::http::HeaderMap, expected: &str) -> Re
             ));
         }
     }
+    require_identity_encoding(headers)
+}
+
+/// Rejects a body sent encoded (`Content-Encoding` other than `identity`): the server decodes
+/// none.
+pub fn require_identity_encoding(headers: &axum::http::HeaderMap) -> Result<(), ApiError> {
     for enc in headers.get_all(header::CONTENT_ENCODING) {
         let enc = String::from_utf8_lossy(enc.as_bytes());
         if enc

@@ -154,9 +154,13 @@ impl Metrics {
 
     /// Drops a removed worker's per-candidate series, so worker ids that come and go (pods
     /// replaced) do not grow the scrape for ever.
-    pub fn forget_worker(&self, worker: &crate::workers::Worker) {
-        let id = worker.worker_id.to_string();
-        for rank in worker.ranks() {
+    pub fn forget_ranks(
+        &self,
+        worker_id: crate::candidate::WorkerId,
+        ranks: impl IntoIterator<Item = crate::candidate::DpRank>,
+    ) {
+        let id = worker_id.to_string();
+        for rank in ranks {
             let _ = self
                 .decisions
                 .remove_label_values(&[&id, &rank.to_string()]);

@@ -318,7 +318,20 @@ async fn put_worker(
             None => error::parse_json_object(&body)?,
         }
     };
+    let before: Vec<_> = s
+        .router
+        .registry()
+        .snapshot()
+        .workers
+        .get(&id)
+        .map(|w| w.ranks().collect())
+        .unwrap_or_default();
     let w = s.router.upsert_worker(id, spec).map_err(spec_error)?;
+    // Ranks a re-registration dropped take their decision series with them.
+    s.metrics.forget_ranks(
+        id,
+        before.into_iter().filter(|r| !w.ranks().any(|k| k == *r)),
+    );
     tracing::info!(
         worker_id = id,
         dp_start = w.dp_start,
@@ -364,7 +377,7 @@ async fn delete_worker(
     let removed = s.router.remove_worker(id).ok_or_else(|| {
         ApiError::not_found("unknown_worker", format!("worker {id} is not registered"))
     })?;
-    s.metrics.forget_worker(&removed);
+    s.metrics.forget_ranks(id, removed.ranks());
     tracing::info!(worker_id = id, "worker removed");
     if let Some(f) = &s.on_worker_change {
         f(&WorkerChange::Removed(id));
@@ -697,6 +710,7 @@ async fn put_policy(
     })?;
     let (activate, config) = parse_upload_query(&uri)?;
     // application/octet-stream too: what generic tools send for a binary file.
+    error::require_identity_encoding(&headers)?;
     if error::require_media_type(&headers, "application/octet-stream").is_err() {
         error::require_media_type(&headers, "application/wasm").map_err(|mut e| {
             e.message = format!("upload the component as application/wasm; {}", e.message);

@@ -354,6 +354,16 @@ impl std::fmt::Display for FailureDetail {
     }
 }
 
+impl FailureDetail {
+    /// One line, without the wasm backtrace: what `PolicyVersion::last_failure` keeps.
+    pub(crate) fn short(&self) -> String {
+        match self {
+            FailureDetail::Message(m) => m.to_string(),
+            FailureDetail::Wasm { during, error } => format!("{during}: {}", error.root_cause()),
+        }
+    }
+}
+
 impl Failure {
     pub(crate) fn new(
         reason: FallbackReason,

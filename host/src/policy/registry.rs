@@ -476,16 +476,16 @@ impl PolicyRegistry {
             }
             Err(failure) => {
                 policy.stats.record_failure(failure.reason, nanos);
-                let detail = failure.detail.to_string();
                 tracing::debug!(
                     policy = policy.name(),
                     version = policy.version,
                     reason = failure.reason.as_str(),
-                    detail = %detail,
+                    detail = %failure.detail,
                     "policy decision fell back to the native cost"
                 );
-                *policy.last_failure.lock() =
-                    Some(format!("{}: {detail}", failure.reason.as_str()));
+                // One line (no backtrace): this runs on the request path of every fallback.
+                let last = format!("{}: {}", failure.reason.as_str(), failure.detail.short());
+                *policy.last_failure.lock() = Some(last);
                 let n = policy.consecutive_failures.fetch_add(1, Relaxed) + 1;
                 if n >= self.config().max_consecutive_failures {
                     self.auto_restore(&active, failure.reason, n);
@@ -955,6 +955,49 @@ impl PolicyRegistry {
                 |f| PolicyError::SelfTest(format!("{n} candidates: {} ({})", f.reason, f.detail)),
             )?;
         }
+        // The serving deadline: a policy that cannot answer an 8-candidate decision in time
+        // even once in three tries would fall back on every decision, and be taken out by the
+        // automatic restore after a few. Refusing it here says why at once. Each try first
+        // warms its instance without a deadline (a missed deadline replaces the instance, and a
+        // first call is slow), so three tries are three warm calls. This runs before the warm-up
+        // below, which leaves every pooled instance synced to the router's context.
+        {
+            let (req, cols) = selftest::decision(8);
+            let ctx = DecisionContext {
+                taints: &table,
+                block_size: req.block_size,
+            };
+            let mut in_time = false;
+            for _ in 0..3 {
+                with_wit_decision(&req, &cols, |wreq, wc| version.run(wreq, wc, ctx, ticks))
+                    .map_err(|f| {
+                        PolicyError::SelfTest(format!("8 candidates: {} ({})", f.reason, f.detail))
+                    })?;
+                match with_wit_decision(&req, &cols, |wreq, wc| {
+                    version.run(wreq, wc, ctx, shared.deadline_ticks)
+                }) {
+                    Ok(_) => {
+                        in_time = true;
+                        break;
+                    }
+                    Err(f) if f.reason == FallbackReason::Deadline => {}
+                    Err(f) => {
+                        return Err(PolicyError::SelfTest(format!(
+                            "8 candidates, serving deadline: {} ({})",
+                            f.reason, f.detail
+                        )))
+                    }
+                }
+            }
+            if !in_time {
+                return Err(PolicyError::SelfTest(format!(
+                    "8 candidates: no answer within the serving deadline of {} µs \
+                     (policy_runtime.deadline_us) in 3 warm tries; every decision would fall \
+                     back. Make decide faster, or raise the deadline",
+                    shared.config.deadline_us
+                )));
+            }
+        }
         // Warm: make the pool's instances and run one decision on each (first calls are slow),
         // then hand them the router's current taint table.
         let target = shared.instances_per_stage;
@@ -988,41 +1031,6 @@ impl PolicyRegistry {
             for inst in warmed {
                 stage.put(inst);
             }
-        }
-        // The serving deadline, on warm instances: a policy that cannot answer an 8-candidate
-        // decision in time even once in three tries would fall back on every decision, and be
-        // taken out by the automatic restore after a few. Refusing it here says why at once.
-        // (The best of three, so a noisy moment on the host does not refuse a good policy.)
-        let (req, cols) = selftest::decision(8);
-        let ctx = DecisionContext {
-            taints: &table,
-            block_size: req.block_size,
-        };
-        let mut in_time = false;
-        for _ in 0..3 {
-            match with_wit_decision(&req, &cols, |wreq, wc| {
-                version.run(wreq, wc, ctx, shared.deadline_ticks)
-            }) {
-                Ok(_) => {
-                    in_time = true;
-                    break;
-                }
-                Err(f) if f.reason == FallbackReason::Deadline => {}
-                Err(f) => {
-                    return Err(PolicyError::SelfTest(format!(
-                        "8 candidates, serving deadline: {} ({})",
-                        f.reason, f.detail
-                    )))
-                }
-            }
-        }
-        if !in_time {
-            return Err(PolicyError::SelfTest(format!(
-                "8 candidates: no answer within the serving deadline of {} µs \
-                 (policy_runtime.deadline_us) in 3 tries; every decision would fall back. \
-                 Make decide faster, or raise the deadline",
-                shared.config.deadline_us
-            )));
         }
         Ok(version)
     }
