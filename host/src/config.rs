@@ -213,12 +213,14 @@ impl ServeConfig {
         }))
     }
 
-    /// The `[workers.ID]` entries with their ids, checked as the registry checks a
-    /// `PUT /v1/workers/{id}` (on a scratch router, so nothing is half applied).
-    pub fn start_workers(&self) -> Result<Vec<(u64, crate::workers::WorkerSpec)>, String> {
-        let scratch = crate::router::Router::new(self.router_config())?;
-        let mut out: Vec<(u64, crate::workers::WorkerSpec)> =
-            Vec::with_capacity(self.workers.len());
+    /// Registers the `[workers.ID]` entries on `router` as `PUT /v1/workers/{id}` would. Errors
+    /// name the entry and field. [`Self::validate`] runs this on a scratch router, so a
+    /// configuration it accepts registers in full.
+    pub fn register_workers(
+        &self,
+        router: &crate::router::Router,
+    ) -> Result<Vec<crate::workers::Worker>, String> {
+        let mut out = Vec::with_capacity(self.workers.len());
         for (key, spec) in &self.workers {
             let id: u64 = key
                 .parse()
@@ -230,10 +232,10 @@ impl ServeConfig {
                          from 0 to 2^64-1 (no sign, no leading zeros)"
                     )
                 })?;
-            scratch
+            let worker = router
                 .upsert_worker(id, spec.clone())
                 .map_err(|e| format!("workers.{key}.{}: {}", e.field, e.message))?;
-            out.push((id, spec.clone()));
+            out.push(worker);
         }
         Ok(out)
     }
@@ -323,7 +325,7 @@ impl ServeConfig {
             .validate()
             .map_err(|e| format!("policy_runtime: {e}"))?;
         if !self.workers.is_empty() {
-            self.start_workers()?;
+            self.register_workers(&crate::router::Router::new(self.router_config())?)?;
         }
         Ok(())
     }

@@ -273,7 +273,11 @@ pub fn check(
         // Not a failure (a `std` Rust guest imports WASI it never calls), but named, so an
         // import the author did not expect stands out.
         let names = &info.trapping_imports;
-        let foreign: Vec<&String> = names.iter().filter(|n| !n.starts_with("wasi:")).collect();
+        let foreign: Vec<&str> = names
+            .iter()
+            .map(String::as_str)
+            .filter(|n| !n.starts_with("wasi:"))
+            .collect();
         let mut detail = format!(
             "note: {} linked as traps (calling one fails the decision): {}",
             names.len(),
@@ -282,11 +286,7 @@ pub fn check(
         if !foreign.is_empty() {
             detail.push_str(&format!(
                 "; warning: not WASI, nothing provides these: {}",
-                foreign
-                    .iter()
-                    .map(|s| s.as_str())
-                    .collect::<Vec<_>>()
-                    .join(", ")
+                foreign.join(", ")
             ));
         }
         report.results.push(CheckResult {

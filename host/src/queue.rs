@@ -206,6 +206,8 @@ pub struct PendingQueue<T> {
     index: FxHashMap<String, Slot>,
     tokens: u64,
     next_seq: u64,
+    /// Set by [`Self::close`]: nothing is served any more, so nothing may join.
+    closed: bool,
 }
 
 impl<T> PendingQueue<T> {
@@ -217,6 +219,7 @@ impl<T> PendingQueue<T> {
             index: FxHashMap::default(),
             tokens: 0,
             next_seq: 0,
+            closed: false,
         }
     }
 
@@ -348,6 +351,17 @@ impl<T> PendingQueue<T> {
                 .expect("every queued request is indexed") = slot;
             self.entries.insert(slot, entry);
         }
+    }
+
+    /// Empties the queue for good (shutdown), returning everything in serving order. Later
+    /// callers check [`Self::is_closed`] before waiting.
+    pub fn close(&mut self) -> Vec<QueueEntry<T>> {
+        self.closed = true;
+        self.drain()
+    }
+
+    pub fn is_closed(&self) -> bool {
+        self.closed
     }
 
     /// Empties the queue, returning everything in serving order.

@@ -497,8 +497,6 @@ pub struct Router {
     registry: Registry,
     load: Mutex<LoadTracker>,
     queue: Mutex<PendingQueue<Waiter>>,
-    /// Set by `shutdown_queue` (under the queue's lock): no request joins the queue after it.
-    queue_closed: std::sync::atomic::AtomicBool,
     scorer: ArcSwapOption<Box<dyn Scorer>>,
     native_label: Arc<PolicyLabel>,
     /// `Some` when `config.rng_seed` is set; otherwise the per-thread OS-seeded `RNG`.
@@ -558,7 +556,6 @@ impl Router {
             registry: Registry::new(config.registry),
             load: Mutex::new(LoadTracker::new(config.load)),
             queue: Mutex::new(PendingQueue::new(config.queue_order, config.queue_limits)),
-            queue_closed: std::sync::atomic::AtomicBool::new(false),
             scorer: ArcSwapOption::empty(),
             native_label: PolicyLabel::native(),
             seeded_rng: config.rng_seed.map(SeededRng::new),
@@ -828,7 +825,7 @@ impl Router {
             let mut queue = self.queue.lock();
             // After `shutdown_queue` nobody will serve the queue: refuse rather than wait for
             // a timeout that the shutdown grace period may cut short.
-            if self.queue_closed.load(Relaxed) {
+            if queue.is_closed() {
                 return Err(RouteError::ShuttingDown);
             }
             if let Err((e, _)) = queue.push(entry, workers) {
@@ -1263,11 +1260,7 @@ impl Router {
     /// Answers every waiting request with a retryable `shutting_down` error (graceful shutdown:
     /// waiting requests must not hold the process for the queue timeout).
     pub fn shutdown_queue(&self) -> usize {
-        let drained = {
-            let mut queue = self.queue.lock();
-            self.queue_closed.store(true, Relaxed);
-            queue.drain()
-        };
+        let drained = self.queue.lock().close();
         let n = drained.len();
         for e in drained {
             let _ = e.payload.tx.send(Err(RouteError::ShuttingDown));

@@ -29,12 +29,9 @@ pub const DEFAULT_POLICY_WASM: &[u8] =
 pub fn build(config: &ServeConfig) -> Result<(Arc<Router>, Arc<PolicyRegistry>), String> {
     config.validate()?;
     let router = Arc::new(Router::new(config.router_config())?);
-    for (id, spec) in config.start_workers()? {
-        let w = router
-            .upsert_worker(id, spec)
-            .map_err(|e| format!("workers.{id}.{}: {}", e.field, e.message))?;
+    for w in config.register_workers(&router)? {
         tracing::info!(
-            worker_id = id,
+            worker_id = w.worker_id,
             dp_start = w.dp_start,
             dp_size = w.dp_size,
             kv_events = w.kv_events.as_ref().map(|k| k.endpoint.as_str()),
@@ -73,32 +70,22 @@ pub async fn run(
 ) -> Result<(), String> {
     let (router, policies) = build(&config)?;
     let _watcher = match &config.policy_dir {
-        Some(dir) => {
-            if !dir.is_dir() {
-                return Err(format!(
-                    "policy_dir (--policy-dir) {}: not a directory",
-                    dir.display()
-                ));
-            }
-            // The files already there are loaded before the server listens, so /readyz never
-            // reports ready with a policy the directory is about to replace. A file counts once
-            // it looks the same on two scans (it is not being written).
-            let mut scanner = crate::policy::DirectoryScanner::new(dir.clone())
-                .keep_active_at_start(config.policy.is_some());
-            scanner.scan(&policies);
-            std::thread::sleep(Duration::from_millis(100));
-            scanner.scan(&policies);
-            Some(
-                policies
-                    .watch_directory_with(scanner, Duration::from_millis(500))
-                    .map_err(|e| {
-                        format!(
-                            "cannot watch policy_dir (--policy-dir) {}: {e}",
-                            dir.display()
-                        )
-                    })?,
-            )
-        }
+        // What the directory holds is loaded before the server listens, so /readyz never
+        // reports ready with a policy the directory is about to replace.
+        Some(dir) => Some(
+            policies
+                .load_and_watch_directory(
+                    crate::policy::DirectoryScanner::new(dir.clone())
+                        .keep_active_at_start(config.policy.is_some()),
+                    Duration::from_millis(500),
+                )
+                .map_err(|e| {
+                    format!(
+                        "cannot watch policy_dir (--policy-dir) {}: {e}",
+                        dir.display()
+                    )
+                })?,
+        ),
         None => None,
     };
     let listener = tokio::net::TcpListener::bind(config.listen)
@@ -162,14 +149,14 @@ pub async fn run(
         .active_info()
         .map(|i| format!("{} v{}", i.name, i.version))
         .unwrap_or_else(|| "none".into());
-    let http_threads = config.http_threads();
+    let threads = config.http_threads();
     let ready_to_serve = move || {
         on_listening(local_addr);
         tracing::info!(
             %local_addr,
             version = env!("CARGO_PKG_VERSION"),
             block_size,
-            http_threads,
+            http_threads = threads,
             policy = %active,
             settings = %summary,
             "kvroute listening"
@@ -177,7 +164,6 @@ pub async fn run(
     };
     let ready_flag = ready.clone();
     let draining_router = router.clone();
-    let threads = config.http_threads();
     let grace = Duration::from_secs(config.shutdown_grace_secs);
     let result = http::serving::serve(
         listener,

@@ -305,22 +305,16 @@ impl Registry {
             // Rank r subscribes on port + r (SPEC §4): checking the highest rank's endpoint
             // checks them all, so an endpoint that could never be subscribed is refused here
             // rather than logged later.
-            let last_rank = spec.dp_start + (spec.dp_size - 1);
-            for (field, endpoint) in [
-                ("kv_events.endpoint", Some(&ev.endpoint)),
-                ("kv_events.replay_endpoint", ev.replay_endpoint.as_ref()),
-            ] {
-                let Some(endpoint) = endpoint else { continue };
-                if endpoint.is_empty() {
-                    return Err(spec_error(field, "cannot be empty"));
-                }
-                crate::events::offset_endpoint(endpoint, last_rank).map_err(|e| {
-                    spec_error(
-                        field,
-                        format!("{:?}: {} (e.g. tcp://10.0.0.5:5557)", e.endpoint, e.reason),
-                    )
-                })?;
+            if ev.endpoint.is_empty() {
+                return Err(spec_error("kv_events.endpoint", "cannot be empty"));
             }
+            let last_rank = spec.dp_start + (spec.dp_size - 1);
+            crate::events::rank_endpoints(ev, last_rank).map_err(|(field, e)| {
+                spec_error(
+                    field,
+                    format!("{:?}: {} (e.g. tcp://10.0.0.5:5557)", e.endpoint, e.reason),
+                )
+            })?;
         }
         Ok(())
     }

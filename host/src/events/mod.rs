@@ -160,6 +160,21 @@ pub fn offset_endpoint(endpoint: &str, offset: u32) -> Result<String, EndpointEr
     Ok(format!("tcp://{host}:{port}"))
 }
 
+/// Rank `rank`'s publisher and replay endpoints (an empty replay endpoint is none). The error
+/// names the field at fault: the registry checks a registration with this, for its highest rank,
+/// so what it accepts can be subscribed.
+pub fn rank_endpoints(
+    kv: &crate::workers::KvEventsSpec,
+    rank: DpRank,
+) -> Result<(String, Option<String>), (&'static str, EndpointError)> {
+    let endpoint = offset_endpoint(&kv.endpoint, rank).map_err(|e| ("kv_events.endpoint", e))?;
+    let replay = match kv.replay_endpoint.as_deref() {
+        None | Some("") => None,
+        Some(ep) => Some(offset_endpoint(ep, rank).map_err(|e| ("kv_events.replay_endpoint", e))?),
+    };
+    Ok((endpoint, replay))
+}
+
 /// The subscriptions a worker needs: one per rank, or none without `kv_events`.
 pub fn subscriptions_for(worker: &Worker) -> Result<Vec<SubscriptionSpec>, EndpointError> {
     let Some(kv) = &worker.kv_events else {
@@ -168,14 +183,12 @@ pub fn subscriptions_for(worker: &Worker) -> Result<Vec<SubscriptionSpec>, Endpo
     worker
         .ranks()
         .map(|rank| {
+            let (endpoint, replay_endpoint) = rank_endpoints(kv, rank).map_err(|(_, e)| e)?;
             Ok(SubscriptionSpec {
                 worker_id: worker.worker_id,
                 dp_rank: rank,
-                endpoint: offset_endpoint(&kv.endpoint, rank)?,
-                replay_endpoint: match kv.replay_endpoint.as_deref() {
-                    None | Some("") => None,
-                    Some(ep) => Some(offset_endpoint(ep, rank)?),
-                },
+                endpoint,
+                replay_endpoint,
                 topic: kv.topic.clone(),
             })
         })

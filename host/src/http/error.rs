@@ -148,20 +148,24 @@ pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
 /// Rejects a body whose declared content type is not JSON (a missing type is accepted) or that
 /// is sent encoded (`Content-Encoding` other than `identity`: the server decodes none).
 pub fn require_json(headers: &axum::http::HeaderMap) -> Result<(), ApiError> {
-    require_media_type(headers, "application/json")
+    require_media_type(headers, &["application/json"])
 }
 
-/// [`require_json`] for any media type. Media types compare case-insensitively (RFC 9110
-/// §8.3.1) and parameters such as `charset` are ignored.
-pub fn require_media_type(headers: &axum::http::HeaderMap, expected: &str) -> Result<(), ApiError> {
+/// [`require_json`] for other media types: the first of `accepted` is the one to use, the others
+/// are also taken. Media types compare case-insensitively (RFC 9110 §8.3.1) and parameters such
+/// as `charset` are ignored.
+pub fn require_media_type(
+    headers: &axum::http::HeaderMap,
+    accepted: &[&str],
+) -> Result<(), ApiError> {
     if let Some(ct) = headers.get(header::CONTENT_TYPE) {
         let ct = String::from_utf8_lossy(ct.as_bytes());
         let essence = ct.split(';').next().unwrap_or("").trim();
-        if !essence.is_empty() && !essence.eq_ignore_ascii_case(expected) {
+        if !essence.is_empty() && !accepted.iter().any(|a| essence.eq_ignore_ascii_case(a)) {
             return Err(ApiError::new(
                 StatusCode::UNSUPPORTED_MEDIA_TYPE,
                 "unsupported_media_type",
-                format!("expected Content-Type {expected}, got {ct:?}"),
+                format!("expected Content-Type {}, got {ct:?}", accepted[0]),
             ));
         }
     }

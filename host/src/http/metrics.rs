@@ -322,19 +322,20 @@ fn render_policies(out: &mut String, p: &crate::policy::PolicyRegistry) {
             u8::from(i.active)
         );
     }
-    counter_header(
+    // A counter with one series per version.
+    let per_version =
+        |out: &mut String, name: &str, help: &str, value: fn(&crate::policy::PolicyInfo) -> u64| {
+            counter_header(out, name, help);
+            for i in &list {
+                let _ = writeln!(out, "{name}{{{}}} {}", labels(i), value(i));
+            }
+        };
+    per_version(
         out,
         "kvroute_policy_calls_total",
         "Calls into each policy version.",
+        |i| i.stats.calls,
     );
-    for i in &list {
-        let _ = writeln!(
-            out,
-            "kvroute_policy_calls_total{{{}}} {}",
-            labels(i),
-            i.stats.calls
-        );
-    }
     counter_header(
         out,
         "kvroute_policy_errors_total",
@@ -350,19 +351,12 @@ fn render_policies(out: &mut String, p: &crate::policy::PolicyRegistry) {
             );
         }
     }
-    counter_header(
+    per_version(
         out,
         "kvroute_policy_log_dropped_total",
         "Plugin log lines dropped by the per-instance rate limit.",
+        |i| i.stats.log_dropped,
     );
-    for i in &list {
-        let _ = writeln!(
-            out,
-            "kvroute_policy_log_dropped_total{{{}}} {}",
-            labels(i),
-            i.stats.log_dropped
-        );
-    }
     gauge_header(
         out,
         "kvroute_policy_call_latency_microseconds",

@@ -710,13 +710,7 @@ async fn put_policy(
     })?;
     let (activate, config) = parse_upload_query(&uri)?;
     // application/octet-stream too: what generic tools send for a binary file.
-    error::require_identity_encoding(&headers)?;
-    if error::require_media_type(&headers, "application/octet-stream").is_err() {
-        error::require_media_type(&headers, "application/wasm").map_err(|mut e| {
-            e.message = format!("upload the component as application/wasm; {}", e.message);
-            e
-        })?;
-    }
+    error::require_media_type(&headers, &["application/wasm", "application/octet-stream"])?;
     // Compiling takes tens of milliseconds (seconds for a Python component).
     let info = off_thread(&s, move |r| {
         r.load(&name, &body, config.as_deref(), activate)

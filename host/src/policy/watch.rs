@@ -237,7 +237,36 @@ impl Drop for DirectoryWatcher {
     }
 }
 
+fn require_dir(dir: &Path) -> std::io::Result<()> {
+    if dir.is_dir() {
+        return Ok(());
+    }
+    Err(std::io::Error::new(
+        std::io::ErrorKind::NotFound,
+        format!(
+            "policy directory {} does not exist or is not a directory",
+            dir.display()
+        ),
+    ))
+}
+
 impl PolicyRegistry {
+    /// [`Self::watch_directory_with`], after loading what the directory holds now, before
+    /// returning: a server that answers only after this never serves a policy the directory is
+    /// about to replace. A file counts once it looks the same on two scans (it is not being
+    /// written), so the two scans here are 100 ms apart.
+    pub fn load_and_watch_directory(
+        self: &Arc<Self>,
+        mut scanner: DirectoryScanner,
+        interval: Duration,
+    ) -> std::io::Result<DirectoryWatcher> {
+        require_dir(&scanner.dir)?;
+        scanner.scan(self);
+        std::thread::sleep(Duration::from_millis(100));
+        scanner.scan(self);
+        self.watch_directory_with(scanner, interval)
+    }
+
     /// Polls `dir` every `interval` (500 ms is a good default) in a background thread; see the
     /// [module docs](self) for the rules. The thread ends when the watcher or the registry is dropped.
     pub fn watch_directory(
@@ -256,15 +285,7 @@ impl PolicyRegistry {
         interval: Duration,
     ) -> std::io::Result<DirectoryWatcher> {
         let dir = scanner.dir.clone();
-        if !dir.is_dir() {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::NotFound,
-                format!(
-                    "policy directory {} does not exist or is not a directory",
-                    dir.display()
-                ),
-            ));
-        }
+        require_dir(&dir)?;
         let registry: Weak<Self> = Arc::downgrade(self);
         let stop = Arc::new(AtomicBool::new(false));
         let thread = {
