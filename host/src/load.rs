@@ -16,8 +16,11 @@
 //!   requests on the same candidate (a common system prompt, a multi-turn conversation) occupies the
 //!   engine's memory once, so it counts **once**: the tracker keeps a reference count per
 //!   (candidate, sequence hash) and the candidate's count of distinct active blocks moves only when
-//!   a count goes 0 → 1 or 1 → 0. On top of that come the blocks each request's output has grown
-//!   into ([`LoadTracker::output_progress`]): `ceil((isl + out)/B) - ceil(isl/B)`, never shared.
+//!   a count goes 0 → 1 or 1 → 0. A prompt occupies `ceil(isl/B)` blocks (SPEC §8): the blocks no
+//!   hash names — the partial tail block of a prompt whose length is not a multiple of `B` — are
+//!   private to the request and counted for it alone ([`Booking::private_prompt_blocks`]). On top
+//!   of that come the blocks each request's output has grown into
+//!   ([`LoadTracker::output_progress`]): `ceil((isl + out)/B) - ceil(isl/B)`, never shared.
 //! - `active_requests`: the number of bookings on the candidate.
 //!
 //! [`LoadTracker::free`] (request finished or cancelled) releases everything the request added.
@@ -118,6 +121,20 @@ impl Booking {
     pub fn decode_growth_blocks(&self) -> u64 {
         decode_growth_blocks(self.prompt_tokens, self.output_tokens, self.block_size)
     }
+
+    /// The prompt blocks no hash names: `ceil(isl/B) - hashes`, at least 0. With one hash per
+    /// complete block (as the router books) that is the partial tail block, 1 when `isl` is not a
+    /// multiple of `B`. Nobody else can hold them, so they count for this request alone.
+    pub fn private_prompt_blocks(&self) -> u64 {
+        private_prompt_blocks(self.prompt_tokens, self.block_hashes.len(), self.block_size)
+    }
+}
+
+/// Blocks of a prompt of `prompt_tokens` that none of its `hashed` blocks names:
+/// `ceil(isl/B) - hashed`, at least 0. A block size of 0 is taken as 1.
+pub fn private_prompt_blocks(prompt_tokens: u32, hashed: usize, block_size: u32) -> u64 {
+    let blocks = u64::from(prompt_tokens).div_ceil(u64::from(block_size.max(1)));
+    blocks.saturating_sub(hashed as u64)
 }
 
 /// Blocks that `output_tokens` add after a prompt of `prompt_tokens`:
@@ -151,6 +168,8 @@ struct CandState {
     prefill_tokens: u64,
     /// Sequence hashes with a non-zero reference count on this candidate.
     distinct_blocks: u64,
+    /// Prompt blocks no hash names (partial tails), summed over the bookings.
+    private_blocks: u64,
     growth_blocks: u64,
     requests: FxHashSet<Arc<str>>,
 }
@@ -159,7 +178,7 @@ impl CandState {
     fn load(&self) -> CandidateLoad {
         CandidateLoad {
             active_prefill_tokens: self.prefill_tokens,
-            active_decode_blocks: self.distinct_blocks + self.growth_blocks,
+            active_decode_blocks: self.distinct_blocks + self.private_blocks + self.growth_blocks,
             active_requests: u32::try_from(self.requests.len()).unwrap_or(u32::MAX),
         }
     }
@@ -240,6 +259,7 @@ impl LoadTracker {
 
         let cand = self.candidates.entry(candidate).or_default();
         cand.prefill_tokens += booking.uncached_prompt_tokens();
+        cand.private_blocks += booking.private_prompt_blocks();
         cand.requests.insert(Arc::clone(&id));
         for &h in block_hashes {
             let holders = self.blocks.entry(h).or_default();
@@ -455,6 +475,7 @@ impl LoadTracker {
             cand.prefill_tokens -= booking.uncached_prompt_tokens();
         }
         cand.growth_blocks -= booking.decode_growth_blocks();
+        cand.private_blocks -= booking.private_prompt_blocks();
         cand.requests.remove(request_id);
         for &h in &booking.block_hashes {
             let Entry::Occupied(mut entry) = self.blocks.entry(h) else {
@@ -530,7 +551,8 @@ mod tests {
         let mut t = tracker();
         let now = Instant::now();
         t.book("r1", A, 100, 32, &[1, 2, 3], 16, now).unwrap();
-        assert_eq!(t.load(A), load(68, 3, 1));
+        // ceil(100/16) = 7 blocks: the 3 hashed ones and 4 no hash names
+        assert_eq!(t.load(A), load(68, 7, 1));
         assert_eq!(t.load(B), CandidateLoad::default());
         assert_eq!(t.len(), 1);
         assert!(!t.is_empty());
@@ -546,9 +568,9 @@ mod tests {
     fn cached_beyond_prompt_saturates() {
         let mut t = tracker();
         t.book("r1", A, 10, 50, &[1], 4, Instant::now()).unwrap();
-        assert_eq!(t.load(A), load(0, 1, 1));
+        assert_eq!(t.load(A), load(0, 3, 1));
         t.prefill_complete("r1").unwrap();
-        assert_eq!(t.load(A), load(0, 1, 1));
+        assert_eq!(t.load(A), load(0, 3, 1));
     }
 
     #[test]
@@ -589,14 +611,15 @@ mod tests {
         t.book("r1", A, 100, 20, &[1], 16, now).unwrap();
         t.book("r2", A, 50, 0, &[2], 16, now).unwrap();
         assert_eq!(t.load(A).active_prefill_tokens, 130);
+        // r1: ceil(100/16) = 7 blocks (1 hashed); r2: ceil(50/16) = 4 (1 hashed)
         assert_eq!(t.prefill_complete("r1"), Ok(A));
-        assert_eq!(t.load(A), load(50, 2, 2));
+        assert_eq!(t.load(A), load(50, 11, 2));
         assert_eq!(t.prefill_complete("r1"), Ok(A));
-        assert_eq!(t.load(A), load(50, 2, 2));
+        assert_eq!(t.load(A), load(50, 11, 2));
         assert!(t.get("r1").unwrap().prefill_done);
         // freeing after prefill does not subtract the prompt load twice
         t.free("r1").unwrap();
-        assert_eq!(t.load(A), load(50, 1, 1));
+        assert_eq!(t.load(A), load(50, 4, 1));
     }
 
     #[test]
@@ -616,19 +639,56 @@ mod tests {
     }
 
     #[test]
+    fn private_prompt_blocks_formula() {
+        assert_eq!(private_prompt_blocks(32, 2, 16), 0); // whole blocks, all hashed
+        assert_eq!(private_prompt_blocks(33, 2, 16), 1); // one token into a third block
+        assert_eq!(private_prompt_blocks(47, 2, 16), 1);
+        assert_eq!(private_prompt_blocks(5, 0, 16), 1); // shorter than a block
+        assert_eq!(private_prompt_blocks(0, 0, 16), 0);
+        assert_eq!(private_prompt_blocks(10, 1, 4), 2); // hashes short of the complete blocks
+        assert_eq!(private_prompt_blocks(4, 3, 4), 0); // more hashes than blocks: none
+        assert_eq!(private_prompt_blocks(3, 0, 0), 3); // block size 0 taken as 1
+    }
+
+    #[test]
+    fn partial_tail_blocks_are_each_requests_own() {
+        // SPEC §8: a prompt occupies ceil(isl/B) blocks. Two prompts that share their two
+        // complete blocks share those once, but each has its own partial tail block.
+        let mut t = tracker();
+        let now = Instant::now();
+        t.book("r1", A, 40, 0, &[1, 2], 16, now).unwrap();
+        assert_eq!(t.load(A), load(40, 3, 1));
+        t.book("r2", A, 35, 0, &[1, 2], 16, now).unwrap();
+        assert_eq!(t.load(A), load(75, 4, 2));
+        // a prompt of whole blocks has no tail
+        t.book("r3", A, 48, 0, &[1, 2, 3], 16, now).unwrap();
+        assert_eq!(t.load(A), load(123, 5, 3));
+        // the tail leaves with its request, not before
+        t.prefill_complete("r1").unwrap();
+        assert_eq!(t.load(A).active_decode_blocks, 5);
+        t.free("r1").unwrap();
+        assert_eq!(t.load(A), load(83, 4, 2));
+        t.free("r2").unwrap();
+        assert_eq!(t.load(A), load(48, 3, 1));
+        t.free("r3").unwrap();
+        assert_eq!(t.internal_sizes(), (0, 0, 0, 0));
+    }
+
+    #[test]
     fn output_progress_grows_decode_blocks_monotonically() {
         let mut t = tracker();
+        // 6 tokens at B 4: one complete block and the partial tail, which the output fills
         t.book("r1", A, 6, 0, &[1], 4, Instant::now()).unwrap();
-        assert_eq!(t.load(A).active_decode_blocks, 1);
-        assert_eq!(t.output_progress("r1", 2), Ok(A));
-        assert_eq!(t.load(A).active_decode_blocks, 1);
-        t.output_progress("r1", 3).unwrap();
         assert_eq!(t.load(A).active_decode_blocks, 2);
-        t.output_progress("r1", 10).unwrap();
+        assert_eq!(t.output_progress("r1", 2), Ok(A));
+        assert_eq!(t.load(A).active_decode_blocks, 2);
+        t.output_progress("r1", 3).unwrap();
         assert_eq!(t.load(A).active_decode_blocks, 3);
+        t.output_progress("r1", 10).unwrap();
+        assert_eq!(t.load(A).active_decode_blocks, 4);
         // a smaller total is ignored
         assert_eq!(t.output_progress("r1", 4), Ok(A));
-        assert_eq!(t.load(A).active_decode_blocks, 3);
+        assert_eq!(t.load(A).active_decode_blocks, 4);
         assert_eq!(t.get("r1").unwrap().output_tokens, 10);
         // progress does not complete the prefill
         assert_eq!(t.load(A).active_prefill_tokens, 6);
@@ -656,7 +716,7 @@ mod tests {
         assert_eq!(t.internal_sizes(), (0, 0, 0, 0));
         // the id can be booked again
         t.book("r1", B, 1, 0, &[], 16, now).unwrap();
-        assert_eq!(t.load(B), load(1, 0, 1));
+        assert_eq!(t.load(B), load(1, 1, 1));
     }
 
     #[test]
@@ -670,7 +730,7 @@ mod tests {
         );
         // the failed booking changed nothing
         assert_eq!(t.load(B), CandidateLoad::default());
-        assert_eq!(t.load(A), load(10, 1, 1));
+        assert_eq!(t.load(A), load(10, 3, 1));
         let unknown = LoadError::UnknownRequest("nope".into());
         assert_eq!(t.prefill_complete("nope"), Err(unknown.clone()));
         assert_eq!(t.output_progress("nope", 5), Err(unknown.clone()));
@@ -708,7 +768,7 @@ mod tests {
                 .collect::<Vec<_>>(),
             ["old"]
         );
-        assert_eq!(t.load(A), load(10, 1, 1));
+        assert_eq!(t.load(A), load(10, 3, 1));
         let gone = t.expire(t0 + s(100));
         assert_eq!(
             gone.iter()
@@ -740,7 +800,7 @@ mod tests {
             ["a1", "a1b"]
         );
         assert_eq!(t.load(A1), CandidateLoad::default());
-        assert_eq!(t.load(A), load(10, 1, 1));
+        assert_eq!(t.load(A), load(10, 3, 1));
         assert!(t.remove_candidate(A1).is_empty());
 
         t.book("a1c", A1, 10, 0, &[3], 4, now).unwrap();
@@ -750,7 +810,7 @@ mod tests {
         assert_eq!(ids, ["a0", "a1c"]);
         assert_eq!(t.load(A), CandidateLoad::default());
         assert_eq!(t.load(A1), CandidateLoad::default());
-        assert_eq!(t.load(B), load(10, 1, 1));
+        assert_eq!(t.load(B), load(10, 3, 1));
         assert!(t.remove_worker(1).is_empty());
         assert!(t.remove_worker(42).is_empty());
         assert_eq!(t.len(), 1);
@@ -951,13 +1011,22 @@ mod model_check {
                     (isl + u64::from(b.output_tokens)).div_ceil(bs) - isl.div_ceil(bs)
                 })
                 .sum();
+            // the prompt's blocks past its hashed ones, each booking's own
+            let private: u64 = mine
+                .iter()
+                .map(|b| {
+                    let blocks =
+                        u64::from(b.prompt_tokens).div_ceil(u64::from(b.block_size.max(1)));
+                    blocks.saturating_sub(b.block_hashes.len() as u64)
+                })
+                .sum();
             CandidateLoad {
                 active_prefill_tokens: mine
                     .iter()
                     .filter(|b| !b.prefill_done)
                     .map(|b| u64::from(b.prompt_tokens.saturating_sub(b.cached_tokens)))
                     .sum(),
-                active_decode_blocks: distinct.len() as u64 + growth,
+                active_decode_blocks: distinct.len() as u64 + private + growth,
                 active_requests: mine.len() as u32,
             }
         }
