@@ -19,10 +19,11 @@
 //! is timed, but the free shares the server.
 //!
 //! Two engines drive the connections: `threads` (default; one blocking thread per connection, see
-//! [`client`]) and `epoll` (all connections of a phase on one thread, see [`poll`]). They measure
-//! the same thing. `epoll` was written to take less of the CPU the server needs; side by side on
-//! the 2-core VM it did not (BENCHMARKS.md): each answer still wakes the generator once, and in
-//! the open loop a single thread that loses its core delays every send, so it stays an option.
+//! [`client`]) and `epoll` (the connections shared among `--poll-threads` threads, see [`poll`]);
+//! `--open-engine` picks the open loop's apart from the closed loop's. They measure the same
+//! thing. `epoll` was written to take less of the CPU the server needs; on the 2-core VM it does
+//! in the open loop but not in the closed loop, whose peak comes from the thread engine's
+//! ping-pong (BENCHMARKS.md), so it stays an option.
 
 mod client;
 mod poll;
@@ -122,9 +123,20 @@ struct Cli {
     /// Book each route and free it (two calls per query) instead of query-only routes.
     #[arg(long)]
     book: bool,
-    /// How the connections are driven: a blocking thread each, or one epoll thread for all.
+    /// How the connections are driven: a blocking thread each, or epoll threads that share them.
     #[arg(long, value_enum, default_value = "threads")]
     engine: Engine,
+    /// The engine of the open-loop phases [default: --engine].
+    #[arg(long, value_enum)]
+    open_engine: Option<Engine>,
+    /// Threads of the epoll engine, each with its share of the connections and of the schedule
+    /// (0 = one per CPU the generator may run on).
+    #[arg(long, default_value_t = 0)]
+    poll_threads: usize,
+    /// Epoll engine, open loop: the scheduling timer's tick in µs (it fires every
+    /// max(period, tick); each firing sends what is due).
+    #[arg(long, default_value_t = 50)]
+    tick_us: u64,
     /// After each open-loop phase, print it per 100 ms of send time (sends/s, service time,
     /// send lag), warm-up included: when a tail built up, not only how large it was.
     #[arg(long)]
@@ -133,7 +145,7 @@ struct Cli {
 
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
 enum Engine {
-    /// All connections of a phase on one thread, over epoll and a timerfd.
+    /// Connections shared among `--poll-threads` threads, each over epoll and a periodic timerfd.
     Epoll,
     /// One blocking thread per connection (`nanosleep` for the open-loop schedule).
     Threads,
@@ -415,7 +427,7 @@ fn closed_loop(t: &Arc<Queries>, conns: usize, cli: &Cli, server_pid: Option<u32
 }
 
 fn open_loop(t: &Arc<Queries>, rate: f64, cli: &Cli, server_pid: Option<u32>) -> PhaseResult {
-    if cli.engine == Engine::Epoll {
+    if cli.open_engine.unwrap_or(cli.engine) == Engine::Epoll {
         return poll_phase(t, cli.open_conns, Some(rate), cli, server_pid);
     }
     let conns = cli.open_conns;
@@ -528,30 +540,65 @@ fn poll_phase(
     cli: &Cli,
     server_pid: Option<u32>,
 ) -> PhaseResult {
-    precise_timers();
+    let threads = match cli.poll_threads {
+        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        n => n,
+    };
     let n_prompts = t.requests.len().max(t.bodies.len());
     let start = Instant::now() + Duration::from_millis(20);
     let measure_from = start + Duration::from_secs_f64(cli.warmup);
     let end = measure_from + Duration::from_secs_f64(cli.duration);
-    let mut rng = Rng::new(if rate.is_some() { 0x1234 } else { 0xABCD });
-    let mut next_query = || t.poll_query(rng.below(n_prompts));
-    let mut meter = None;
-    let mut on_measure = || meter = Some(CpuMeter::start(server_pid));
-    let mut plan = poll::Plan {
-        addr: t.addr,
-        conns,
-        period: rate.map(|r| Duration::from_secs_f64(1.0 / r)),
-        start,
-        measure_from,
-        end,
-        next_query: &mut next_query,
-        on_measure: &mut on_measure,
-    };
-    let out = poll::run(&mut plan).unwrap_or_else(|e| panic!("load phase: {e}"));
+    let period = rate.map(|r| Duration::from_secs_f64(1.0 / r));
+    let meter = std::sync::Mutex::new(None::<CpuMeter>);
+    let outcomes: Vec<poll::Outcome> = std::thread::scope(|scope| {
+        let handles: Vec<_> = poll::shares(conns, period, threads)
+            .into_iter()
+            .enumerate()
+            .map(|(k, share)| {
+                let (t, meter) = (t.clone(), &meter);
+                scope.spawn(move || {
+                    precise_timers();
+                    let seed = if rate.is_some() { 0x1234 } else { 0xABCD };
+                    let mut rng = Rng::new(seed + k as u64);
+                    let mut next_query = || t.poll_query(rng.below(n_prompts));
+                    let mut on_measure = || {
+                        let mut m = meter.lock().unwrap();
+                        if m.is_none() {
+                            *m = Some(CpuMeter::start(server_pid));
+                        }
+                    };
+                    let mut plan = poll::Plan {
+                        addr: t.addr,
+                        conns: share.conns,
+                        period: share.period,
+                        start,
+                        schedule_offset: share.schedule_offset,
+                        tick: Duration::from_micros(cli.tick_us),
+                        measure_from,
+                        end,
+                        next_query: &mut next_query,
+                        on_measure: &mut on_measure,
+                    };
+                    poll::run(&mut plan).unwrap_or_else(|e| panic!("load phase: {e}"))
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("epoll thread"))
+            .collect()
+    });
     let (server_cores, loadgen_cores) = meter
+        .lock()
+        .unwrap()
         .as_ref()
         .map(|m: &CpuMeter| m.stop())
         .unwrap_or((None, None));
+    let mut outcomes = outcomes.into_iter();
+    let mut out = outcomes.next().expect("at least one thread");
+    for o in outcomes {
+        out.merge(o);
+    }
     let open = rate.is_some();
     let window = if open {
         (out.last - measure_from).as_secs_f64().max(cli.duration)

@@ -1,16 +1,21 @@
-//! The event-driven engine: every connection of a phase on one thread, over `epoll`.
+//! The event-driven engine: a phase's connections over `epoll`, on one thread or a few.
 //!
 //! Why it exists: the generator shares the machine's two cores with the server it measures, and
 //! the thread engine (one blocking thread per connection) pays a wake-up per response per thread,
-//! with 64 sleeping threads in the open loop. Here one thread waits on all sockets and on a
-//! `timerfd` armed for the next scheduled send (nanosecond resolution, where tokio's timer wheel
-//! rounds to 1 ms), so that under load it could handle several responses per wake-up. Measured
-//! side by side (BENCHMARKS.md) it costs about the same CPU at these connection counts, and a
-//! single thread that loses its core delays every scheduled send at once; hence not the default.
+//! with 64 sleeping threads in the open loop. Here a thread waits on its sockets and on a periodic
+//! `timerfd` (nanosecond resolution, where tokio's timer wheel rounds to 1 ms), so that under load
+//! it handles several responses per wake-up. Measured side by side (BENCHMARKS.md) it costs less
+//! than the thread engine in the open loop once the timer is periodic, but every answer still
+//! wakes a generator thread and every send a server thread; hence not the default.
 //!
 //! Open loop: sends are scheduled at a fixed rate; a send whose time has come goes out on an idle
 //! connection, or waits in a backlog for the first one to free up. Latency is measured from the
-//! scheduled time (no coordinated omission), the service time from the actual send.
+//! scheduled time (no coordinated omission), the service time from the actual send. A periodic
+//! timer (every `max(period, tick)`) wakes the loop for sends that no answer woke it for.
+//!
+//! A phase may run several engines, one thread each (`--poll-threads`): each owns a share of the
+//! connections and every k-th send of the schedule, so a thread that loses its core for a moment
+//! delays only its own share of the sends.
 
 use std::collections::VecDeque;
 use std::io::{self, Read, Write};
@@ -32,6 +37,15 @@ pub struct Plan<'a> {
     /// `Some(period)`: open loop, one send per period.
     pub period: Option<Duration>,
     pub start: Instant,
+    /// Open loop: this engine's sends are at `start + schedule_offset + n * period` (several
+    /// engines share one schedule by taking every k-th send each, offset by one period apiece).
+    pub schedule_offset: Duration,
+    /// Open loop: the scheduling timer fires every `max(period, tick)`, and each firing sends
+    /// everything due by then. One periodic timer instead of one armed per send: arming a timer
+    /// is a syscall that reprograms the (virtual) timer hardware, a quarter of this engine's CPU
+    /// when it was armed before each wait. A send waits at most one tick, and that wait is
+    /// measured as send lag and charged to the latency.
+    pub tick: Duration,
     pub measure_from: Instant,
     pub end: Instant,
     /// The next query to send, and, in booking mode, the request that frees it.
@@ -75,6 +89,43 @@ pub struct Outcome {
     pub timeline: Timeline,
     /// When the last counted answer arrived.
     pub last: Instant,
+}
+
+/// One engine's share of a phase run by several: its connections and its part of the schedule.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Share {
+    pub conns: usize,
+    /// Open loop: the engine's own period (the phase's times the number of engines).
+    pub period: Option<Duration>,
+    /// Open loop: when its first send is due, after the phase's start.
+    pub schedule_offset: Duration,
+}
+
+/// Splits `conns` connections and a schedule of one send per `period` among `engines` engines
+/// (at most one per connection): engine k gets every `engines`-th send from the k-th on, and the
+/// connections are dealt as evenly as they go.
+pub fn shares(conns: usize, period: Option<Duration>, engines: usize) -> Vec<Share> {
+    let n = engines.clamp(1, conns.max(1));
+    (0..n)
+        .map(|k| Share {
+            conns: conns / n + usize::from(k < conns % n),
+            period: period.map(|p| p * n as u32),
+            schedule_offset: period.map_or(Duration::ZERO, |p| p * k as u32),
+        })
+        .collect()
+}
+
+impl Outcome {
+    /// Adds what another engine of the same phase measured.
+    pub fn merge(&mut self, other: Outcome) {
+        self.done += other.done;
+        self.errors += other.errors;
+        self.latency.add(&other.latency).expect("same bounds");
+        self.service.add(&other.service).expect("same bounds");
+        self.lag.add(&other.lag).expect("same bounds");
+        self.timeline.merge(&other.timeline);
+        self.last = self.last.max(other.last);
+    }
 }
 
 enum Stage {
@@ -162,16 +213,18 @@ impl Timer {
 
     /// Fires once after `d` (at least 1 ns: zero would disarm it).
     fn arm(&self, d: Duration) {
-        let d = d.max(Duration::from_nanos(1));
+        self.arm_every(d, Duration::ZERO)
+    }
+
+    /// Fires after `first` (at least 1 ns), then every `interval` (zero: once).
+    fn arm_every(&self, first: Duration, interval: Duration) {
+        let ts = |d: Duration| libc::timespec {
+            tv_sec: d.as_secs() as libc::time_t,
+            tv_nsec: d.subsec_nanos() as libc::c_long,
+        };
         let spec = libc::itimerspec {
-            it_interval: libc::timespec {
-                tv_sec: 0,
-                tv_nsec: 0,
-            },
-            it_value: libc::timespec {
-                tv_sec: d.as_secs() as libc::time_t,
-                tv_nsec: d.subsec_nanos() as libc::c_long,
-            },
+            it_interval: ts(interval),
+            it_value: ts(first.max(Duration::from_nanos(1))),
         };
         // SAFETY: `spec` is valid; the old value is not asked for.
         unsafe { libc::timerfd_settime(self.0.as_raw_fd(), 0, &spec, std::ptr::null_mut()) };
@@ -423,7 +476,13 @@ pub fn run(plan: &mut Plan<'_>) -> io::Result<Outcome> {
     let mut backlog: VecDeque<Instant> = VecDeque::new();
     let mut sent_so_far: u64 = 0;
     let mut events = vec![libc::epoll_event { events: 0, u64: 0 }; n + 1];
-    let start = e.plan.start;
+    let start = e.plan.start + e.plan.schedule_offset;
+    if let Some(period) = e.plan.period {
+        timer.arm_every(
+            start.saturating_duration_since(Instant::now()),
+            period.max(e.plan.tick),
+        );
+    }
     // The open loop waits this long after the window for the answers still owed.
     let give_up = e.plan.end + Duration::from_secs(30);
     loop {
@@ -469,8 +528,7 @@ pub fn run(plan: &mut Plan<'_>) -> io::Result<Outcome> {
             Some(period) => {
                 let next = start + period.mul_f64(sent_so_far as f64);
                 if next < e.plan.end {
-                    timer.arm(next.saturating_duration_since(Instant::now()));
-                    -1
+                    -1 // the periodic timer wakes the loop for it
                 } else {
                     100 // only answers are awaited now
                 }
@@ -502,4 +560,148 @@ pub fn run(plan: &mut Plan<'_>) -> io::Result<Outcome> {
         }
     }
     Ok(e.out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::BufRead;
+    use std::net::TcpListener;
+    use std::sync::Arc;
+
+    /// A loopback HTTP/1.1 responder: `200 {}` to every request, keep-alive, a thread per
+    /// connection. Stops when the test process does.
+    fn responder() -> SocketAddr {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        std::thread::spawn(move || {
+            for s in listener.incoming() {
+                let Ok(s) = s else { return };
+                std::thread::spawn(move || {
+                    let mut w = s.try_clone().unwrap();
+                    let mut r = std::io::BufReader::new(s);
+                    loop {
+                        let mut len = 0usize;
+                        loop {
+                            let mut line = String::new();
+                            if r.read_line(&mut line).unwrap_or(0) == 0 {
+                                return;
+                            }
+                            if line == "\r\n" {
+                                break;
+                            }
+                            let lower = line.to_ascii_lowercase();
+                            if let Some(v) = lower.strip_prefix("content-length:") {
+                                len = v.trim().parse().unwrap();
+                            }
+                        }
+                        let mut body = vec![0; len];
+                        if r.read_exact(&mut body).is_err()
+                            || w.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
+                                .is_err()
+                        {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        addr
+    }
+
+    /// Runs `threads` engines over one open-loop schedule the way the load generator does: each
+    /// takes every `threads`-th send, offset by one period apiece.
+    fn open_phase(addr: SocketAddr, threads: usize, period: Duration, tick: Duration) -> Outcome {
+        let req = Arc::new(vec![crate::client::request("POST", "/x", "h", b"{}")]);
+        let start = Instant::now() + Duration::from_millis(20);
+        let measure_from = start + Duration::from_millis(100);
+        let end = measure_from + Duration::from_millis(400);
+        let handles: Vec<_> = shares(4 * threads, Some(period), threads)
+            .into_iter()
+            .map(|share| {
+                let req = req.clone();
+                std::thread::spawn(move || {
+                    let mut next_query = || Query {
+                        request: Req::Shared(req.clone(), 0),
+                        then: None,
+                    };
+                    let mut on_measure = || {};
+                    let mut plan = Plan {
+                        addr,
+                        conns: share.conns,
+                        period: share.period,
+                        start,
+                        schedule_offset: share.schedule_offset,
+                        tick,
+                        measure_from,
+                        end,
+                        next_query: &mut next_query,
+                        on_measure: &mut on_measure,
+                    };
+                    run(&mut plan).unwrap()
+                })
+            })
+            .collect();
+        let mut outs = handles.into_iter().map(|h| h.join().unwrap());
+        let mut out = outs.next().unwrap();
+        outs.for_each(|o| out.merge(o));
+        out
+    }
+
+    #[test]
+    fn shares_deal_connections_and_interleave_the_schedule() {
+        let ms = Duration::from_millis;
+        let s = shares(5, Some(ms(1)), 2);
+        assert_eq!(
+            s,
+            [
+                Share {
+                    conns: 3,
+                    period: Some(ms(2)),
+                    schedule_offset: ms(0)
+                },
+                Share {
+                    conns: 2,
+                    period: Some(ms(2)),
+                    schedule_offset: ms(1)
+                },
+            ]
+        );
+        // never more engines than connections; a closed loop has no schedule
+        let s = shares(2, None, 8);
+        assert_eq!(s.len(), 2);
+        assert!(s.iter().all(|x| x.conns == 1 && x.period.is_none()));
+        assert_eq!(shares(0, None, 2).len(), 1);
+    }
+
+    #[test]
+    fn engines_sharing_a_schedule_send_each_scheduled_query_once() {
+        let addr = responder();
+        // 400 ms at one send per ms: 400 sends in the window, whatever the tick, split over one or
+        // three engines (a send at the window's edge may fall either side: ±1 per engine).
+        for (threads, tick_us) in [(1, 50), (3, 50), (3, 5_000)] {
+            let out = open_phase(
+                addr,
+                threads,
+                Duration::from_millis(1),
+                Duration::from_micros(tick_us),
+            );
+            assert_eq!(out.errors, 0);
+            let want = 400i64;
+            assert!(
+                (out.done as i64 - want).abs() <= threads as i64,
+                "{threads} engines, tick {tick_us} us: {} answered sends, want {want}",
+                out.done
+            );
+            assert_eq!(out.latency.len(), out.done);
+            // A 5 ms tick holds sends back for up to a tick, and the lag says so.
+            if tick_us == 5_000 {
+                assert!(
+                    out.lag.value_at_quantile(0.9) >= 1_000_000,
+                    "lag p90 {} ns",
+                    out.lag.value_at_quantile(0.9)
+                );
+            }
+        }
+    }
 }
