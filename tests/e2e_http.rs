@@ -560,6 +560,47 @@ fn route_ask_only_and_explain() {
     let d = s.route_ok(&json!({"tokens": p, "book": false, "explain": false}));
     assert!(d.get("candidates").is_none());
     assert!(d.get("answer").is_none());
+    assert!(d.get("excluded").is_none());
+
+    // Explain also names the candidates a hard rule kept out, each with the rule.
+    let d = s.route_ok(&json!({"tokens": p, "book": false, "explain": true}));
+    assert_eq!(d["excluded"], json!([]), "nothing excluded: {d}");
+    let d = s.route_ok(&json!({"tokens": p, "book": false, "explain": true,
+        "routing_constraints": {"required_taints": ["zone=b"]}}));
+    assert_eq!(
+        d["excluded"],
+        json!([{"worker_id": 1, "dp_rank": 0, "reason": "missing_required_taints",
+                "overlap_blocks": 0, "active_prefill_tokens": 50}]),
+        "{d}"
+    );
+    assert_eq!(d["candidates"].as_array().unwrap().len(), 2, "{d}");
+    s.patch("/v1/workers/2", &json!({"draining": true}))
+        .expect(200);
+    let d = s.route_ok(&json!({"tokens": p, "book": false, "explain": true,
+        "allowed_worker_ids": [1, 2]}));
+    assert_eq!(d["worker_id"], 1, "{d}");
+    assert_eq!(
+        d["excluded"],
+        json!([{"worker_id": 2, "dp_rank": 0, "reason": "draining",
+                "overlap_blocks": 0, "active_prefill_tokens": 0},
+               {"worker_id": 2, "dp_rank": 1, "reason": "draining",
+                "overlap_blocks": 2, "active_prefill_tokens": 0}]),
+        "{d}"
+    );
+    let d = s.route_ok(&json!({"tokens": p, "book": false, "explain": true,
+        "allowed_worker_ids": [1]}));
+    let reasons: Vec<(u64, &str)> = d["excluded"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| {
+            (
+                e["worker_id"].as_u64().unwrap(),
+                e["reason"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(reasons, [(2, "not_allowed"), (2, "not_allowed")], "{d}");
 }
 
 #[test]
@@ -1572,14 +1613,17 @@ fn openapi_document_matches_served_behaviour() {
 
     // Setup: a worker and a booked request for the path parameters to point at.
     s.put_worker(7, &json!({}));
-    s.route_ok(&json!({"request_id": "oa-1", "tokens": tokens(48, 111)}));
+    s.route_ok(&json!({"request_id": "oa-1", "tokens": tokens(48, 111),
+                       "pinned_worker": {"worker_id": 7}}));
+    // A second worker, kept out of the sample route so that its `excluded` rows are checked too.
+    s.put_worker(8, &json!({}));
     let p = tokens(48, 112);
     let sample_bodies: BTreeMap<&str, Value> = [
         ("WorkerSpec", json!({"dp_size": 1, "taints": ["zone=a"]})),
         ("WorkerPatch", json!({"taints": ["zone=b"]})),
         (
             "RouteRequest",
-            json!({"tokens": p, "book": false, "explain": true}),
+            json!({"tokens": p, "book": false, "explain": true, "allowed_worker_ids": [7]}),
         ),
         ("Output", json!({"tokens": 5})),
         ("OverlapRequest", json!({"tokens": p})),

@@ -53,6 +53,18 @@ pub enum Ineligible {
     Busy,
 }
 
+impl Ineligible {
+    /// Stable snake_case name (the `reason` of an explained decision's excluded candidates).
+    pub fn code(self) -> &'static str {
+        match self {
+            Ineligible::NotAllowed => "not_allowed",
+            Ineligible::MissingTaints => "missing_required_taints",
+            Ineligible::Draining => "draining",
+            Ineligible::Busy => "busy",
+        }
+    }
+}
+
 /// The predicate. Cheap: no allocation, a hash probe at most.
 #[inline]
 pub fn check(

@@ -217,6 +217,18 @@ pub struct ExplainRow {
     pub chosen: bool,
 }
 
+/// A candidate a hard rule kept out of an explained decision, and which rule (the first that
+/// failed, in SPEC §6's order).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ExcludedRow {
+    pub worker_id: WorkerId,
+    pub dp_rank: DpRank,
+    /// `not_allowed`, `missing_required_taints`, `draining` or `busy`.
+    pub reason: &'static str,
+    pub overlap_blocks: u32,
+    pub active_prefill_tokens: u64,
+}
+
 /// Time spent in each phase of a decision.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Timings {
@@ -240,6 +252,9 @@ pub struct RouteDecision {
     pub queued: Duration,
     pub booked: bool,
     pub candidates: Option<Vec<ExplainRow>>,
+    /// With `explain`: the candidates considered (the pinned worker's ranks when pinned) that a
+    /// hard rule excluded, so nobody has to guess why a worker was not chosen.
+    pub excluded: Option<Vec<ExcludedRow>>,
     /// With `explain`: what the policy answered (`costs`, `pick`), or `native` when the native
     /// cost decided (no policy, or a fallback).
     pub answer: Option<&'static str>,
@@ -991,6 +1006,8 @@ impl Router {
             // Candidates excluded, by `Ineligible` reason (for the error's message).
             let mut excluded = [0u32; 4];
             let mut eligible_idx: Vec<u32> = Vec::with_capacity(pool.len().min(1024));
+            // With `explain`: (pool index, reason, prefill load) of every excluded candidate.
+            let mut excluded_rows: Vec<(u32, Ineligible, u64)> = Vec::new();
             {
                 let load = self.load.lock();
                 for (i, c) in pool.iter().enumerate() {
@@ -1003,6 +1020,9 @@ impl Router {
                         Err(why) => {
                             if why == Ineligible::Busy {
                                 busy += 1;
+                            }
+                            if p.req.explain {
+                                excluded_rows.push((i as u32, why, l.active_prefill_tokens));
                             }
                             excluded[why as usize] += 1;
                             first_failure.get_or_insert(why);
@@ -1177,6 +1197,21 @@ impl Router {
                     })
                     .collect()
             });
+            let excluded = p.req.explain.then(|| {
+                excluded_rows
+                    .iter()
+                    .map(|&(i, why, prefill)| {
+                        let c = &pool[i as usize];
+                        ExcludedRow {
+                            worker_id: c.key.worker_id,
+                            dp_rank: c.key.dp_rank,
+                            reason: why.code(),
+                            overlap_blocks: dense.get(c.slot)[0],
+                            active_prefill_tokens: prefill,
+                        }
+                    })
+                    .collect()
+            });
             self.counters.decisions.fetch_add(1, Relaxed);
             Ok(RouteDecision {
                 request_id: p.request_id.clone(),
@@ -1190,6 +1225,7 @@ impl Router {
                 booked: p.req.book,
                 answer: p.req.explain.then_some(answer),
                 candidates: explain,
+                excluded,
                 timings: Timings {
                     hash: p.hash_time,
                     matching,
@@ -1478,6 +1514,55 @@ mod tests {
             })
             .unwrap();
         assert_eq!(d.candidate.worker_id, 2, "draining worker 1 is skipped");
+    }
+
+    #[test]
+    fn explain_names_each_excluded_candidate_and_the_rule() {
+        let r = router(RouterConfig {
+            busy_threshold: Some(0.5),
+            ..Default::default()
+        });
+        r.upsert_worker(1, worker(&["zone=a"], 100)).unwrap();
+        r.upsert_worker(2, worker(&["zone=b"], 100)).unwrap();
+        r.upsert_worker(3, worker(&["zone=b"], 100)).unwrap();
+        r.upsert_worker(4, worker(&["zone=b"], 100)).unwrap();
+        r.patch_worker(4, None, Some(true)).unwrap();
+        // 80 uncached prompt tokens on worker 3: over half of its 100 batched tokens.
+        r.route_now(RouteRequest {
+            pinned: Some(Pin {
+                worker_id: 3,
+                dp_rank: None,
+            }),
+            ..RouteRequest::tokens(prompt(80))
+        })
+        .unwrap();
+        let d = r
+            .route_now(RouteRequest {
+                allowed_worker_ids: Some(vec![2, 3, 4]),
+                required_taints: vec!["zone=b".into()],
+                explain: true,
+                ..ask(prompt(32))
+            })
+            .unwrap();
+        assert_eq!(d.candidate.worker_id, 2);
+        let row = |w, reason, prefill| ExcludedRow {
+            worker_id: w,
+            dp_rank: 0,
+            reason,
+            overlap_blocks: 0,
+            active_prefill_tokens: prefill,
+        };
+        assert_eq!(
+            d.excluded.unwrap(),
+            [
+                row(1, "not_allowed", 0),
+                row(3, "busy", 80),
+                row(4, "draining", 0)
+            ]
+        );
+        // Without explain nothing is collected.
+        let d = r.route_now(ask(prompt(32))).unwrap();
+        assert!(d.excluded.is_none() && d.candidates.is_none());
     }
 
     #[test]

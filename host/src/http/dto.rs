@@ -226,6 +226,9 @@ pub struct RouteResponse {
     pub answer: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub candidates: Option<Vec<CandidateOut>>,
+    /// With `explain`: the candidates a hard rule kept out, each with the rule.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub excluded: Option<Vec<crate::router::ExcludedRow>>,
 }
 
 impl From<RouteDecision> for RouteResponse {
@@ -248,6 +251,7 @@ impl From<RouteDecision> for RouteResponse {
             candidates: d
                 .candidates
                 .map(|rows| rows.into_iter().map(CandidateOut::from).collect()),
+            excluded: d.excluded,
         }
     }
 }

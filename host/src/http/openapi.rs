@@ -149,7 +149,11 @@ fn base_document() -> Value {
                         "worker_id": {"type": "integer"}, "dp_rank": {"type": "integer"}, "overlap_blocks": {"type": "integer"},
                         "active_prefill_tokens": {"type": "integer"}, "active_decode_blocks": {"type": "integer"},
                         "taints": {"type": "array", "items": {"type": "string"}}, "cost": {"type": "number", "description": "What the pick was made from: the policy's cost when it answered costs, else the native cost."},
-                        "chosen": {"type": "boolean"}}}}}},
+                        "chosen": {"type": "boolean"}}}},
+                    "excluded": {"type": "array", "description": "With explain: the candidates considered (the pinned worker's ranks when pinned) that a hard rule kept out, with the first rule each failed.", "items": {"type": "object", "required": ["worker_id", "dp_rank", "reason", "overlap_blocks", "active_prefill_tokens"], "properties": {
+                        "worker_id": {"type": "integer"}, "dp_rank": {"type": "integer"},
+                        "reason": {"type": "string", "enum": ["not_allowed", "missing_required_taints", "draining", "busy"]},
+                        "overlap_blocks": {"type": "integer"}, "active_prefill_tokens": {"type": "integer"}}}}}},
                 "Lifecycle": {"type": "object", "required": ["request_id", "status"], "properties": {"request_id": {"type": "string"}, "status": {"type": "string"}, "worker_id": {"type": "integer"}, "dp_rank": {"type": "integer"}}},
                 "Output": {"type": "object", "additionalProperties": false, "required": ["tokens"], "properties": {"tokens": {"type": "integer", "minimum": 0}}},
                 "OverlapRequest": {"type": "object", "additionalProperties": false, "properties": {
