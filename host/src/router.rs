@@ -1002,9 +1002,8 @@ impl Router {
             cols.taint_offsets.push(0);
             loads.clear();
             let mut first_failure: Option<Ineligible> = None;
-            let mut busy = 0usize;
             // Candidates excluded, by `Ineligible` reason (for the error's message).
-            let mut excluded = [0u32; 4];
+            let mut excluded_by = [0u32; 4];
             let mut eligible_idx: Vec<u32> = Vec::with_capacity(pool.len().min(1024));
             // With `explain`: (pool index, reason, prefill load) of every excluded candidate.
             let mut excluded_rows: Vec<(u32, Ineligible, u64)> = Vec::new();
@@ -1018,13 +1017,10 @@ impl Router {
                             loads.push(l);
                         }
                         Err(why) => {
-                            if why == Ineligible::Busy {
-                                busy += 1;
-                            }
                             if p.req.explain {
                                 excluded_rows.push((i as u32, why, l.active_prefill_tokens));
                             }
-                            excluded[why as usize] += 1;
+                            excluded_by[why as usize] += 1;
                             first_failure.get_or_insert(why);
                         }
                     }
@@ -1037,6 +1033,7 @@ impl Router {
             }
             if eligible_idx.is_empty() {
                 self.counters.rejected.fetch_add(1, Relaxed);
+                let busy = excluded_by[Ineligible::Busy as usize];
                 if let Some(pin) = p.req.pinned {
                     // A pinned rank-less request: report the most actionable reason.
                     let why = if busy > 0 {
@@ -1057,8 +1054,8 @@ impl Router {
                         (Ineligible::Draining, "draining"),
                     ]
                     .iter()
-                    .filter(|(r, _)| excluded[*r as usize] > 0)
-                    .map(|(r, what)| format!("{} {what}", excluded[*r as usize]))
+                    .filter(|(r, _)| excluded_by[*r as usize] > 0)
+                    .map(|(r, what)| format!("{} {what}", excluded_by[*r as usize]))
                     .collect();
                     RouteError::AllFiltered(why.join(", "))
                 });

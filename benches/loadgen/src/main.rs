@@ -22,8 +22,9 @@
 //! [`client`]) and `epoll` (the connections shared among `--poll-threads` threads, see [`poll`]);
 //! `--open-engine` picks the open loop's apart from the closed loop's. They measure the same
 //! thing. `epoll` was written to take less of the CPU the server needs; on the 2-core VM it does
-//! in the open loop but not in the closed loop, whose peak comes from the thread engine's
-//! ping-pong (BENCHMARKS.md), so it stays an option.
+//! not (BENCHMARKS.md): the closed loop's peak comes from the thread engine's ping-pong, and in
+//! the open loop it has the lower tail below saturation but delivers less near it, so it stays an
+//! option.
 
 mod client;
 mod poll;

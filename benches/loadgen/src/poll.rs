@@ -4,9 +4,10 @@
 //! the thread engine (one blocking thread per connection) pays a wake-up per response per thread,
 //! with 64 sleeping threads in the open loop. Here a thread waits on its sockets and on a periodic
 //! `timerfd` (nanosecond resolution, where tokio's timer wheel rounds to 1 ms), so that under load
-//! it handles several responses per wake-up. Measured side by side (BENCHMARKS.md) it costs less
-//! than the thread engine in the open loop once the timer is periodic, but every answer still
-//! wakes a generator thread and every send a server thread; hence not the default.
+//! it handles several responses per wake-up. Measured side by side (BENCHMARKS.md) it gives the
+//! lower tail below saturation, but it costs no less CPU than the thread engine (every answer
+//! still wakes a generator thread and every send a server thread) and delivers less at the
+//! standard sweep's open-loop levels; hence not the default.
 //!
 //! Open loop: sends are scheduled at a fixed rate; a send whose time has come goes out on an idle
 //! connection, or waits in a backlog for the first one to free up. Latency is measured from the

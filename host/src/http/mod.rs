@@ -429,6 +429,8 @@ async fn post_events(
         dropped: 0,
         errors: Vec::new(),
     };
+    // For events without `dp_rank` (read once per request, not per event).
+    let registry = s.router.registry().snapshot();
     for (index, item) in items.into_iter().enumerate() {
         let mut drop = |code: &'static str, message: String| {
             s.metrics.record_event(code);
@@ -457,7 +459,6 @@ async fn post_events(
         // Without `dp_rank`, the worker's first rank (its `dp_start`; 0 for an unknown worker,
         // which the router then reports as unknown).
         let dp_rank = env.event.dp_rank.unwrap_or_else(|| {
-            let registry = s.router.registry().snapshot();
             registry
                 .workers
                 .get(&env.worker_id)

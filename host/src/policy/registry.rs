@@ -772,29 +772,18 @@ impl PolicyRegistry {
     /// Builds a version and records it under `name`; activates it when asked or when `name` is the
     /// active policy. Caller holds the admin lock.
     fn install(&self, name: &str, build: Build, activate: bool) -> Result<PolicyInfo, PolicyError> {
-        let number = {
-            let mut state = self.state.lock();
-            let v = state.versions.entry(name.to_string()).or_insert(0);
-            *v += 1;
-            *v
-        };
+        // The number is taken only when the version is installed, so a refused version leaves no
+        // trace, its number included (the admin lock is held: no other install runs meanwhile).
+        let number = self.state.lock().versions.get(name).map_or(1, |v| v + 1);
         let version = match self.build(name, number, build) {
             Ok(v) => Arc::new(v),
             Err(e) => {
-                // A refused version leaves no trace, its number included (the admin lock is
-                // held, so no other install took a number meanwhile).
-                let mut state = self.state.lock();
-                if let Some(v) = state.versions.get_mut(name) {
-                    *v -= 1;
-                    if *v == 0 {
-                        state.versions.remove(name);
-                    }
-                }
                 tracing::warn!(policy = name, code = e.code(), error = %e, "policy refused; nothing changed");
                 return Err(e);
             }
         };
         let mut state = self.state.lock();
+        state.versions.insert(name.to_string(), number);
         let name_active = self
             .active
             .load()

@@ -136,9 +136,8 @@ impl DirectoryScanner {
         ready.sort_by(|a, b| a.0.cmp(&b.0).then_with(|| a.1.cmp(&b.1)));
         for (_, key, name, kind, path, stamp) in ready {
             // A file from before the start loads unchanged; only a later one (or a change) activates.
-            let first_load_of_a_file_from_before =
-                self.initial.remove(&key) && !self.done.contains_key(&key);
-            let activate = !first_load_of_a_file_from_before;
+            // (`initial` loses a key at its first load, so a key still in it was never loaded.)
+            let activate = !self.initial.remove(&key);
             self.done.insert(key, stamp);
             let result = match kind {
                 Kind::Component => self.load_component(registry, &name, &path, activate),
