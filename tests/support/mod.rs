@@ -494,19 +494,6 @@ pub fn temp_file(name: &str, contents: &str) -> PathBuf {
     path
 }
 
-/// A fresh, empty directory under the system temp dir.
-pub fn temp_dir(tag: &str) -> PathBuf {
-    use std::sync::atomic::{AtomicU32, Ordering};
-    static N: AtomicU32 = AtomicU32::new(0);
-    let dir = std::env::temp_dir().join(format!(
-        "kvroute-{tag}-{}-{}",
-        std::process::id(),
-        N.fetch_add(1, Ordering::Relaxed)
-    ));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("creating {}: {e}", dir.display()));
-    dir
-}
 
 // ---- block hashing (SPEC §2), computed independently of the host's own code ---------------------
 
@@ -564,7 +551,6 @@ pub fn engine_hash(seq: u64) -> u64 {
 // ---- plugins -----------------------------------------------------------------------------------
 
 // Building plugin components is shared with the host's own integration tests: one implementation.
-#[path = "../../host/tests/support/mod.rs"]
-mod plugin_build;
+pub mod plugins;
 #[allow(unused_imports)]
-pub use plugin_build::{build_plugin, plugin_bytes, workspace_root};
+pub use plugins::{build_plugin, plugin_bytes, temp_dir, workspace_root};

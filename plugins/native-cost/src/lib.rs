@@ -2,7 +2,7 @@
 //! preferred taints included, from the candidate columns.
 //!
 //! It is the reference plugin: benchmarks compare it with the host's own native path, and
-//! equivalence tests check that it returns the same costs as `kvroute_host::cost::native_costs`.
+//! equivalence tests check that it returns the same costs as `kvroute_core::cost::native_costs`.
 //!
 //! Configuration (all optional; unknown keys are rejected):
 //! ```json

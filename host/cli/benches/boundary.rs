@@ -1,0 +1,133 @@
+//! What a component call costs on this host, part by part: the floor under every Wasm policy
+//! decision, whatever the policy does.
+//!
+//! `cargo bench -p kvroute-host --bench boundary -- --warm-up-time 1 --measurement-time 3`
+//!
+//! The probe component (`plugins/testing/boundary-probe`) does no work, so each row is the price
+//! of a call's *shape* on the policy engine (`kvroute_policy::engine_config`): one entry
+//! into the guest; one list argument (each list or string argument is one more call into the
+//! guest's allocator); a list result (lifted, then freed by a post-return call); the three column
+//! lists of `decide`; and `decide`'s whole shape. Beside them, in the same run, the full decision
+//! path (`PolicyRegistry::decide` with `native-cost` passing the host's base costs through) and
+//! the native path, so BENCHMARKS.md can say how much of a small decision is the boundary itself.
+//! Sizes are those of an 8-candidate decision.
+
+#[path = "../../../tests/support/plugins.rs"]
+mod support;
+
+use std::hint::black_box;
+
+use criterion::{criterion_group, criterion_main, Criterion};
+use kvroute_core::cost::{fill_base_costs, native_costs, pick, CostWeights};
+use kvroute_policy::{engine_config, Outcome, PolicyRegistry, PolicyRuntimeConfig};
+use rand::rngs::SmallRng;
+use rand::SeedableRng;
+use wasmtime::component::{Component, Linker};
+use wasmtime::{Engine, Store};
+
+wasmtime::component::bindgen!({
+    path: "../../plugins/testing/boundary-probe/wit",
+    world: "boundary-probe",
+});
+
+const CANDIDATES: usize = 8;
+
+fn boundary(c: &mut Criterion) {
+    let engine = Engine::new(&engine_config(&PolicyRuntimeConfig::default())).expect("engine");
+    let bytes = support::plugin_bytes("kvroute-test-boundary-probe");
+    let component = Component::new(&engine, &bytes).expect("compile the probe");
+    let mut linker: Linker<()> = Linker::new(&engine);
+    linker
+        .define_unknown_imports_as_traps(&component)
+        .expect("link");
+    let mut store = Store::new(&engine, ());
+    // No ticker runs here: a deadline far away, as a policy call's is when it does not overrun.
+    store.set_epoch_deadline(u64::MAX / 2);
+    let probe = BoundaryProbe::instantiate(&mut store, &component, &linker).expect("instantiate");
+    let probe = probe.kvroute_boundary_probe_probe();
+
+    // The sizes of an 8-candidate decision with 2 taints per candidate and 2 preferred taints.
+    let n = CANDIDATES;
+    let u64s: Vec<u64> = (0..4 * n as u64).collect();
+    let u32s: Vec<u32> = (0..(8 * n + 1 + 2 * n + 2) as u32).collect();
+    let f64s: Vec<f64> = (0..n + 2).map(|i| i as f64).collect();
+
+    let mut group = c.benchmark_group("boundary");
+    group.bench_function("nop", |b| {
+        b.iter(|| probe.call_nop(&mut store).expect("nop"));
+    });
+    group.bench_function("take_list", |b| {
+        b.iter(|| black_box(probe.call_take_list(&mut store, &f64s).expect("take")));
+    });
+    group.bench_function("echo_list", |b| {
+        b.iter(|| black_box(probe.call_echo_list(&mut store, &f64s).expect("echo")));
+    });
+    group.bench_function("take_columns", |b| {
+        b.iter(|| {
+            black_box(
+                probe
+                    .call_take_columns(&mut store, &u64s, &u32s, &f64s)
+                    .expect("columns"),
+            )
+        });
+    });
+    group.bench_function("decide_shape", |b| {
+        b.iter(|| {
+            black_box(
+                probe
+                    .call_decide_shape(
+                        &mut store,
+                        "req-000001",
+                        "",
+                        4096,
+                        256,
+                        1.0,
+                        0,
+                        0.0,
+                        1,
+                        &u64s,
+                        &u32s,
+                        &f64s,
+                    )
+                    .expect("decide shape"),
+            )
+        });
+    });
+
+    // The real thing, same run: the native path, and the policy runtime with `native-cost`
+    // trusting the host's base costs (the boundary plus the runtime's bookkeeping).
+    let reg = PolicyRegistry::new(PolicyRuntimeConfig::default()).expect("policy runtime");
+    reg.load(
+        "native-cost",
+        &support::plugin_bytes("kvroute-plugin-native-cost"),
+        Some(r#"{"use_base_cost": true}"#),
+        true,
+    )
+    .expect("load native-cost");
+    let taints = support::taint_table(1, 4);
+    let weights = CostWeights::default();
+    let mut rng = SmallRng::seed_from_u64(8);
+    let (mut req, mut cols) = support::random_decision(&mut rng, n, 4);
+    req.preferred_taints = vec![(0, 0.5), (2, -0.3)];
+    let mut costs = Vec::with_capacity(n);
+    group.bench_function("native_decision", |b| {
+        b.iter(|| {
+            fill_base_costs(&req, &mut cols, &weights);
+            native_costs(&req, &cols, &mut costs);
+            black_box(pick(&costs, req.temperature, &mut rng))
+        })
+    });
+    group.bench_function("policy_decision_passthrough", |b| {
+        b.iter(|| {
+            fill_base_costs(&req, &mut cols, &weights);
+            match reg.decide(&req, &cols, &taints).outcome {
+                Outcome::Costs(c) => black_box(pick(&c, req.temperature, &mut rng)),
+                other => panic!("the bench policy must answer costs: {other:?}"),
+            }
+        })
+    });
+    group.finish();
+}
+
+criterion_group!(benches, boundary);
+criterion_main!(benches);

@@ -1,0 +1,185 @@
+//! Policy runtime benchmarks: the native decision path vs the same cost as a Wasm component, swap
+//! latency, and the first decision after a swap vs steady state.
+//!
+//! `cargo bench -p kvroute-host --bench policy -- --warm-up-time 1 --measurement-time 3`
+//!
+//! The Wasm component is `plugins/native-cost` (built here for wasm32-wasip2, release), which
+//! recomputes SPEC §7's cost from the columns, preferred taints included — the same work as the
+//! native path, so the difference is the cost of the component boundary.
+
+#[path = "../../../tests/support/plugins.rs"]
+mod support;
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
+use kvroute_core::cost::{fill_base_costs, native_costs, pick, CostWeights};
+use kvroute_policy::{Outcome, PolicyRegistry, PolicyRuntimeConfig};
+use rand::rngs::SmallRng;
+use rand::SeedableRng;
+
+const NATIVE: &str = "kvroute-plugin-native-cost";
+
+fn registry() -> PolicyRegistry {
+    PolicyRegistry::new(PolicyRuntimeConfig::default()).expect("policy runtime")
+}
+
+fn decision_path(c: &mut Criterion) {
+    let bytes = support::plugin_bytes(NATIVE);
+    let reg = registry();
+    reg.load("native-cost", &bytes, None, true)
+        .expect("load native-cost");
+    // The same component trusting the host's base costs (it only applies the preferred taints):
+    // mostly the boundary.
+    let passthrough = registry();
+    passthrough
+        .load(
+            "native-cost",
+            &bytes,
+            Some(r#"{"use_base_cost": true}"#),
+            true,
+        )
+        .expect("load native-cost passthrough");
+    let taints = support::taint_table(1, 4);
+    let weights = CostWeights::default();
+    let mut group = c.benchmark_group("decision");
+    for n in [8usize, 64, 1024] {
+        let mut rng = SmallRng::seed_from_u64(n as u64);
+        let (mut req, mut cols) = support::random_decision(&mut rng, n, 4);
+        req.preferred_taints = vec![(0, 0.5), (2, -0.3)];
+        let mut costs = Vec::with_capacity(n);
+        group.bench_with_input(BenchmarkId::new("native", n), &n, |b, _| {
+            b.iter(|| {
+                fill_base_costs(&req, &mut cols, &weights);
+                native_costs(&req, &cols, &mut costs);
+                black_box(pick(&costs, req.temperature, &mut rng))
+            })
+        });
+        for (label, reg) in [("wasm", &reg), ("wasm-passthrough", &passthrough)] {
+            group.bench_with_input(BenchmarkId::new(label, n), &n, |b, _| {
+                b.iter(|| {
+                    fill_base_costs(&req, &mut cols, &weights);
+                    let d = reg.decide(&req, &cols, &taints);
+                    match d.outcome {
+                        Outcome::Costs(c) => black_box(pick(&c, req.temperature, &mut rng)),
+                        Outcome::Pick(i) => Some(i),
+                        Outcome::Fallback(r) => panic!("fallback in bench: {r}"),
+                    }
+                })
+            });
+        }
+    }
+    group.finish();
+}
+
+/// `bytes` (a component) with a custom section `kvroute-bench` holding `n` appended: a valid
+/// component with a different digest.
+fn with_custom_section(bytes: &[u8], n: u64) -> Vec<u8> {
+    let name = b"kvroute-bench";
+    let payload = n.to_le_bytes();
+    let size = 1 + name.len() + payload.len();
+    let mut out = bytes.to_vec();
+    out.push(0); // custom section id
+    out.push(size as u8); // LEB128, < 128
+    out.push(name.len() as u8);
+    out.extend_from_slice(name);
+    out.extend_from_slice(&payload);
+    out
+}
+
+fn swap(c: &mut Criterion) {
+    let bytes = support::plugin_bytes(NATIVE);
+    eprintln!("swap: component {NATIVE} is {} bytes", bytes.len());
+    let reg = registry();
+    reg.load("a", &bytes, None, true).expect("load");
+    let mut group = c.benchmark_group("swap");
+    group.sample_size(10);
+    // Bytes in → active: check, compile, configure, self-test, warm, flip. Each iteration loads
+    // different bytes (a custom section with a counter appended), so nothing is cached.
+    let mut counter = 0u64;
+    group.bench_function(format!("load_activate_new_{}KB", bytes.len() / 1000), |b| {
+        b.iter_with_setup(
+            || {
+                counter += 1;
+                with_custom_section(&bytes, counter)
+            },
+            |fresh| reg.load("a", &fresh, None, true).expect("load"),
+        )
+    });
+    // The same bytes again (e.g. a re-upload): the compiled component is reused.
+    group.bench_function("reload_same_bytes", |b| {
+        b.iter(|| reg.load("a", &bytes, None, true).expect("load"))
+    });
+    // A new configuration: no compile; configure, self-test, warm, flip.
+    let mut flip = false;
+    group.bench_function("reconfigure", |b| {
+        b.iter(|| {
+            flip = !flip;
+            let cfg = if flip {
+                r#"{"use_base_cost":true}"#
+            } else {
+                "{}"
+            };
+            reg.configure("a", cfg).expect("configure")
+        })
+    });
+    group.bench_function("activate_existing", |b| {
+        reg.load("b", &bytes, None, false).expect("load b");
+        let mut flip = false;
+        b.iter(|| {
+            flip = !flip;
+            reg.activate(if flip { "b" } else { "a" })
+                .expect("activate")
+        })
+    });
+    group.finish();
+}
+
+fn first_decision_after_swap(c: &mut Criterion) {
+    let bytes = support::plugin_bytes(NATIVE);
+    let reg = registry();
+    reg.load("a", &bytes, None, true).expect("load");
+    let taints = support::taint_table(1, 4);
+    let mut rng = SmallRng::seed_from_u64(64);
+    let (req, cols) = support::random_decision(&mut rng, 64, 4);
+    // Let the registry see the router's taint table, as it would in service.
+    reg.decide(&req, &cols, &taints);
+    let mut group = c.benchmark_group("after_swap_64");
+    group.sample_size(10);
+    group.bench_function("steady_state", |b| {
+        b.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            for _ in 0..iters {
+                let t = Instant::now();
+                black_box(reg.decide(&req, &cols, &taints));
+                total += t.elapsed();
+            }
+            total
+        })
+    });
+    let mut flip = false;
+    group.bench_function("first_decision", |b| {
+        b.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            for _ in 0..iters {
+                flip = !flip;
+                let cfg = if flip {
+                    r#"{"use_base_cost":true}"#
+                } else {
+                    "{}"
+                };
+                reg.configure("a", cfg).expect("configure");
+                let t = Instant::now();
+                let d = reg.decide(&req, &cols, &taints);
+                total += t.elapsed();
+                assert!(!d.is_fallback());
+            }
+            total
+        })
+    });
+    group.finish();
+}
+
+criterion_group!(benches, decision_path, swap, first_decision_after_swap);
+criterion_main!(benches);

@@ -1,0 +1,346 @@
+//! `kvroute`: the operator's command line.
+//!
+//! The routing core lives in `kvroute-core`, the Wasm runtime in `kvroute-policy`, the HTTP server in
+//! `kvroute-server` and the simulator in `kvroute-replay`; this binary parses the command line and
+//! hands each subcommand to its crate (docs/ARCHITECTURE.md).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+mod scaffold;
+
+use clap::{Args, Parser, Subcommand};
+use kvroute_server::config::{LogFormat, ServeConfig};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "kvroute",
+    version,
+    about = "KV-cache-aware request router for LLM inference fleets"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Run the router's HTTP server (API v1).
+    Serve(ServeArgs),
+    /// Replay a request trace on a simulated fleet to compare routing policies.
+    Replay(kvroute_replay::ReplayArgs),
+    /// Write and check policy components.
+    #[command(subcommand)]
+    Policy(PolicyCommand),
+}
+
+#[derive(Subcommand, Debug)]
+enum PolicyCommand {
+    /// Run the conformance suite on a component; non-zero exit on failure.
+    Check {
+        /// The component (.wasm).
+        file: PathBuf,
+        /// JSON configuration handed to `configure`.
+        #[arg(long)]
+        config: Option<String>,
+        /// Per-call deadline in microseconds, 100 to 60,000,000 [default: the server's, 2000].
+        #[arg(long, value_parser = clap::value_parser!(u64).range(100..=60_000_000))]
+        deadline_us: Option<u64>,
+    },
+    /// Scaffold a plugin crate that builds and passes `policy check` as created.
+    New {
+        /// Plugin name (lower-case letters, digits, dashes).
+        name: String,
+        /// Directory to create [default: ./NAME].
+        #[arg(long)]
+        dir: Option<PathBuf>,
+        /// Path to kvroute's sdk/ directory [default: the one this binary was built from].
+        #[arg(long, env = "KVROUTE_SDK_PATH")]
+        sdk_path: Option<PathBuf>,
+    },
+}
+
+fn policy_main(cmd: PolicyCommand) -> ExitCode {
+    match cmd {
+        PolicyCommand::Check {
+            file,
+            config,
+            deadline_us,
+        } => {
+            let bytes = match std::fs::read(&file) {
+                Ok(b) => b,
+                Err(e) => {
+                    eprintln!("error: cannot read {}: {e}", file.display());
+                    return ExitCode::from(2);
+                }
+            };
+            match kvroute_policy::conformance::check(&bytes, config.as_deref(), deadline_us) {
+                Ok(report) => {
+                    print!("{}", report.render());
+                    if report.passed() {
+                        ExitCode::SUCCESS
+                    } else {
+                        ExitCode::FAILURE
+                    }
+                }
+                Err(e) => {
+                    println!("kvroute policy check: {}\nFAIL: {e}", file.display());
+                    ExitCode::FAILURE
+                }
+            }
+        }
+        PolicyCommand::New {
+            name,
+            dir,
+            sdk_path,
+        } => {
+            let dir = dir.unwrap_or_else(|| PathBuf::from(&name));
+            let sdk = sdk_path.unwrap_or_else(scaffold::default_sdk_path);
+            match scaffold::scaffold(&name, &dir, &sdk) {
+                Ok(files) => {
+                    for f in files {
+                        println!("created {}", f.display());
+                    }
+                    println!(
+                        "next: cd {} && cargo build --release --target wasm32-wasip2",
+                        dir.display()
+                    );
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    ExitCode::from(2)
+                }
+            }
+        }
+    }
+}
+
+/// Flags override `KVROUTE_*` environment variables, which override the config file.
+#[derive(Args, Debug)]
+#[command(after_help = "\
+More settings live only in the config file (--config): [routing] (queue order, limits and \
+timeout, load expiry, temperature), [limits], [cost], [policy_runtime], [workers.ID] (workers \
+registered at start) and shutdown_grace_secs. README.md, \"Configure\", has an example of each.
+
+Operating it:
+  GET /healthz, GET /readyz      liveness, readiness (a policy is active)
+  GET /metrics                   Prometheus text format
+  GET /openapi.json              the HTTP API
+  KVROUTE_LOG=info,kvroute_events=debug log filter; --log-format json for collectors
+  Without --admin-token, admin endpoints (worker, event and policy writes) answer loopback
+  clients only. SIGTERM/SIGINT: queued requests are refused, requests in flight finish.")]
+struct ServeArgs {
+    /// TOML configuration file.
+    #[arg(long, env = "KVROUTE_CONFIG")]
+    config: Option<PathBuf>,
+    /// Address to listen on, IP:PORT or HOST:PORT [default: 127.0.0.1:8080].
+    #[arg(long, env = "KVROUTE_LISTEN", value_parser = kvroute_server::config::parse_listen)]
+    listen: Option<SocketAddr>,
+    /// Tokens per KV block; must match the engines' [default: 16].
+    #[arg(long, env = "KVROUTE_BLOCK_SIZE")]
+    block_size: Option<u32>,
+    /// A policy component to load and activate instead of the default.
+    #[arg(long, env = "KVROUTE_POLICY")]
+    policy: Option<PathBuf>,
+    /// The name --policy is registered under [default: its file name without .wasm].
+    #[arg(long, env = "KVROUTE_POLICY_NAME")]
+    policy_name: Option<String>,
+    /// JSON configuration for --policy (or, without it, for the embedded default policy).
+    #[arg(long, env = "KVROUTE_POLICY_CONFIG")]
+    policy_config: Option<String>,
+    /// Directory watched for NAME.wasm policies (and NAME.json configs): a file dropped in or
+    /// changed is loaded and activated. With --policy, the files already there at start are
+    /// loaded but do not replace it.
+    #[arg(long, env = "KVROUTE_POLICY_DIR")]
+    policy_dir: Option<PathBuf>,
+    /// Bearer token for admin endpoints.
+    #[arg(long, env = "KVROUTE_ADMIN_TOKEN", hide_env_values = true)]
+    admin_token: Option<String>,
+    /// Busy threshold (fraction of max_num_batched_tokens); turns the queue on.
+    #[arg(long, env = "KVROUTE_BUSY_THRESHOLD", allow_negative_numbers = true)]
+    busy_threshold: Option<f64>,
+    /// Index from routing decisions (for engines that publish no KV events); `--approximate`
+    /// alone means true.
+    #[arg(
+        long,
+        env = "KVROUTE_APPROXIMATE",
+        num_args = 0..=1,
+        default_missing_value = "true",
+        require_equals = false
+    )]
+    approximate: Option<bool>,
+    /// Log format.
+    #[arg(long, env = "KVROUTE_LOG_FORMAT", value_enum)]
+    log_format: Option<LogFormat>,
+    /// Threads serving HTTP connections; 0 = one per CPU [default: 0].
+    #[arg(long, env = "KVROUTE_HTTP_THREADS")]
+    http_threads: Option<usize>,
+}
+
+impl ServeArgs {
+    fn into_config(self) -> Result<ServeConfig, String> {
+        let mut c = match &self.config {
+            Some(p) => ServeConfig::from_file(p)?,
+            None => ServeConfig::default(),
+        };
+        if let Some(v) = self.listen {
+            c.listen = v;
+        }
+        if let Some(v) = self.block_size {
+            c.block_size = v;
+        }
+        if let Some(v) = self.policy {
+            c.policy = Some(v);
+        }
+        if let Some(v) = self.policy_name {
+            c.policy_name = Some(v);
+        }
+        if let Some(v) = self.policy_config {
+            c.policy_config = Some(v);
+        }
+        if let Some(v) = self.policy_dir {
+            c.policy_dir = Some(v);
+        }
+        if let Some(v) = self.admin_token {
+            c.admin_token = Some(v);
+        }
+        if let Some(v) = self.busy_threshold {
+            c.routing.busy_threshold = Some(v);
+        }
+        if let Some(v) = self.approximate {
+            c.routing.approximate = v;
+        }
+        if let Some(v) = self.log_format {
+            c.log_format = v;
+        }
+        if let Some(v) = self.http_threads {
+            c.http_threads = v;
+        }
+        c.validate()?;
+        Ok(c)
+    }
+}
+
+fn init_logging(format: LogFormat) {
+    let filter = match std::env::var("KVROUTE_LOG") {
+        Ok(v) if !v.trim().is_empty() => {
+            tracing_subscriber::EnvFilter::try_new(&v).unwrap_or_else(|e| {
+                eprintln!(
+                    "warning: KVROUTE_LOG={v:?} is not a valid log filter ({e}); logging at info"
+                );
+                tracing_subscriber::EnvFilter::new("info")
+            })
+        }
+        _ => tracing_subscriber::EnvFilter::new("info"),
+    };
+    // Colour only on a terminal (a log file or collector gets plain text), and never with NO_COLOR.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr())
+        && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(ansi)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Json => builder.json().init(),
+        LogFormat::Text => builder.init(),
+    }
+}
+
+/// Parses the command line. A bad value that came from a `KVROUTE_*` variable rather than the
+/// command line gets a note naming the variable: clap's message names only the flag, which the
+/// operator never typed.
+fn parse_cli() -> Cli {
+    let err = match Cli::try_parse() {
+        Ok(cli) => return cli,
+        Err(e) => e,
+    };
+    use clap::error::{ContextKind, ContextValue, ErrorKind};
+    let from_env = match (err.kind(), err.get(ContextKind::InvalidArg)) {
+        (ErrorKind::InvalidValue | ErrorKind::ValueValidation, Some(ContextValue::String(arg))) => {
+            env_source_of(arg)
+        }
+        _ => None,
+    };
+    let code = err.exit_code();
+    let _ = err.print();
+    if let Some(var) = from_env {
+        eprintln!("note: the value comes from the environment variable {var}");
+    }
+    std::process::exit(code);
+}
+
+/// The environment variable behind flag `arg` (as clap prints it, `--name <NAME>`), if the flag
+/// is not on the command line and its variable is set.
+fn env_source_of(arg: &str) -> Option<String> {
+    use clap::CommandFactory;
+    let long = arg.split_whitespace().next()?.strip_prefix("--")?;
+    let typed = std::env::args_os().skip(1).any(|a| {
+        let a = a.to_string_lossy();
+        a == format!("--{long}") || a.starts_with(&format!("--{long}="))
+    });
+    if typed {
+        return None;
+    }
+    let cmd = Cli::command();
+    let var = cmd
+        .get_subcommands()
+        .flat_map(|s| s.get_arguments())
+        .find(|a| a.get_long() == Some(long))?
+        .get_env()?
+        .to_string_lossy()
+        .into_owned();
+    std::env::var_os(&var).map(|_| var)
+}
+
+fn main() -> ExitCode {
+    let cli = parse_cli();
+    match cli.command {
+        Command::Replay(args) => kvroute_replay::cli_main(args),
+        Command::Policy(cmd) => policy_main(cmd),
+        Command::Serve(args) => {
+            let config = match args.into_config() {
+                Ok(c) => c,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    return ExitCode::from(2);
+                }
+            };
+            init_logging(config.log_format);
+            // This runtime accepts connections, runs maintenance and waits for signals; the
+            // HTTP connections are served by threads of their own (`http::serving`).
+            let rt = match tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(rt) => rt,
+                Err(e) => {
+                    eprintln!("error: cannot start the async runtime: {e}");
+                    return ExitCode::FAILURE;
+                }
+            };
+            let result = rt.block_on(kvroute_server::serve::run(
+                config,
+                kvroute_server::serve::shutdown_signal(),
+                |addr| {
+                    // One machine-readable line for scripts and tests, whatever the log format.
+                    println!("kvroute listening on http://{addr}");
+                },
+            ));
+            // Do not wait for what the grace period gave up on (a serving thread still in a
+            // stalled client's request, the blocking task joining it): the process ends here.
+            rt.shutdown_background();
+            match result {
+                Ok(()) => {
+                    tracing::info!("kvroute stopped");
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,305 @@
+//! `kvroute policy new NAME`: a plugin crate that builds and passes `kvroute policy check` as
+//! created, so an author starts from something that works and changes one function.
+
+use std::path::{Path, PathBuf};
+
+/// Where the SDK this binary was built with lives (the generated crate depends on it by path).
+pub fn default_sdk_path() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../sdk")
+}
+
+/// Names a crate cannot take: Rust keywords (the library's name would be one) and crates the
+/// generated crate depends on or that every crate sees.
+const RESERVED: &[&str] = &[
+    "abstract",
+    "alloc",
+    "as",
+    "async",
+    "await",
+    "become",
+    "box",
+    "break",
+    "const",
+    "continue",
+    "core",
+    "crate",
+    "do",
+    "dyn",
+    "else",
+    "enum",
+    "extern",
+    "false",
+    "final",
+    "fn",
+    "for",
+    "gen",
+    "if",
+    "impl",
+    "in",
+    "kvroute-sdk",
+    "let",
+    "loop",
+    "macro",
+    "match",
+    "mod",
+    "move",
+    "mut",
+    "override",
+    "priv",
+    "proc-macro",
+    "pub",
+    "ref",
+    "return",
+    "self",
+    "serde",
+    "serde-derive",
+    "static",
+    "std",
+    "struct",
+    "super",
+    "test",
+    "trait",
+    "true",
+    "try",
+    "type",
+    "typeof",
+    "unsafe",
+    "unsized",
+    "use",
+    "virtual",
+    "where",
+    "while",
+    "wit-bindgen",
+    "yield",
+];
+
+/// Checks a plugin name: lower-case letters, digits and dashes, starting with a letter, and not a
+/// name the crate could not build under.
+pub fn validate_name(name: &str) -> Result<(), String> {
+    let ok = !name.is_empty()
+        && name.len() <= 64
+        && name.starts_with(|c: char| c.is_ascii_lowercase())
+        && name
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-');
+    if !ok {
+        return Err(format!(
+            "{name:?} is not a plugin name: use lower-case letters, digits and dashes, starting with a letter (e.g. `my-policy`)"
+        ));
+    }
+    if RESERVED.contains(&name) {
+        return Err(format!(
+            "{name:?} is a Rust keyword or the name of a crate the plugin depends on: choose another (e.g. `{name}-policy`)"
+        ));
+    }
+    Ok(())
+}
+
+/// The policy type's name: the plugin name in CamelCase, ending in `Policy` (`my-policy` →
+/// `MyPolicy`, `ttft` → `TtftPolicy`), so it never shadows a name the generated code uses (the
+/// SDK's `Policy`, `Request`, `Config`, `Harness`, or the prelude's `Result`, `Default`, `Ok`).
+fn type_name(name: &str) -> String {
+    let camel: String = name
+        .split('-')
+        .map(|p| {
+            let mut c = p.chars();
+            match c.next() {
+                Some(f) => f.to_ascii_uppercase().to_string() + c.as_str(),
+                None => String::new(),
+            }
+        })
+        .collect();
+    if camel.ends_with("Policy") && camel != "Policy" {
+        camel
+    } else {
+        camel + "Policy"
+    }
+}
+
+/// Writes the crate into `dir` (which must not exist). Returns the files written.
+pub fn scaffold(name: &str, dir: &Path, sdk: &Path) -> Result<Vec<PathBuf>, String> {
+    validate_name(name)?;
+    if dir.exists() {
+        return Err(format!(
+            "{} already exists: choose another name or --dir",
+            dir.display()
+        ));
+    }
+    let sdk = sdk.canonicalize().map_err(|e| {
+        format!(
+            "the SDK is not at {} ({e}): pass --sdk-path (or set KVROUTE_SDK_PATH) with the \
+                 path of the sdk/ directory of a kvroute checkout",
+            sdk.display()
+        )
+    })?;
+    if !sdk.join("Cargo.toml").exists() {
+        return Err(format!(
+            "{} has no Cargo.toml: pass --sdk-path pointing at kvroute's sdk/ directory",
+            sdk.display()
+        ));
+    }
+    let ident = type_name(name);
+    let cargo = format!(
+        r#"[package]
+name = "{name}"
+version = "0.1.0"
+edition = "2021"
+publish = false
+
+[lib]
+crate-type = ["cdylib", "rlib"]
+
+[dependencies]
+kvroute-sdk = {{ path = "{sdk}" }}
+serde = {{ version = "1", features = ["derive"] }}
+
+[profile.release]
+opt-level = "s"
+debug = false
+
+# A standalone crate, even inside another workspace.
+[workspace]
+"#,
+        sdk = sdk.display().to_string().replace('\\', "/"),
+    );
+    let lib = format!(
+        r##"//! `{name}`: a kvroute routing policy.
+//!
+//! Build: `cargo build --release --target wasm32-wasip2`
+//! Check: `kvroute policy check target/wasm32-wasip2/release/{file}.wasm`
+
+use kvroute_sdk::{{
+    parse_config, preferred_multiplier, Candidates, Context, Decision, Policy,
+    Request,
+}};
+
+/// Configuration: `{{"cache_weight": 1.0}}` (unknown keys are rejected).
+#[derive(Clone, Copy, Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct Config {{
+    /// How much each cached block lowers the cost, on top of the host's base cost.
+    cache_weight: f64,
+}}
+
+impl Default for Config {{
+    fn default() -> Self {{
+        Self {{ cache_weight: 0.0 }}
+    }}
+}}
+
+#[derive(Default)]
+pub struct {ident} {{
+    config: Config,
+}}
+
+impl Policy for {ident} {{
+    fn configure(&mut self, json: &str) -> Result<(), String> {{
+        let c: Config = parse_config("{name}", json)?;
+        if !c.cache_weight.is_finite() {{
+            return Err("{name}: cache_weight must be a finite number".into());
+        }}
+        self.config = c;
+        Ok(())
+    }}
+
+    fn decide(&mut self, _ctx: &Context, req: &Request, c: &Candidates) -> Decision {{
+        // Start from the host's native cost, apply the request's preferred taints, and reward
+        // cached blocks a little more. Lower is better.
+        Decision::Costs(
+            c.rows()
+                .map(|r| {{
+                    let cost = r.base_cost() - self.config.cache_weight * f64::from(r.device_overlap());
+                    cost * preferred_multiplier(req, r)
+                }})
+                .collect(),
+        )
+    }}
+}}
+
+kvroute_sdk::export_policy!({ident});
+
+#[cfg(test)]
+mod tests {{
+    use super::*;
+    use kvroute_sdk::testing::{{candidate, request, Harness}};
+
+    #[test]
+    fn prefers_the_cached_candidate() {{
+        let mut h = Harness::<{ident}>::new();
+        let set = [candidate(1), candidate(2).device_overlap(16)];
+        assert_eq!(h.pick(&request(256), &set), 1);
+    }}
+
+    #[test]
+    fn rejects_bad_configuration() {{
+        let mut h = Harness::<{ident}>::new();
+        assert!(h.configure(r#"{{"cache_weight": "lots"}}"#).is_err());
+        h.configure(r#"{{"cache_weight": 0.5}}"#).unwrap();
+    }}
+}}
+"##,
+        file = name.replace('-', "_"),
+    );
+    let readme = format!(
+        "# {name}\n\nA kvroute routing policy.\n\n```sh\ncargo test                                   # unit tests, native\ncargo build --release --target wasm32-wasip2  # the component\nkvroute policy check target/wasm32-wasip2/release/{file}.wasm\n```\n",
+        file = name.replace('-', "_")
+    );
+    let files = [
+        (dir.join("Cargo.toml"), cargo),
+        (dir.join("src/lib.rs"), lib),
+        (dir.join("README.md"), readme),
+        (dir.join(".gitignore"), "/target\n".to_string()),
+    ];
+    std::fs::create_dir_all(dir.join("src"))
+        .map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    let mut written = Vec::new();
+    for (path, text) in files {
+        std::fs::write(&path, text).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+        written.push(path);
+    }
+    Ok(written)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_checked() {
+        assert!(validate_name("my-policy2").is_ok());
+        for bad in ["", "My", "9lives", "a_b", "a b", "../x"] {
+            assert!(validate_name(bad).is_err(), "{bad}");
+        }
+        for reserved in ["self", "kvroute-sdk", "serde", "std", "type", "proc-macro"] {
+            let e = validate_name(reserved).unwrap_err();
+            assert!(
+                e.contains("keyword or the name of a crate"),
+                "{reserved}: {e}"
+            );
+        }
+    }
+
+    #[test]
+    fn type_names_end_in_policy_and_shadow_nothing() {
+        assert_eq!(type_name("my-policy"), "MyPolicy");
+        assert_eq!(type_name("ttft"), "TtftPolicy");
+        assert_eq!(type_name("cache-aware2"), "CacheAware2Policy");
+        for (name, ident) in [
+            ("policy", "PolicyPolicy"),
+            ("config", "ConfigPolicy"),
+            ("request", "RequestPolicy"),
+            ("harness", "HarnessPolicy"),
+            ("result", "ResultPolicy"),
+        ] {
+            assert_eq!(type_name(name), ident);
+        }
+    }
+
+    #[test]
+    fn refuses_an_existing_directory() {
+        let dir = std::env::temp_dir();
+        assert!(scaffold("x", &dir, &default_sdk_path())
+            .unwrap_err()
+            .contains("already exists"));
+    }
+}

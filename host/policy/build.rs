@@ -1,0 +1,69 @@
+//! Builds the default policy component (`plugins/default`) from source and embeds it in the
+//! `kvroute` binary, so `kvroute serve` runs a real Wasm policy out of the box.
+//!
+//! The component is built by a nested `cargo build --release --target wasm32-wasip2` into its own
+//! target directory (`target/wasm-plugins`, shared with the tests' plugin builds), since the outer
+//! build holds the lock on the main one.
+
+use std::env;
+use std::path::PathBuf;
+use std::process::Command;
+
+fn main() {
+    let manifest = PathBuf::from(env::var("CARGO_MANIFEST_DIR").expect("set by cargo"));
+    let workspace = manifest
+        .ancestors()
+        .nth(2)
+        .expect("host/policy sits two levels below the workspace")
+        .to_path_buf();
+    for dir in ["plugins/default", "sdk", "wit"] {
+        println!("cargo:rerun-if-changed={}", workspace.join(dir).display());
+    }
+    println!("cargo:rerun-if-env-changed=KVROUTE_PLUGIN_TARGET_DIR");
+    let target_dir = env::var_os("KVROUTE_PLUGIN_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace.join("target/wasm-plugins"));
+    let cargo = env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let mut cmd = Command::new(cargo);
+    cmd.args([
+        "build",
+        "--release",
+        "--target",
+        "wasm32-wasip2",
+        "-p",
+        "kvroute-plugin-default",
+        "--manifest-path",
+    ])
+    .arg(workspace.join("Cargo.toml"));
+    // Flags and wrappers meant for the host build (clippy, coverage, sanitizers) must not leak
+    // into the Wasm build.
+    for var in [
+        "RUSTFLAGS",
+        "CARGO_ENCODED_RUSTFLAGS",
+        "RUSTC_WRAPPER",
+        "RUSTC_WORKSPACE_WRAPPER",
+        "CARGO_BUILD_TARGET",
+        "CARGO_PRIMARY_PACKAGE",
+    ] {
+        cmd.env_remove(var);
+    }
+    // Set last: the nested build must never touch the outer build's (locked) target directory.
+    cmd.env("CARGO_TARGET_DIR", &target_dir);
+    let output = cmd
+        .output()
+        .expect("cannot run cargo to build plugins/default");
+    if !output.status.success() {
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        let hint =
+            if stderr.contains("wasm32-wasip2") && stderr.contains("target may not be installed") {
+                "\nhint: run `rustup target add wasm32-wasip2` (CI's .ci/run does)"
+            } else {
+                ""
+            };
+        panic!("building the default policy component failed:\n{stderr}{hint}");
+    }
+    let wasm = target_dir.join("wasm32-wasip2/release/kvroute_plugin_default.wasm");
+    let out = PathBuf::from(env::var("OUT_DIR").expect("set by cargo")).join("default_policy.wasm");
+    std::fs::copy(&wasm, &out)
+        .unwrap_or_else(|e| panic!("cannot copy {} to {}: {e}", wasm.display(), out.display()));
+}

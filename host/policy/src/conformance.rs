@@ -1,0 +1,421 @@
+//! `kvroute policy check`: the conformance suite a plugin author runs before deploying.
+//!
+//! It loads the component exactly as the server would (world and ABI version, `configure`, the
+//! runtime's self-test), then calls it on generated candidate sets the host can produce — 1 to
+//! 1,024 candidates, no taints, many taints, zero costs, huge loads, preferences, sessions — and
+//! checks each answer the way the router does: the right number of costs, all finite, a pick in
+//! range; the same answer twice when the plugin declares itself deterministic; and per-call
+//! latency against the deadline. The report says what failed and what to do.
+
+use std::fmt::Write as _;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+
+use kvroute_core::candidate::{CandidateColumns, PolicyRequest};
+use kvroute_core::cost::{fill_base_costs, CostWeights};
+use crate::{Outcome, PolicyRegistry, PolicyRuntimeConfig, TaintTable};
+
+/// One named check and its verdict.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CheckResult {
+    pub name: String,
+    pub passed: bool,
+    pub detail: String,
+}
+
+/// The whole report.
+#[derive(Clone, Debug, Default)]
+pub struct Report {
+    pub plugin: String,
+    pub results: Vec<CheckResult>,
+    pub p50_us: f64,
+    pub p99_us: f64,
+    pub deadline_us: u64,
+}
+
+impl Report {
+    pub fn passed(&self) -> bool {
+        !self.results.is_empty() && self.results.iter().all(|r| r.passed)
+    }
+
+    /// The report as a person reads it.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        let _ = writeln!(out, "kvroute policy check: {}", self.plugin);
+        let width = self
+            .results
+            .iter()
+            .map(|r| r.name.chars().count())
+            .max()
+            .unwrap_or(0);
+        for r in &self.results {
+            let mark = if r.passed { "ok  " } else { "FAIL" };
+            let _ = writeln!(out, "  [{mark}] {:<width$}  {}", r.name, r.detail);
+        }
+        let _ = writeln!(
+            out,
+            "  latency at 64 candidates: p50 {:.1} µs, p99 {:.1} µs (deadline {} µs)",
+            self.p50_us, self.p99_us, self.deadline_us
+        );
+        let failed = self.results.iter().filter(|r| !r.passed).count();
+        if failed == 0 {
+            let _ = writeln!(out, "PASS: {} checks", self.results.len());
+        } else {
+            let _ = writeln!(
+                out,
+                "FAIL: {failed} of {} checks failed; fix them before loading this policy (the host \
+                 would fall back to its native cost on each failing decision)",
+                self.results.len()
+            );
+        }
+        out
+    }
+}
+
+/// A generated scenario.
+#[derive(Clone, Copy, Debug)]
+enum Scenario {
+    Idle,
+    RandomLoad,
+    ManyTaints,
+    ZeroCosts,
+    HugeLoads,
+    Preferences,
+    ShortPrompt,
+    EveryField,
+}
+
+impl Scenario {
+    const ALL: [Scenario; 8] = [
+        Scenario::Idle,
+        Scenario::RandomLoad,
+        Scenario::ManyTaints,
+        Scenario::ZeroCosts,
+        Scenario::HugeLoads,
+        Scenario::Preferences,
+        Scenario::ShortPrompt,
+        Scenario::EveryField,
+    ];
+
+    fn name(self) -> &'static str {
+        match self {
+            Scenario::Idle => "idle, nothing cached, no taints",
+            Scenario::RandomLoad => "random loads and overlaps",
+            Scenario::ManyTaints => "64 taints per candidate",
+            Scenario::ZeroCosts => "every base cost 0",
+            Scenario::HugeLoads => "huge loads (1e15 tokens)",
+            Scenario::Preferences => "preferred taints and a session",
+            Scenario::ShortPrompt => "3-token prompt (0 complete blocks)",
+            Scenario::EveryField => "every tier, ranks, active blocks, temperature",
+        }
+    }
+}
+
+const TAINTS: usize = 96;
+
+fn taint_table() -> TaintTable {
+    TaintTable::new(
+        1,
+        (0..TAINTS)
+            .map(|i| format!("check.taint-{i}"))
+            .collect::<Vec<_>>(),
+    )
+}
+
+/// Builds a request and candidate columns for a scenario, like the router would.
+fn generate(n: usize, s: Scenario, rng: &mut SmallRng) -> (PolicyRequest, CandidateColumns) {
+    let block_size = 16;
+    // A prompt shorter than a block is common (chat turns, health probes): `request_blocks` is
+    // then 0, and a policy dividing by it traps.
+    let prompt_tokens = if matches!(s, Scenario::ShortPrompt) {
+        3
+    } else {
+        4096
+    };
+    let mut req = PolicyRequest {
+        request_id: format!("check-{n}-{}", s.name().len()),
+        prompt_tokens,
+        request_blocks: prompt_tokens / block_size,
+        block_size,
+        temperature: 0.0,
+        now_ms: 1_700_000_000_000 + rng.gen_range(0..86_400_000),
+        ..Default::default()
+    };
+    let mut c = CandidateColumns {
+        taint_offsets: vec![0],
+        ..Default::default()
+    };
+    for i in 0..n {
+        c.worker_id.push(i as u64 + 1);
+        c.dp_rank.push(if matches!(s, Scenario::EveryField) {
+            (i % 4) as u32
+        } else {
+            0
+        });
+        let (dev, prefill, decode, reqs) = match s {
+            Scenario::ShortPrompt => (0, rng.gen_range(0..20_000), rng.gen_range(0..16_384), 1),
+            Scenario::Idle | Scenario::ZeroCosts => (0, 0, 0, 0),
+            Scenario::HugeLoads => (0, 1_000_000_000_000_000u64, 1u64 << 50, u32::MAX / 2),
+            _ => (
+                rng.gen_range(0..=256),
+                rng.gen_range(0..20_000),
+                rng.gen_range(0..16_384),
+                rng.gen_range(0..256),
+            ),
+        };
+        c.device_overlap.push(dev);
+        c.host_overlap.push(
+            if matches!(s, Scenario::RandomLoad | Scenario::EveryField) {
+                rng.gen_range(0..=256)
+            } else {
+                0
+            },
+        );
+        c.disk_overlap.push(if matches!(s, Scenario::EveryField) {
+            rng.gen_range(0..=256)
+        } else {
+            0
+        });
+        c.active_prefill_tokens.push(prefill);
+        c.active_decode_blocks.push(decode);
+        c.active_requests.push(reqs);
+        c.active_prompt_blocks
+            .push(if matches!(s, Scenario::EveryField) {
+                dev.min(rng.gen_range(0..=32))
+            } else {
+                0
+            });
+        c.total_kv_blocks.push(16_384);
+        c.max_num_batched_tokens.push(8_192);
+        match s {
+            Scenario::ManyTaints => c
+                .taint_ids
+                .extend((0..64).map(|t| ((t + i) % TAINTS) as u32)),
+            Scenario::Preferences | Scenario::RandomLoad => c.taint_ids.push((i % 4) as u32),
+            _ => {}
+        }
+        c.taint_offsets.push(c.taint_ids.len() as u32);
+    }
+    if matches!(s, Scenario::EveryField) {
+        req.temperature = 0.5;
+        req.priority = 2.0;
+        req.expected_output_tokens = Some(1024);
+    }
+    if matches!(s, Scenario::Preferences) {
+        req.preferred_taints = vec![(0, 0.5), (1, -0.5), (2, 0.25)];
+        req.session_id = Some("check-session".into());
+        req.expected_output_tokens = Some(256);
+    }
+    fill_base_costs(&req, &mut c, &CostWeights::default());
+    if matches!(s, Scenario::ZeroCosts) {
+        c.base_cost.iter_mut().for_each(|x| *x = 0.0);
+    }
+    (req, c)
+}
+
+/// Loads and checks a component. `Err` only when it cannot even be loaded (the message says why).
+pub fn check(
+    bytes: &[u8],
+    config: Option<&str>,
+    deadline_us: Option<u64>,
+) -> Result<Report, String> {
+    let mut rc = PolicyRuntimeConfig {
+        // The checker wants every failure reported, never the automatic restore.
+        max_consecutive_failures: u32::MAX,
+        instances_per_stage: 1,
+        ..PolicyRuntimeConfig::default()
+    };
+    if let Some(d) = deadline_us {
+        rc.deadline_us = d;
+        // A deadline shorter than the server's needs a finer clock and a shorter grace window
+        // (both must fit inside it); the server's default deadline keeps the server's values.
+        rc.epoch_tick_us = rc.epoch_tick_us.min((d / 8).max(50));
+        rc.preemption_grace_us = rc.preemption_grace_us.min(d / 4).max(rc.epoch_tick_us);
+    }
+    let deadline = rc.deadline_us;
+    let registry = Arc::new(PolicyRegistry::new(rc).map_err(|e| e.to_string())?);
+    let info = registry
+        .load("check", bytes, config, true)
+        .map_err(|e| format!("the component cannot be loaded: {e}"))?;
+    let plugin = info.plugin.clone();
+    let mut report = Report {
+        plugin: match &plugin {
+            Some(p) => format!(
+                "{} {} (abi {}, {:?}, {})",
+                p.name,
+                p.version,
+                p.abi_version,
+                p.kind,
+                if p.deterministic {
+                    "deterministic"
+                } else {
+                    "not deterministic"
+                }
+            ),
+            None => info.name.clone(),
+        },
+        deadline_us: deadline,
+        ..Default::default()
+    };
+    let deterministic = plugin.as_ref().is_some_and(|p| p.deterministic);
+    let declares_scorer = plugin
+        .as_ref()
+        .is_some_and(|p| p.kind == crate::PluginKind::Scorer);
+    report.results.push(CheckResult {
+        name: "loads: world, abi version, configure, self-test".into(),
+        passed: true,
+        detail: format!("digest {}", &info.digest[..16.min(info.digest.len())]),
+    });
+    if !info.trapping_imports.is_empty() {
+        // Not a failure (a `std` Rust guest imports WASI it never calls), but named, so an
+        // import the author did not expect stands out.
+        let names = &info.trapping_imports;
+        let foreign: Vec<&str> = names
+            .iter()
+            .map(String::as_str)
+            .filter(|n| !n.starts_with("wasi:"))
+            .collect();
+        let mut detail = format!(
+            "note: {} linked as traps (calling one fails the decision): {}",
+            names.len(),
+            names.join(", ")
+        );
+        if !foreign.is_empty() {
+            detail.push_str(&format!(
+                "; warning: not WASI, nothing provides these: {}",
+                foreign.join(", ")
+            ));
+        }
+        report.results.push(CheckResult {
+            name: "imports besides host-log".into(),
+            passed: true,
+            detail,
+        });
+    }
+    let taints = taint_table();
+    let mut rng = SmallRng::seed_from_u64(0x6b76_726f);
+    for n in [1usize, 2, 8, 64, 256, 1024] {
+        for s in Scenario::ALL {
+            let (req, cols) = generate(n, s, &mut rng);
+            let decision = registry.decide(&req, &cols, &taints);
+            let first = decision.outcome.clone();
+            // What the runtime or the plugin said about a failure (a panic's message).
+            let said = |d: &crate::PolicyDecision| {
+                d.policy
+                    .as_ref()
+                    .and_then(|p| p.last_failure())
+                    .map(|f| format!(": {f}"))
+                    .unwrap_or_default()
+            };
+            let name = format!("{n:>4} candidates: {}", s.name());
+            let (mut passed, mut detail) = match &first {
+                Outcome::Costs(c) => (
+                    true,
+                    format!(
+                        "costs, min {:.3}",
+                        c.iter().cloned().fold(f64::INFINITY, f64::min)
+                    ),
+                ),
+                Outcome::Pick(i) if declares_scorer => (
+                    false,
+                    format!(
+                        "pick {i}, but info() declares a scorer: a pipeline would refuse this \
+                         answer (unexpected_pick); declare kind selector or mixed"
+                    ),
+                ),
+                Outcome::Pick(i) => (true, format!("pick {i}")),
+                Outcome::Fallback(r) => (
+                    false,
+                    format!(
+                        "the host would fall back: {}{}",
+                        explain(r.as_str()),
+                        said(&decision)
+                    ),
+                ),
+            };
+            if passed && deterministic {
+                let second = registry.decide(&req, &cols, &taints);
+                match &second.outcome {
+                    // A failure the second time is that failure, not nondeterminism.
+                    Outcome::Fallback(r) => {
+                        passed = false;
+                        detail = format!(
+                            "answered once, then the host would fall back: {}{}",
+                            explain(r.as_str()),
+                            said(&second)
+                        );
+                    }
+                    again if *again != first => {
+                        passed = false;
+                        detail = "declares itself deterministic but answered differently for \
+                                  the same input"
+                            .into();
+                    }
+                    _ => {}
+                }
+            }
+            report.results.push(CheckResult {
+                name,
+                passed,
+                detail,
+            });
+        }
+    }
+    // Latency at 64 candidates, after a warm-up.
+    let (req, cols) = generate(64, Scenario::RandomLoad, &mut rng);
+    for _ in 0..50 {
+        registry.decide(&req, &cols, &taints);
+    }
+    let mut times: Vec<Duration> = (0..500)
+        .map(|_| {
+            let t = Instant::now();
+            registry.decide(&req, &cols, &taints);
+            t.elapsed()
+        })
+        .collect();
+    times.sort();
+    report.p50_us = times[times.len() / 2].as_secs_f64() * 1e6;
+    report.p99_us = times[times.len() * 99 / 100].as_secs_f64() * 1e6;
+    let p99 = report.p99_us;
+    let d = deadline as f64;
+    let (passed, detail) = if p99 < 0.5 * d {
+        (true, format!("{p99:.1} µs"))
+    } else if p99 < d {
+        (
+            true,
+            format!("warning: {p99:.1} µs is over half the {deadline} µs deadline; a busy host may cut calls off"),
+        )
+    } else {
+        (
+            false,
+            format!(
+                "{p99:.1} µs exceeds the {deadline} µs deadline: such decisions are cut off and fall \
+                 back; do less work per call or precompute in configure"
+            ),
+        )
+    };
+    report.results.push(CheckResult {
+        name: "latency p99 within the deadline".into(),
+        passed,
+        detail,
+    });
+    Ok(report)
+}
+
+fn explain(reason: &str) -> String {
+    let hint = match reason {
+        "trap" => "the plugin trapped (a panic, unreachable, or a call to a WASI function)",
+        "deadline" => "the call ran past the deadline",
+        "memory_limit" => "the plugin grew its memory past the cap",
+        "invalid_length" => "the number of costs differs from the number of candidates",
+        "non_finite" => "a cost was NaN or infinite",
+        "pick_out_of_range" => "the pick is not a candidate index",
+        "unexpected_pick" => "a scorer stage picked instead of returning costs",
+        "instantiate" => "no instance could be made",
+        other => other,
+    };
+    format!("{reason} ({hint})")
+}

@@ -1,0 +1,508 @@
+//! `kvroute replay`: evaluate routing policies on request traces before they meet traffic.
+//!
+//! A discrete-event simulation of a fleet of vLLM-like engines ([`sim`], SPEC §10) is driven by a
+//! trace ([`trace`]) and routed by **the same routing core `kvroute serve` runs**: a fresh
+//! [`Router`] per policy, fed by the simulated engines' KV events (with a lag), booking each
+//! request on arrival, told `prefill_complete` at the first token and `free` at the last. Only
+//! the soft scoring differs between policies:
+//!
+//! | `--policy` | What decides |
+//! |---|---|
+//! | `round-robin` | a trivial [`Scorer`] that picks candidates in turn (eligibility and booking still go through the router) |
+//! | `default` | the router's native cost (SPEC §7), no scorer |
+//! | `FILE.wasm[:CONFIG_JSON]` | the Wasm policy runtime: [`PolicyRegistry::load`] + [`RegistryScorer`], exactly as `serve --policy` |
+//!
+//! Every policy sees the same trace and fleet. A replay is repeatable: the router's random
+//! tie-break (temperature 0) and sampling (temperature > 0) draw from a per-router generator
+//! seeded with `--seed` (default 0; [`RouterConfig::rng_seed`]), the simulation is single-threaded
+//! and uses simulated time only, and Wasm policies get a generous per-call deadline
+//! ([`REPLAY_POLICY_DEADLINE_US`]) so a descheduled call on a busy machine does not fall back to the
+//! native cost. Same trace, options and seed → the same `results.json` figures (except `wall_s`).
+//!
+//! # Traces
+//! - **Mooncake** JSONL (`timestamp` ms, `input_length`, `output_length`, `hash_ids`). Each hash id
+//!   stands for 512 tokens; token `pos` of id `h` is `xxh3_64((h, pos)) % 50,000`
+//!   ([`trace::mooncake_token`]), so equal ids give equal blocks and the 64-token blocks inside an
+//!   id differ from each other. `input_length` decides how many tokens the last id contributes.
+//!   The default block size, 64, divides 512: each id becomes 8 blocks.
+//! - **Azure** LLM inference 2023 CSV (`TIMESTAMP,ContextTokens,GeneratedTokens`; cite Splitwise,
+//!   ISCA 2024). It has arrival times and lengths only, so prefix sharing is synthesized
+//!   ([`trace::PrefixSynthesis`], recorded in `results.json`): request `i` draws a system prompt
+//!   `p` from a pool of `--azure-prompts` (default 64) with a Zipf law of exponent `--azure-zipf`
+//!   (default 1.0), its first `floor(--azure-shared-frac × ContextTokens)` tokens (default 0.5)
+//!   are that system prompt's tokens, the rest are unique to the request. Draws use a `SmallRng`
+//!   seeded with `--azure-seed` (default: `--seed`); tokens are `xxh3` of (owner, position)
+//!   modulo 50,000.
+//! - **Token** JSONL: `{"timestamp_ms": 0.0, "tokens": [1, 2, ...], "output_length": 16}`.
+//!
+//! `--speedup X` divides arrival times (X× the request rate), `--max-requests N` keeps the
+//! first N requests of the file, `--block-size` sets the engines' (and router's) block size.
+//!
+//! # Output
+//! `DIR/results.json` (`{"trace", "workers", "policies": [{"name", "requests", "token_hit_rate",
+//! "ttft_ms": {"p50", "p90", "p99"}, "itl_ms": {"p50", "p99"}, "throughput_tok_s", "load_cov",
+//! ...}]}` plus the configuration and a `definitions` object), `DIR/ttft_cdf.{png,svg}`,
+//! `DIR/hit_rate.{png,svg}` and a table on stdout. Definitions:
+//! - `token_hit_rate`: prompt tokens the chosen worker served from its prefix cache (as the
+//!   simulated engine saw it at admission) / all prompt tokens.
+//! - `load_cov`: coefficient of variation (population std / mean) of the **number of requests**
+//!   each worker received (`prefill_tokens_cov` is the same over computed prompt tokens).
+//! - `throughput_tok_s`: output tokens per simulated second, first arrival to last event.
+//!
+//! The plots' text uses an embedded font (Noto Sans), so no system font or fontconfig is needed.
+
+pub mod report;
+pub mod sim;
+pub mod trace;
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{anyhow, bail, Context, Result};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+
+use kvroute_core::candidate::{CandidateColumns, PolicyRequest};
+use kvroute_policy::RegistryScorer;
+use kvroute_policy::{PolicyRegistry, PolicyRuntimeConfig};
+use kvroute_core::router::{PolicyLabel, Router, RouterConfig, Scorer, ScorerDecision, ScorerOutcome};
+use kvroute_core::workers::TaintNames;
+
+pub use report::{PolicyResult, PolicyRun, Results};
+pub use sim::{PreparedTrace, SimConfig, SimOutput};
+pub use trace::{LoadOptions, PrefixSynthesis, Trace, TraceFormat, TraceRequest};
+
+/// Makes a fresh scorer for one policy run.
+pub type ScorerFactory = Arc<dyn Fn() -> Box<dyn Scorer> + Send + Sync>;
+
+/// A policy to replay.
+#[derive(Clone)]
+pub enum PolicySpec {
+    /// Candidates in turn.
+    RoundRobin,
+    /// The router's native cost.
+    Default,
+    /// A Wasm policy component and its optional JSON configuration.
+    Wasm {
+        path: PathBuf,
+        config: Option<String>,
+    },
+    /// Any scorer (library users, tests).
+    Custom { name: String, make: ScorerFactory },
+}
+
+impl std::fmt::Debug for PolicySpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PolicySpec::RoundRobin => f.write_str("RoundRobin"),
+            PolicySpec::Default => f.write_str("Default"),
+            PolicySpec::Wasm { path, config } => f
+                .debug_struct("Wasm")
+                .field("path", path)
+                .field("config", config)
+                .finish(),
+            PolicySpec::Custom { name, .. } => {
+                f.debug_struct("Custom").field("name", name).finish()
+            }
+        }
+    }
+}
+
+impl PolicySpec {
+    /// Parses `round-robin`, `default` or `FILE.wasm[:CONFIG_JSON]`.
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "round-robin" | "round_robin" | "rr" => return Ok(PolicySpec::RoundRobin),
+            "default" | "native" => return Ok(PolicySpec::Default),
+            _ => {}
+        }
+        if let Some(i) = s.find(".wasm:") {
+            let config = s[i + ".wasm:".len()..].to_string();
+            serde_json::from_str::<serde_json::Value>(&config).with_context(|| {
+                format!("--policy {s}: the configuration after `.wasm:` is not JSON")
+            })?;
+            return Ok(PolicySpec::Wasm {
+                path: PathBuf::from(&s[..i + ".wasm".len()]),
+                config: Some(config),
+            });
+        }
+        if s.ends_with(".wasm") {
+            return Ok(PolicySpec::Wasm {
+                path: PathBuf::from(s),
+                config: None,
+            });
+        }
+        bail!("unknown policy {s:?}: expected round-robin, default or FILE.wasm[:CONFIG_JSON]")
+    }
+
+    /// The name results are reported under.
+    pub fn name(&self) -> String {
+        match self {
+            PolicySpec::RoundRobin => "round-robin".into(),
+            PolicySpec::Default => "default".into(),
+            PolicySpec::Wasm { path, .. } => {
+                let stem = path
+                    .file_stem()
+                    .map(|s| s.to_string_lossy().into_owned())
+                    .unwrap_or_else(|| "policy".into());
+                let clean: String = stem
+                    .chars()
+                    .map(|c| {
+                        if c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.') {
+                            c
+                        } else {
+                            '-'
+                        }
+                    })
+                    .take(64)
+                    .collect();
+                if clean.is_empty() || clean.starts_with('.') {
+                    format!("policy{clean}")
+                } else {
+                    clean
+                }
+            }
+            PolicySpec::Custom { name, .. } => name.clone(),
+        }
+    }
+
+    fn describe(&self) -> String {
+        match self {
+            PolicySpec::Wasm { path, config } => match config {
+                Some(c) => format!("{}:{c}", path.display()),
+                None => path.display().to_string(),
+            },
+            other => other.name(),
+        }
+    }
+}
+
+/// Round robin as a [`Scorer`]: picks eligible candidates in turn.
+pub struct RoundRobinScorer {
+    next: AtomicUsize,
+    label: Arc<PolicyLabel>,
+}
+
+impl Default for RoundRobinScorer {
+    fn default() -> Self {
+        Self {
+            next: AtomicUsize::new(0),
+            label: Arc::new(PolicyLabel {
+                name: "round-robin".into(),
+                version: 0,
+                digest: String::new(),
+            }),
+        }
+    }
+}
+
+impl Scorer for RoundRobinScorer {
+    fn decide(&self, _: &PolicyRequest, c: &CandidateColumns, _: &TaintNames) -> ScorerDecision {
+        let n = c.len().max(1);
+        ScorerDecision {
+            outcome: ScorerOutcome::Pick(self.next.fetch_add(1, Relaxed) % n),
+            label: self.label.clone(),
+        }
+    }
+}
+
+/// Per-call deadline of Wasm policies in a replay, in microseconds (the server's is 2,000). The
+/// simulation runs on simulated time, so a slow call costs nothing but wall time, while a call that
+/// misses a deadline because the machine descheduled it would fall back to the native cost and
+/// make the replay unrepeatable.
+pub const REPLAY_POLICY_DEADLINE_US: u64 = 100_000;
+
+/// What every policy run shares.
+#[derive(Clone, Debug)]
+pub struct ReplayOptions {
+    pub workers: u32,
+    pub sim: SimConfig,
+    /// Settings of the router; its block size is forced to the workers'. Its `rng_seed` is
+    /// `Some(0)` by default here (repeatable); `None` gives an OS-seeded generator.
+    pub router: RouterConfig,
+}
+
+impl Default for ReplayOptions {
+    fn default() -> Self {
+        Self {
+            workers: 8,
+            sim: SimConfig::default(),
+            router: RouterConfig {
+                rng_seed: Some(0),
+                ..RouterConfig::default()
+            },
+        }
+    }
+}
+
+/// Runs one policy on a fresh router and fleet.
+pub fn run_policy(
+    prepared: &PreparedTrace<'_>,
+    opts: &ReplayOptions,
+    policy: &PolicySpec,
+    name: &str,
+    progress: &mut dyn FnMut(u64),
+) -> Result<PolicyRun> {
+    let router = Router::new(RouterConfig {
+        block_size: opts.sim.block_size,
+        ..opts.router.clone()
+    })
+    .map_err(|e| anyhow!("router: {e}"))?;
+    // Keep the registry alive for the whole run (its maintenance thread serves the scorer).
+    let mut _registry: Option<Arc<PolicyRegistry>> = None;
+    match policy {
+        PolicySpec::RoundRobin => router.set_scorer(Some(Box::new(RoundRobinScorer::default()))),
+        PolicySpec::Default => router.set_scorer(None),
+        PolicySpec::Custom { make, .. } => router.set_scorer(Some(make())),
+        PolicySpec::Wasm { path, config } => {
+            let bytes =
+                std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+            let registry = Arc::new(
+                PolicyRegistry::new(PolicyRuntimeConfig {
+                    deadline_us: REPLAY_POLICY_DEADLINE_US,
+                    ..PolicyRuntimeConfig::default()
+                })
+                .map_err(|e| anyhow!("policy runtime: {e}"))?,
+            );
+            registry
+                .load(name, &bytes, config.as_deref(), true)
+                .map_err(|e| anyhow!("{}: {e}", path.display()))?;
+            router.set_scorer(Some(Box::new(RegistryScorer::new(registry.clone()))));
+            _registry = Some(registry);
+        }
+    }
+    let t0 = Instant::now();
+    let out = sim::simulate(&router, prepared, opts.workers, &opts.sim, progress)
+        .map_err(|e| anyhow!(e))?;
+    let wall = t0.elapsed().as_secs_f64();
+    let fallbacks = router.counters.fallbacks.load(Relaxed);
+    Ok(PolicyRun::from_output(
+        name.to_string(),
+        policy.describe(),
+        &out,
+        fallbacks,
+        wall,
+    ))
+}
+
+/// Runs every policy on the same trace and fleet. `show_progress` draws a bar on stderr (only
+/// when stderr is a terminal).
+pub fn run(
+    trace: &Trace,
+    opts: &ReplayOptions,
+    policies: &[PolicySpec],
+    show_progress: bool,
+) -> Result<Vec<PolicyRun>> {
+    let prepared = PreparedTrace::new(trace, opts.sim.block_size);
+    let mut names: Vec<String> = Vec::new();
+    let mut runs = Vec::with_capacity(policies.len());
+    for p in policies {
+        let mut name = p.name();
+        let mut k = 2;
+        while names.contains(&name) {
+            name = format!("{}-{k}", p.name());
+            k += 1;
+        }
+        names.push(name.clone());
+        let bar = if show_progress && std::io::stderr().is_terminal() {
+            let bar = ProgressBar::with_draw_target(
+                Some(trace.requests.len() as u64),
+                ProgressDrawTarget::stderr(),
+            );
+            bar.set_style(
+                ProgressStyle::with_template(
+                    "{prefix:>16} [{elapsed_precise}] {wide_bar} {pos}/{len} requests, eta {eta}",
+                )
+                .unwrap_or_else(|_| ProgressStyle::default_bar()),
+            );
+            bar.set_prefix(name.clone());
+            bar
+        } else {
+            ProgressBar::hidden()
+        };
+        let run = run_policy(&prepared, opts, p, &name, &mut |done| {
+            bar.set_position(done)
+        })?;
+        bar.finish_and_clear();
+        runs.push(run);
+    }
+    Ok(runs)
+}
+
+/// `kvroute replay` flags.
+#[derive(clap::Args, Debug, Clone)]
+pub struct ReplayArgs {
+    /// Trace file: Mooncake JSONL, Azure CSV, or token JSONL.
+    #[arg(long)]
+    pub trace: PathBuf,
+    /// Trace format.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub format: TraceFormat,
+    /// Simulated workers (one data-parallel rank each).
+    #[arg(long)]
+    pub workers: u32,
+    /// round-robin | default | FILE.wasm[:CONFIG_JSON]; repeat to compare [default: round-robin
+    /// and default].
+    #[arg(long = "policy")]
+    pub policies: Vec<String>,
+    /// Output directory (created if missing).
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Divide arrival times by this (compress the trace).
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
+    pub speedup: f64,
+    /// Keep only the first N requests.
+    #[arg(long)]
+    pub max_requests: Option<usize>,
+    /// Tokens per KV block (engines and router).
+    #[arg(long, default_value_t = 64)]
+    pub block_size: u32,
+    /// Seed of the router's random tie-break and sampling (and, unless --azure-seed is given, of
+    /// the synthesized prefix sharing of Azure traces). Same seed, same results.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Router temperature: 0 picks the lowest cost (random among ties); T > 0 samples with
+    /// `p ∝ exp(-(cost - min) / ((max - min) T))` (SPEC §7).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    pub temperature: f64,
+    /// Azure traces: seed of the synthesized prefix sharing [default: --seed].
+    #[arg(long)]
+    pub azure_seed: Option<u64>,
+    /// KV blocks per worker.
+    #[arg(long, default_value_t = 16_384)]
+    pub num_gpu_blocks: u32,
+    /// Most requests a worker runs at once.
+    #[arg(long, default_value_t = 256)]
+    pub max_num_seqs: u32,
+    /// Token budget of one engine step.
+    #[arg(long, default_value_t = 8192)]
+    pub max_num_batched_tokens: u32,
+    /// Divide engine step times by this (faster engines).
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
+    pub worker_speedup: f64,
+    /// Simulated delay of KV events from an engine to the router, in ms.
+    #[arg(long, default_value_t = 5.0, allow_negative_numbers = true)]
+    pub kv_event_lag_ms: f64,
+    /// Azure traces: number of system prompts to draw from.
+    #[arg(long, default_value_t = 64)]
+    pub azure_prompts: u32,
+    /// Azure traces: Zipf exponent of the system-prompt draw.
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
+    pub azure_zipf: f64,
+    /// Azure traces: fraction of each prompt taken from its system prompt.
+    #[arg(long, default_value_t = 0.5, allow_negative_numbers = true)]
+    pub azure_shared_frac: f64,
+    /// Skip the plots.
+    #[arg(long)]
+    pub no_plots: bool,
+}
+
+/// Entry point of `kvroute replay`.
+pub fn cli_main(args: ReplayArgs) -> ExitCode {
+    match cli_run(args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn cli_run(args: ReplayArgs) -> Result<()> {
+    let policies: Vec<PolicySpec> = if args.policies.is_empty() {
+        vec![PolicySpec::RoundRobin, PolicySpec::Default]
+    } else {
+        args.policies
+            .iter()
+            .map(|s| PolicySpec::parse(s))
+            .collect::<Result<_>>()?
+    };
+    if args.workers == 0 {
+        bail!("--workers must be at least 1");
+    }
+    if args.max_requests == Some(0) {
+        bail!("--max-requests must be at least 1 (leave it out to replay the whole trace)");
+    }
+    if !(args.temperature.is_finite() && args.temperature >= 0.0) {
+        bail!("--temperature must be a finite number >= 0");
+    }
+    let sim = SimConfig {
+        num_gpu_blocks: args.num_gpu_blocks,
+        block_size: args.block_size,
+        max_num_seqs: args.max_num_seqs,
+        max_num_batched_tokens: args.max_num_batched_tokens,
+        speedup: args.worker_speedup,
+        kv_event_lag_ms: args.kv_event_lag_ms,
+        ..SimConfig::default()
+    };
+    sim.validate().map_err(|e| anyhow!(e))?;
+    let load = LoadOptions {
+        format: args.format,
+        max_requests: args.max_requests,
+        speedup: args.speedup,
+        synthesis: PrefixSynthesis {
+            prompts: args.azure_prompts,
+            zipf_s: args.azure_zipf,
+            shared_frac: args.azure_shared_frac,
+            seed: args.azure_seed.unwrap_or(args.seed),
+            ..PrefixSynthesis::default()
+        },
+    };
+    let t0 = Instant::now();
+    let trace = trace::load(&args.trace, &load)?;
+    if trace.format == TraceFormat::Mooncake && 512 % args.block_size != 0 {
+        eprintln!(
+            "warning: --block-size {} does not divide Mooncake's 512-token blocks; blocks straddle hash ids",
+            args.block_size
+        );
+    }
+    eprintln!(
+        "loaded {} ({}): {} requests, {} prompt tokens in {:.2}s",
+        trace.name,
+        trace.format.as_str(),
+        trace.requests.len(),
+        trace.prompt_tokens(),
+        t0.elapsed().as_secs_f64()
+    );
+    std::fs::create_dir_all(&args.out)
+        .with_context(|| format!("cannot create {}", args.out.display()))?;
+    let opts = ReplayOptions {
+        workers: args.workers,
+        sim: sim.clone(),
+        router: RouterConfig {
+            rng_seed: Some(args.seed),
+            default_temperature: args.temperature,
+            ..RouterConfig::default()
+        },
+    };
+    let runs = run(&trace, &opts, &policies, true)?;
+    for r in &runs {
+        eprintln!(
+            "{}: simulated {:.1}s in {:.2}s wall",
+            r.result.name, r.result.simulated_s, r.result.wall_s
+        );
+    }
+    let results = Results::new(
+        &trace,
+        args.workers,
+        &sim,
+        args.speedup,
+        args.max_requests,
+        args.seed,
+        &runs,
+    );
+    let path = args.out.join("results.json");
+    let json = serde_json::to_string_pretty(&results)?;
+    std::fs::write(&path, json + "\n")
+        .with_context(|| format!("cannot write {}", path.display()))?;
+    if !args.no_plots {
+        let label = format!("{}, {} workers", trace.name, args.workers);
+        report::write_plots(&args.out, &runs, &label).map_err(|e| anyhow!("plots: {e}"))?;
+    }
+    print!("{}", report::table(&runs));
+    eprintln!("wrote {}", args.out.display());
+    Ok(())
+}

@@ -1,0 +1,517 @@
+//! `kvroute serve` configuration: a TOML file, then `KVROUTE_*` environment variables, then flags.
+//!
+//! Each later source overrides the earlier one field by field, so a fleet-wide file can be adjusted
+//! per host with an environment variable and per run with a flag. Unknown keys in the file are an
+//! error that names the key: a typo never passes silently.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use kvroute_core::cost::CostWeights;
+use kvroute_core::indexer::approx::ApproxConfig;
+use kvroute_core::load::LoadConfig;
+use kvroute_core::queue::{QueueLimits, QueueOrder};
+use kvroute_core::router::RouterConfig;
+use kvroute_core::workers::RegistryLimits;
+
+/// Everything `kvroute serve` can be told.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServeConfig {
+    /// Address of the HTTP server: `IP:PORT` or `HOST:PORT` (resolved once, at start; the first
+    /// address the name resolves to is used).
+    #[serde(deserialize_with = "deserialize_listen")]
+    pub listen: SocketAddr,
+    /// Tokens per KV block; must match the engines'.
+    pub block_size: u32,
+    /// Bearer token for admin endpoints. Without one, admin endpoints answer loopback clients only.
+    pub admin_token: Option<String>,
+    /// A policy component to load and activate at start (instead of the embedded default).
+    pub policy: Option<PathBuf>,
+    /// The name `policy` is registered under [default: the file name without `.wasm`].
+    pub policy_name: Option<String>,
+    /// JSON configuration handed to that policy's `configure`.
+    pub policy_config: Option<String>,
+    /// A directory watched for `NAME.wasm` policies (with optional `NAME.json` configs).
+    pub policy_dir: Option<PathBuf>,
+    /// `text` or `json` logs.
+    pub log_format: LogFormat,
+    /// Threads serving HTTP connections (each connection stays on one); 0 = one per CPU.
+    pub http_threads: usize,
+    /// On SIGTERM/SIGINT, how long requests in flight may take to finish before the process
+    /// exits anyway (a client stalled mid-request would otherwise hold it up).
+    pub shutdown_grace_secs: u64,
+    pub routing: RoutingSection,
+    pub limits: LimitsSection,
+    pub cost: CostWeights,
+    /// Limits of the Wasm policy runtime (memory cap, per-call deadline, failures before restore).
+    pub policy_runtime: kvroute_policy::PolicyRuntimeConfig,
+    /// Workers registered at start, by id (`[workers.7]` in TOML), each as the body of
+    /// `PUT /v1/workers/{id}` would give it (`kv_events` subscribes at start). The API can
+    /// change or remove them later; the file is read once.
+    pub workers: std::collections::BTreeMap<String, kvroute_core::workers::WorkerSpec>,
+}
+
+/// Parses a listen address: `IP:PORT` (`127.0.0.1:8080`, `[::1]:8080`) or `HOST:PORT`
+/// (`localhost:8080`), resolved now; a name takes the first address it resolves to.
+pub fn parse_listen(s: &str) -> Result<SocketAddr, String> {
+    use std::net::ToSocketAddrs;
+    if let Ok(a) = s.parse::<SocketAddr>() {
+        return Ok(a);
+    }
+    if s.rsplit_once(':')
+        .is_none_or(|(h, p)| h.is_empty() || p.parse::<u16>().is_err())
+    {
+        return Err(format!(
+            "{s:?} is not an address to listen on: use IP:PORT or HOST:PORT, e.g. 127.0.0.1:8080"
+        ));
+    }
+    match s.to_socket_addrs() {
+        Ok(mut addrs) => addrs
+            .next()
+            .ok_or_else(|| format!("{s:?} resolves to no address")),
+        Err(e) => Err(format!("cannot resolve {s:?}: {e}")),
+    }
+}
+
+fn deserialize_listen<'de, D: serde::Deserializer<'de>>(d: D) -> Result<SocketAddr, D::Error> {
+    let s = String::deserialize(d)?;
+    parse_listen(&s).map_err(serde::de::Error::custom)
+}
+
+impl Default for ServeConfig {
+    fn default() -> Self {
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            block_size: 16,
+            admin_token: None,
+            policy: None,
+            policy_name: None,
+            policy_config: None,
+            policy_dir: None,
+            log_format: LogFormat::Text,
+            http_threads: 0,
+            shutdown_grace_secs: 30,
+            routing: RoutingSection::default(),
+            limits: LimitsSection::default(),
+            cost: CostWeights::default(),
+            policy_runtime: kvroute_policy::PolicyRuntimeConfig::default(),
+            workers: Default::default(),
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum LogFormat {
+    #[default]
+    Text,
+    Json,
+}
+
+/// Routing behaviour.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RoutingSection {
+    /// Busy threshold as a fraction of `max_num_batched_tokens`; absent = no queue.
+    pub busy_threshold: Option<f64>,
+    pub queue_order: QueueOrder,
+    pub queue_max_requests_per_worker: usize,
+    pub queue_max_tokens_per_worker: u64,
+    pub queue_timeout_ms: u64,
+    /// Bookings never freed expire after this many seconds.
+    pub load_expiry_secs: u64,
+    /// Index from routing decisions (engines that publish no KV events).
+    pub approximate: bool,
+    pub approximate_ttl_secs: u64,
+    pub default_temperature: f64,
+}
+
+impl Default for RoutingSection {
+    fn default() -> Self {
+        let q = QueueLimits::default();
+        Self {
+            busy_threshold: None,
+            queue_order: QueueOrder::Fcfs,
+            queue_max_requests_per_worker: q.max_requests_per_worker,
+            queue_max_tokens_per_worker: q.max_tokens_per_worker,
+            queue_timeout_ms: 30_000,
+            load_expiry_secs: 300,
+            approximate: false,
+            approximate_ttl_secs: 120,
+            default_temperature: 0.0,
+        }
+    }
+}
+
+/// Input limits. Each rejection is a clear 4xx naming the limit.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LimitsSection {
+    pub max_body_bytes: usize,
+    pub max_prompt_tokens: usize,
+    pub max_events_per_request: usize,
+    pub max_policy_bytes: usize,
+    pub max_workers: usize,
+    pub max_dp_size: u32,
+    pub max_taints_per_worker: usize,
+    pub max_taint_len: usize,
+    pub max_allowed_worker_ids: usize,
+    pub max_request_taints: usize,
+}
+
+impl Default for LimitsSection {
+    fn default() -> Self {
+        let r = RegistryLimits::default();
+        Self {
+            max_body_bytes: 16 << 20,
+            max_prompt_tokens: 1 << 20,
+            max_events_per_request: 10_000,
+            max_policy_bytes: 32 << 20,
+            max_workers: r.max_workers,
+            max_dp_size: r.max_dp_size,
+            max_taints_per_worker: r.max_taints_per_worker,
+            max_taint_len: r.max_taint_len,
+            max_allowed_worker_ids: 16_384,
+            max_request_taints: 256,
+        }
+    }
+}
+
+/// The largest block size accepted: engines use 16 to a few hundred tokens per KV block.
+pub const MAX_BLOCK_SIZE: u32 = 65_536;
+
+impl ServeConfig {
+    /// Reads a TOML file. Errors name the file and the offending key. Relative `policy` and
+    /// `policy_dir` paths are taken from the file's directory, not from wherever `kvroute` was
+    /// started, so a config file and the components next to it move together.
+    pub fn from_file(path: &Path) -> Result<Self, String> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| format!("cannot read config file {}: {e}", path.display()))?;
+        let mut c: Self =
+            toml::from_str(&text).map_err(|e| format!("config file {}: {e}", path.display()))?;
+        let base = path.parent().unwrap_or(Path::new(""));
+        for p in [&mut c.policy, &mut c.policy_dir].into_iter().flatten() {
+            if p.is_relative() {
+                *p = base.join(&*p);
+            }
+        }
+        Ok(c)
+    }
+
+    /// The name the start-up policy (`policy`) is registered under: `policy_name`, else the
+    /// file's name without its extension. `None` when there is no start-up policy file.
+    pub fn start_policy_name(&self) -> Option<String> {
+        let path = self.policy.as_ref()?;
+        Some(self.policy_name.clone().unwrap_or_else(|| {
+            path.file_stem()
+                .map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or_default()
+        }))
+    }
+
+    /// Registers the `[workers.ID]` entries on `router` as `PUT /v1/workers/{id}` would. Errors
+    /// name the entry and field. [`Self::validate`] runs this on a scratch router, so a
+    /// configuration it accepts registers in full.
+    pub fn register_workers(
+        &self,
+        router: &kvroute_core::router::Router,
+    ) -> Result<Vec<kvroute_core::workers::Worker>, String> {
+        let mut out = Vec::with_capacity(self.workers.len());
+        for (key, spec) in &self.workers {
+            let id: u64 = key
+                .parse()
+                .ok()
+                .filter(|id: &u64| id.to_string() == *key)
+                .ok_or_else(|| {
+                    format!(
+                        "workers.{key}: a worker's key is its id, written as a plain integer \
+                         from 0 to 2^64-1 (no sign, no leading zeros)"
+                    )
+                })?;
+            let worker = router
+                .upsert_worker(id, spec.clone())
+                .map_err(|e| format!("workers.{key}.{}: {}", e.field, e.message))?;
+            out.push(worker);
+        }
+        Ok(out)
+    }
+
+    /// Checks values that parse but make no sense.
+    pub fn validate(&self) -> Result<(), String> {
+        if !(1..=MAX_BLOCK_SIZE).contains(&self.block_size) {
+            return Err(format!(
+                "block_size must be between 1 and {MAX_BLOCK_SIZE} tokens, got {}",
+                self.block_size
+            ));
+        }
+        if let Some(t) = self.routing.busy_threshold {
+            if !(t.is_finite() && t > 0.0) {
+                return Err(format!("routing.busy_threshold must be > 0, got {t}"));
+            }
+        }
+        if !(self.routing.default_temperature.is_finite()
+            && self.routing.default_temperature >= 0.0)
+        {
+            return Err("routing.default_temperature must be finite and >= 0".into());
+        }
+        if !(1..=3600).contains(&self.shutdown_grace_secs) {
+            return Err(format!(
+                "shutdown_grace_secs must be between 1 and 3600, got {}",
+                self.shutdown_grace_secs
+            ));
+        }
+        if self.routing.queue_timeout_ms == 0 {
+            return Err("routing.queue_timeout_ms must be at least 1".into());
+        }
+        if self.http_threads > 1024 {
+            return Err(format!(
+                "http_threads must be at most 1024 (0 = one per CPU), got {}",
+                self.http_threads
+            ));
+        }
+        if let Some(t) = &self.admin_token {
+            if t.len() < 8 {
+                return Err("admin_token must be at least 8 characters".into());
+            }
+        }
+        if let Some(name) = self.start_policy_name() {
+            kvroute_policy::validate_name(&name).map_err(|e| match &self.policy_name {
+                Some(_) => format!("policy_name: {e}"),
+                None => format!(
+                    "policy {}: {e} (the name comes from the file name: rename the file or \
+                     set policy_name, --policy-name)",
+                    self.policy.as_deref().unwrap_or(Path::new("")).display()
+                ),
+            })?;
+        }
+        if self.policy_name.is_some() && self.policy.is_none() {
+            return Err("policy_name is set but policy is not: name the component to load".into());
+        }
+        if let Some(c) = &self.policy_config {
+            serde_json::from_str::<serde_json::Value>(c)
+                .map_err(|e| format!("policy_config is not valid JSON: {e}"))?;
+        }
+        // The native cost is every policy's fallback and base cost: a weight that is not a finite
+        // number >= 0 makes every decision a fallback, and the active policy is taken out.
+        for (key, w) in [
+            ("cost.prefill_load_scale", self.cost.prefill_load_scale),
+            ("cost.host_tier_weight", self.cost.host_tier_weight),
+            ("cost.disk_tier_weight", self.cost.disk_tier_weight),
+        ] {
+            if !(w.is_finite() && w >= 0.0) {
+                return Err(format!("{key} must be a finite number >= 0, got {w}"));
+            }
+        }
+        // Limits of 0 would refuse every request of their kind.
+        let l = &self.limits;
+        for (key, v) in [
+            ("limits.max_body_bytes", l.max_body_bytes),
+            ("limits.max_prompt_tokens", l.max_prompt_tokens),
+            ("limits.max_events_per_request", l.max_events_per_request),
+            ("limits.max_policy_bytes", l.max_policy_bytes),
+            ("limits.max_workers", l.max_workers),
+            ("limits.max_dp_size", l.max_dp_size as usize),
+            ("limits.max_taint_len", l.max_taint_len),
+        ] {
+            if v == 0 {
+                return Err(format!("{key} must be at least 1"));
+            }
+        }
+        self.policy_runtime
+            .validate()
+            .map_err(|e| format!("policy_runtime: {e}"))?;
+        if !self.workers.is_empty() {
+            self.register_workers(&kvroute_core::router::Router::new(self.router_config())?)?;
+        }
+        Ok(())
+    }
+
+    /// Serving threads to start: `http_threads`, or one per CPU when it is 0.
+    pub fn http_threads(&self) -> usize {
+        match self.http_threads {
+            0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+            n => n,
+        }
+    }
+
+    /// The routing core's configuration.
+    pub fn router_config(&self) -> RouterConfig {
+        RouterConfig {
+            block_size: self.block_size,
+            busy_threshold: self.routing.busy_threshold,
+            queue_order: self.routing.queue_order,
+            queue_limits: QueueLimits {
+                max_requests_per_worker: self.routing.queue_max_requests_per_worker,
+                max_tokens_per_worker: self.routing.queue_max_tokens_per_worker,
+            },
+            queue_timeout: Duration::from_millis(self.routing.queue_timeout_ms),
+            load: LoadConfig {
+                expiry: Duration::from_secs(self.routing.load_expiry_secs),
+            },
+            approx: self.routing.approximate.then(|| ApproxConfig {
+                ttl: Duration::from_secs(self.routing.approximate_ttl_secs),
+                ..Default::default()
+            }),
+            cost: self.cost,
+            default_temperature: self.routing.default_temperature,
+            max_prompt_tokens: self.limits.max_prompt_tokens,
+            registry: RegistryLimits {
+                max_dp_size: self.limits.max_dp_size,
+                max_taints_per_worker: self.limits.max_taints_per_worker,
+                max_taint_len: self.limits.max_taint_len,
+                max_workers: self.limits.max_workers,
+                ..Default::default()
+            },
+            // A server's tie-breaks stay unpredictable: a per-thread, OS-seeded generator.
+            rng_seed: None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn listen_takes_addresses_and_host_names() {
+        assert_eq!(
+            parse_listen("127.0.0.1:9000").unwrap(),
+            SocketAddr::from(([127, 0, 0, 1], 9000))
+        );
+        assert_eq!(parse_listen("[::1]:80").unwrap().port(), 80);
+        let local = parse_listen("localhost:7000").unwrap();
+        assert!(local.ip().is_loopback() && local.port() == 7000, "{local}");
+        for bad in [
+            "localhost",
+            ":80",
+            "127.0.0.1",
+            "127.0.0.1:99999",
+            "host:port",
+            "",
+        ] {
+            let e = parse_listen(bad).unwrap_err();
+            assert!(e.contains("HOST:PORT"), "{bad:?}: {e}");
+        }
+        let c: ServeConfig = toml::from_str("listen = \"localhost:7001\"\n").unwrap();
+        assert_eq!(c.listen.port(), 7001);
+        let e = toml::from_str::<ServeConfig>("listen = \"nowhere\"\n").unwrap_err();
+        assert!(e.to_string().contains("listen"), "{e}");
+    }
+
+    #[test]
+    fn the_start_policy_is_named_by_policy_name_or_its_file() {
+        let mut c = ServeConfig::default();
+        assert_eq!(c.start_policy_name(), None);
+        c.policy = Some("/p/cache-first.v2.wasm".into());
+        assert_eq!(c.start_policy_name().as_deref(), Some("cache-first.v2"));
+        c.validate().unwrap();
+        c.policy = Some("/p/my policy.wasm".into());
+        let e = c.validate().unwrap_err();
+        assert!(
+            e.contains("my policy") && e.contains("--policy-name"),
+            "{e}"
+        );
+        c.policy_name = Some("mine".into());
+        assert_eq!(c.start_policy_name().as_deref(), Some("mine"));
+        c.validate().unwrap();
+        c.policy_name = Some("rollback".into());
+        assert!(c.validate().unwrap_err().starts_with("policy_name"));
+        c.policy = None;
+        c.policy_name = Some("mine".into());
+        assert!(c.validate().unwrap_err().contains("policy is not"));
+    }
+
+    #[test]
+    fn file_parses_and_unknown_keys_are_named() {
+        let c: ServeConfig = toml::from_str(
+            "listen = \"127.0.0.1:9000\"\nblock_size = 64\n[routing]\nbusy_threshold = 0.8\nqueue_order = \"wspt\"\n",
+        )
+        .unwrap();
+        assert_eq!(c.block_size, 64);
+        assert_eq!(c.routing.queue_order, QueueOrder::Wspt);
+        assert_eq!(c.router_config().busy_threshold, Some(0.8));
+        let e = toml::from_str::<ServeConfig>("blocksize = 3").unwrap_err();
+        assert!(e.to_string().contains("blocksize"), "{e}");
+        let bad = ServeConfig {
+            block_size: 0,
+            ..Default::default()
+        };
+        assert!(bad.validate().unwrap_err().contains("block_size"));
+    }
+
+    #[test]
+    fn http_threads_default_to_one_per_cpu_and_are_bounded() {
+        let c: ServeConfig = toml::from_str("http_threads = 3").unwrap();
+        assert_eq!(c.http_threads(), 3);
+        assert!(ServeConfig::default().http_threads() >= 1);
+        let e = toml::from_str::<ServeConfig>("http_threads = -1").unwrap_err();
+        assert!(e.to_string().contains("http_threads"), "{e}");
+        let huge = ServeConfig {
+            http_threads: 5000,
+            ..Default::default()
+        };
+        assert!(huge.validate().unwrap_err().contains("http_threads"));
+        let huge_blocks = ServeConfig {
+            block_size: u32::MAX,
+            ..Default::default()
+        };
+        assert!(huge_blocks.validate().unwrap_err().contains("block_size"));
+    }
+
+    /// The README's example configuration is a valid one.
+    #[test]
+    fn the_readme_example_parses_and_validates() {
+        let readme = include_str!("../../../README.md");
+        let start = readme.find("```toml\n").expect("a toml block") + "```toml\n".len();
+        let len = readme[start..].find("```").expect("closed");
+        let c: ServeConfig = toml::from_str(&readme[start..start + len]).unwrap();
+        assert_eq!(c.validate(), Ok(()));
+        assert_eq!(c.cost, CostWeights::default());
+    }
+
+    #[test]
+    fn relative_policy_paths_are_taken_from_the_config_file() {
+        let dir = std::env::temp_dir().join(format!("kvroute-config-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("kvroute.toml");
+        std::fs::write(
+            &file,
+            "policy = \"p.wasm\"\npolicy_dir = \"/abs/policies\"\n",
+        )
+        .unwrap();
+        let c = ServeConfig::from_file(&file).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(c.policy, Some(dir.join("p.wasm")));
+        assert_eq!(c.policy_dir, Some(PathBuf::from("/abs/policies")));
+    }
+
+    /// Values that parse but would break a running server are refused at start, naming the key.
+    #[test]
+    fn cost_weights_limits_and_runtime_are_checked() {
+        let refused = |toml_text: &str, key: &str| {
+            let c: ServeConfig = toml::from_str(toml_text).unwrap();
+            let e = c.validate().unwrap_err();
+            assert!(e.contains(key), "{toml_text:?}: {e}");
+        };
+        refused(
+            "[cost]\nprefill_load_scale = nan\n",
+            "cost.prefill_load_scale",
+        );
+        refused("[cost]\nhost_tier_weight = -5.0\n", "cost.host_tier_weight");
+        refused("[cost]\ndisk_tier_weight = inf\n", "cost.disk_tier_weight");
+        refused("[limits]\nmax_body_bytes = 0\n", "limits.max_body_bytes");
+        refused("[limits]\nmax_workers = 0\n", "limits.max_workers");
+        refused(
+            "[limits]\nmax_prompt_tokens = 0\n",
+            "limits.max_prompt_tokens",
+        );
+        refused("[policy_runtime]\ndeadline_us = 10\n", "policy_runtime");
+        let ok: ServeConfig =
+            toml::from_str("[cost]\nprefill_load_scale = 0.0\nhost_tier_weight = 1.5\n").unwrap();
+        assert_eq!(ok.validate(), Ok(()));
+    }
+}

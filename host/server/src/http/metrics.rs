@@ -1,0 +1,398 @@
+//! Prometheus metrics.
+//!
+//! Per-request figures (route latency by phase, decisions per worker, errors, queue waits, events)
+//! are recorded into a `prometheus` registry as they happen. Figures the core already keeps as
+//! counters or sizes (index size, bookings, queue depth, policy stats, drop counters) are read at
+//! scrape time and written as gauges/counters, so they cost nothing on the hot path.
+
+use std::fmt::Write;
+
+use prometheus::{
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounterVec, Opts, Registry, TextEncoder,
+};
+
+use kvroute_core::router::{RouteDecision, Router};
+
+/// The metrics of one server.
+#[derive(Clone)]
+pub struct Metrics {
+    registry: Registry,
+    route_seconds: HistogramVec,
+    decisions: IntCounterVec,
+    route_errors: IntCounterVec,
+    fallbacks: IntCounterVec,
+    queue_wait_seconds: Histogram,
+    events: IntCounterVec,
+    /// Sections other components render at scrape time (e.g. the ZMQ event ingestion).
+    extra: std::sync::Arc<parking_lot::RwLock<Vec<ExtraRenderer>>>,
+}
+
+/// Appends a component's metrics (Prometheus text format) to a scrape.
+pub type ExtraRenderer = std::sync::Arc<dyn Fn(&mut String) + Send + Sync>;
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Metrics")
+    }
+}
+
+const LATENCY_BUCKETS: &[f64] = &[
+    1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2,
+    0.1, 1.0,
+];
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let registry = Registry::new();
+        let route_seconds = HistogramVec::new(
+            HistogramOpts::new(
+                "kvroute_route_duration_seconds",
+                "Time to decide a route, by phase (hash, match, policy, total).",
+            )
+            .buckets(LATENCY_BUCKETS.to_vec()),
+            &["phase"],
+        )
+        .expect("valid metric");
+        let decisions = IntCounterVec::new(
+            Opts::new(
+                "kvroute_decisions_total",
+                "Routing decisions per chosen candidate.",
+            ),
+            &["worker_id", "dp_rank"],
+        )
+        .expect("valid metric");
+        let route_errors = IntCounterVec::new(
+            Opts::new(
+                "kvroute_route_errors_total",
+                "Routes refused, by error code.",
+            ),
+            &["code"],
+        )
+        .expect("valid metric");
+        let fallbacks = IntCounterVec::new(
+            Opts::new(
+                "kvroute_policy_fallbacks_total",
+                "Decisions that fell back to the native cost, by reason.",
+            ),
+            &["reason"],
+        )
+        .expect("valid metric");
+        let queue_wait_seconds = Histogram::with_opts(
+            HistogramOpts::new(
+                "kvroute_queue_wait_seconds",
+                "Time requests waited in the queue: until routed, or until queue_timeout_ms when they time out.",
+            )
+            .buckets(vec![0.001, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0]),
+        )
+        .expect("valid metric");
+        let events = IntCounterVec::new(
+            Opts::new(
+                "kvroute_http_events_total",
+                "KV events received over HTTP, by outcome (applied or the drop reason).",
+            ),
+            &["outcome"],
+        )
+        .expect("valid metric");
+        for c in [
+            Box::new(route_seconds.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(decisions.clone()),
+            Box::new(route_errors.clone()),
+            Box::new(fallbacks.clone()),
+            Box::new(queue_wait_seconds.clone()),
+            Box::new(events.clone()),
+        ] {
+            registry.register(c).expect("unique metric");
+        }
+        Self {
+            registry,
+            route_seconds,
+            decisions,
+            route_errors,
+            fallbacks,
+            queue_wait_seconds,
+            events,
+            extra: Default::default(),
+        }
+    }
+
+    /// Adds a section rendered at every scrape.
+    pub fn add_renderer(&self, render: ExtraRenderer) {
+        self.extra.write().push(render);
+    }
+
+    pub fn record_decision(&self, d: &RouteDecision) {
+        let t = &d.timings;
+        for (phase, v) in [
+            ("hash", t.hash),
+            ("match", t.matching),
+            ("policy", t.policy),
+            ("total", t.total),
+        ] {
+            self.route_seconds
+                .with_label_values(&[phase])
+                .observe(v.as_secs_f64());
+        }
+        self.decisions
+            .with_label_values(&[
+                &d.candidate.worker_id.to_string(),
+                &d.candidate.dp_rank.to_string(),
+            ])
+            .inc();
+        if let Some(r) = d.fallback_reason {
+            self.fallbacks.with_label_values(&[r]).inc();
+        }
+        if !d.queued.is_zero() {
+            self.queue_wait_seconds.observe(d.queued.as_secs_f64());
+        }
+    }
+
+    /// Drops a removed worker's per-candidate series, so worker ids that come and go (pods
+    /// replaced) do not grow the scrape for ever.
+    pub fn forget_ranks(
+        &self,
+        worker_id: kvroute_core::candidate::WorkerId,
+        ranks: impl IntoIterator<Item = kvroute_core::candidate::DpRank>,
+    ) {
+        let id = worker_id.to_string();
+        for rank in ranks {
+            let _ = self
+                .decisions
+                .remove_label_values(&[&id, &rank.to_string()]);
+        }
+    }
+
+    pub fn record_route_error(&self, e: &kvroute_core::router::RouteError) {
+        self.route_errors.with_label_values(&[e.code()]).inc();
+        // A request that timed out in the queue waited too: leaving it out would hide the
+        // longest waits from the histogram.
+        if let kvroute_core::router::RouteError::QueueTimeout(waited) = e {
+            self.queue_wait_seconds.observe(waited.as_secs_f64());
+        }
+    }
+
+    pub fn record_event(&self, outcome: &str) {
+        self.events.with_label_values(&[outcome]).inc();
+    }
+
+    /// The Prometheus text exposition of everything.
+    pub fn render(
+        &self,
+        router: &Router,
+        policies: Option<&kvroute_policy::PolicyRegistry>,
+    ) -> String {
+        let mut buf = Vec::new();
+        let _ = TextEncoder::new().encode(&self.registry.gather(), &mut buf);
+        let mut out = String::from_utf8(buf).unwrap_or_default();
+        let stats = router.indexer().stats();
+        gauge_header(
+            &mut out,
+            "kvroute_index_blocks",
+            "(candidate, block) pairs held in the index, by tier.",
+        );
+        for (i, tier) in ["device", "host", "disk", "external"].iter().enumerate() {
+            let _ = writeln!(
+                out,
+                "kvroute_index_blocks{{tier=\"{tier}\"}} {}",
+                stats.held_blocks[i]
+            );
+        }
+        gauge_header(
+            &mut out,
+            "kvroute_index_unique_blocks",
+            "Distinct blocks in the index, by tier.",
+        );
+        for (i, tier) in ["device", "host", "disk", "external"].iter().enumerate() {
+            let _ = writeln!(
+                out,
+                "kvroute_index_unique_blocks{{tier=\"{tier}\"}} {}",
+                stats.unique_blocks[i]
+            );
+        }
+        counter_header(
+            &mut out,
+            "kvroute_index_events_applied_total",
+            "KV events applied to the index.",
+        );
+        let _ = writeln!(
+            out,
+            "kvroute_index_events_applied_total {}",
+            stats.events_applied
+        );
+        counter_header(
+            &mut out,
+            "kvroute_index_events_dropped_total",
+            "KV events the index refused, by reason.",
+        );
+        let c = &router.counters;
+        for (reason, n) in [
+            (
+                "parent_block_not_found",
+                stats.dropped_parent_block_not_found,
+            ),
+            ("self_reference", stats.dropped_self_reference),
+            (
+                "unknown_worker",
+                c.events_unknown_worker
+                    .load(std::sync::atomic::Ordering::Relaxed),
+            ),
+        ] {
+            let _ = writeln!(
+                out,
+                "kvroute_index_events_dropped_total{{reason=\"{reason}\"}} {n}"
+            );
+        }
+        counter_header(
+            &mut out,
+            "kvroute_index_unknown_removals_total",
+            "Removal handles the index did not hold.",
+        );
+        let _ = writeln!(
+            out,
+            "kvroute_index_unknown_removals_total {}",
+            stats.unknown_removal_handles
+        );
+        let (depth, tokens) = router.queue_depth();
+        gauge_header(
+            &mut out,
+            "kvroute_queue_depth",
+            "Requests waiting in the queue.",
+        );
+        let _ = writeln!(out, "kvroute_queue_depth {depth}");
+        gauge_header(
+            &mut out,
+            "kvroute_queue_tokens",
+            "Prompt tokens waiting in the queue.",
+        );
+        let _ = writeln!(out, "kvroute_queue_tokens {tokens}");
+        gauge_header(
+            &mut out,
+            "kvroute_active_bookings",
+            "Requests booked and not yet freed.",
+        );
+        let _ = writeln!(out, "kvroute_active_bookings {}", router.active_bookings());
+        gauge_header(&mut out, "kvroute_workers", "Registered workers.");
+        let _ = writeln!(
+            out,
+            "kvroute_workers {}",
+            router.registry().snapshot().workers.len()
+        );
+        if let Some(p) = policies {
+            render_policies(&mut out, p);
+        }
+        for render in self.extra.read().iter() {
+            render(&mut out);
+        }
+        out
+    }
+}
+
+fn gauge_header(out: &mut String, name: &str, help: &str) {
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
+}
+
+fn counter_header(out: &mut String, name: &str, help: &str) {
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
+}
+
+/// Per policy version: counters belong to one loaded version, so `version` is a label (after a
+/// rollback the name has two versions listed; without it their series would collide). A
+/// version's series go when it is unloaded.
+fn render_policies(out: &mut String, p: &kvroute_policy::PolicyRegistry) {
+    let list = p.list();
+    let labels = |i: &kvroute_policy::PolicyInfo| {
+        format!("policy=\"{}\",version=\"{}\"", esc(&i.name), i.version)
+    };
+    gauge_header(
+        out,
+        "kvroute_policy_active",
+        "1 for the policy version that serves decisions, 0 for the other loaded ones.",
+    );
+    for i in &list {
+        let _ = writeln!(
+            out,
+            "kvroute_policy_active{{{},digest=\"{}\"}} {}",
+            labels(i),
+            esc(&i.digest),
+            u8::from(i.active)
+        );
+    }
+    // A counter with one series per version.
+    let per_version =
+        |out: &mut String, name: &str, help: &str, value: fn(&kvroute_policy::PolicyInfo) -> u64| {
+            counter_header(out, name, help);
+            for i in &list {
+                let _ = writeln!(out, "{name}{{{}}} {}", labels(i), value(i));
+            }
+        };
+    per_version(
+        out,
+        "kvroute_policy_calls_total",
+        "Calls into each policy version.",
+        |i| i.stats.calls,
+    );
+    counter_header(
+        out,
+        "kvroute_policy_errors_total",
+        "Policy failures, by policy version and kind.",
+    );
+    for i in &list {
+        for (kind, n) in &i.stats.errors_by_kind {
+            let _ = writeln!(
+                out,
+                "kvroute_policy_errors_total{{{},kind=\"{}\"}} {n}",
+                labels(i),
+                esc(kind)
+            );
+        }
+    }
+    per_version(
+        out,
+        "kvroute_policy_log_dropped_total",
+        "Plugin log lines dropped by the per-instance rate limit.",
+        |i| i.stats.log_dropped,
+    );
+    gauge_header(
+        out,
+        "kvroute_policy_call_latency_microseconds",
+        "Policy call latency percentiles over the version's life (GET /v1/policies shows the \
+         same); kvroute_route_duration_seconds{phase=\"policy\"} is the histogram to aggregate.",
+    );
+    for i in &list {
+        let _ = writeln!(
+            out,
+            "kvroute_policy_call_latency_microseconds{{{},quantile=\"0.5\"}} {}",
+            labels(i),
+            i.stats.p50_us
+        );
+        let _ = writeln!(
+            out,
+            "kvroute_policy_call_latency_microseconds{{{},quantile=\"0.99\"}} {}",
+            labels(i),
+            i.stats.p99_us
+        );
+    }
+    counter_header(
+        out,
+        "kvroute_policy_auto_restores_total",
+        "Times the active policy was taken out after too many failed decisions in a row.",
+    );
+    let _ = writeln!(
+        out,
+        "kvroute_policy_auto_restores_total {}",
+        p.counters()
+            .auto_restores
+            .load(std::sync::atomic::Ordering::Relaxed)
+    );
+}
+
+fn esc(s: &str) -> String {
+    s.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}

@@ -1,0 +1,750 @@
+//! The HTTP API v1 (`../shared/API.md`): thin axum handlers over the routing core.
+//!
+//! Handlers parse and validate (naming the field at fault), call one method of the [`Router`] or the
+//! [`PolicyRegistry`], and map the result to the contract's JSON. State is passed explicitly in
+//! [`AppState`]; nothing is global. Admin endpoints (worker writes, events, policy writes) require
+//! the bearer token when one is configured, and answer loopback clients only when none is.
+
+pub mod drain;
+pub mod dto;
+pub mod error;
+pub mod metrics;
+pub mod openapi;
+pub mod prompt_json;
+pub mod serving;
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::extract::{ConnectInfo, Request, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{delete, get, post, put};
+use axum::{Extension, Json};
+
+use kvroute_core::candidate::CandidateKey;
+use kvroute_core::indexer::{KvEvent, KvEventData, Tier};
+use kvroute_policy::{PolicyError, PolicyRegistry};
+use kvroute_core::router::{
+    LifecycleError, RouteError, Router,
+};
+use kvroute_core::workers::{SpecError, WorkerSpec};
+use dto::*;
+use error::{ApiError, ApiJson, ApiPath, BodyLimit, NoBody, RawBody};
+pub use metrics::Metrics;
+use prompt_json::PromptJson;
+
+/// Everything a handler may touch.
+#[derive(Clone)]
+pub struct AppState {
+    pub router: Arc<Router>,
+    pub policies: Arc<PolicyRegistry>,
+    pub metrics: Metrics,
+    pub admin_token: Option<Arc<str>>,
+    pub limits: crate::config::LimitsSection,
+    pub ready: Arc<AtomicBool>,
+}
+
+/// Builds the axum application.
+pub fn app(state: AppState) -> axum::Router {
+    let admin = axum::Router::new()
+        .route(
+            "/v1/workers/{worker_id}",
+            put(put_worker).patch(patch_worker).delete(delete_worker),
+        )
+        .route("/v1/events", post(post_events))
+        .route(
+            "/v1/policies/{name}",
+            put(put_policy)
+                .layer(Extension(BodyLimit(state.limits.max_policy_bytes)))
+                .delete(delete_policy),
+        )
+        .route("/v1/policies/{name}/config", put(put_policy_config))
+        .route("/v1/policies/{name}/activate", post(activate_policy))
+        .route("/v1/policies/rollback", post(rollback_policy))
+        .route_layer(middleware::from_fn_with_state(state.clone(), admin_auth));
+    let public = axum::Router::new()
+        .route("/v1/workers", get(list_workers))
+        .route("/v1/route", post(route))
+        .route(
+            "/v1/requests/{request_id}/prefill_complete",
+            post(prefill_complete),
+        )
+        .route("/v1/requests/{request_id}/output", post(output))
+        .route("/v1/requests/{request_id}", delete(free_request))
+        .route("/v1/overlap", post(overlap))
+        .route("/v1/policies", get(list_policies))
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics_text))
+        .route("/openapi.json", get(openapi_json));
+    let body_limit = state.limits.max_body_bytes;
+    admin
+        .merge(public)
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(Extension(BodyLimit(body_limit)))
+        .layer(middleware::from_fn(drain::drain_leftovers))
+        .with_state(state)
+}
+
+async fn not_found() -> ApiError {
+    ApiError::not_found("not_found", "no such endpoint; see GET /openapi.json")
+}
+
+async fn method_not_allowed() -> ApiError {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method_not_allowed",
+        "this endpoint does not take that method; see GET /openapi.json",
+    )
+}
+
+async fn admin_auth(
+    State(state): State<AppState>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+    req: Request,
+    next: Next,
+) -> Response {
+    match &state.admin_token {
+        Some(token) => {
+            // No bearer credential at all (no header, another scheme, an empty token) is 401
+            // with the challenge (RFC 9110 §11.6.1); a bearer token that is not ours is 403.
+            let given = headers
+                .get(header::AUTHORIZATION)
+                .and_then(|v| v.to_str().ok())
+                .and_then(bearer_token)
+                .filter(|t| !t.is_empty());
+            let Some(given) = given else {
+                let mut resp = ApiError::new(
+                    StatusCode::UNAUTHORIZED,
+                    "unauthorized",
+                    "this admin endpoint needs `Authorization: Bearer <token>`",
+                )
+                .into_response();
+                resp.headers_mut().insert(
+                    header::WWW_AUTHENTICATE,
+                    axum::http::HeaderValue::from_static("Bearer realm=\"kvroute admin\""),
+                );
+                return resp;
+            };
+            if !constant_time_eq(given.as_bytes(), token.as_bytes()) {
+                return ApiError::new(StatusCode::FORBIDDEN, "forbidden", "wrong admin token")
+                    .into_response();
+            }
+        }
+        // `to_canonical`: on a dual-stack listener an IPv4 client arrives as `::ffff:a.b.c.d`.
+        None if !peer.ip().to_canonical().is_loopback() => {
+            return ApiError::new(
+                StatusCode::FORBIDDEN,
+                "admin_token_required",
+                "admin endpoints answer loopback clients only when no admin token is configured; \
+                 start kvroute with --admin-token (or KVROUTE_ADMIN_TOKEN)",
+            )
+            .into_response();
+        }
+        None => {}
+    }
+    next.run(req).await
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+fn parse_worker_id(raw: &str) -> Result<u64, ApiError> {
+    raw.parse::<u64>().map_err(|_| {
+        ApiError::invalid_field(
+            "worker_id",
+            format!("{raw:?} is not a worker id (an unsigned 64-bit integer)"),
+        )
+    })
+}
+
+fn spec_error(e: SpecError) -> ApiError {
+    ApiError::invalid_field(e.field, e.message)
+}
+
+fn route_error(e: RouteError) -> ApiError {
+    let status = StatusCode::from_u16(e.status()).unwrap_or(StatusCode::BAD_REQUEST);
+    let mut err = ApiError::new(status, e.code(), e.to_string());
+    if let RouteError::Invalid { field, message } = &e {
+        err.message = message.clone();
+        err.field = Some(field.clone());
+    } else if let Some(f) = e.field() {
+        err.field = Some(f.to_string());
+    }
+    if e.retryable() {
+        err = err.retry_after(1);
+    }
+    err
+}
+
+fn policy_error(e: PolicyError) -> ApiError {
+    let status = match &e {
+        PolicyError::UnknownPolicy(_) => StatusCode::NOT_FOUND,
+        PolicyError::ActivePolicy(_) | PolicyError::NoPrevious => StatusCode::CONFLICT,
+        e if e.is_client_error() => StatusCode::BAD_REQUEST,
+        _ => StatusCode::INTERNAL_SERVER_ERROR,
+    };
+    ApiError::new(status, e.code(), e.to_string())
+}
+
+// ---- workers -----------------------------------------------------------------------------------
+
+fn worker_out(router: &Router, w: kvroute_core::workers::Worker) -> WorkerOut {
+    let ranks = w
+        .ranks()
+        .map(|r| {
+            let key = CandidateKey::new(w.worker_id, r);
+            let l = router.load_of(key);
+            let cached = router.indexer().candidate_blocks(key);
+            RankOut {
+                dp_rank: r,
+                active_prefill_tokens: l.active_prefill_tokens,
+                active_decode_blocks: l.active_decode_blocks,
+                active_requests: l.active_requests,
+                cached_blocks: cached[0],
+                host_cached_blocks: cached[1],
+                disk_cached_blocks: cached[2] + cached[3],
+            }
+        })
+        .collect();
+    WorkerOut::new(w, ranks)
+}
+
+async fn put_worker(
+    State(s): State<AppState>,
+    ApiPath(raw): ApiPath<String>,
+    headers: HeaderMap,
+    RawBody(body): RawBody,
+) -> Result<Json<WorkerOut>, ApiError> {
+    error::require_json(&headers)?;
+    let id = parse_worker_id(&raw)?;
+    let spec: WorkerSpec = if body.iter().all(u8::is_ascii_whitespace) {
+        WorkerSpec::default()
+    } else {
+        // The id belongs to the path; a body may repeat it ("all optional but worker_id"), and
+        // then it must be the same id.
+        let mut object = serde_json::from_slice::<serde_json::Value>(&body).ok();
+        match object
+            .as_mut()
+            .and_then(|v| v.as_object_mut()?.remove("worker_id"))
+        {
+            Some(given) if given.as_u64() == Some(id) => {
+                error::parse_json_object(&serde_json::to_vec(&object).unwrap_or_default())?
+            }
+            Some(given) => {
+                return Err(ApiError::invalid_field(
+                    "worker_id",
+                    format!("{given} does not match the worker id in the path ({id})"),
+                ))
+            }
+            None => error::parse_json_object(&body)?,
+        }
+    };
+    let before: Vec<_> = s
+        .router
+        .registry()
+        .snapshot()
+        .workers
+        .get(&id)
+        .map(|w| w.ranks().collect())
+        .unwrap_or_default();
+    let w = s.router.upsert_worker(id, spec).map_err(spec_error)?;
+    // Ranks a re-registration dropped take their decision series with them.
+    s.metrics.forget_ranks(
+        id,
+        before.into_iter().filter(|r| !w.ranks().any(|k| k == *r)),
+    );
+    tracing::info!(
+        worker_id = id,
+        dp_start = w.dp_start,
+        dp_size = w.dp_size,
+        taints = w.taints.len(),
+        kv_events = w.kv_events.as_ref().map(|k| k.endpoint.as_str()),
+        "worker registered"
+    );
+    Ok(Json(worker_out(&s.router, w)))
+}
+
+async fn patch_worker(
+    State(s): State<AppState>,
+    ApiPath(raw): ApiPath<String>,
+    ApiJson(body): ApiJson<PatchWorkerBody>,
+) -> Result<Json<WorkerOut>, ApiError> {
+    let id = parse_worker_id(&raw)?;
+    let w = s
+        .router
+        .patch_worker(id, body.taints, body.draining)
+        .map_err(spec_error)?
+        .ok_or_else(|| {
+            ApiError::not_found("unknown_worker", format!("worker {id} is not registered"))
+        })?;
+    tracing::info!(
+        worker_id = id,
+        draining = w.draining,
+        taints = w.taints.len(),
+        "worker patched"
+    );
+    Ok(Json(worker_out(&s.router, w)))
+}
+
+async fn delete_worker(
+    State(s): State<AppState>,
+    ApiPath(raw): ApiPath<String>,
+    _: NoBody,
+) -> Result<StatusCode, ApiError> {
+    let id = parse_worker_id(&raw)?;
+    let removed = s.router.remove_worker(id).ok_or_else(|| {
+        ApiError::not_found("unknown_worker", format!("worker {id} is not registered"))
+    })?;
+    s.metrics.forget_ranks(id, removed.ranks());
+    tracing::info!(worker_id = id, "worker removed");
+    Ok(StatusCode::NO_CONTENT)
+}
+
+async fn list_workers(State(s): State<AppState>) -> Json<serde_json::Value> {
+    let snap = s.router.registry().snapshot();
+    let workers: Vec<WorkerOut> = snap
+        .workers
+        .values()
+        .map(|w| worker_out(&s.router, w.clone()))
+        .collect();
+    Json(serde_json::json!({ "workers": workers }))
+}
+
+/// The token of an `Authorization: Bearer <token>` value. The scheme is case-insensitive and
+/// may be followed by more than one space (RFC 9110 §11.4).
+fn bearer_token(value: &str) -> Option<&str> {
+    let (scheme, rest) = value.split_once(' ').unwrap_or((value, ""));
+    scheme
+        .eq_ignore_ascii_case("bearer")
+        .then(|| rest.trim_matches(' '))
+}
+
+// ---- events ------------------------------------------------------------------------------------
+
+async fn post_events(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    RawBody(body): RawBody,
+) -> Result<Json<EventsResponse>, ApiError> {
+    error::require_json(&headers)?;
+    let items: Vec<serde_json::Value> = error::parse_json(&body)?;
+    if items.len() > s.limits.max_events_per_request {
+        return Err(ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "too_many_events",
+            format!(
+                "{} events in one request; at most {} (limits.max_events_per_request)",
+                items.len(),
+                s.limits.max_events_per_request
+            ),
+        ));
+    }
+    let mut out = EventsResponse {
+        applied: 0,
+        dropped: 0,
+        errors: Vec::new(),
+    };
+    // For events without `dp_rank` (read once per request, not per event).
+    let registry = s.router.registry().snapshot();
+    for (index, item) in items.into_iter().enumerate() {
+        let mut drop = |code: &'static str, message: String| {
+            s.metrics.record_event(code);
+            out.dropped += 1;
+            out.errors.push(EventErrorOut {
+                index,
+                code,
+                message,
+            });
+        };
+        let env: EventEnvelope = match serde_path_to_error::deserialize(item) {
+            Ok(e) => e,
+            Err(e) => {
+                let path = e.path().to_string();
+                drop("invalid_event", format!("{path}: {}", e.into_inner()));
+                continue;
+            }
+        };
+        let tier = match env.tier() {
+            Ok(t) => t,
+            Err((field, message)) => {
+                drop("unknown_storage_tier", format!("{field}: {message}"));
+                continue;
+            }
+        };
+        // Without `dp_rank`, the worker's first rank (its `dp_start`; 0 for an unknown worker,
+        // which the router then reports as unknown).
+        let dp_rank = env.event.dp_rank.unwrap_or_else(|| {
+            registry
+                .workers
+                .get(&env.worker_id)
+                .map_or(0, |w| w.dp_start)
+        });
+        let candidate = CandidateKey::new(env.worker_id, dp_rank);
+        let event_id = env.event.event_id;
+        let data = env.into_data();
+        let result = if let KvEventData::Cleared = data {
+            // SPEC §3: "the worker (and rank) holds nothing": every tier, whatever
+            // `storage_tier` says (as the ZMQ path clears on `AllBlocksCleared`).
+            let mut result = Ok(None);
+            for tier in Tier::ALL {
+                let event = KvEvent {
+                    candidate,
+                    tier,
+                    event_id,
+                    data: KvEventData::Cleared,
+                };
+                result = s.router.apply_event(&event);
+                if !matches!(result, Ok(Some(_))) {
+                    break;
+                }
+            }
+            result
+        } else {
+            s.router.apply_event(&KvEvent {
+                candidate,
+                tier,
+                event_id,
+                data,
+            })
+        };
+        match result {
+            Ok(Some(_)) => {
+                s.metrics.record_event("applied");
+                out.applied += 1;
+            }
+            Ok(None) => drop(
+                "unknown_worker",
+                format!(
+                    "worker {} rank {} is not registered",
+                    candidate.worker_id, candidate.dp_rank
+                ),
+            ),
+            Err(e) => drop(e.code(), e.to_string()),
+        }
+    }
+    Ok(Json(out))
+}
+
+// ---- routing -----------------------------------------------------------------------------------
+
+async fn route(
+    State(s): State<AppState>,
+    PromptJson(body): PromptJson<RouteBody>,
+) -> Result<Json<RouteResponse>, ApiError> {
+    let limits = BodyLimits {
+        max_allowed_worker_ids: s.limits.max_allowed_worker_ids,
+        max_request_taints: s.limits.max_request_taints,
+    };
+    let req = body.into_request(&limits)?;
+    match s.router.route(req).await {
+        Ok(d) => {
+            s.metrics.record_decision(&d);
+            Ok(Json(d.into()))
+        }
+        Err(e) => {
+            s.metrics.record_route_error(&e);
+            Err(route_error(e))
+        }
+    }
+}
+
+fn lifecycle_error(e: LifecycleError) -> ApiError {
+    match e {
+        LifecycleError::UnknownRequest(id) => ApiError::not_found(
+            "unknown_request",
+            format!("no booked or queued request has id {id:?}"),
+        ),
+        e @ LifecycleError::Queued(_) => {
+            ApiError::new(StatusCode::CONFLICT, "request_queued", e.to_string())
+        }
+    }
+}
+
+async fn prefill_complete(
+    State(s): State<AppState>,
+    ApiPath(id): ApiPath<String>,
+    _: NoBody,
+) -> Result<Json<LifecycleResponse>, ApiError> {
+    let c = s.router.prefill_complete(&id).map_err(lifecycle_error)?;
+    Ok(Json(LifecycleResponse {
+        request_id: id,
+        worker_id: Some(c.worker_id),
+        dp_rank: Some(c.dp_rank),
+        status: "prefill_complete",
+    }))
+}
+
+async fn output(
+    State(s): State<AppState>,
+    ApiPath(id): ApiPath<String>,
+    ApiJson(body): ApiJson<OutputBody>,
+) -> Result<Json<LifecycleResponse>, ApiError> {
+    let c = s
+        .router
+        .output_progress(&id, body.tokens)
+        .map_err(lifecycle_error)?;
+    Ok(Json(LifecycleResponse {
+        request_id: id,
+        worker_id: Some(c.worker_id),
+        dp_rank: Some(c.dp_rank),
+        status: "output_recorded",
+    }))
+}
+
+async fn free_request(
+    State(s): State<AppState>,
+    ApiPath(id): ApiPath<String>,
+    _: NoBody,
+) -> Result<Json<LifecycleResponse>, ApiError> {
+    let b = s.router.free(&id).map_err(lifecycle_error)?;
+    Ok(Json(match b {
+        Some(b) => LifecycleResponse {
+            request_id: id,
+            worker_id: Some(b.candidate.worker_id),
+            dp_rank: Some(b.candidate.dp_rank),
+            status: "freed",
+        },
+        None => LifecycleResponse {
+            request_id: id,
+            worker_id: None,
+            dp_rank: None,
+            status: "cancelled",
+        },
+    }))
+}
+
+async fn overlap(
+    State(s): State<AppState>,
+    PromptJson(mut body): PromptJson<OverlapBody>,
+) -> Result<Json<OverlapResponse>, ApiError> {
+    let prompt = body.prompt()?;
+    let (num_blocks, scores) = s
+        .router
+        .overlap(
+            &prompt,
+            body.lora_name.as_deref(),
+            body.cache_salt.as_deref(),
+        )
+        .map_err(route_error)?;
+    let mut by: std::collections::BTreeMap<CandidateKey, [u32; 3]> = Default::default();
+    for (i, list) in [&scores.device, &scores.host, &scores.disk]
+        .into_iter()
+        .enumerate()
+    {
+        for &(k, d) in list {
+            by.entry(k).or_default()[i] = d;
+        }
+    }
+    Ok(Json(OverlapResponse {
+        block_size: s.router.config().block_size,
+        num_blocks,
+        workers: by
+            .into_iter()
+            .map(|(k, [d, h, disk])| OverlapWorker {
+                worker_id: k.worker_id,
+                dp_rank: k.dp_rank,
+                device_blocks: d,
+                host_blocks: h,
+                disk_blocks: disk,
+            })
+            .collect(),
+    }))
+}
+
+// ---- policies ----------------------------------------------------------------------------------
+
+async fn list_policies(State(s): State<AppState>) -> Json<serde_json::Value> {
+    let active = s.policies.active_info().map(|i| i.name);
+    Json(serde_json::json!({
+        "active": active,
+        "policies": s.policies.list(),
+    }))
+}
+
+/// The query of a policy upload: `activate=true|false` and `config=JSON` (URL-encoded; what
+/// `PUT /v1/policies/{name}/config` would take), so a policy that needs a configuration is loaded
+/// and configured in one step.
+fn parse_upload_query(uri: &axum::http::Uri) -> Result<(bool, Option<String>), ApiError> {
+    let pairs = axum::extract::Query::<Vec<(String, String)>>::try_from_uri(uri)
+        .map_err(|e| ApiError::bad_request("invalid_request", format!("bad query string: {e}")))?
+        .0;
+    let mut activate = false;
+    let mut config = None;
+    for (k, v) in pairs {
+        match k.as_str() {
+            "activate" => {
+                activate = match v.as_str() {
+                    "true" | "1" | "" => true,
+                    "false" | "0" => false,
+                    other => {
+                        return Err(ApiError::invalid_field(
+                            "activate",
+                            format!("{other:?} is not true or false"),
+                        ))
+                    }
+                }
+            }
+            "config" => {
+                serde_json::from_str::<serde_json::Value>(&v).map_err(|e| {
+                    ApiError::bad_request("invalid_json", format!("config is not JSON: {e}"))
+                        .with_field("config")
+                })?;
+                config = Some(v);
+            }
+            other => {
+                return Err(ApiError::invalid_field(
+                    other,
+                    "unknown query parameter; `activate` and `config` are accepted",
+                ))
+            }
+        }
+    }
+    Ok((activate, config))
+}
+
+async fn put_policy(
+    State(s): State<AppState>,
+    ApiPath(name): ApiPath<String>,
+    uri: axum::http::Uri,
+    headers: HeaderMap,
+    body: Result<RawBody, ApiError>,
+) -> Result<Response, ApiError> {
+    // API.md lists "over size" among the reasons a component is not valid: 400, like the others.
+    let RawBody(body) = body.map_err(|e| {
+        if e.status == StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "component_too_large",
+                format!(
+                    "the component is larger than limits.max_policy_bytes ({} bytes)",
+                    s.limits.max_policy_bytes
+                ),
+            )
+        } else {
+            e
+        }
+    })?;
+    let (activate, config) = parse_upload_query(&uri)?;
+    // application/octet-stream too: what generic tools send for a binary file.
+    error::require_media_type(&headers, &["application/wasm", "application/octet-stream"])?;
+    // Compiling takes tens of milliseconds (seconds for a Python component).
+    let info = off_thread(&s, move |r| {
+        r.load(&name, &body, config.as_deref(), activate)
+    })
+    .await?;
+    Ok((StatusCode::CREATED, Json(info)).into_response())
+}
+
+/// Runs a policy-registry operation on the blocking pool. Compiling holds the registry's admin
+/// lock, and every write waits for it: a serving thread that waited in place would stall every
+/// connection it serves (`serving`), routes included, for the length of someone's upload.
+async fn off_thread<T: Send + 'static>(
+    s: &AppState,
+    op: impl FnOnce(&PolicyRegistry) -> Result<T, PolicyError> + Send + 'static,
+) -> Result<T, ApiError> {
+    let registry = s.policies.clone();
+    tokio::task::spawn_blocking(move || op(&registry))
+        .await
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()))?
+        .map_err(policy_error)
+}
+
+async fn put_policy_config(
+    State(s): State<AppState>,
+    ApiPath(name): ApiPath<String>,
+    headers: HeaderMap,
+    RawBody(body): RawBody,
+) -> Result<Json<kvroute_policy::PolicyInfo>, ApiError> {
+    error::require_json(&headers)?;
+    let json = std::str::from_utf8(&body)
+        .map_err(|_| ApiError::bad_request("invalid_json", "the body is not valid UTF-8"))?
+        .to_string();
+    serde_json::from_str::<serde_json::Value>(&json)
+        .map_err(|e| ApiError::bad_request("invalid_json", e.to_string()))?;
+    let info = off_thread(&s, move |r| r.configure(&name, &json)).await?;
+    Ok(Json(info))
+}
+
+async fn activate_policy(
+    State(s): State<AppState>,
+    ApiPath(name): ApiPath<String>,
+    _: NoBody,
+) -> Result<Json<kvroute_policy::PolicyInfo>, ApiError> {
+    off_thread(&s, move |r| r.activate(&name)).await.map(Json)
+}
+
+async fn rollback_policy(
+    State(s): State<AppState>,
+    _: NoBody,
+) -> Result<Json<kvroute_policy::PolicyInfo>, ApiError> {
+    off_thread(&s, |r| r.rollback()).await.map(Json)
+}
+
+async fn delete_policy(
+    State(s): State<AppState>,
+    ApiPath(name): ApiPath<String>,
+    _: NoBody,
+) -> Result<StatusCode, ApiError> {
+    off_thread(&s, move |r| r.remove(&name)).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+// ---- operations --------------------------------------------------------------------------------
+
+async fn healthz() -> Json<serde_json::Value> {
+    Json(serde_json::json!({"status": "ok"}))
+}
+
+async fn readyz(State(s): State<AppState>) -> Result<Json<serde_json::Value>, ApiError> {
+    if !s.ready.load(Ordering::Acquire) {
+        return Err(ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not_ready",
+            "the server is starting or shutting down",
+        ));
+    }
+    let active = s.policies.active_info();
+    match active {
+        Some(p) => Ok(Json(serde_json::json!({
+            "status": "ready",
+            "policy": {"name": p.name, "version": p.version, "digest": p.digest},
+        }))),
+        None => Err(ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "no_policy",
+            "no policy is active; load one with PUT /v1/policies/{name}?activate=true",
+        )),
+    }
+}
+
+async fn metrics_text(State(s): State<AppState>) -> Response {
+    let started = Instant::now();
+    let body = s.metrics.render(&s.router, Some(&s.policies));
+    tracing::trace!(
+        elapsed_us = started.elapsed().as_micros() as u64,
+        "rendered metrics"
+    );
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        body,
+    )
+        .into_response()
+}
+
+async fn openapi_json() -> Json<serde_json::Value> {
+    Json(openapi::document())
+}

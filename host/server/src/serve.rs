@@ -1,0 +1,212 @@
+//! `kvroute serve`: wires the routing core, the policy registry and the HTTP API together, runs the
+//! maintenance ticker, and shuts down gracefully (in-flight requests finish; new ones are refused).
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::config::ServeConfig;
+use kvroute_events::{EventIngestion, IngestConfig};
+use crate::http::{self, AppState, Metrics};
+use kvroute_policy::RegistryScorer;
+use kvroute_policy::PolicyRegistry;
+use kvroute_core::router::Router;
+
+/// A running server's handles, for embedding (tests, tools).
+pub struct Server {
+    pub router: Arc<Router>,
+    pub policies: Arc<PolicyRegistry>,
+    pub local_addr: SocketAddr,
+}
+
+pub use kvroute_policy::DEFAULT_POLICY_WASM;
+
+/// Builds the core from a configuration and loads the start-up policy: `--policy` when given,
+/// else the embedded default.
+pub fn build(config: &ServeConfig) -> Result<(Arc<Router>, Arc<PolicyRegistry>), String> {
+    config.validate()?;
+    let router = Arc::new(Router::new(config.router_config())?);
+    for w in config.register_workers(&router)? {
+        tracing::info!(
+            worker_id = w.worker_id,
+            dp_start = w.dp_start,
+            dp_size = w.dp_size,
+            kv_events = w.kv_events.as_ref().map(|k| k.endpoint.as_str()),
+            "worker registered from the configuration"
+        );
+    }
+    let policies =
+        Arc::new(PolicyRegistry::new(config.policy_runtime.clone()).map_err(|e| e.to_string())?);
+    if let Some(path) = &config.policy {
+        let bytes = std::fs::read(path)
+            .map_err(|e| format!("cannot read the policy component {}: {e}", path.display()))?;
+        let name = config.start_policy_name().unwrap_or_default();
+        policies
+            .load(&name, &bytes, config.policy_config.as_deref(), true)
+            .map_err(|e| format!("--policy {}: {e}", path.display()))?;
+    } else {
+        policies
+            .load(
+                "default",
+                DEFAULT_POLICY_WASM,
+                config.policy_config.as_deref(),
+                true,
+            )
+            .map_err(|e| format!("the embedded default policy: {e}"))?;
+    }
+    router.set_scorer(Some(Box::new(RegistryScorer::new(policies.clone()))));
+    Ok((router, policies))
+}
+
+/// Runs the server until `shutdown` resolves. Calls `on_listening` with the bound address (useful
+/// with port 0).
+pub async fn run(
+    config: ServeConfig,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+    on_listening: impl FnOnce(SocketAddr),
+) -> Result<(), String> {
+    let (router, policies) = build(&config)?;
+    let _watcher = match &config.policy_dir {
+        // What the directory holds is loaded before the server listens, so /readyz never
+        // reports ready with a policy the directory is about to replace.
+        Some(dir) => Some(
+            policies
+                .load_and_watch_directory(
+                    kvroute_policy::DirectoryScanner::new(dir.clone())
+                        .keep_active_at_start(config.policy.is_some()),
+                    Duration::from_millis(500),
+                )
+                .map_err(|e| {
+                    format!(
+                        "cannot watch policy_dir (--policy-dir) {}: {e}",
+                        dir.display()
+                    )
+                })?,
+        ),
+        None => None,
+    };
+    let listener = tokio::net::TcpListener::bind(config.listen)
+        .await
+        .map_err(|e| format!("cannot listen on {}: {e}", config.listen))?;
+    let local_addr = listener
+        .local_addr()
+        .map_err(|e| format!("cannot read the bound address: {e}"))?;
+    if config.admin_token.is_none() && !local_addr.ip().is_loopback() {
+        tracing::warn!(
+            %local_addr,
+            "no admin token: admin endpoints answer loopback clients only"
+        );
+    }
+    let ready = Arc::new(AtomicBool::new(true));
+    // ZMQ KV event ingestion: subscribes workers registered with `kv_events` (on its own thread).
+    let ingestion = EventIngestion::start(router.clone(), IngestConfig::default())
+        .map_err(|e| format!("cannot start the KV event ingestion thread: {e}"))?;
+    // Follow first, then subscribe what is already registered: no change falls between.
+    ingestion.follow_registry();
+    ingestion.sync_all();
+    let metrics = Metrics::new();
+    {
+        let ingestion = ingestion.clone();
+        metrics.add_renderer(Arc::new(move |out: &mut String| {
+            ingestion.render_metrics(out)
+        }));
+    }
+    let state = AppState {
+        router: router.clone(),
+        policies: policies.clone(),
+        metrics,
+        admin_token: config.admin_token.as_deref().map(Arc::from),
+        limits: config.limits.clone(),
+        ready: ready.clone(),
+    };
+    let ticker = {
+        let router = router.clone();
+        tokio::spawn(async move {
+            let mut every = tokio::time::interval(Duration::from_secs(1));
+            loop {
+                every.tick().await;
+                let (expired, blocks) = router.tick(Instant::now());
+                if expired > 0 || blocks > 0 {
+                    tracing::debug!(expired, blocks, "maintenance");
+                }
+            }
+        })
+    };
+    let app = http::app(state);
+    let block_size = config.block_size;
+    let summary = format!(
+        "busy_threshold={:?} queue_order={:?} approximate={} admin_token={} policy_dir={:?} workers={}",
+        config.routing.busy_threshold,
+        config.routing.queue_order,
+        config.routing.approximate,
+        if config.admin_token.is_some() { "set" } else { "none (admin from loopback only)" },
+        config.policy_dir,
+        router.registry().snapshot().workers.len(),
+    );
+    let active = policies
+        .active_info()
+        .map(|i| format!("{} v{}", i.name, i.version))
+        .unwrap_or_else(|| "none".into());
+    let threads = config.http_threads();
+    let ready_to_serve = move || {
+        on_listening(local_addr);
+        tracing::info!(
+            %local_addr,
+            version = env!("CARGO_PKG_VERSION"),
+            block_size,
+            http_threads = threads,
+            policy = %active,
+            settings = %summary,
+            "kvroute listening"
+        );
+    };
+    let ready_flag = ready.clone();
+    let draining_router = router.clone();
+    let grace = Duration::from_secs(config.shutdown_grace_secs);
+    let result = http::serving::serve(
+        listener,
+        app,
+        threads,
+        ready_to_serve,
+        async move {
+            shutdown.await;
+            ready_flag.store(false, Ordering::Release);
+            let queued = draining_router.shutdown_queue();
+            tracing::info!(
+                queued_refused = queued,
+                grace_secs = grace.as_secs(),
+                "shutting down: queued requests get 503 shutting_down; requests in flight finish"
+            );
+        },
+        grace,
+    )
+    .await
+    .map_err(|e| format!("server error: {e}"));
+    ticker.abort();
+    ingestion.shutdown();
+    result
+}
+
+/// Resolves on SIGINT or SIGTERM.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+}

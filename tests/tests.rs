@@ -1,0 +1,18 @@
+//! kvroute's integration and end-to-end tests: one binary, a module per area (as ripgrep's
+//! `tests/tests.rs`), so the shared support is compiled once and every area runs in one process.
+//!
+//! Most modules start the real `kvroute` binary (this package's) and talk to it over real HTTP and
+//! ZMQ on loopback; the policy modules drive the Wasm runtime with components built from
+//! `plugins/` (see `support::plugins`). Nothing is checked in as `.wasm`.
+
+mod support;
+
+mod cli;
+mod hostile;
+mod http;
+mod policy_deadlines;
+mod policy_runtime;
+mod python_plugin;
+mod replay;
+mod tutorial;
+mod zmq_ingestion;
