@@ -365,7 +365,7 @@ pub struct ReplayArgs {
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Router temperature: 0 picks the lowest cost (random among ties); T > 0 samples with
-    /// `p ∝ exp(-(cost - min) / ((max - min) T))` (SPEC §7).
+    /// `p ∝ exp(-(cost - min) / ((max - min) T))` (docs/SPEC.md §7).
     #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     pub temperature: f64,
     /// Azure traces: seed of the synthesized prefix sharing [default: --seed].
