@@ -9,13 +9,9 @@ use std::time::{Duration, Instant};
 use hdrhistogram::Histogram;
 
 use crate::client::Conn;
-use crate::timeline::Timeline;
+use crate::timeline::{new_hist, Timeline};
 use crate::workload::Rng;
 use crate::{poll, Cli, Engine, Queries};
-
-pub(crate) fn new_hist() -> Histogram<u64> {
-    Histogram::new_with_bounds(1, 120_000_000_000, 3).expect("valid bounds")
-}
 
 pub(crate) fn cpu_seconds(pid: Option<u32>) -> Option<f64> {
     let path = match pid {

@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 use hdrhistogram::Histogram;
 
 use crate::client::parse_response;
-use crate::phases::new_hist;
+use crate::timeline::new_hist;
 use crate::timeline::Timeline;
 
 /// What one phase asks of the engine.

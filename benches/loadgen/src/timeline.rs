@@ -103,6 +103,12 @@ impl Timeline {
     }
 }
 
+/// A latency histogram in nanoseconds (1 ns to 120 s, 3 significant digits), as every phase and
+/// engine records them.
+pub(crate) fn new_hist() -> hdrhistogram::Histogram<u64> {
+    hdrhistogram::Histogram::new_with_bounds(1, 120_000_000_000, 3).expect("valid bounds")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
