@@ -22,13 +22,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use criterion::{black_box, Criterion, Throughput};
-use kvroute_events::subscriber::PayloadApplier;
-use kvroute_events::IngestStats;
 use kvroute_core::hashing::{local_block_hashes, BASE_SEED};
 use kvroute_core::indexer::{DenseOverlaps, KvEvent, KvEventData, StoredBlock, Tier};
 use kvroute_core::router::{RouteRequest, Router, RouterConfig};
 use kvroute_core::workers::WorkerSpec;
 use kvroute_core::CandidateKey;
+use kvroute_events::subscriber::PayloadApplier;
+use kvroute_events::IngestStats;
 use rand::{rngs::SmallRng, Rng, SeedableRng};
 
 const BLOCK: usize = 16;

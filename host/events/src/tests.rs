@@ -245,7 +245,8 @@ fn golden_stores_match_route_queries() {
     let v09 = hex(GOLDEN_V09);
     let o = a.apply(0, &v09, &stop);
     assert_eq!((o.applied, o.refused, o.blocks), (2, 0, 2));
-    let local = kvroute_core::hashing::local_block_hashes(&(1..=8).collect::<Vec<u32>>(), 4, BASE_SEED);
+    let local =
+        kvroute_core::hashing::local_block_hashes(&(1..=8).collect::<Vec<u32>>(), 4, BASE_SEED);
     assert_eq!(
         router.indexer().find_matches(&local).device,
         vec![(CandidateKey::new(1, 0), 2)]

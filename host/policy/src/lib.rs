@@ -51,8 +51,8 @@
 //! an optional selector) and a polled directory ([`PolicyRegistry::watch_directory`]).
 
 mod bindings;
-pub mod conformance;
 mod config;
+pub mod conformance;
 mod error;
 mod instance;
 mod pipeline;
@@ -64,7 +64,6 @@ mod stats;
 mod ticker;
 mod watch;
 mod wire;
-
 
 pub use config::PolicyRuntimeConfig;
 pub use error::{FallbackReason, PolicyError};
