@@ -227,7 +227,8 @@ mod tests {{
     fn prefers_the_cached_candidate() {{
         let mut h = Harness::<{ident}>::new();
         let set = [candidate(1), candidate(2).device_overlap(16)];
-        assert_eq!(h.pick(&request(256), &set), 1);
+        // `pick` names the candidate as `candidate(n)` did: worker 2 holds the cached blocks.
+        assert_eq!(h.pick(&request(256), &set).worker_id, 2);
     }}
 
     #[test]
