@@ -332,3 +332,16 @@ fn policy_new_scaffold_builds_and_passes_check() {
     );
     assert!(text.contains("declares a scorer"), "{text}");
 }
+
+/// The SDK generates its bindings from its own copy of the interface (sdk/wit, inside the published
+/// package); it must be the interface the host implements.
+#[test]
+fn the_sdk_packages_the_hosts_wit() {
+    let root = workspace_root();
+    let host = std::fs::read_to_string(root.join("wit/policy.wit")).unwrap();
+    let sdk = std::fs::read_to_string(root.join("sdk/wit/policy.wit")).unwrap();
+    assert!(
+        host == sdk,
+        "sdk/wit/policy.wit differs from wit/policy.wit: copy wit/policy.wit to sdk/wit/"
+    );
+}

@@ -1107,6 +1107,43 @@ fn workers_in_the_config_file_are_registered_at_start() {
     s.delete("/v1/workers/9").expect(204);
 }
 
+/// A worker whose ranks' endpoints overlap (the README's example once did: `dp_size = 2`, endpoint
+/// :5557, replay :5558, so rank 0 replayed from rank 1's publisher), or that uses another worker's
+/// endpoint, is refused with the field and both owners named.
+#[test]
+fn overlapping_kv_event_endpoints_are_refused() {
+    let s = Server::start(&[]);
+    let r = s.put(
+        "/v1/workers/1",
+        &json!({"dp_size": 2, "kv_events": {"endpoint": "tcp://127.0.0.1:45557",
+                "replay_endpoint": "tcp://127.0.0.1:45558"}}),
+    );
+    r.expect(400);
+    assert_eq!(r.field(), Some("kv_events.replay_endpoint"), "{r}");
+    let msg = r.body()["error"]["message"].as_str().unwrap();
+    assert!(
+        msg.contains("rank 0's replay endpoint tcp://127.0.0.1:45558 is rank 1's publisher"),
+        "{r}"
+    );
+    assert!(s.workers().is_empty());
+    s.put_worker(
+        1,
+        &json!({"dp_size": 2, "kv_events": {"endpoint": "tcp://127.0.0.1:45557",
+                "replay_endpoint": "tcp://127.0.0.1:45559"}}),
+    );
+    let r = s.put(
+        "/v1/workers/2",
+        &json!({"kv_events": {"endpoint": "tcp://127.0.0.1:45558"}}),
+    );
+    r.expect(400);
+    assert_eq!(r.field(), Some("kv_events.endpoint"), "{r}");
+    let msg = r.body()["error"]["message"].as_str().unwrap();
+    assert!(msg.contains("worker 1's rank 1 publisher endpoint"), "{r}");
+
+    // The same at start from the configuration file: a row of
+    // config_errors_exit_nonzero_with_a_clear_message.
+}
+
 #[test]
 fn config_precedence_file_then_env_then_flag() {
     let cfg = temp_file("bs.toml", "block_size = 32\n");
@@ -1145,6 +1182,11 @@ fn config_errors_exit_nonzero_with_a_clear_message() {
     let worker_key = temp_file("wkey.toml", "[workers.x]\ndp_size = 1\n");
     let worker_spec = temp_file("wspec.toml", "[workers.3]\ndp_size = 0\n");
     let worker_field = temp_file("wfield.toml", "[workers.3]\ndp_sise = 2\n");
+    let overlap = temp_file(
+        "overlap.toml",
+        "[workers.1]\ndp_size = 2\nkv_events = { endpoint = \"tcp://127.0.0.1:45557\", \
+         replay_endpoint = \"tcp://127.0.0.1:45558\" }\n",
+    );
     // The name check comes before the file is read: any bytes do.
     let bad_name = temp_file("My Policy.wasm", "not wasm");
     let rollback = temp_file("rollback.wasm", "not wasm");
@@ -1177,6 +1219,14 @@ fn config_errors_exit_nonzero_with_a_clear_message() {
             vec!["--config".into(), p(&worker_field)],
             vec![],
             &["dp_sise"],
+        ),
+        (
+            vec!["--config".into(), p(&overlap)],
+            vec![],
+            &[
+                "workers.1.kv_events.replay_endpoint",
+                "rank 0's replay endpoint tcp://127.0.0.1:45558 is rank 1's publisher endpoint",
+            ],
         ),
         (
             vec!["--config".into(), "/nonexistent/kvroute.toml".into()],

@@ -47,7 +47,9 @@ pub mod testing;
 #[doc(hidden)]
 pub mod bindings {
     wit_bindgen::generate!({
-        path: "../wit",
+        // A copy of the workspace's wit/policy.wit inside the package, so the published crate
+        // builds on its own; tests/cli.rs checks the two are equal.
+        path: "wit",
         world: "policy-plugin",
         pub_export_macro: true,
         export_macro_name: "__kvroute_export_world",

@@ -14,14 +14,18 @@
 //!
 //! let mut h = Harness::<MostCached>::new();
 //! let set = [candidate(1), candidate(2).device_overlap(8)];
-//! assert_eq!(h.pick(&request(256), &set), 1);
+//! assert_eq!(h.pick(&request(256), &set).worker_id, 2);
+//! // Identical candidates tie: the host picks one uniformly at random.
+//! let tie = [candidate(1), candidate(2)];
+//! let ids: Vec<u64> = h.lowest(&request(256), &tie).iter().map(|p| p.worker_id).collect();
+//! assert_eq!(ids, [1, 2]);
 //! ```
 //! Candidates are described with [`candidate`] (taints by name); the harness builds the columns,
 //! the taint table, and the host's base cost exactly as the host would, then calls your policy.
 
 use std::cell::RefCell;
 
-use crate::helpers::{argmin, native_cost, CostWeights};
+use crate::helpers::{native_cost, CostWeights};
 use crate::{Candidates, Context, Decision, LogLevel, Policy, PreferredTaint, Request};
 
 thread_local! {
@@ -425,11 +429,137 @@ impl<P: Policy> Harness<P> {
         }
     }
 
-    /// The candidate the host would route to at temperature 0 (lowest cost, first on ties).
-    pub fn pick(&mut self, req: &RequestSpec, set: &[CandidateSpec]) -> usize {
+    /// The candidate the host routes to at temperature 0, named as the test named it:
+    /// `h.pick(&req, &set).worker_id` is the `n` of the `candidate(n)` chosen (`.index` is its
+    /// position in `set`, `.dp_rank` its rank).
+    ///
+    /// The host breaks ties at the lowest cost uniformly at random, so no single candidate is
+    /// *the* pick of a tie: this panics when several candidates share the lowest cost, naming
+    /// them. Assert a tie with [`Harness::lowest`]. A policy that returns `Pick(i)` chooses
+    /// itself. The request's temperature is not applied (at `T > 0` the host samples from the
+    /// costs; assert [`Harness::costs`] then).
+    #[track_caller]
+    pub fn pick(&mut self, req: &RequestSpec, set: &[CandidateSpec]) -> Picked {
         match self.decide(req, set) {
-            Decision::Costs(c) => argmin(&c).expect("at least one candidate"),
-            Decision::Pick(i) => i as usize,
+            Decision::Pick(i) => Picked::of(set, i as usize),
+            Decision::Costs(c) => match lowest_indices(&c)[..] {
+                [i] => Picked::of(set, i),
+                ref tied => panic!(
+                    "{} candidates tie at the lowest cost {}: {}; the host picks one of them \
+                     uniformly at random, so assert the set with Harness::lowest (or give them \
+                     different costs)",
+                    tied.len(),
+                    c[tied[0]],
+                    tied.iter()
+                        .map(|&i| Picked::of(set, i).to_string())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            },
         }
+    }
+
+    /// Every candidate the host may route to at temperature 0: those at the lowest cost, in the
+    /// set's order (one of them, uniformly at random), or the one the policy picked.
+    pub fn lowest(&mut self, req: &RequestSpec, set: &[CandidateSpec]) -> Vec<Picked> {
+        match self.decide(req, set) {
+            Decision::Pick(i) => vec![Picked::of(set, i as usize)],
+            Decision::Costs(c) => lowest_indices(&c)
+                .into_iter()
+                .map(|i| Picked::of(set, i))
+                .collect(),
+        }
+    }
+}
+
+/// A candidate a decision routes to: the worker id and rank the test gave it with
+/// `candidate(worker_id).dp_rank(r)`, and its position in the set.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Picked {
+    /// The `n` of `candidate(n)`.
+    pub worker_id: u64,
+    /// Its rank (`.dp_rank(r)`, 0 by default).
+    pub dp_rank: u32,
+    /// Its position in the candidate slice.
+    pub index: usize,
+}
+
+impl Picked {
+    fn of(set: &[CandidateSpec], index: usize) -> Self {
+        Self {
+            worker_id: set[index].worker_id,
+            dp_rank: set[index].dp_rank,
+            index,
+        }
+    }
+}
+
+impl std::fmt::Display for Picked {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "worker {} rank {} (set[{}])",
+            self.worker_id, self.dp_rank, self.index
+        )
+    }
+}
+
+/// Indices of the lowest cost, compared exactly as the host's temperature-0 pick does (the costs
+/// are finite: [`Harness::decide`] checked).
+fn lowest_indices(costs: &[f64]) -> Vec<usize> {
+    let min = costs.iter().copied().fold(f64::INFINITY, f64::min);
+    (0..costs.len()).filter(|&i| costs[i] == min).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Costs given by the test: one per candidate, in order.
+    #[derive(Default)]
+    struct Fixed(Vec<f64>);
+    impl Policy for Fixed {
+        fn decide(&mut self, _: &Context, _: &Request, _: &Candidates) -> Decision {
+            Decision::Costs(self.0.clone())
+        }
+    }
+
+    #[test]
+    fn pick_names_the_candidate_as_the_test_did() {
+        let mut h = Harness::<Fixed>::new();
+        h.policy.0 = vec![3.0, 1.0, 2.0];
+        let set = [candidate(7), candidate(9).dp_rank(2), candidate(4)];
+        let p = h.pick(&request(64), &set);
+        assert_eq!(
+            p,
+            Picked {
+                worker_id: 9,
+                dp_rank: 2,
+                index: 1
+            }
+        );
+    }
+
+    #[test]
+    fn a_tie_is_a_set_not_a_pick() {
+        let mut h = Harness::<Fixed>::new();
+        h.policy.0 = vec![2.0, 1.0, 1.0];
+        let set = [candidate(1), candidate(2), candidate(3)];
+        let ids: Vec<u64> = h
+            .lowest(&request(64), &set)
+            .iter()
+            .map(|p| p.worker_id)
+            .collect();
+        assert_eq!(ids, [2, 3]);
+        let msg =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| h.pick(&request(64), &set)))
+                .unwrap_err();
+        let msg = msg.downcast_ref::<String>().unwrap();
+        assert!(
+            msg.contains("2 candidates tie at the lowest cost 1")
+                && msg.contains("worker 2 rank 0 (set[1]), worker 3 rank 0 (set[2])")
+                && msg.contains("uniformly at random"),
+            "{msg}"
+        );
     }
 }

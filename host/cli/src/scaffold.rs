@@ -3,7 +3,16 @@
 
 use std::path::{Path, PathBuf};
 
-/// Where the SDK this binary was built with lives (the generated crate depends on it by path).
+/// The SDK version the generated crate asks for: this release's SDK (`0.1` for 0.1.x). The crate
+/// depends on it by version, so it builds wherever the SDK is published; the checkout's SDK is a
+/// `[patch.crates-io]` override that can be deleted.
+const SDK_REQUIREMENT: &str = concat!(
+    env!("CARGO_PKG_VERSION_MAJOR"),
+    ".",
+    env!("CARGO_PKG_VERSION_MINOR")
+);
+
+/// Where the SDK this binary was built with lives (the generated crate patches it in by path).
 pub fn default_sdk_path() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../sdk")
 }
@@ -150,8 +159,13 @@ publish = false
 crate-type = ["cdylib", "rlib"]
 
 [dependencies]
-kvroute-sdk = {{ path = "{sdk}" }}
+kvroute-sdk = "{version}"
 serde = {{ version = "1", features = ["derive"] }}
+
+# The SDK of the kvroute checkout this crate was created from. Delete this section to build
+# against the published kvroute-sdk instead (the crate then builds anywhere).
+[patch.crates-io]
+kvroute-sdk = {{ path = "{sdk}" }}
 
 [profile.release]
 opt-level = "s"
@@ -161,6 +175,7 @@ debug = false
 [workspace]
 "#,
         sdk = sdk.display().to_string().replace('\\', "/"),
+        version = SDK_REQUIREMENT,
     );
     let lib = format!(
         r##"//! `{name}`: a kvroute routing policy.
@@ -227,7 +242,8 @@ mod tests {{
     fn prefers_the_cached_candidate() {{
         let mut h = Harness::<{ident}>::new();
         let set = [candidate(1), candidate(2).device_overlap(16)];
-        assert_eq!(h.pick(&request(256), &set), 1);
+        // `pick` names the candidate as `candidate(n)` did: worker 2 holds the cached blocks.
+        assert_eq!(h.pick(&request(256), &set).worker_id, 2);
     }}
 
     #[test]
@@ -293,6 +309,24 @@ mod tests {
         ] {
             assert_eq!(type_name(name), ident);
         }
+    }
+
+    /// The crate asks for the SDK by version (so it builds anywhere once the SDK is published);
+    /// the checkout's SDK is only a `[patch.crates-io]` override.
+    #[test]
+    fn the_crate_depends_on_the_sdk_by_version() {
+        let dir = std::env::temp_dir().join(format!("kvroute-scaffold-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        scaffold("by-version", &dir, &default_sdk_path()).unwrap();
+        let text = std::fs::read_to_string(dir.join("Cargo.toml")).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        let toml: toml::Table = text.parse().unwrap();
+        assert_eq!(toml["dependencies"]["kvroute-sdk"].as_str(), Some("0.1"));
+        let patch = toml["patch"]["crates-io"]["kvroute-sdk"]["path"]
+            .as_str()
+            .unwrap();
+        let sdk = default_sdk_path().canonicalize().unwrap();
+        assert_eq!(std::path::Path::new(patch), sdk);
     }
 
     #[test]

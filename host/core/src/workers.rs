@@ -150,6 +150,9 @@ pub struct RegistrySnapshot {
     pub candidates: Vec<CandidateEntry>,
     pub taints: TaintNames,
     taint_ids: FxHashMap<String, u32>,
+    /// Every subscribed endpoint (after the per-rank port offset) and who uses it, so a
+    /// registration that would share a socket with another worker is refused.
+    endpoints: FxHashMap<String, EndpointUse>,
 }
 
 impl RegistrySnapshot {
@@ -168,6 +171,32 @@ impl RegistrySnapshot {
             .binary_search_by_key(&key, |c| c.key)
             .ok()
             .map(|i| &self.candidates[i])
+    }
+
+    /// Refuses endpoints another worker already uses (two subscriptions on one socket would each
+    /// attribute the other engine's events to their own worker).
+    fn check_endpoints_free(
+        &self,
+        worker_id: WorkerId,
+        endpoints: &[(String, EndpointUse)],
+    ) -> Result<(), SpecError> {
+        for (ep, mine) in endpoints {
+            if let Some(theirs) = self.endpoints.get(ep).filter(|u| u.worker != worker_id) {
+                return Err(spec_error(
+                    mine.field(),
+                    format!(
+                        "rank {}'s {} endpoint {ep} is already worker {}'s rank {} {} endpoint; \
+                         each engine needs its own ports",
+                        mine.rank,
+                        mine.kind(),
+                        theirs.worker,
+                        theirs.rank,
+                        theirs.kind()
+                    ),
+                ));
+            }
+        }
+        Ok(())
     }
 
     fn rebuild_candidates(&mut self, indexer: &Indexer) {
@@ -338,23 +367,7 @@ impl Registry {
         if spec.dp_start.checked_add(spec.dp_size).is_none() {
             return Err(spec_error("dp_start", "dp_start + dp_size overflows"));
         }
-        self.validate_taints(&spec.taints)?;
-        if let Some(ev) = &spec.kv_events {
-            // Rank r subscribes on port + r (SPEC §4): checking the highest rank's endpoint
-            // checks them all, so an endpoint that could never be subscribed is refused here
-            // rather than logged later.
-            if ev.endpoint.is_empty() {
-                return Err(spec_error("kv_events.endpoint", "cannot be empty"));
-            }
-            let last_rank = spec.dp_start + (spec.dp_size - 1);
-            rank_endpoints(ev, last_rank).map_err(|(field, e)| {
-                spec_error(
-                    field,
-                    format!("{:?}: {} (e.g. tcp://10.0.0.5:5557)", e.endpoint, e.reason),
-                )
-            })?;
-        }
-        Ok(())
+        self.validate_taints(&spec.taints)
     }
 
     /// Registers or replaces a worker. Ranks that the new spec drops are removed from the index
@@ -366,8 +379,11 @@ impl Registry {
         indexer: &Indexer,
     ) -> Result<(Worker, Vec<CandidateKey>), SpecError> {
         self.validate(&spec)?;
+        // After `validate`: the rank range is known not to overflow.
+        let endpoints = worker_endpoints(&spec, worker_id)?;
         let _w = self.write.lock();
         let mut next = (*self.current.load_full()).clone();
+        next.check_endpoints_free(worker_id, &endpoints)?;
         if !next.workers.contains_key(&worker_id) && next.workers.len() >= self.limits.max_workers {
             return Err(spec_error(
                 "worker_id",
@@ -403,6 +419,8 @@ impl Registry {
             indexer.remove_candidate(k);
         }
         next.workers.insert(worker_id, worker.clone());
+        next.endpoints.retain(|_, u| u.worker != worker_id);
+        next.endpoints.extend(endpoints);
         next.rebuild_candidates(indexer);
         self.current.store(Arc::new(next));
         self.notify(&WorkerChange::Upserted(worker.clone()));
@@ -447,6 +465,7 @@ impl Registry {
         let _w = self.write.lock();
         let mut next = (*self.current.load_full()).clone();
         let worker = next.workers.remove(&worker_id)?;
+        next.endpoints.retain(|_, u| u.worker != worker_id);
         indexer.remove_worker(worker_id);
         next.rebuild_candidates(indexer);
         self.current.store(Arc::new(next));
@@ -459,6 +478,88 @@ fn dedup(mut taints: Vec<String>) -> Vec<String> {
     let mut seen = rustc_hash::FxHashSet::default();
     taints.retain(|t| seen.insert(t.clone()));
     taints
+}
+
+/// Who subscribes on an endpoint: a worker's rank, on its publisher or its replay socket.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct EndpointUse {
+    worker: WorkerId,
+    rank: DpRank,
+    replay: bool,
+}
+
+impl EndpointUse {
+    fn kind(&self) -> &'static str {
+        if self.replay {
+            "replay"
+        } else {
+            "publisher"
+        }
+    }
+
+    fn field(&self) -> &'static str {
+        if self.replay {
+            "kv_events.replay_endpoint"
+        } else {
+            "kv_events.endpoint"
+        }
+    }
+}
+
+/// Every endpoint a registration subscribes on, one publisher (and replay) per rank, refusing a
+/// registration whose ranks would share one: rank `r` uses `PORT + r` (SPEC §4.1), so a replay
+/// port less than `dp_size` above the publisher port lands on another rank's publisher — the
+/// README once shipped exactly that.
+fn worker_endpoints(
+    spec: &WorkerSpec,
+    worker: WorkerId,
+) -> Result<Vec<(String, EndpointUse)>, SpecError> {
+    let Some(ev) = &spec.kv_events else {
+        return Ok(Vec::new());
+    };
+    if ev.endpoint.is_empty() {
+        return Err(spec_error("kv_events.endpoint", "cannot be empty"));
+    }
+    let mut out = Vec::with_capacity(2 * spec.dp_size as usize);
+    let mut seen: FxHashMap<String, EndpointUse> = FxHashMap::default();
+    for rank in spec.dp_start..spec.dp_start + spec.dp_size {
+        let (publisher, replay) = rank_endpoints(ev, rank).map_err(|(field, e)| {
+            spec_error(
+                field,
+                format!("{:?}: {} (e.g. tcp://10.0.0.5:5557)", e.endpoint, e.reason),
+            )
+        })?;
+        let uses = [(publisher, false)]
+            .into_iter()
+            .chain(replay.map(|r| (r, true)));
+        for (ep, replay) in uses {
+            let mine = EndpointUse {
+                worker,
+                rank,
+                replay,
+            };
+            if let Some(other) = seen.insert(ep.clone(), mine) {
+                // Publisher ports differ from each other, and so do replay ports: a clash is
+                // always one rank's replay endpoint on a rank's publisher endpoint.
+                let (rep, publ) = if mine.replay {
+                    (mine, other)
+                } else {
+                    (other, mine)
+                };
+                return Err(spec_error(
+                    "kv_events.replay_endpoint",
+                    format!(
+                        "rank {}'s replay endpoint {ep} is rank {}'s publisher endpoint; ranks \
+                         use port + rank, so leave a gap of dp_size ({}) between endpoint and \
+                         replay_endpoint",
+                        rep.rank, publ.rank, spec.dp_size
+                    ),
+                ));
+            }
+            out.push((ep, mine));
+        }
+    }
+    Ok(out)
 }
 
 /// A `kv_events` endpoint we cannot subscribe to.
@@ -499,8 +600,8 @@ pub fn offset_endpoint(endpoint: &str, offset: u32) -> Result<String, EndpointEr
 }
 
 /// Rank `rank`'s publisher and replay endpoints (an empty replay endpoint is none). The error
-/// names the field at fault: the registry checks a registration with this, for its highest rank,
-/// so what it accepts can be subscribed.
+/// names the field at fault: the registry checks a registration with this, for every rank, so
+/// what it accepts can be subscribed.
 pub fn rank_endpoints(
     kv: &KvEventsSpec,
     rank: DpRank,
@@ -514,95 +615,4 @@ pub fn rank_endpoints(
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn spec(taints: &[&str], dp: u32) -> WorkerSpec {
-        WorkerSpec {
-            dp_size: dp,
-            taints: taints.iter().map(|s| s.to_string()).collect(),
-            ..Default::default()
-        }
-    }
-
-    #[test]
-    fn ranks_are_candidates_and_taints_are_interned() {
-        let idx = Indexer::new();
-        let reg = Registry::new(RegistryLimits::default());
-        reg.upsert(2, spec(&["zone=a", "gpu=h100"], 2), &idx)
-            .unwrap();
-        reg.upsert(1, spec(&["zone=b"], 1), &idx).unwrap();
-        let s = reg.snapshot();
-        let keys: Vec<_> = s.candidates.iter().map(|c| c.key).collect();
-        assert_eq!(
-            keys,
-            vec![
-                CandidateKey::new(1, 0),
-                CandidateKey::new(2, 0),
-                CandidateKey::new(2, 1)
-            ]
-        );
-        let a = s.taint_id("zone=a").unwrap();
-        assert!(s.candidates[1].has_taint(a) && !s.candidates[0].has_taint(a));
-        assert_eq!(s.taints.version, 3);
-        assert_eq!(s.taint_name(a), Some("zone=a"));
-    }
-
-    #[test]
-    fn patch_replaces_taints_and_drains() {
-        let idx = Indexer::new();
-        let reg = Registry::new(RegistryLimits::default());
-        reg.upsert(1, spec(&["a"], 1), &idx).unwrap();
-        let w = reg
-            .patch(1, Some(vec!["b".into()]), Some(true), &idx)
-            .unwrap()
-            .unwrap();
-        assert_eq!(w.taints, vec!["b".to_string()]);
-        let s = reg.snapshot();
-        assert!(s.candidates[0].draining);
-        assert!(!s.candidates[0].has_taint(s.taint_id("a").unwrap()));
-        assert!(reg.patch(9, None, Some(true), &idx).unwrap().is_none());
-        // Draining survives a re-registration.
-        reg.upsert(1, spec(&["b"], 1), &idx).unwrap();
-        assert!(reg.snapshot().candidates[0].draining);
-    }
-
-    #[test]
-    fn invalid_specs_name_the_field_and_change_nothing() {
-        let idx = Indexer::new();
-        let reg = Registry::new(RegistryLimits::default());
-        let e = reg.upsert(1, spec(&["kvroute.x"], 1), &idx).unwrap_err();
-        assert_eq!(e.field, "taints[0]");
-        let e = reg.upsert(1, spec(&[], 0), &idx).unwrap_err();
-        assert_eq!(e.field, "dp_size");
-        assert!(reg.snapshot().workers.is_empty());
-    }
-
-    #[test]
-    fn shrinking_ranks_and_removal_clear_the_index() {
-        use crate::indexer::{KvEvent, KvEventData, StoredBlock, Tier};
-        let idx = Indexer::new();
-        let reg = Registry::new(RegistryLimits::default());
-        reg.upsert(1, spec(&[], 2), &idx).unwrap();
-        let store = |rank| KvEvent {
-            candidate: CandidateKey::new(1, rank),
-            tier: Tier::Device,
-            event_id: 0,
-            data: KvEventData::Stored {
-                parent_hash: None,
-                blocks: vec![StoredBlock {
-                    block_hash: 1,
-                    tokens_hash: 1,
-                }],
-            },
-        };
-        idx.apply(&store(0)).unwrap();
-        idx.apply(&store(1)).unwrap();
-        let (_, dropped) = reg.upsert(1, spec(&[], 1), &idx).unwrap();
-        assert_eq!(dropped, vec![CandidateKey::new(1, 1)]);
-        assert_eq!(idx.find_matches(&[1]).device.len(), 1);
-        assert!(reg.remove(1, &idx).is_some());
-        assert!(idx.find_matches(&[1]).device.is_empty());
-        assert!(reg.remove(1, &idx).is_none());
-    }
-}
+mod tests;

@@ -144,14 +144,14 @@ mod tests {
             candidate(3).active_requests(0),
         ];
         // 16 blocks, 12 cached = 0.75 > 0.5.
-        assert_eq!(h.pick(&request(256), &set), 1);
+        assert_eq!(h.pick(&request(256), &set).worker_id, 2);
         // Below the cache threshold: least loaded.
         let set2 = [
             set[0].clone(),
             set[1].clone().device_overlap(4),
             set[2].clone(),
         ];
-        assert_eq!(h.pick(&request(256), &set2), 2);
+        assert_eq!(h.pick(&request(256), &set2).worker_id, 3);
     }
 
     #[test]
@@ -161,9 +161,9 @@ mod tests {
             candidate(1).device_overlap(16).active_requests(50),
             candidate(2).active_requests(2),
         ];
-        assert_eq!(h.pick(&request(256), &set), 1);
+        assert_eq!(h.pick(&request(256), &set).worker_id, 2);
         h.configure(r#"{"balance_abs_threshold": 100}"#).unwrap();
-        assert_eq!(h.pick(&request(256), &set), 0);
+        assert_eq!(h.pick(&request(256), &set).worker_id, 1);
     }
 
     #[test]

@@ -109,7 +109,7 @@ mod tests {
             candidate(3),
         ];
         // 256 tokens = 16 blocks: worker 2 has them all cached.
-        assert_eq!(h.pick(&request(256), &set), 1);
+        assert_eq!(h.pick(&request(256), &set).index, 1);
         let costs = h.costs(&request(256), &set);
         assert!(costs[0] > costs[2], "loaded worker costs more: {costs:?}");
     }
@@ -124,9 +124,9 @@ mod tests {
         // Fully cached on both: native cost is 16 decode blocks each... make them truly zero-cost
         // by overriding the base cost, as a fully cached idle candidate has.
         let set = [set[0].clone().base_cost(0.0), set[1].clone().base_cost(0.0)];
-        assert_eq!(h.pick(&request(256).prefer("zone=b", 0.5), &set), 1);
-        assert_eq!(h.pick(&request(256).prefer("zone=a", 0.5), &set), 0);
-        assert_eq!(h.pick(&request(256).prefer("zone=a", -0.5), &set), 1);
+        assert_eq!(h.pick(&request(256).prefer("zone=b", 0.5), &set).index, 1);
+        assert_eq!(h.pick(&request(256).prefer("zone=a", 0.5), &set).index, 0);
+        assert_eq!(h.pick(&request(256).prefer("zone=a", -0.5), &set).index, 1);
     }
 
     #[test]
@@ -136,7 +136,7 @@ mod tests {
             candidate(1).base_cost(1000.0).taints(&["fast"]),
             candidate(2).base_cost(100.0),
         ];
-        assert_eq!(h.pick(&request(64).prefer("fast", 0.5), &set), 1);
+        assert_eq!(h.pick(&request(64).prefer("fast", 0.5), &set).index, 1);
         assert!(h
             .configure(r#"{"preference_floor": -1}"#)
             .unwrap_err()

@@ -301,12 +301,14 @@ mod tests {
     fn a_session_stays_on_its_candidate_while_others_get_cheaper() {
         let mut h = configured("{}");
         let mut set = fleet();
-        let first = h.pick(&request(256).session("s1"), &set);
+        let first = h.pick(&request(256).session("s1"), &set).index;
         // Load the home candidate so that another one is now cheaper by the default cost.
         set[first] = candidate(set[first].id()).active_prefill_tokens(2_000);
-        assert_eq!(h.pick(&request(256).session("s1"), &set), first);
-        // A request without a session follows the cost and avoids it.
-        assert_ne!(h.pick(&request(256), &set), first);
+        assert_eq!(h.pick(&request(256).session("s1"), &set).index, first);
+        // A request without a session follows the cost and avoids it (the three idle ones tie).
+        let free = h.lowest(&request(256), &set);
+        assert_eq!(free.len(), 3);
+        assert!(free.iter().all(|p| p.index != first));
     }
 
     #[test]
@@ -315,10 +317,13 @@ mod tests {
         let set = fleet();
         // Asked with only candidate 3 allowed: the answer is 3, but the session stays unplaced.
         let only_3 = [candidate(3)];
-        assert_eq!(h.pick(&request(256).session("s").ask_only(), &only_3), 0);
+        assert_eq!(
+            h.pick(&request(256).session("s").ask_only(), &only_3).index,
+            0
+        );
         assert_eq!(h.policy.remembered(), 0);
         // Booked: placed by the cost as if the probe had never happened...
-        let home = h.pick(&request(256).session("s"), &set);
+        let home = h.pick(&request(256).session("s"), &set).index;
         assert_eq!(h.policy.remembered(), 1);
         // ...and a probe that would move it (its home not allowed) leaves it where it is.
         let elsewhere: Vec<_> = set
@@ -327,7 +332,7 @@ mod tests {
             .cloned()
             .collect();
         h.pick(&request(256).session("s").ask_only(), &elsewhere);
-        assert_eq!(h.pick(&request(256).session("s"), &set), home);
+        assert_eq!(h.pick(&request(256).session("s"), &set).index, home);
     }
 
     #[test]
@@ -338,22 +343,22 @@ mod tests {
             candidate(2).device_overlap(16),
             candidate(3).active_decode_blocks(100),
         ];
-        assert_eq!(h.pick(&request(256).session("new"), &set), 1);
+        assert_eq!(h.pick(&request(256).session("new"), &set).index, 1);
     }
 
     #[test]
     fn leaves_a_candidate_that_is_gone_or_overloaded() {
         let mut h = configured(r#"{"max_prefill_tokens": 1000}"#);
         let set = fleet();
-        let home = h.pick(&request(256).session("s"), &set);
+        let home = h.pick(&request(256).session("s"), &set).index;
         let home_id = set[home].id();
 
         // Gone (no longer eligible): another candidate, and the session moves there for good.
         let without: Vec<_> = set.iter().filter(|s| s.id() != home_id).cloned().collect();
-        let moved = h.pick(&request(256).session("s"), &without);
+        let moved = h.pick(&request(256).session("s"), &without).index;
         let moved_id = without[moved].id();
         assert_ne!(moved_id, home_id);
-        let again = h.pick(&request(256).session("s"), &set);
+        let again = h.pick(&request(256).session("s"), &set).index;
         assert_eq!(
             set[again].id(),
             moved_id,
@@ -364,7 +369,7 @@ mod tests {
         let mut loaded = set.clone();
         let i = loaded.iter().position(|s| s.id() == moved_id).unwrap();
         loaded[i] = candidate(moved_id).active_prefill_tokens(5_000);
-        let next = h.pick(&request(256).session("s"), &loaded);
+        let next = h.pick(&request(256).session("s"), &loaded).index;
         assert_ne!(loaded[next].id(), moved_id);
 
         // KV usage limit (default 0.95 of capacity).
@@ -374,7 +379,7 @@ mod tests {
         full[j] = candidate(home2)
             .total_kv_blocks(1000)
             .active_decode_blocks(990);
-        let after = h.pick(&request(256).session("s"), &full);
+        let after = h.pick(&request(256).session("s"), &full).index;
         assert_ne!(full[after].id(), home2);
     }
 
@@ -383,21 +388,24 @@ mod tests {
         let mut h = configured(r#"{"ttl_ms": 1000}"#);
         let mut set = fleet();
         let t0 = 1_700_000_000_000;
-        let home = h.pick(&request(256).session("s").at_ms(t0), &set);
+        let home = h.pick(&request(256).session("s").at_ms(t0), &set).index;
         // Make another candidate far cheaper: within the TTL the session stays...
         let other = (home + 1) % set.len();
         set[other] = candidate(set[other].id()).device_overlap(16);
         assert_eq!(
-            h.pick(&request(256).session("s").at_ms(t0 + 999), &set),
+            h.pick(&request(256).session("s").at_ms(t0 + 999), &set)
+                .index,
             home
         );
         // ...and each decision refreshes it; after a quiet TTL it is placed afresh.
         assert_eq!(
-            h.pick(&request(256).session("s").at_ms(t0 + 1998), &set),
+            h.pick(&request(256).session("s").at_ms(t0 + 1998), &set)
+                .index,
             home
         );
         assert_eq!(
-            h.pick(&request(256).session("s").at_ms(t0 + 3000), &set),
+            h.pick(&request(256).session("s").at_ms(t0 + 3000), &set)
+                .index,
             other
         );
         // Expired entries are dropped from memory too.
@@ -431,17 +439,17 @@ mod tests {
         let sessions: Vec<String> = (0..200).map(|i| format!("session-{i}")).collect();
         let homes: Vec<usize> = sessions
             .iter()
-            .map(|s| a.pick(&request(64).session(s), &set))
+            .map(|s| a.pick(&request(64).session(s), &set).index)
             .collect();
         for (s, &home) in sessions.iter().zip(&homes) {
-            assert_eq!(b.pick(&request(64).session(s), &set), home);
+            assert_eq!(b.pick(&request(64).session(s), &set).index, home);
         }
         let spread = (0..8).filter(|i| homes.contains(i)).count();
         assert_eq!(spread, 8, "sessions spread over every candidate");
         let reduced: Vec<_> = set[1..].to_vec();
         let mut fresh = configured(r#"{"fallback": "hash"}"#);
         for (s, &home) in sessions.iter().zip(&homes) {
-            let now = fresh.pick(&request(64).session(s), &reduced) + 1;
+            let now = fresh.pick(&request(64).session(s), &reduced).index + 1;
             if home != 0 {
                 assert_eq!(now, home, "{s} moved although its candidate stayed");
             }

@@ -233,9 +233,9 @@ mod tests {
             candidate(2),
         ];
         h.configure(r#"{"work_weight": 0}"#).unwrap();
-        assert_eq!(h.pick(&req, &set), 1, "{:?}", h.costs(&req, &set));
+        assert_eq!(h.pick(&req, &set).index, 1, "{:?}", h.costs(&req, &set));
         h.configure(r#"{"work_weight": 6}"#).unwrap();
-        assert_eq!(h.pick(&req, &set), 0, "{:?}", h.costs(&req, &set));
+        assert_eq!(h.pick(&req, &set).index, 0, "{:?}", h.costs(&req, &set));
     }
 
     #[test]
@@ -250,7 +250,7 @@ mod tests {
                 .active_requests(6)
                 .active_decode_blocks(2_000),
         ];
-        assert_eq!(h.pick(&req, &set), 1);
+        assert_eq!(h.pick(&req, &set).index, 1);
         let costs = h.costs(&req, &set);
         // The cached worker computes one block: about one step plus a decode step and a half.
         assert!(costs[1] < 60.0, "{costs:?}");
@@ -271,7 +271,7 @@ mod tests {
         let native: Vec<f64> = cols.view().rows().map(|r| r.base_cost()).collect();
         assert!(native[0] < native[1], "native order: {native:?}");
         let costs = h.costs(&req, &set);
-        assert_eq!(h.pick(&req, &set), 1, "{costs:?}");
+        assert_eq!(h.pick(&req, &set).index, 1, "{costs:?}");
     }
 
     #[test]
@@ -286,7 +286,7 @@ mod tests {
                 .active_requests(3),
             candidate(2).device_overlap(64).active_requests(1),
         ];
-        assert_eq!(h.pick(&req, &set), 1);
+        assert_eq!(h.pick(&req, &set).index, 1);
     }
 
     #[test]
@@ -301,9 +301,9 @@ mod tests {
                 .active_requests(1),
             candidate(2).active_requests(1).active_decode_blocks(100),
         ];
-        assert_eq!(h.pick(&req, &set), 0, "{:?}", h.costs(&req, &set));
+        assert_eq!(h.pick(&req, &set).index, 0, "{:?}", h.costs(&req, &set));
         h.configure(r#"{"credit_active_blocks": false}"#).unwrap();
-        assert_eq!(h.pick(&req, &set), 1, "{:?}", h.costs(&req, &set));
+        assert_eq!(h.pick(&req, &set).index, 1, "{:?}", h.costs(&req, &set));
     }
 
     #[test]
@@ -318,7 +318,7 @@ mod tests {
                 .active_requests(4),
             candidate(2).total_kv_blocks(1000).active_requests(0),
         ];
-        assert_eq!(h.pick(&req, &set), 1);
+        assert_eq!(h.pick(&req, &set).index, 1);
     }
 
     #[test]
@@ -328,8 +328,8 @@ mod tests {
             candidate(1).taints(&["zone=a"]),
             candidate(2).taints(&["zone=b"]),
         ];
-        assert_eq!(h.pick(&request(256).prefer("zone=b", 0.5), &set), 1);
-        assert_eq!(h.pick(&request(256).prefer("zone=a", 0.5), &set), 0);
+        assert_eq!(h.pick(&request(256).prefer("zone=b", 0.5), &set).index, 1);
+        assert_eq!(h.pick(&request(256).prefer("zone=a", 0.5), &set).index, 0);
     }
 
     #[test]
