@@ -1144,6 +1144,36 @@ fn overlapping_kv_event_endpoints_are_refused() {
     // config_errors_exit_nonzero_with_a_clear_message.
 }
 
+/// The address is printed first on stderr as well as on stdout (where scripts read it), and the
+/// settings line reads like the config file, not like Rust debug output; `serve --help` says so.
+#[test]
+fn start_up_lines_read_like_the_config() {
+    let s = Server::start(&[]);
+    eventually("the settings line", Duration::from_secs(10), || {
+        s.stderr().contains("queue_order=")
+    });
+    let err = s.stderr();
+    // On stderr as a plain line, before the start-up log record that repeats it.
+    let plain = err
+        .find(&format!("kvroute listening on {}\n", s.base))
+        .unwrap_or_else(|| panic!("no address line on stderr: {err}"));
+    let record = err.find("queue_order=").unwrap();
+    assert!(plain < record, "{err}");
+    assert!(
+        err.contains("busy_threshold=off queue_order=fcfs approximate=false"),
+        "{err}"
+    );
+    assert!(!err.contains("Fcfs") && !err.contains("None"), "{err}");
+    let help = support::command(&["serve", "--help"], &[])
+        .output()
+        .unwrap();
+    let help = String::from_utf8_lossy(&help.stdout);
+    assert!(
+        help.contains("is printed on stdout") && help.contains("also printed on stderr"),
+        "{help}"
+    );
+}
+
 #[test]
 fn config_precedence_file_then_env_then_flag() {
     let cfg = temp_file("bs.toml", "block_size = 32\n");
