@@ -1144,6 +1144,105 @@ fn overlapping_kv_event_endpoints_are_refused() {
     // config_errors_exit_nonzero_with_a_clear_message.
 }
 
+/// The address is printed first on stderr as well as on stdout (where scripts read it), and the
+/// settings line reads like the config file, not like Rust debug output; `serve --help` says so.
+#[test]
+fn start_up_lines_read_like_the_config() {
+    let s = Server::start(&[]);
+    eventually("the settings line", Duration::from_secs(10), || {
+        s.stderr().contains("queue_order=")
+    });
+    let err = s.stderr();
+    // On stderr as a plain line, before the start-up log record that repeats it.
+    let plain = err
+        .find(&format!("kvroute listening on {}\n", s.base))
+        .unwrap_or_else(|| panic!("no address line on stderr: {err}"));
+    let record = err.find("queue_order=").unwrap();
+    assert!(plain < record, "{err}");
+    assert!(
+        err.contains("busy_threshold=off queue_order=fcfs approximate=false"),
+        "{err}"
+    );
+    assert!(!err.contains("Fcfs") && !err.contains("None"), "{err}");
+    let help = support::command(&["serve", "--help"], &[])
+        .output()
+        .unwrap();
+    let help = String::from_utf8_lossy(&help.stdout);
+    assert!(
+        help.contains("is printed on stdout") && help.contains("also printed on stderr"),
+        "{help}"
+    );
+}
+
+/// `POST /v1/hash` gives the SPEC §2 vectors (block size 4), as u64 JSON integers.
+#[test]
+fn hash_endpoint_matches_the_spec_vectors() {
+    let s = Server::start(&["--block-size", "4"]);
+    let r = s.post(
+        "/v1/hash",
+        &json!({"tokens": (1..=14).collect::<Vec<u32>>()}),
+    );
+    r.expect(200);
+    let b = r.body();
+    assert_eq!(b["block_size"], 4);
+    assert_eq!(b["seed"], 1337);
+    assert_eq!(b["num_blocks"], 3, "the 2-token tail is not hashed: {b}");
+    assert_eq!(
+        b["local_hashes"],
+        json!([
+            14643705804678351452u64,
+            16777012769546811212u64,
+            483935686894639516u64
+        ])
+    );
+    assert_eq!(
+        b["sequence_hashes"],
+        json!([
+            14643705804678351452u64,
+            4945711292740353085u64,
+            12583592247330656132u64
+        ])
+    );
+    // The exact digits are on the wire (no float rounding of values above 2^53).
+    assert!(r.text.contains("16777012769546811212"), "{r}");
+    let lora = s.post(
+        "/v1/hash",
+        &json!({"tokens": [1, 2, 3, 4], "lora_name": "my-lora"}),
+    );
+    assert_eq!(lora.body()["seed"], 12827409268353072861u64);
+    assert_eq!(
+        lora.body()["local_hashes"],
+        json!([15671544057904749233u64])
+    );
+    let salt = s.post(
+        "/v1/hash",
+        &json!({"tokens": [1, 2, 3, 4], "cache_salt": "tenant-a"}),
+    );
+    assert_eq!(salt.body()["seed"], 1948188790972764086u64);
+    assert_eq!(salt.body()["local_hashes"], json!([5738685477468498325u64]));
+    let empty = s.post(
+        "/v1/hash",
+        &json!({"tokens": [1, 2, 3, 4], "lora_name": "", "cache_salt": ""}),
+    );
+    assert_eq!(empty.body()["seed"], 1337);
+    assert_eq!(
+        empty.body()["local_hashes"],
+        json!([14643705804678351452u64])
+    );
+    let short = s.post("/v1/hash", &json!({"tokens": [1, 2, 3]}));
+    assert_eq!(short.body()["local_hashes"], json!([]), "{short}");
+    // Bad input names the field.
+    let r = s.post("/v1/hash", &json!({"tokens": []}));
+    r.expect_error(400, "invalid_request");
+    assert_eq!(r.field(), Some("tokens"), "{r}");
+    let r = s.post("/v1/hash", &json!({"lora_name": "x"}));
+    r.expect(400);
+    assert!(r.to_string().contains("tokens"), "{r}");
+    let r = s.post("/v1/hash", &json!({"tokens": [1], "block_size": 4}));
+    r.expect(400);
+    assert!(r.to_string().contains("block_size"), "{r}");
+}
+
 #[test]
 fn config_precedence_file_then_env_then_flag() {
     let cfg = temp_file("bs.toml", "block_size = 32\n");
@@ -1677,6 +1776,7 @@ fn openapi_document_matches_served_behaviour() {
         ),
         ("Output", json!({"tokens": 5})),
         ("OverlapRequest", json!({"tokens": p})),
+        ("HashRequest", json!({"tokens": p})),
     ]
     .into_iter()
     .collect();

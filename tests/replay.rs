@@ -234,6 +234,41 @@ fn kvroute(args: &[&str]) -> std::process::Output {
         .expect("run kvroute")
 }
 
+/// Every field `results.json` carries is defined in docs/SIMULATOR.md: the top level, the engine
+/// configuration, the prefix synthesis, the definitions and each policy's object, keys of its
+/// latency objects included.
+fn assert_fields_documented(v: &serde_json::Value) {
+    let doc = std::fs::read_to_string(support::workspace_root().join("docs/SIMULATOR.md")).unwrap();
+    let mut keys: Vec<String> = Vec::new();
+    let mut add = |o: &serde_json::Value| {
+        if let Some(m) = o.as_object() {
+            keys.extend(m.keys().cloned());
+        }
+    };
+    add(v);
+    add(&v["worker_config"]);
+    add(&v["prefix_synthesis"]);
+    add(&v["definitions"]);
+    for p in v["policies"].as_array().unwrap() {
+        add(p);
+        add(&p["ttft_ms"]);
+        add(&p["itl_ms"]);
+    }
+    for k in keys {
+        // `key`, or a member of a `{p50, p90, p99, mean}` list.
+        let forms = [
+            format!("`{k}`"),
+            format!("{{{k},"),
+            format!(" {k},"),
+            format!(" {k}}}"),
+        ];
+        assert!(
+            forms.iter().any(|f| doc.contains(f.as_str())),
+            "results.json field `{k}` is not defined in docs/SIMULATOR.md"
+        );
+    }
+}
+
 fn check_outputs(dir: &std::path::Path, policies: &[&str]) -> serde_json::Value {
     let text = std::fs::read_to_string(dir.join("results.json")).expect("results.json");
     let v: serde_json::Value = serde_json::from_str(&text).expect("results.json is JSON");
@@ -255,6 +290,7 @@ fn check_outputs(dir: &std::path::Path, policies: &[&str]) -> serde_json::Value 
         assert!(p["throughput_tok_s"].as_f64().expect("throughput") > 0.0);
         assert!(p["load_cov"].as_f64().expect("load_cov") >= 0.0);
     }
+    assert_fields_documented(&v);
     for f in [
         "ttft_cdf.png",
         "ttft_cdf.svg",
@@ -324,6 +360,17 @@ fn cli_replays_a_truncated_trace_and_writes_results_and_plots() {
         out.to_str().unwrap(),
     ]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    // The summary compares every policy with round robin, in words.
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        stdout.contains("ROUND ROBIN BEATS default")
+            || stdout.contains("default matches or beats round robin"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("ttft_p50_ms"),
+        "the table gives units: {stdout}"
+    );
     let v = check_outputs(&out, &["round-robin", "default"]);
     assert_eq!(v["trace_format"], "azure");
     assert_eq!(v["prefix_synthesis"]["seed"], 7);

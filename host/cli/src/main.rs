@@ -130,7 +130,12 @@ Operating it:
   GET /openapi.json              the HTTP API
   KVROUTE_LOG=info,kvroute_events=debug log filter; --log-format json for collectors
   Without --admin-token, admin endpoints (worker, event and policy writes) answer loopback
-  clients only. SIGTERM/SIGINT: queued requests are refused, requests in flight finish.")]
+  clients only. SIGTERM/SIGINT: queued requests are refused, requests in flight finish.
+
+Start-up: once listening, `kvroute listening on http://ADDR` (the bound address, so --listen \
+127.0.0.1:0 shows the port chosen) is printed on stdout, the one line a script reads; with text \
+logs it is also printed on stderr, just before the start-up log line that gives the settings as \
+written in the config file (busy_threshold=off queue_order=fcfs ...).")]
 struct ServeArgs {
     /// TOML configuration file.
     #[arg(long, env = "KVROUTE_CONFIG")]
@@ -308,6 +313,7 @@ fn main() -> ExitCode {
                 }
             };
             init_logging(config.log_format);
+            let log_format = config.log_format;
             // This runtime accepts connections, runs maintenance and waits for signals; the
             // HTTP connections are served by threads of their own (`http::serving`).
             let rt = match tokio::runtime::Builder::new_current_thread()
@@ -323,8 +329,14 @@ fn main() -> ExitCode {
             let result = rt.block_on(kvroute_server::serve::run(
                 config,
                 kvroute_server::serve::shutdown_signal(),
-                |addr| {
-                    // One machine-readable line for scripts and tests, whatever the log format.
+                move |addr| {
+                    // The address first on stderr, where an operator watches the logs (a JSON
+                    // log stream stays JSON: its start-up record carries the address)...
+                    if log_format == LogFormat::Text {
+                        eprintln!("kvroute listening on http://{addr}");
+                    }
+                    // ...and one machine-readable line on stdout for scripts and tests, whatever
+                    // the log format.
                     println!("kvroute listening on http://{addr}");
                 },
             ));

@@ -51,6 +51,7 @@
 //!
 //! The plots' text uses an embedded font (Noto Sans), so no system font or fontconfig is needed.
 
+pub mod plot;
 pub mod report;
 pub mod sim;
 pub mod trace;
@@ -290,8 +291,11 @@ pub fn run_policy(
     ))
 }
 
+/// How long a policy's run goes before its progress bar appears.
+const BAR_AFTER: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// Runs every policy on the same trace and fleet. `show_progress` draws a bar on stderr (only
-/// when stderr is a terminal).
+/// when stderr is a terminal, and only for a run that has taken [`BAR_AFTER`]).
 pub fn run(
     trace: &Trace,
     opts: &ReplayOptions,
@@ -309,10 +313,12 @@ pub fn run(
             k += 1;
         }
         names.push(name.clone());
+        // The bar appears only once a run has taken a second: a short replay prints no bar that
+        // flashes and vanishes, a long one shows its progress and time left.
         let bar = if show_progress && std::io::stderr().is_terminal() {
             let bar = ProgressBar::with_draw_target(
                 Some(trace.requests.len() as u64),
-                ProgressDrawTarget::stderr(),
+                ProgressDrawTarget::hidden(),
             );
             bar.set_style(
                 ProgressStyle::with_template(
@@ -321,14 +327,24 @@ pub fn run(
                 .unwrap_or_else(|_| ProgressStyle::default_bar()),
             );
             bar.set_prefix(name.clone());
-            bar
+            Some(bar)
         } else {
-            ProgressBar::hidden()
+            None
         };
+        let started = Instant::now();
+        let mut shown = false;
         let run = run_policy(&prepared, opts, p, &name, &mut |done| {
-            bar.set_position(done)
+            if let Some(bar) = &bar {
+                if !shown && started.elapsed() >= BAR_AFTER {
+                    bar.set_draw_target(ProgressDrawTarget::stderr());
+                    shown = true;
+                }
+                bar.set_position(done);
+            }
         })?;
-        bar.finish_and_clear();
+        if let Some(bar) = bar {
+            bar.finish_and_clear();
+        }
         runs.push(run);
     }
     Ok(runs)
@@ -400,6 +416,18 @@ pub struct ReplayArgs {
     /// Skip the plots.
     #[arg(long)]
     pub no_plots: bool,
+}
+
+/// The end of the plots' titles: the trace, the fleet and how both were sped up.
+pub fn plot_label(trace: &str, workers: u32, sim: &SimConfig, speedup: f64) -> String {
+    let mut s = format!(
+        "{trace}, {workers} workers × {} KV blocks, arrivals ×{speedup}",
+        sim.num_gpu_blocks
+    );
+    if sim.speedup != 1.0 {
+        s += &format!(", engines ×{}", sim.speedup);
+    }
+    s
 }
 
 /// Entry point of `kvroute replay`.
@@ -501,10 +529,11 @@ fn cli_run(args: ReplayArgs) -> Result<()> {
     std::fs::write(&path, json + "\n")
         .with_context(|| format!("cannot write {}", path.display()))?;
     if !args.no_plots {
-        let label = format!("{}, {} workers", trace.name, args.workers);
-        report::write_plots(&args.out, &runs, &label).map_err(|e| anyhow!("plots: {e}"))?;
+        let label = plot_label(&trace.name, args.workers, &sim, args.speedup);
+        plot::write_plots(&args.out, &runs, &label).map_err(|e| anyhow!("plots: {e}"))?;
     }
     print!("{}", report::table(&runs));
+    print!("{}", report::summary(&runs, trace.format.as_str()));
     eprintln!("wrote {}", args.out.display());
     Ok(())
 }

@@ -1,12 +1,7 @@
 //! Results of a replay: per-policy metrics, `results.json`, the stdout table and the plots.
 
-use std::fmt::Write as _;
-use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
-
-use plotters::coord::Shift;
-use plotters::prelude::*;
 use serde::Serialize;
+use std::fmt::Write as _;
 
 use crate::sim::{SimConfig, SimOutput};
 use crate::trace::{PrefixSynthesis, Trace};
@@ -285,7 +280,7 @@ impl Results {
     }
 }
 
-/// The results as a fixed-width table.
+/// The results as a fixed-width table; every column says its unit.
 pub fn table(runs: &[PolicyRun]) -> String {
     let mut s = String::new();
     let w = runs
@@ -296,15 +291,15 @@ pub fn table(runs: &[PolicyRun]) -> String {
         .max(12);
     let _ = writeln!(
         s,
-        "{:<w$} {:>8} {:>8} {:>10} {:>10} {:>10} {:>8} {:>8} {:>10} {:>8} {:>8}",
+        "{:<w$} {:>9} {:>8} {:>11} {:>11} {:>11} {:>10} {:>10} {:>10} {:>8} {:>7}",
         "policy",
-        "requests",
+        "completed",
         "hit_rate",
-        "ttft_p50",
-        "ttft_p90",
-        "ttft_p99",
-        "itl_p50",
-        "itl_p99",
+        "ttft_p50_ms",
+        "ttft_p90_ms",
+        "ttft_p99_ms",
+        "itl_p50_ms",
+        "itl_p99_ms",
         "tok/s",
         "load_cov",
         "wall_s"
@@ -313,7 +308,7 @@ pub fn table(runs: &[PolicyRun]) -> String {
         let r = &r.result;
         let _ = writeln!(
             s,
-            "{:<w$} {:>8} {:>7.1}% {:>10.1} {:>10.1} {:>10.1} {:>8.2} {:>8.2} {:>10.1} {:>8.3} {:>8.2}",
+            "{:<w$} {:>9} {:>7.1}% {:>11.1} {:>11.1} {:>11.1} {:>10.2} {:>10.2} {:>10.1} {:>8.3} {:>7.2}",
             r.name,
             r.completed,
             r.token_hit_rate * 100.0,
@@ -330,198 +325,54 @@ pub fn table(runs: &[PolicyRun]) -> String {
     s
 }
 
-// ---- plots ---------------------------------------------------------------------------------------
-
-const FONT: &str = "sans-serif";
-const SIZE: (u32, u32) = (960, 600);
-
-/// Registers the embedded font (once). Text then renders without any system font.
-fn ensure_font() -> Result<(), String> {
-    static REGISTERED: OnceLock<bool> = OnceLock::new();
-    let ok = *REGISTERED.get_or_init(|| {
-        plotters::style::register_font(FONT, FontStyle::Normal, ttf_noto_sans::REGULAR).is_ok()
-    });
-    if ok {
-        Ok(())
-    } else {
-        Err("the embedded font could not be loaded".into())
-    }
-}
-
-fn err<E: std::fmt::Display>(e: E) -> String {
-    e.to_string()
-}
-
-fn color(i: usize) -> RGBColor {
-    const C: [RGBColor; 8] = [
-        RGBColor(31, 119, 180),
-        RGBColor(255, 127, 14),
-        RGBColor(44, 160, 44),
-        RGBColor(214, 39, 40),
-        RGBColor(148, 103, 189),
-        RGBColor(140, 86, 75),
-        RGBColor(227, 119, 194),
-        RGBColor(127, 127, 127),
-    ];
-    C[i % C.len()]
-}
-
-/// At most `max` points of a sorted series, evenly by rank, as (value, cumulative fraction).
-fn cdf_points(sorted: &[f64], max: usize) -> Vec<(f64, f64)> {
-    let n = sorted.len();
-    if n == 0 {
-        return Vec::new();
-    }
-    let step = n.div_ceil(max.max(1)).max(1);
-    let mut pts: Vec<(f64, f64)> = (0..n)
-        .step_by(step)
-        .map(|i| (sorted[i], (i + 1) as f64 / n as f64))
-        .collect();
-    if pts.last().map(|p| p.1) != Some(1.0) {
-        pts.push((sorted[n - 1], 1.0));
-    }
-    pts
-}
-
-fn draw_ttft_cdf<DB: DrawingBackend>(
-    root: &DrawingArea<DB, Shift>,
-    runs: &[PolicyRun],
-    title: &str,
-) -> Result<(), String> {
-    root.fill(&WHITE).map_err(err)?;
-    let all = runs.iter().flat_map(|r| r.ttft_sorted.iter().copied());
-    let (lo, hi) = all
-        .filter(|v| *v > 0.0)
-        .fold((f64::INFINITY, 0.0f64), |(lo, hi), v| {
-            (lo.min(v), hi.max(v))
-        });
-    let (lo, hi) = if lo.is_finite() && hi > lo {
-        (lo * 0.9, hi * 1.1)
-    } else {
-        (1.0, 10.0)
+/// What the table means for round robin, in words: for every other policy, whether round robin
+/// beat it on TTFT (p50, p90, p99), so a result where cache-aware routing does not pay is said, not
+/// left to be read off the columns. On an Azure trace it recalls that the prefix sharing was
+/// synthesized (the trace has lengths only). Empty without a round-robin run.
+pub fn summary(runs: &[PolicyRun], trace_format: &str) -> String {
+    let Some(rr) = runs.iter().find(|r| r.result.spec == "round-robin") else {
+        return String::new();
     };
-    let mut chart = ChartBuilder::on(root)
-        .caption(title, (FONT, 22))
-        .margin(16)
-        .x_label_area_size(48)
-        .y_label_area_size(60)
-        .build_cartesian_2d((lo..hi).log_scale(), 0f64..1.0f64)
-        .map_err(err)?;
-    chart
-        .configure_mesh()
-        .x_desc("TTFT (ms, log scale)")
-        .y_desc("fraction of requests")
-        .label_style((FONT, 14))
-        .axis_desc_style((FONT, 16))
-        .draw()
-        .map_err(err)?;
-    for (i, r) in runs.iter().enumerate() {
-        let c = color(i);
-        let pts = cdf_points(&r.ttft_sorted, 2000);
-        chart
-            .draw_series(LineSeries::new(pts, c.stroke_width(2)))
-            .map_err(err)?
-            .label(r.result.name.clone())
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 24, y)], c.stroke_width(3)));
-    }
-    chart
-        .configure_series_labels()
-        .label_font((FONT, 15))
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .position(SeriesLabelPosition::LowerRight)
-        .draw()
-        .map_err(err)?;
-    root.present().map_err(err)
-}
-
-fn draw_hit_rate<DB: DrawingBackend>(
-    root: &DrawingArea<DB, Shift>,
-    runs: &[PolicyRun],
-    title: &str,
-) -> Result<(), String> {
-    root.fill(&WHITE).map_err(err)?;
-    let t_max = runs
-        .iter()
-        .flat_map(|r| r.hit_rate_series.iter().map(|p| p.0))
-        .fold(0.0f64, f64::max)
-        .max(1e-3)
-        * 1.02;
-    let mut chart = ChartBuilder::on(root)
-        .caption(title, (FONT, 22))
-        .margin(16)
-        .x_label_area_size(48)
-        .y_label_area_size(60)
-        .build_cartesian_2d(0f64..t_max, 0f64..100.0f64)
-        .map_err(err)?;
-    chart
-        .configure_mesh()
-        .x_desc("arrival time (s)")
-        .y_desc("token hit rate (%)")
-        .label_style((FONT, 14))
-        .axis_desc_style((FONT, 16))
-        .draw()
-        .map_err(err)?;
-    for (i, r) in runs.iter().enumerate() {
-        let c = color(i);
-        let pts: Vec<(f64, f64)> = r
-            .hit_rate_series
+    let rr = &rr.result;
+    let mut s = String::new();
+    let mut lost = false;
+    for r in runs.iter().map(|r| &r.result).filter(|r| r.name != rr.name) {
+        let pairs = [
+            ("p50", rr.ttft_ms.p50, r.ttft_ms.p50),
+            ("p90", rr.ttft_ms.p90, r.ttft_ms.p90),
+            ("p99", rr.ttft_ms.p99, r.ttft_ms.p99),
+        ];
+        let beaten: Vec<String> = pairs
             .iter()
-            .map(|&(t, h)| (t, h * 100.0))
+            .filter(|(_, a, b)| a < b)
+            .map(|(p, a, b)| format!("{p} {a:.1} vs {b:.1} ms"))
             .collect();
-        chart
-            .draw_series(LineSeries::new(pts.clone(), c.stroke_width(2)))
-            .map_err(err)?
-            .label(r.result.name.clone())
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 24, y)], c.stroke_width(3)));
-        chart
-            .draw_series(pts.into_iter().map(|p| Circle::new(p, 3, c.filled())))
-            .map_err(err)?;
-    }
-    chart
-        .configure_series_labels()
-        .label_font((FONT, 15))
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .position(SeriesLabelPosition::UpperRight)
-        .draw()
-        .map_err(err)?;
-    root.present().map_err(err)
-}
-
-/// Writes `ttft_cdf.{png,svg}` and `hit_rate.{png,svg}` into `dir`; returns the paths.
-pub fn write_plots(
-    dir: &Path,
-    runs: &[PolicyRun],
-    trace_label: &str,
-) -> Result<Vec<PathBuf>, String> {
-    ensure_font()?;
-    let mut written = Vec::new();
-    let ttft_title = format!("TTFT CDF — {trace_label}");
-    let hit_title = format!("Token hit rate over time — {trace_label}");
-    for (stem, which) in [("ttft_cdf", 0), ("hit_rate", 1)] {
-        let svg = dir.join(format!("{stem}.svg"));
-        {
-            let root = SVGBackend::new(&svg, SIZE).into_drawing_area();
-            if which == 0 {
-                draw_ttft_cdf(&root, runs, &ttft_title)?;
-            } else {
-                draw_hit_rate(&root, runs, &hit_title)?;
-            }
+        if beaten.is_empty() {
+            let _ = writeln!(
+                s,
+                "{} matches or beats round robin on TTFT p50, p90 and p99.",
+                r.name
+            );
+        } else {
+            lost = true;
+            let _ = writeln!(
+                s,
+                "ROUND ROBIN BEATS {} on TTFT {} (round robin vs {}).",
+                r.name,
+                beaten.join(", "),
+                r.name
+            );
         }
-        written.push(svg);
-        let png = dir.join(format!("{stem}.png"));
-        {
-            let root = BitMapBackend::new(&png, SIZE).into_drawing_area();
-            if which == 0 {
-                draw_ttft_cdf(&root, runs, &ttft_title)?;
-            } else {
-                draw_hit_rate(&root, runs, &hit_title)?;
-            }
-        }
-        written.push(png);
     }
-    Ok(written)
+    if lost && trace_format == "azure" {
+        let _ = writeln!(
+            s,
+            "This Azure trace has prompt lengths only: its prefix sharing is synthesized \
+             (--azure-prompts, --azure-zipf, --azure-shared-frac), so cache hits are what those \
+             settings make them, not what the original traffic had."
+        );
+    }
+    s
 }
 
 #[cfg(test)]
@@ -545,12 +396,44 @@ mod tests {
         assert!((c - 3f64.sqrt()).abs() < 1e-12);
     }
 
+    fn run(name: &str, spec: &str, ttft: [f64; 3]) -> PolicyRun {
+        let mut r = PolicyRun::from_output(name.into(), spec.into(), &SimOutput::default(), 0, 0.0);
+        r.result.ttft_ms = Latency {
+            p50: ttft[0],
+            p90: ttft[1],
+            p99: ttft[2],
+            mean: 0.0,
+        };
+        r
+    }
+
     #[test]
-    fn cdf_points_end_at_one() {
-        let v: Vec<f64> = (0..10_000).map(f64::from).collect();
-        let p = cdf_points(&v, 100);
-        assert!(p.len() <= 101);
-        assert_eq!(p.last().unwrap().1, 1.0);
-        assert!(cdf_points(&[], 10).is_empty());
+    fn the_summary_says_when_round_robin_wins() {
+        let runs = [
+            run("round-robin", "round-robin", [32.9, 73.6, 127.5]),
+            run("default", "default", [33.2, 75.4, 123.2]),
+            run("mine", "mine.wasm", [30.0, 70.0, 120.0]),
+        ];
+        let s = summary(&runs, "azure");
+        assert!(
+            s.contains(
+                "ROUND ROBIN BEATS default on TTFT p50 32.9 vs 33.2 ms, p90 73.6 vs 75.4 ms"
+            ),
+            "{s}"
+        );
+        assert!(!s.contains("p99 127.5"), "{s}");
+        assert!(s.contains("mine matches or beats round robin"), "{s}");
+        assert!(s.contains("synthesized"), "{s}");
+        assert!(!summary(&runs, "mooncake").contains("synthesized"));
+        assert_eq!(summary(&runs[1..], "azure"), "");
+    }
+
+    #[test]
+    fn the_table_gives_units() {
+        let t = table(&[run("default", "default", [1.0, 2.0, 3.0])]);
+        let header = t.lines().next().unwrap();
+        for col in ["ttft_p50_ms", "itl_p99_ms", "tok/s", "wall_s", "hit_rate"] {
+            assert!(header.contains(col), "{header}");
+        }
     }
 }

@@ -136,15 +136,7 @@ pub async fn run(
     };
     let app = http::app(state);
     let block_size = config.block_size;
-    let summary = format!(
-        "busy_threshold={:?} queue_order={:?} approximate={} admin_token={} policy_dir={:?} workers={}",
-        config.routing.busy_threshold,
-        config.routing.queue_order,
-        config.routing.approximate,
-        if config.admin_token.is_some() { "set" } else { "none (admin from loopback only)" },
-        config.policy_dir,
-        router.registry().snapshot().workers.len(),
-    );
+    let summary = settings_line(&config, router.registry().snapshot().workers.len());
     let active = policies
         .active_info()
         .map(|i| format!("{} v{}", i.name, i.version))
@@ -189,6 +181,33 @@ pub async fn run(
     result
 }
 
+/// The start-up settings as an operator writes them in the config file (`busy_threshold=off
+/// queue_order=fcfs ...`), not as Rust prints its values (`None`, `Fcfs`, `Some("dir")`).
+pub fn settings_line(config: &ServeConfig, workers: usize) -> String {
+    let busy = config
+        .routing
+        .busy_threshold
+        .map_or_else(|| "off".to_string(), |t| t.to_string());
+    let order = match config.routing.queue_order {
+        kvroute_core::queue::QueueOrder::Fcfs => "fcfs",
+        kvroute_core::queue::QueueOrder::Wspt => "wspt",
+    };
+    let admin = if config.admin_token.is_some() {
+        "set"
+    } else {
+        "none (admin from loopback only)"
+    };
+    let policy_dir = config
+        .policy_dir
+        .as_ref()
+        .map_or_else(|| "none".to_string(), |d| d.display().to_string());
+    format!(
+        "busy_threshold={busy} queue_order={order} approximate={} admin_token={admin} \
+         policy_dir={policy_dir} workers={workers}",
+        config.routing.approximate
+    )
+}
+
 /// Resolves on SIGINT or SIGTERM.
 pub async fn shutdown_signal() {
     let ctrl_c = async {
@@ -208,5 +227,34 @@ pub async fn shutdown_signal() {
     tokio::select! {
         _ = ctrl_c => {},
         _ = term => {},
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn settings_are_printed_as_written_in_the_config_file() {
+        let mut c = ServeConfig::default();
+        let line = settings_line(&c, 0);
+        assert!(
+            line.starts_with("busy_threshold=off queue_order=fcfs approximate=false "),
+            "{line}"
+        );
+        assert!(line.ends_with("policy_dir=none workers=0"), "{line}");
+        c.routing.busy_threshold = Some(0.8);
+        c.routing.queue_order = kvroute_core::queue::QueueOrder::Wspt;
+        c.policy_dir = Some("/etc/kvroute/policies".into());
+        let line = settings_line(&c, 3);
+        assert!(
+            line.starts_with("busy_threshold=0.8 queue_order=wspt "),
+            "{line}"
+        );
+        assert!(
+            line.ends_with("policy_dir=/etc/kvroute/policies workers=3"),
+            "{line}"
+        );
+        assert!(!line.contains("Some") && !line.contains('"'), "{line}");
     }
 }

@@ -8,6 +8,7 @@
 pub mod drain;
 pub mod dto;
 pub mod error;
+pub mod hash;
 pub mod metrics;
 pub mod openapi;
 pub mod prompt_json;
@@ -74,6 +75,7 @@ pub fn app(state: AppState) -> axum::Router {
         .route("/v1/requests/{request_id}/output", post(output))
         .route("/v1/requests/{request_id}", delete(free_request))
         .route("/v1/overlap", post(overlap))
+        .route("/v1/hash", post(hash::hash))
         .route("/v1/policies", get(list_policies))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))

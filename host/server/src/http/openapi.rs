@@ -159,6 +159,13 @@ fn base_document() -> Value {
                 "OverlapRequest": {"type": "object", "additionalProperties": false, "properties": {
                     "tokens": {"type": "array", "items": {"type": "integer"}}, "block_hashes": {"type": "array", "items": {"type": "integer"}},
                     "lora_name": {"type": ["string", "null"]}, "cache_salt": {"type": ["string", "null"]}}},
+                "HashRequest": {"type": "object", "additionalProperties": false, "required": ["tokens"], "properties": {
+                    "tokens": {"type": "array", "items": {"type": "integer"}},
+                    "lora_name": {"type": ["string", "null"]}, "cache_salt": {"type": ["string", "null"]}}},
+                "Hashes": {"type": "object", "required": ["block_size", "seed", "num_blocks", "local_hashes", "sequence_hashes"], "properties": {
+                    "block_size": {"type": "integer"}, "seed": {"type": "integer", "format": "uint64"}, "num_blocks": {"type": "integer"},
+                    "local_hashes": {"type": "array", "items": {"type": "integer", "format": "uint64"}},
+                    "sequence_hashes": {"type": "array", "items": {"type": "integer", "format": "uint64"}}}},
                 "Overlap": {"type": "object", "required": ["block_size", "num_blocks", "workers"], "properties": {
                     "block_size": {"type": "integer"}, "num_blocks": {"type": "integer"},
                     "workers": {"type": "array", "items": {"type": "object", "required": ["worker_id", "dp_rank", "device_blocks", "host_blocks", "disk_blocks"], "properties": {
@@ -196,6 +203,8 @@ fn base_document() -> Value {
                 "responses": {"200": ok("Freed or cancelled.", Some("Lifecycle")), "404": error_response("Unknown request.")}}},
             "/v1/overlap": {"post": {"summary": "Cached blocks of a prompt per worker and tier.", "requestBody": json_body("OverlapRequest"),
                 "responses": {"200": ok("Overlaps.", Some("Overlap")), "400": error_response("Bad input.")}}},
+            "/v1/hash": {"post": {"summary": "The local block hashes and sequence hashes of a prompt (SPEC §2), as u64 integers; nothing is read or booked.", "requestBody": json_body("HashRequest"),
+                "responses": {"200": ok("Hashes.", Some("Hashes")), "400": error_response("Bad input.")}}},
             "/v1/policies": {"get": {"summary": "Loaded policies and the active one.", "responses": {"200": ok("Policies.", Some("PolicyList"))}}},
             "/v1/policies/{name}": {
                 "parameters": [name.clone()],
