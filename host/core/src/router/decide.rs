@@ -99,7 +99,7 @@ impl Router {
             if p.req.book {
                 self.book(p, candidate, cached_tokens)?;
             }
-            let explain = p.req.explain;
+            let explained = p.req.explain;
             self.counters.decisions.fetch_add(1, Relaxed);
             Ok(RouteDecision {
                 request_id: p.request_id.clone(),
@@ -111,10 +111,10 @@ impl Router {
                 fallback_reason: pick.fallback_reason,
                 queued,
                 booked: p.req.book,
-                answer: explain.then_some(pick.answer),
-                candidates: explain
+                answer: explained.then_some(pick.answer),
+                candidates: explained
                     .then(|| explain::candidate_rows(&s.cols, &s.costs, pick.chosen, &snap)),
-                excluded: explain.then(|| explain::excluded_rows(pool, &s.excluded, &s.dense)),
+                excluded: explained.then(|| explain::excluded_rows(pool, &s.excluded, &s.dense)),
                 timings: Timings {
                     hash: p.hash_time,
                     matching,
