@@ -10,7 +10,9 @@ use serde::{Deserialize, Serialize};
 use super::error::ApiError;
 use kvroute_core::candidate::{DpRank, WorkerId};
 use kvroute_core::indexer::{KvEventData, StoredBlock, Tier};
-use kvroute_core::router::{ExplainRow, Pin, Prompt, RouteDecision, RouteRequest};
+use kvroute_core::router::{
+    preferred_taint_weight, ExplainRow, Pin, Prompt, RouteDecision, RouteRequest,
+};
 use kvroute_core::workers::Worker;
 
 #[derive(Debug, Deserialize, Default)]
@@ -115,16 +117,9 @@ impl RouteBody {
         }
         let mut preferred = Vec::with_capacity(constraints.preferred_taints.len());
         for (name, w) in constraints.preferred_taints {
-            if !(w.is_finite() && w > -1.0 && w < 1.0) {
-                return Err(ApiError::invalid_field(
-                    format!("routing_constraints.preferred_taints.{name}"),
-                    format!("weight {w} must be finite and strictly between -1 and 1"),
-                ));
-            }
-            // Weights travel as f32: one within 2^-25 of ±1 would round onto the bound it was
-            // accepted inside of, so it is kept at the nearest f32 inside the interval.
-            const INSIDE: f32 = 1.0 - f32::EPSILON / 2.0;
-            preferred.push((name, (w as f32).clamp(-INSIDE, INSIDE)));
+            // The core's rule, checked on the number as sent (an f64): it names the field.
+            let w = preferred_taint_weight(&name, w)?;
+            preferred.push((name, w));
         }
         if let Some(ids) = &self.allowed_worker_ids {
             if ids.len() > limits.max_allowed_worker_ids {

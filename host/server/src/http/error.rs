@@ -1,12 +1,21 @@
-//! The API error body and the JSON extractor that produces it.
+//! The API error body, the one mapping from the core's errors to HTTP, and the JSON extractor that
+//! produces errors in the contract's shape.
 //!
-//! Every error is `{"error": {"code", "message", "field"?}}` (API.md). axum's own `Json` extractor
-//! answers malformed bodies with plain-text 415/422s; [`ApiJson`] replaces it so that a wrong type,
-//! an unknown field or bad UTF-8 is a 400 in the contract's shape, naming the JSON path at fault.
+//! Every error is `{"error": {"code", "message", "field"?}}` (API.md). The core's errors carry a
+//! stable code and the field at fault; which HTTP status and whether `Retry-After` goes with them
+//! is decided here only (`From<RouteError>` and friends), so handlers just use `?`. axum's own
+//! `Json` extractor answers malformed bodies with plain-text 415/422s; [`ApiJson`] replaces it so
+//! that a wrong type, an unknown field or bad UTF-8 is a 400 in the contract's shape, naming the
+//! JSON path at fault.
 
 use axum::extract::{FromRequest, Request};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
+use kvroute_core::eligibility::PinError;
+use kvroute_core::queue::QueueError;
+use kvroute_core::router::{LifecycleError, RouteError};
+use kvroute_core::workers::SpecError;
+use kvroute_policy::PolicyError;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
@@ -52,6 +61,89 @@ impl ApiError {
     pub fn retry_after(mut self, secs: u32) -> Self {
         self.retry_after = Some(secs);
         self
+    }
+}
+
+/// The status of a routing error (SPEC §6, API.md).
+fn route_status(e: &RouteError) -> StatusCode {
+    match e {
+        RouteError::Invalid { .. } => StatusCode::BAD_REQUEST,
+        RouteError::DuplicateRequest(_) => StatusCode::CONFLICT,
+        RouteError::Pin(p) => pin_status(p),
+        RouteError::NoWorkers | RouteError::AllFiltered(_) => StatusCode::SERVICE_UNAVAILABLE,
+        // API.md: overloaded → 429 (SPEC §6 lists it among the 503 reasons; the HTTP contract
+        // is what clients program against).
+        RouteError::AllOverloaded => StatusCode::TOO_MANY_REQUESTS,
+        RouteError::QueueFull(QueueError::DuplicateRequest(_)) => StatusCode::CONFLICT,
+        // Waited its limit and no capacity freed: overloaded, as API.md counts it.
+        RouteError::QueueFull(_) | RouteError::QueueTimeout(_) => StatusCode::TOO_MANY_REQUESTS,
+        RouteError::Cancelled => StatusCode::CONFLICT,
+        RouteError::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
+    }
+}
+
+/// The status of a pinned request that cannot go to its worker.
+fn pin_status(e: &PinError) -> StatusCode {
+    match e {
+        PinError::NotAllowed(_) | PinError::UnknownRank { .. } => StatusCode::BAD_REQUEST,
+        PinError::UnknownWorker(_) => StatusCode::NOT_FOUND,
+        PinError::MissingTaints(_) | PinError::Draining(_) => StatusCode::CONFLICT,
+        PinError::Overloaded(_) => StatusCode::TOO_MANY_REQUESTS,
+    }
+}
+
+/// A routing error: its status, its code, and the field at fault. A retryable one (overloaded,
+/// queue full or timed out, shutting down) carries `Retry-After: 1`.
+impl From<RouteError> for ApiError {
+    fn from(e: RouteError) -> Self {
+        let retryable = e.retryable();
+        let mut err = ApiError::new(route_status(&e), e.code(), String::new());
+        match e {
+            // The message without the field: the body names the field on its own.
+            RouteError::Invalid { field, message } => {
+                err.message = message;
+                err.field = Some(field);
+            }
+            e => {
+                err.message = e.to_string();
+                err.field = e.field().map(str::to_string);
+            }
+        }
+        if retryable {
+            err = err.retry_after(1);
+        }
+        err
+    }
+}
+
+/// A lifecycle call on a request id that is unknown (404) or still queued (409).
+impl From<LifecycleError> for ApiError {
+    fn from(e: LifecycleError) -> Self {
+        let status = match e {
+            LifecycleError::UnknownRequest(_) => StatusCode::NOT_FOUND,
+            LifecycleError::Queued(_) => StatusCode::CONFLICT,
+        };
+        ApiError::new(status, e.code(), e.to_string())
+    }
+}
+
+/// A worker spec the registry refused: a 400 naming the field.
+impl From<SpecError> for ApiError {
+    fn from(e: SpecError) -> Self {
+        ApiError::invalid_field(e.field, e.message)
+    }
+}
+
+/// A policy operation the registry refused.
+impl From<PolicyError> for ApiError {
+    fn from(e: PolicyError) -> Self {
+        let status = match &e {
+            PolicyError::UnknownPolicy(_) => StatusCode::NOT_FOUND,
+            PolicyError::ActivePolicy(_) | PolicyError::NoPrevious => StatusCode::CONFLICT,
+            e if e.is_client_error() => StatusCode::BAD_REQUEST,
+            _ => StatusCode::INTERNAL_SERVER_ERROR,
+        };
+        ApiError::new(status, e.code(), e.to_string())
     }
 }
 
@@ -326,6 +418,174 @@ mod tests {
     use http_body::Frame;
 
     use super::*;
+
+    /// Every routing error's answer: status, code, field and `Retry-After`, as API.md gives them.
+    #[test]
+    fn route_errors_map_to_their_status_code_field_and_retry_after() {
+        use kvroute_core::queue::QueueLimitKind;
+        use std::time::Duration;
+
+        let full = |limit| QueueError::Full {
+            limit,
+            current: 1,
+            max: 1,
+        };
+        let cases: Vec<(RouteError, u16, &str, Option<&str>, Option<u32>)> = vec![
+            (
+                RouteError::Invalid {
+                    field: "tokens".into(),
+                    message: "the prompt is empty".into(),
+                },
+                400,
+                "invalid_request",
+                Some("tokens"),
+                None,
+            ),
+            (
+                RouteError::DuplicateRequest("a".into()),
+                409,
+                "duplicate_request_id",
+                Some("request_id"),
+                None,
+            ),
+            (
+                PinError::NotAllowed(1).into(),
+                400,
+                "pinned_worker_not_allowed",
+                Some("pinned_worker"),
+                None,
+            ),
+            (
+                PinError::UnknownWorker(1).into(),
+                404,
+                "pinned_worker_not_found",
+                Some("pinned_worker"),
+                None,
+            ),
+            (
+                PinError::UnknownRank {
+                    worker_id: 1,
+                    dp_rank: 5,
+                }
+                .into(),
+                400,
+                "pinned_rank_not_found",
+                Some("pinned_worker"),
+                None,
+            ),
+            (
+                PinError::MissingTaints(1).into(),
+                409,
+                "pinned_worker_missing_taints",
+                Some("pinned_worker"),
+                None,
+            ),
+            (
+                PinError::Draining(1).into(),
+                409,
+                "pinned_worker_draining",
+                Some("pinned_worker"),
+                None,
+            ),
+            (
+                PinError::Overloaded(1).into(),
+                429,
+                "pinned_worker_overloaded",
+                Some("pinned_worker"),
+                Some(1),
+            ),
+            (RouteError::NoWorkers, 503, "no_workers", None, None),
+            (
+                RouteError::AllFiltered("1 draining".into()),
+                503,
+                "all_filtered_by_constraints",
+                None,
+                None,
+            ),
+            (
+                RouteError::AllOverloaded,
+                429,
+                "all_overloaded",
+                None,
+                Some(1),
+            ),
+            (
+                RouteError::QueueFull(full(QueueLimitKind::Requests)),
+                429,
+                "queue_requests",
+                None,
+                Some(1),
+            ),
+            (
+                RouteError::QueueFull(full(QueueLimitKind::Tokens)),
+                429,
+                "queue_tokens",
+                None,
+                Some(1),
+            ),
+            (
+                RouteError::QueueFull(QueueError::DuplicateRequest("a".into())),
+                409,
+                "duplicate_request_id",
+                None,
+                None,
+            ),
+            (
+                RouteError::QueueTimeout(Duration::from_secs(1)),
+                429,
+                "queue_timeout",
+                None,
+                Some(1),
+            ),
+            (RouteError::Cancelled, 409, "request_cancelled", None, None),
+            (
+                RouteError::ShuttingDown,
+                503,
+                "shutting_down",
+                None,
+                Some(1),
+            ),
+        ];
+        for (e, status, code, field, retry_after) in cases {
+            let message = match &e {
+                RouteError::Invalid { message, .. } => message.clone(),
+                e => e.to_string(),
+            };
+            let got = ApiError::from(e);
+            let resp = got.clone().into_response();
+            assert_eq!(
+                (got.status.as_u16(), got.code, got.field.as_deref()),
+                (status, code, field)
+            );
+            assert_eq!(got.message, message);
+            let header = resp.headers().get(header::RETRY_AFTER);
+            assert_eq!(
+                header.map(|v| v.to_str().unwrap().to_string()),
+                retry_after.map(|s| s.to_string()),
+                "{code}"
+            );
+        }
+    }
+
+    #[test]
+    fn lifecycle_and_spec_errors_map_to_their_status() {
+        let e = ApiError::from(LifecycleError::UnknownRequest("r".into()));
+        assert_eq!(
+            (e.status, e.code, e.message.as_str()),
+            (
+                StatusCode::NOT_FOUND,
+                "unknown_request",
+                "no booked or queued request has id \"r\""
+            )
+        );
+        let e = ApiError::from(LifecycleError::Queued("r".into()));
+        assert_eq!((e.status, e.code), (StatusCode::CONFLICT, "request_queued"));
+        let e = ApiError::from(SpecError {
+            field: "dp_size".into(),
+            message: "must be at least 1".into(),
+        });
+        assert_eq!(e, ApiError::invalid_field("dp_size", "must be at least 1"));
+    }
 
     /// A body that arrives in the given pieces, one frame each.
     struct Pieces(VecDeque<Bytes>);

@@ -30,8 +30,8 @@ use dto::*;
 use error::{ApiError, ApiJson, ApiPath, BodyLimit, NoBody, RawBody};
 use kvroute_core::candidate::CandidateKey;
 use kvroute_core::indexer::{KvEvent, KvEventData, Tier};
-use kvroute_core::router::{LifecycleError, RouteError, Router};
-use kvroute_core::workers::{SpecError, WorkerSpec};
+use kvroute_core::router::Router;
+use kvroute_core::workers::WorkerSpec;
 use kvroute_policy::{PolicyError, PolicyRegistry};
 pub use metrics::Metrics;
 use prompt_json::PromptJson;
@@ -168,35 +168,6 @@ fn parse_worker_id(raw: &str) -> Result<u64, ApiError> {
     })
 }
 
-fn spec_error(e: SpecError) -> ApiError {
-    ApiError::invalid_field(e.field, e.message)
-}
-
-fn route_error(e: RouteError) -> ApiError {
-    let status = StatusCode::from_u16(e.status()).unwrap_or(StatusCode::BAD_REQUEST);
-    let mut err = ApiError::new(status, e.code(), e.to_string());
-    if let RouteError::Invalid { field, message } = &e {
-        err.message = message.clone();
-        err.field = Some(field.clone());
-    } else if let Some(f) = e.field() {
-        err.field = Some(f.to_string());
-    }
-    if e.retryable() {
-        err = err.retry_after(1);
-    }
-    err
-}
-
-fn policy_error(e: PolicyError) -> ApiError {
-    let status = match &e {
-        PolicyError::UnknownPolicy(_) => StatusCode::NOT_FOUND,
-        PolicyError::ActivePolicy(_) | PolicyError::NoPrevious => StatusCode::CONFLICT,
-        e if e.is_client_error() => StatusCode::BAD_REQUEST,
-        _ => StatusCode::INTERNAL_SERVER_ERROR,
-    };
-    ApiError::new(status, e.code(), e.to_string())
-}
-
 // ---- workers -----------------------------------------------------------------------------------
 
 fn worker_out(router: &Router, w: kvroute_core::workers::Worker) -> WorkerOut {
@@ -258,7 +229,7 @@ async fn put_worker(
         .get(&id)
         .map(|w| w.ranks().collect())
         .unwrap_or_default();
-    let w = s.router.upsert_worker(id, spec).map_err(spec_error)?;
+    let w = s.router.upsert_worker(id, spec)?;
     // Ranks a re-registration dropped take their decision series with them.
     s.metrics.forget_ranks(
         id,
@@ -283,8 +254,7 @@ async fn patch_worker(
     let id = parse_worker_id(&raw)?;
     let w = s
         .router
-        .patch_worker(id, body.taints, body.draining)
-        .map_err(spec_error)?
+        .patch_worker(id, body.taints, body.draining)?
         .ok_or_else(|| {
             ApiError::not_found("unknown_worker", format!("worker {id} is not registered"))
         })?;
@@ -447,28 +417,13 @@ async fn route(
         max_request_taints: s.limits.max_request_taints,
     };
     let req = body.into_request(&limits)?;
-    match s.router.route(req).await {
-        Ok(d) => {
-            s.metrics.record_decision(&d);
-            Ok(Json(d.into()))
-        }
-        Err(e) => {
-            s.metrics.record_route_error(&e);
-            Err(route_error(e))
-        }
-    }
-}
-
-fn lifecycle_error(e: LifecycleError) -> ApiError {
-    match e {
-        LifecycleError::UnknownRequest(id) => ApiError::not_found(
-            "unknown_request",
-            format!("no booked or queued request has id {id:?}"),
-        ),
-        e @ LifecycleError::Queued(_) => {
-            ApiError::new(StatusCode::CONFLICT, "request_queued", e.to_string())
-        }
-    }
+    let d = s
+        .router
+        .route(req)
+        .await
+        .inspect_err(|e| s.metrics.record_route_error(e))?;
+    s.metrics.record_decision(&d);
+    Ok(Json(d.into()))
 }
 
 async fn prefill_complete(
@@ -476,7 +431,7 @@ async fn prefill_complete(
     ApiPath(id): ApiPath<String>,
     _: NoBody,
 ) -> Result<Json<LifecycleResponse>, ApiError> {
-    let c = s.router.prefill_complete(&id).map_err(lifecycle_error)?;
+    let c = s.router.prefill_complete(&id)?;
     Ok(Json(LifecycleResponse {
         request_id: id,
         worker_id: Some(c.worker_id),
@@ -490,10 +445,7 @@ async fn output(
     ApiPath(id): ApiPath<String>,
     ApiJson(body): ApiJson<OutputBody>,
 ) -> Result<Json<LifecycleResponse>, ApiError> {
-    let c = s
-        .router
-        .output_progress(&id, body.tokens)
-        .map_err(lifecycle_error)?;
+    let c = s.router.output_progress(&id, body.tokens)?;
     Ok(Json(LifecycleResponse {
         request_id: id,
         worker_id: Some(c.worker_id),
@@ -507,7 +459,7 @@ async fn free_request(
     ApiPath(id): ApiPath<String>,
     _: NoBody,
 ) -> Result<Json<LifecycleResponse>, ApiError> {
-    let b = s.router.free(&id).map_err(lifecycle_error)?;
+    let b = s.router.free(&id)?;
     Ok(Json(match b {
         Some(b) => LifecycleResponse {
             request_id: id,
@@ -529,14 +481,11 @@ async fn overlap(
     PromptJson(mut body): PromptJson<OverlapBody>,
 ) -> Result<Json<OverlapResponse>, ApiError> {
     let prompt = body.prompt()?;
-    let (num_blocks, scores) = s
-        .router
-        .overlap(
-            &prompt,
-            body.lora_name.as_deref(),
-            body.cache_salt.as_deref(),
-        )
-        .map_err(route_error)?;
+    let (num_blocks, scores) = s.router.overlap(
+        &prompt,
+        body.lora_name.as_deref(),
+        body.cache_salt.as_deref(),
+    )?;
     let mut by: std::collections::BTreeMap<CandidateKey, [u32; 3]> = Default::default();
     for (i, list) in [&scores.device, &scores.host, &scores.disk]
         .into_iter()
@@ -657,7 +606,7 @@ async fn off_thread<T: Send + 'static>(
     tokio::task::spawn_blocking(move || op(&registry))
         .await
         .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()))?
-        .map_err(policy_error)
+        .map_err(ApiError::from)
 }
 
 async fn put_policy_config(

@@ -1,0 +1,432 @@
+//! One scoring attempt, as a sequence of named steps: resolve the pin → filter (eligible, and
+//! excluded with the rule) → fill the candidate columns → score (ask the policy) → pick → book →
+//! explain. A queued request goes through it again each time capacity may have freed.
+//!
+//! The hot path: no lock is held across the policy call. The registry is a lock-free snapshot,
+//! the index is read under its read lock only while matching, and the load tracker's mutex is
+//! taken once to filter (loads, eligibility and active prefix depths together) and once to book.
+//! Every buffer a decision fills lives in the per-thread [`Scratch`], so a decision allocates only
+//! what it hands back (and the policy request's few owned fields).
+
+use std::cell::RefCell;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rustc_hash::FxHashSet;
+
+use super::explain::{self, Excluded};
+use super::request::Prepared;
+use super::{
+    Pin, PolicyLabel, RouteDecision, RouteError, RouteRequest, Router, ScorerOutcome, Timings,
+};
+use crate::candidate::{CandidateColumns, CandidateKey, PolicyRequest};
+use crate::cost;
+use crate::eligibility::{self, Constraints, Ineligible, PinError};
+use crate::indexer::DenseOverlaps;
+use crate::load::{CandidateLoad, LoadError};
+use crate::workers::{CandidateEntry, RegistrySnapshot};
+
+/// Per-thread buffers reused across decisions.
+#[derive(Default)]
+struct Scratch {
+    dense: DenseOverlaps,
+    cols: CandidateColumns,
+    costs: Vec<f64>,
+    depths: Vec<(CandidateKey, u32)>,
+    /// The eligible candidates' loads, beside `eligible`.
+    loads: Vec<CandidateLoad>,
+    /// Pool indexes of the eligible candidates, in pool (= key) order.
+    eligible: Vec<u32>,
+    /// With `explain`: the excluded candidates.
+    excluded: Vec<Excluded>,
+}
+
+thread_local! {
+    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+}
+
+/// Why the filter kept candidates out: the error's material when nobody is left.
+#[derive(Default)]
+struct Exclusions {
+    /// Candidates excluded, by `Ineligible` reason.
+    by_reason: [u32; 4],
+    /// The first excluded candidate's reason.
+    first: Option<Ineligible>,
+}
+
+/// The chosen candidate (index into the columns) and how it was chosen.
+struct Pick {
+    chosen: usize,
+    fallback_reason: Option<&'static str>,
+    /// What the policy answered (`costs`, `pick`), or `native` (explain's `answer`).
+    answer: &'static str,
+}
+
+impl Router {
+    /// One scoring attempt: resolve the pin, match the prompt against the index, filter, fill the
+    /// columns, score, pick, book, explain.
+    pub(super) fn decide(
+        &self,
+        p: &Prepared,
+        queued: Duration,
+    ) -> Result<RouteDecision, RouteError> {
+        let t0 = Instant::now();
+        let snap = self.registry.snapshot();
+        let constraints = self.resolve_constraints(&p.req, &snap);
+        let pool = self.resolve_pin(p, &snap, &constraints)?;
+        SCRATCH.with(|scratch| {
+            let s = &mut *scratch.borrow_mut();
+            let tm = Instant::now();
+            self.indexer.find_matches_dense(&p.local, &mut s.dense);
+            let matching = tm.elapsed();
+
+            self.filter(p, pool, &constraints, s)?;
+            s.fill_columns(pool);
+            let preq = self.policy_request(p, &snap);
+            cost::fill_base_costs(&preq, &mut s.cols, &self.config.cost);
+
+            let tp = Instant::now();
+            let (label, outcome) = self.score(&preq, &s.cols, &snap);
+            let pick = self.pick(outcome, &preq, p.temperature, &s.cols, &mut s.costs);
+            let policy = tp.elapsed();
+
+            let candidate = s.cols.key(pick.chosen);
+            let overlap = s.cols.device_overlap[pick.chosen];
+            let cached_tokens = overlap
+                .saturating_mul(self.config.block_size)
+                .min(p.prompt_tokens);
+            if p.req.book {
+                self.book(p, candidate, cached_tokens)?;
+            }
+            let explained = p.req.explain;
+            self.counters.decisions.fetch_add(1, Relaxed);
+            Ok(RouteDecision {
+                request_id: p.request_id.clone(),
+                candidate,
+                overlap_blocks: overlap,
+                cached_tokens,
+                policy: label,
+                fallback: pick.fallback_reason.is_some(),
+                fallback_reason: pick.fallback_reason,
+                queued,
+                booked: p.req.book,
+                answer: explained.then_some(pick.answer),
+                candidates: explained
+                    .then(|| explain::candidate_rows(&s.cols, &s.costs, pick.chosen, &snap)),
+                excluded: explained.then(|| explain::excluded_rows(pool, &s.excluded, &s.dense)),
+                timings: Timings {
+                    hash: p.hash_time,
+                    matching,
+                    policy,
+                    total: p.hash_time + t0.elapsed(),
+                },
+            })
+        })
+    }
+
+    /// The request's hard constraints, resolved against the registry's taint names.
+    fn resolve_constraints(&self, req: &RouteRequest, snap: &RegistrySnapshot) -> Constraints {
+        let mut c = Constraints {
+            allowed: req
+                .allowed_worker_ids
+                .as_ref()
+                .map(|ids| ids.iter().copied().collect::<FxHashSet<_>>()),
+            ..Default::default()
+        };
+        for t in &req.required_taints {
+            match snap.taint_id(t) {
+                Some(id) => c.required_taints.push(id),
+                None => c.unsatisfiable = Some(t.clone()),
+            }
+        }
+        c
+    }
+
+    /// Resolve the pin: the candidates in play are the pinned worker's ranks (its one rank, when
+    /// the pin names one), or everyone. A pin to a worker or rank that is not registered, or not
+    /// allowed, is the request's error.
+    fn resolve_pin<'s>(
+        &self,
+        p: &Prepared,
+        snap: &'s RegistrySnapshot,
+        constraints: &Constraints,
+    ) -> Result<&'s [CandidateEntry], RouteError> {
+        // A pin names its worker: with none registered, that worker is unknown
+        // (`pinned_worker_not_found`), not merely unavailable.
+        if snap.candidates.is_empty() && p.req.pinned.is_none() {
+            self.counters.rejected.fetch_add(1, Relaxed);
+            return Err(RouteError::NoWorkers);
+        }
+        let Some(pin) = p.req.pinned else {
+            return Ok(&snap.candidates);
+        };
+        if let Some(allowed) = &constraints.allowed {
+            if !allowed.contains(&pin.worker_id) {
+                return Err(PinError::NotAllowed(pin.worker_id).into());
+            }
+        }
+        let start = snap
+            .candidates
+            .partition_point(|c| c.key.worker_id < pin.worker_id);
+        let end = snap
+            .candidates
+            .partition_point(|c| c.key.worker_id <= pin.worker_id);
+        if start == end {
+            return Err(PinError::UnknownWorker(pin.worker_id).into());
+        }
+        let ranks = &snap.candidates[start..end];
+        let Some(r) = pin.dp_rank else {
+            return Ok(ranks);
+        };
+        match ranks.iter().position(|c| c.key.dp_rank == r) {
+            Some(i) => Ok(&ranks[i..i + 1]),
+            None => Err(PinError::UnknownRank {
+                worker_id: pin.worker_id,
+                dp_rank: r,
+            }
+            .into()),
+        }
+    }
+
+    /// Filter: the candidates of the pool that pass the hard rules ([`eligibility::check`]), with
+    /// their loads, and (with `explain`) the ones that do not and why. Loads, eligibility and the
+    /// active prefix depths are read under one short lock of the load tracker. Nobody eligible is
+    /// the request's error.
+    fn filter(
+        &self,
+        p: &Prepared,
+        pool: &[CandidateEntry],
+        constraints: &Constraints,
+        s: &mut Scratch,
+    ) -> Result<(), RouteError> {
+        s.eligible.clear();
+        s.loads.clear();
+        s.excluded.clear();
+        let mut out = Exclusions::default();
+        {
+            let load = self.load.lock();
+            for (i, c) in pool.iter().enumerate() {
+                let l = load.load(c.key);
+                match eligibility::check(c, &l, constraints, &self.busy) {
+                    Ok(()) => {
+                        s.eligible.push(i as u32);
+                        s.loads.push(l);
+                    }
+                    Err(why) => {
+                        if p.req.explain {
+                            s.excluded.push(Excluded {
+                                index: i as u32,
+                                reason: why,
+                                active_prefill_tokens: l.active_prefill_tokens,
+                            });
+                        }
+                        out.by_reason[why as usize] += 1;
+                        out.first.get_or_insert(why);
+                    }
+                }
+            }
+            if !s.eligible.is_empty() {
+                load.active_prefix_depths(&p.seq, &mut s.depths);
+            } else {
+                s.depths.clear();
+            }
+        }
+        if s.eligible.is_empty() {
+            self.counters.rejected.fetch_add(1, Relaxed);
+            return Err(nobody_eligible(p.req.pinned, &out));
+        }
+        Ok(())
+    }
+
+    /// What the policy is told about the request. Preferred taints no worker has are dropped.
+    fn policy_request(&self, p: &Prepared, snap: &RegistrySnapshot) -> PolicyRequest {
+        PolicyRequest {
+            request_id: p.request_id.clone(),
+            prompt_tokens: p.prompt_tokens,
+            request_blocks: p.local.len() as u32,
+            block_size: self.config.block_size,
+            preferred_taints: p
+                .req
+                .preferred_taints
+                .iter()
+                .filter_map(|(name, w)| snap.taint_id(name).map(|id| (id, *w)))
+                .collect(),
+            priority: p.req.priority,
+            expected_output_tokens: p.req.expected_output_tokens,
+            temperature: p.temperature,
+            session_id: p.req.session_id.clone(),
+            now_ms: self.clock_ms(),
+            ask_only: !p.req.book,
+        }
+    }
+
+    /// Score: the active policy's answer, or [`ScorerOutcome::Native`] when none is installed.
+    fn score(
+        &self,
+        preq: &PolicyRequest,
+        cols: &CandidateColumns,
+        snap: &RegistrySnapshot,
+    ) -> (Arc<PolicyLabel>, ScorerOutcome) {
+        match self.scorer.load().as_deref() {
+            Some(s) => {
+                let d = s.decide(preq, cols, &snap.taints);
+                (d.label, d.outcome)
+            }
+            None => (self.native_label.clone(), ScorerOutcome::Native),
+        }
+    }
+
+    /// Pick: from the policy's costs (sampled at the request's temperature) or its pick; on no
+    /// policy, or an answer that failed or does not fit the candidates, from the native cost
+    /// (counted as a fallback unless no policy is installed). `costs` ends up holding the costs
+    /// the pick was made from.
+    fn pick(
+        &self,
+        outcome: ScorerOutcome,
+        preq: &PolicyRequest,
+        temperature: f64,
+        cols: &CandidateColumns,
+        costs: &mut Vec<f64>,
+    ) -> Pick {
+        let n = cols.len();
+        let pick = self.with_rng(|rng| match outcome {
+            ScorerOutcome::Costs(c) if c.len() == n && c.iter().all(|x| x.is_finite()) => {
+                let chosen = cost::pick(&c, temperature, rng).expect("n > 0");
+                *costs = c;
+                Pick {
+                    chosen,
+                    fallback_reason: None,
+                    answer: "costs",
+                }
+            }
+            ScorerOutcome::Pick(chosen) if chosen < n => {
+                cost::native_costs(preq, cols, costs);
+                Pick {
+                    chosen,
+                    fallback_reason: None,
+                    answer: "pick",
+                }
+            }
+            other => {
+                cost::native_costs(preq, cols, costs);
+                let fallback_reason = match other {
+                    ScorerOutcome::Native => None,
+                    ScorerOutcome::Fallback(r) => Some(r),
+                    ScorerOutcome::Costs(_) => Some("invalid_answer"),
+                    ScorerOutcome::Pick(_) => Some("pick_out_of_range"),
+                };
+                Pick {
+                    chosen: cost::pick(costs, temperature, rng).expect("n > 0"),
+                    fallback_reason,
+                    answer: "native",
+                }
+            }
+        });
+        if pick.fallback_reason.is_some() {
+            self.counters.fallbacks.fetch_add(1, Relaxed);
+        }
+        pick
+    }
+
+    /// Book: the load tracker records the request on the chosen candidate (one short lock), and in
+    /// approximate mode the index learns that the candidate now holds the prompt.
+    fn book(
+        &self,
+        p: &Prepared,
+        candidate: CandidateKey,
+        cached_tokens: u32,
+    ) -> Result<(), RouteError> {
+        self.load
+            .lock()
+            .book(
+                &p.request_id,
+                candidate,
+                p.prompt_tokens,
+                cached_tokens,
+                &p.seq,
+                self.config.block_size,
+                Instant::now(),
+            )
+            .map_err(|e| match e {
+                LoadError::DuplicateRequest(id) | LoadError::UnknownRequest(id) => {
+                    RouteError::DuplicateRequest(id)
+                }
+            })?;
+        if let Some(a) = &self.approx {
+            a.record(&self.indexer, candidate, &p.local, Instant::now());
+        }
+        Ok(())
+    }
+}
+
+impl Scratch {
+    /// Fill the candidate columns with the eligible candidates' figures (overlaps, loads, budget,
+    /// taints), in the layout policies read.
+    fn fill_columns(&mut self, pool: &[CandidateEntry]) {
+        let Scratch {
+            dense,
+            cols,
+            depths,
+            loads,
+            eligible,
+            ..
+        } = self;
+        cols.clear();
+        cols.taint_offsets.push(0);
+        for (&i, l) in eligible.iter().zip(loads.iter()) {
+            let c = &pool[i as usize];
+            let [d, h, k] = dense.get(c.slot);
+            cols.worker_id.push(c.key.worker_id);
+            cols.dp_rank.push(c.key.dp_rank);
+            cols.device_overlap.push(d);
+            cols.host_overlap.push(h);
+            cols.disk_overlap.push(k);
+            cols.active_prefill_tokens.push(l.active_prefill_tokens);
+            cols.active_decode_blocks.push(l.active_decode_blocks);
+            cols.active_requests.push(l.active_requests);
+            cols.active_prompt_blocks.push(0);
+            cols.total_kv_blocks.push(c.total_kv_blocks);
+            cols.max_num_batched_tokens.push(c.max_num_batched_tokens);
+            cols.taint_ids.extend_from_slice(&c.taint_ids);
+            cols.taint_offsets.push(cols.taint_ids.len() as u32);
+        }
+        // Prompt blocks already active: few candidates have any; find each by binary search over
+        // the (sorted) eligible keys.
+        for &(key, depth) in depths.iter() {
+            if let Ok(j) = eligible.binary_search_by_key(&key, |&i| pool[i as usize].key) {
+                cols.active_prompt_blocks[j] = depth;
+            }
+        }
+    }
+}
+
+/// The error when the filter left nobody. A pinned request gets its pin's own error, with the most
+/// actionable reason (busy, else the first); otherwise anyone merely busy makes it
+/// `all_overloaded` (retryable), and else every reason is named with its count.
+fn nobody_eligible(pinned: Option<Pin>, out: &Exclusions) -> RouteError {
+    let busy = out.by_reason[Ineligible::Busy as usize];
+    if let Some(pin) = pinned {
+        let why = if busy > 0 {
+            Ineligible::Busy
+        } else {
+            out.first.unwrap_or(Ineligible::Draining)
+        };
+        return PinError::from((why, pin.worker_id)).into();
+    }
+    if busy > 0 {
+        return RouteError::AllOverloaded;
+    }
+    // Every reason with its count: the first candidate's reason alone can name
+    // allowed_worker_ids when the allowed workers were all draining.
+    let why: Vec<String> = [
+        (Ineligible::NotAllowed, "not in allowed_worker_ids"),
+        (Ineligible::MissingTaints, "without the required_taints"),
+        (Ineligible::Draining, "draining"),
+    ]
+    .iter()
+    .filter(|(r, _)| out.by_reason[*r as usize] > 0)
+    .map(|(r, what)| format!("{} {what}", out.by_reason[*r as usize]))
+    .collect();
+    RouteError::AllFiltered(why.join(", "))
+}

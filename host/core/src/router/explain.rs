@@ -1,0 +1,103 @@
+//! Explained decisions: with `explain`, a decision lists every eligible candidate's figures and
+//! cost ([`ExplainRow`]) and every candidate a hard rule kept out, with the rule
+//! ([`ExcludedRow`]), so an operator sees why a worker was or was not chosen. Built only when asked
+//! for, from the decision's scratch columns, after the pick.
+
+use serde::Serialize;
+
+use crate::candidate::{CandidateColumns, DpRank, WorkerId};
+use crate::eligibility::Ineligible;
+use crate::indexer::DenseOverlaps;
+use crate::workers::{CandidateEntry, RegistrySnapshot};
+
+/// One candidate's figures in an explained decision.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ExplainRow {
+    pub worker_id: WorkerId,
+    pub dp_rank: DpRank,
+    pub overlap_blocks: u32,
+    pub host_overlap_blocks: u32,
+    pub disk_overlap_blocks: u32,
+    pub active_prefill_tokens: u64,
+    pub active_decode_blocks: u64,
+    pub active_requests: u32,
+    pub taints: Vec<String>,
+    pub base_cost: f64,
+    /// The cost the pick was made from: the policy's when it answered costs, else the native
+    /// cost (it picked, or the decision fell back).
+    pub cost: f64,
+    /// The candidate the decision chose.
+    pub chosen: bool,
+}
+
+/// A candidate a hard rule kept out of an explained decision, and which rule (the first that
+/// failed, in SPEC §6's order).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ExcludedRow {
+    pub worker_id: WorkerId,
+    pub dp_rank: DpRank,
+    /// `not_allowed`, `missing_required_taints`, `draining` or `busy`.
+    pub reason: &'static str,
+    pub overlap_blocks: u32,
+    pub active_prefill_tokens: u64,
+}
+
+/// A candidate the filter kept out, noted (with `explain` only) while the load lock is held.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Excluded {
+    /// Index in the decision's pool of candidates.
+    pub(super) index: u32,
+    pub(super) reason: Ineligible,
+    pub(super) active_prefill_tokens: u64,
+}
+
+/// The rows of the eligible candidates: their columns, the cost the pick was made from, and which
+/// one was chosen.
+pub(super) fn candidate_rows(
+    cols: &CandidateColumns,
+    costs: &[f64],
+    chosen: usize,
+    snap: &RegistrySnapshot,
+) -> Vec<ExplainRow> {
+    (0..cols.len())
+        .map(|i| ExplainRow {
+            worker_id: cols.worker_id[i],
+            dp_rank: cols.dp_rank[i],
+            overlap_blocks: cols.device_overlap[i],
+            host_overlap_blocks: cols.host_overlap[i],
+            disk_overlap_blocks: cols.disk_overlap[i],
+            active_prefill_tokens: cols.active_prefill_tokens[i],
+            active_decode_blocks: cols.active_decode_blocks[i],
+            active_requests: cols.active_requests[i],
+            taints: cols
+                .taints_of(i)
+                .iter()
+                .filter_map(|&t| snap.taint_name(t).map(str::to_string))
+                .collect(),
+            base_cost: cols.base_cost[i],
+            cost: costs[i],
+            chosen: i == chosen,
+        })
+        .collect()
+}
+
+/// The rows of the excluded candidates, in pool order.
+pub(super) fn excluded_rows(
+    pool: &[CandidateEntry],
+    excluded: &[Excluded],
+    dense: &DenseOverlaps,
+) -> Vec<ExcludedRow> {
+    excluded
+        .iter()
+        .map(|e| {
+            let c = &pool[e.index as usize];
+            ExcludedRow {
+                worker_id: c.key.worker_id,
+                dp_rank: c.key.dp_rank,
+                reason: e.reason.code(),
+                overlap_blocks: dense.get(c.slot)[0],
+                active_prefill_tokens: e.active_prefill_tokens,
+            }
+        })
+        .collect()
+}
