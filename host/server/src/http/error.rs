@@ -430,7 +430,9 @@ mod tests {
             current: 1,
             max: 1,
         };
-        let cases: Vec<(RouteError, u16, &str, Option<&str>, Option<u32>)> = vec![
+        // (error, status, code, field, Retry-After seconds)
+        type Case = (RouteError, u16, &'static str, Option<&'static str>, Option<u32>);
+        let cases: Vec<Case> = vec![
             (
                 RouteError::Invalid {
                     field: "tokens".into(),
