@@ -32,6 +32,13 @@ pub struct PolicyRuntimeConfig {
     /// Consecutive failed decisions after which the active policy is taken out and the previously
     /// active one restored. Default 5.
     pub max_consecutive_failures: u32,
+    /// Decisions in the window of [`Self::max_failure_rate`]. 0 = no failure-rate rule. Default 200.
+    pub failure_window: u32,
+    /// Share of failed decisions (0 to 1) in a full window of `failure_window` decisions above
+    /// which the active policy is taken out and the previously active one restored, as after
+    /// `max_consecutive_failures`: a policy failing every second or third call never fails five
+    /// times in a row. Default 0.1 (more than 20 of the last 200).
+    pub max_failure_rate: f64,
     /// Warm instances kept per policy stage; 0 = the number of CPUs (at least 2). The pool grows on
     /// demand when more threads decide at once.
     pub instances_per_stage: usize,
@@ -42,9 +49,10 @@ pub struct PolicyRuntimeConfig {
     /// Largest accepted component, in bytes. Default 64 MiB (a Python component built with
     /// `componentize-py` carries its interpreter: about 18 MB).
     pub max_component_bytes: usize,
-    /// Sustained log lines per second one instance may emit through `host-log`. Default 20.
+    /// Sustained log lines per second one policy version may emit through `host-log` (all its
+    /// instances together). Default 20.
     pub log_lines_per_second: u32,
-    /// Burst of log lines one instance may emit at once. Default 50.
+    /// Burst of log lines one policy version may emit at once. Default 50.
     pub log_burst: u32,
     /// Previously active versions kept for rollback. Default 8.
     pub rollback_depth: usize,
@@ -59,6 +67,8 @@ impl Default for PolicyRuntimeConfig {
             setup_deadline_ms: 1_000,
             epoch_tick_us: 250,
             max_consecutive_failures: 5,
+            failure_window: 200,
+            max_failure_rate: 0.1,
             instances_per_stage: 0,
             max_instances: 0,
             max_component_bytes: 64 << 20,
@@ -107,6 +117,18 @@ impl PolicyRuntimeConfig {
         }
         if self.max_consecutive_failures == 0 {
             return bad("max_consecutive_failures must be at least 1".into());
+        }
+        if !(0.0..=1.0).contains(&self.max_failure_rate) {
+            return bad(format!(
+                "max_failure_rate must be between 0 and 1, got {}",
+                self.max_failure_rate
+            ));
+        }
+        if self.failure_window > 100_000 {
+            return bad(format!(
+                "failure_window must be at most 100,000 decisions (0 = no failure-rate rule), got {}",
+                self.failure_window
+            ));
         }
         if self.max_instances == 1 {
             return bad("max_instances must be 0 (automatic) or at least 2".into());

@@ -51,9 +51,10 @@
 //! an optional selector) and a polled directory ([`PolicyRegistry::watch_directory`]).
 
 mod bindings;
-pub mod conformance;
 mod config;
+pub mod conformance;
 mod error;
+mod health;
 mod instance;
 mod pipeline;
 mod registry;
@@ -64,7 +65,6 @@ mod stats;
 mod ticker;
 mod watch;
 mod wire;
-
 
 pub use config::PolicyRuntimeConfig;
 pub use error::{FallbackReason, PolicyError};
