@@ -227,7 +227,10 @@ fn the_log_rate_limit_belongs_to_the_policy_version() {
 /// Finding 5: text a plugin hands the host is bounded: a `configure` error, a log line, `info`.
 #[test]
 fn plugin_text_is_bounded() {
-    let s = server("max_consecutive_failures = 1000000\nfailure_window = 0");
+    // The memory cap of the findings (64 MiB), so the component can make 8 MiB strings.
+    let s = server(
+        "memory_limit_bytes = 67108864\nmax_consecutive_failures = 1000000\nfailure_window = 0",
+    );
     // An 8 MB configure error: the 400 quotes the start of it and says how long it was.
     let r = upload(
         &s,

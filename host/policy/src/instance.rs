@@ -5,8 +5,9 @@
 //! answer makes the instance suspect, so either drops it; the pool is refilled off the request
 //! path by the runtime's maintenance thread. A decision never waits for an instance to be made:
 //! instantiating and `configure` can take as long as the setup deadline (a second), so a decision
-//! that finds its stage's pool empty falls back at once (`instantiate`) and asks the maintenance
-//! thread for another instance.
+//! that finds its stage's pool empty asks the maintenance thread for another instance, waits (at
+//! most as long as a decision may run) only while another decision is using an instance, and
+//! otherwise falls back at once (`instantiate`).
 //!
 //! Nothing a plugin hands the host is taken at its word: a `costs` list is lifted out of the guest
 //! only when its length is the number of candidates (see [`RawDecision`]), and its text (log lines,
@@ -634,6 +635,10 @@ pub(crate) struct Stage {
     live: Arc<AtomicUsize>,
     /// A request for another instance is with the maintenance thread.
     growing: AtomicBool,
+    /// Signalled when an instance is put back in the pool or a taken one is retired.
+    returned: parking_lot::Condvar,
+    /// Instances taken by decisions and not yet given back.
+    busy: AtomicUsize,
 }
 
 impl Stage {
@@ -655,6 +660,8 @@ impl Stage {
             pool: Mutex::new(Vec::new()),
             live: Arc::new(AtomicUsize::new(0)),
             growing: AtomicBool::new(false),
+            returned: parking_lot::Condvar::new(),
+            busy: AtomicUsize::new(0),
         }
     }
 
@@ -716,11 +723,28 @@ impl Stage {
     /// is asked for another instance.
     fn take(self: &Arc<Self>, inline: bool) -> Result<PluginInstance, Failure> {
         if let Some(inst) = self.pool.lock().pop() {
+            self.busy.fetch_add(1, Relaxed);
             return Ok(inst);
         }
         if !inline {
             if !self.growing.swap(true, Relaxed) {
                 self.shared.grow(Arc::downgrade(self));
+            }
+            // None pooled but some in use by other decisions: wait for one to come back, at most
+            // as long as a decision may run (the deadline and its grace windows, 10 × deadline)
+            // — a wait for another decision, never for instantiation.
+            if self.busy.load(Relaxed) > 0 {
+                let mut pool = self.pool.lock();
+                let until = Instant::now() + self.shared.config.deadline() * 10;
+                while pool.is_empty() && self.busy.load(Relaxed) > 0 {
+                    if self.returned.wait_until(&mut pool, until).timed_out() {
+                        break;
+                    }
+                }
+                if let Some(inst) = pool.pop() {
+                    self.busy.fetch_add(1, Relaxed);
+                    return Ok(inst);
+                }
             }
             // With instances alive (busy in other decisions, or being replaced) the miss is the
             // host's: it is not held against the policy. With none alive, every replacement
@@ -733,7 +757,9 @@ impl Stage {
             failure.counts = counts;
             return Err(failure);
         }
+        self.busy.fetch_add(1, Relaxed);
         self.new_instance().map_err(|e| {
+            self.busy.fetch_sub(1, Relaxed);
             let detail = match e {
                 InstanceError::ConfigRejected(m) => format!("configure rejected: {m}"),
                 InstanceError::Failed { during, message } => format!("{during}: {message}"),
@@ -761,9 +787,28 @@ impl Stage {
         self.pool.lock().pop()
     }
 
-    /// Returns an instance to the pool.
+    /// Returns an instance to the pool (and wakes a decision waiting for one).
     pub(crate) fn put(&self, inst: PluginInstance) {
         self.pool.lock().push(inst);
+        self.returned.notify_one();
+    }
+
+    /// Returns an instance a decision took: to the pool, or (`poisoned`) to the maintenance
+    /// thread, which drops it and makes a replacement. Either wakes decisions waiting for one.
+    fn give_back(self: &Arc<Self>, inst: PluginInstance, poisoned: bool) {
+        {
+            let mut pool = self.pool.lock();
+            self.busy.fetch_sub(1, Relaxed);
+            if !poisoned {
+                pool.push(inst);
+                drop(pool);
+                self.returned.notify_one();
+                return;
+            }
+        }
+        self.shared.retire(inst, Arc::downgrade(self));
+        // Waiters re-check: with nothing in use any more, they fall back at once.
+        self.returned.notify_all();
     }
 
     /// Instances alive (pooled or in use).
@@ -808,12 +853,12 @@ impl Stage {
             .and_then(|d| validate(d, n, allow_pick))
         {
             Ok(answer) => {
-                self.put(inst);
+                self.give_back(inst, false);
                 Ok(answer)
             }
             Err(failure) => {
                 // Poisoned: dropped (and replaced) by the maintenance thread, off the request path.
-                self.shared.retire(inst, Arc::downgrade(self));
+                self.give_back(inst, true);
                 Err(failure)
             }
         }
