@@ -157,7 +157,7 @@ impl Guest for Misbehave {
                 t.set(t.get() + 1);
                 t.get()
             });
-            if k % every.max(1) != 0 {
+            if !k.is_multiple_of(every.max(1)) {
                 return ok(&c);
             }
         }
@@ -190,39 +190,9 @@ impl Guest for Misbehave {
                 black_box(x);
                 ok(&c)
             }
-            "huge_costs" => {
-                let count = config.count.unwrap_or(6_000_000);
-                let mut v: Vec<f64> = Vec::with_capacity(count);
-                // SAFETY (test only): the entries are never read by this component; the host must
-                // refuse the length before it reads them.
-                unsafe { v.set_len(count) };
-                Decision::Costs(v)
-            }
+            "huge_costs" => Decision::Costs(uninit_costs(config.count.unwrap_or(6_000_000))),
             "fill" => {
-                let page = 64 * 1024;
-                // The first call's memory end: everything above it is the fill's own.
-                let before = FILL_FROM.with(|f| {
-                    if f.get() == 0 {
-                        f.set(core::arch::wasm32::memory_size(0));
-                    }
-                    f.get()
-                });
-                let pages = config.alloc_mb.map_or(usize::MAX, |mb| (mb as usize) << 4);
-                let mut grown = 0;
-                // Grow in 1 MiB steps until the host refuses or `alloc_mb` is reached.
-                while grown < pages && core::arch::wasm32::memory_grow(0, 16) != usize::MAX {
-                    grown += 16;
-                }
-                // Every call fills all of it (grown now or by an earlier call).
-                let grown = core::arch::wasm32::memory_size(0) - before;
-                // SAFETY: the pages from `before` on were just grown and belong to no allocation.
-                unsafe {
-                    core::ptr::write_bytes(
-                        black_box((before * page) as *mut u8),
-                        0x5a,
-                        black_box(grown * page),
-                    );
-                }
+                fill(config.alloc_mb);
                 ok(&c)
             }
             "wasi" => {
@@ -233,6 +203,55 @@ impl Guest for Misbehave {
             _ => ok(&c),
         }
     }
+}
+
+/// `count` costs, uninitialised on purpose: filling 48 MB would run past the deadline in the guest,
+/// and what the `huge_costs` mode measures is the host's handling of the claimed length (the host
+/// must refuse it before it reads a single entry).
+#[allow(clippy::uninit_vec)]
+fn uninit_costs(count: usize) -> Vec<f64> {
+    let mut v: Vec<f64> = Vec::with_capacity(count);
+    // SAFETY (test only): any bit pattern is an f64, and no entry is read here.
+    unsafe { v.set_len(count) };
+    v
+}
+
+/// The `fill` mode: grows the memory by `alloc_mb` MiB (default: until refused), then fills all
+/// memory grown since the first call with one `memory.fill`.
+#[cfg(target_arch = "wasm32")]
+fn fill(alloc_mb: Option<u64>) {
+    let page = 64 * 1024;
+    // The first call's memory end: everything above it is the fill's own.
+    let before = FILL_FROM.with(|f| {
+        if f.get() == 0 {
+            f.set(core::arch::wasm32::memory_size(0));
+        }
+        f.get()
+    });
+    let pages = alloc_mb.map_or(usize::MAX, |mb| (mb as usize) << 4);
+    let mut grown = 0;
+    // Grow in 1 MiB steps until the host refuses or `alloc_mb` is reached.
+    while grown < pages && core::arch::wasm32::memory_grow(0, 16) != usize::MAX {
+        grown += 16;
+    }
+    // Every call fills all of it (grown now or by an earlier call).
+    let grown = core::arch::wasm32::memory_size(0) - before;
+    // SAFETY (test only): the pages from `before` on were grown here, now or on an earlier call;
+    // memory the allocator grew after the first call would be overwritten too (the tests grow to
+    // the cap on the first call, so there is none).
+    unsafe {
+        core::ptr::write_bytes(
+            black_box((before * page) as *mut u8),
+            0x5a,
+            black_box(grown * page),
+        );
+    }
+}
+
+/// Only built for wasm32 (the workspace's lints also check this crate for the host).
+#[cfg(not(target_arch = "wasm32"))]
+fn fill(_alloc_mb: Option<u64>) {
+    unreachable!("misbehave runs as a wasm32 component")
 }
 
 export!(Misbehave);
