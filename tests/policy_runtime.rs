@@ -215,10 +215,21 @@ fn consecutive_failures_restore_the_previous_version() {
     let limit = reg.config().max_consecutive_failures;
     assert_eq!(limit, 5);
     let bad = with_id(req.clone(), "bad");
+    // Failed instances are replaced off the request path, and a decision that finds none ready
+    // falls back at once (`instantiate`): each decision here first waits for a ready instance, so
+    // that every one of them reaches the plugin.
+    let ready = || {
+        support::eventually("a ready instance", || {
+            reg.active()
+                .is_some_and(|a| a.policy.pooled_instances() > 0)
+        })
+    };
     // Failures interrupted by a success do not count as consecutive.
     for _ in 0..limit - 1 {
+        ready();
         assert!(reg.decide(&bad, &cols, &taints).is_fallback());
     }
+    ready();
     assert!(!reg.decide(&req, &cols, &taints).is_fallback());
     for i in 0..limit {
         assert_eq!(
@@ -226,6 +237,7 @@ fn consecutive_failures_restore_the_previous_version() {
             "flaky",
             "after {i} failures"
         );
+        ready();
         assert_eq!(
             reg.decide(&bad, &cols, &taints).outcome,
             Outcome::Fallback(FallbackReason::Trap)
@@ -247,6 +259,10 @@ fn consecutive_failures_restore_the_previous_version() {
     )
     .expect("flaky");
     for _ in 0..limit {
+        support::eventually("a ready instance", || {
+            reg.active()
+                .is_some_and(|a| a.policy.pooled_instances() > 0)
+        });
         reg.decide(&bad, &cols, &taints);
     }
     assert!(reg.active().is_none());

@@ -14,5 +14,6 @@ mod policy_deadlines;
 mod policy_runtime;
 mod python_plugin;
 mod replay;
+mod sandbox;
 mod tutorial;
 mod zmq_ingestion;

@@ -110,6 +110,8 @@ pub enum PolicyError {
          wit/policy.wit of this kvroute release"
     )]
     AbiMismatch { found: u32, expected: u32 },
+    #[error("the component's plugin-info is unusable: {0}")]
+    InvalidInfo(String),
     /// The component's `configure` returned an error; the message is the component's own, verbatim.
     #[error("the policy rejected its configuration: {0}")]
     ConfigRejected(String),
@@ -149,6 +151,7 @@ impl PolicyError {
             PolicyError::Compile(_) => "compile_failed",
             PolicyError::WrongWorld(_) => "wrong_world",
             PolicyError::AbiMismatch { .. } => "abi_mismatch",
+            PolicyError::InvalidInfo(_) => "invalid_plugin_info",
             PolicyError::ConfigRejected(_) => "config_rejected",
             PolicyError::InvalidConfigJson(_) => "invalid_config_json",
             PolicyError::Trapped { .. } => "component_trapped",

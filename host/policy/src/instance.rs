@@ -3,18 +3,27 @@
 //! An instance is one `Store` with one instantiated component, configured once, reused for many
 //! decisions. A trap (including a deadline interrupt) poisons the whole store, and an invalid
 //! answer makes the instance suspect, so either drops it; the pool is refilled off the request
-//! path by the runtime's maintenance thread (or lazily, if a decision finds the pool empty).
+//! path by the runtime's maintenance thread. A decision never waits for an instance to be made:
+//! instantiating and `configure` can take as long as the setup deadline (a second), so a decision
+//! that finds its stage's pool empty asks the maintenance thread for another instance, waits (at
+//! most as long as a decision may run) only while another decision is using an instance, and
+//! otherwise falls back at once (`instantiate`).
+//!
+//! Nothing a plugin hands the host is taken at its word: a `costs` list is lifted out of the guest
+//! only when its length is the number of candidates (see [`RawDecision`]), and its text (log lines,
+//! a `configure` error, `info`'s name and version) is bounded (see [`MAX_PLUGIN_TEXT`]).
 
-use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+use std::cell::Cell;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Instant;
 
 use parking_lot::Mutex;
+use wasmtime::component::__internal::{CanonicalAbiInfo, InstanceType, InterfaceType, LiftContext};
+use wasmtime::component::{ComponentType, Func, Lift, TypedFunc, WasmList};
 use wasmtime::{ResourceLimiter, Store, StoreContextMut, Trap, UpdateDeadline};
 
-use super::bindings::kvroute::policy::types::{
-    Candidates, Decision, HostContext, LogLevel, Request,
-};
+use super::bindings::kvroute::policy::types::{Candidates, HostContext, LogLevel, Request};
 use super::bindings::{PolicyPlugin, PolicyPluginPre};
 use super::error::FallbackReason;
 use super::runtime::RuntimeShared;
@@ -23,8 +32,26 @@ use super::ticker::{CallGuard, GuestActivity};
 use super::DecisionContext;
 use kvroute_core::rng::SeededRng;
 
-/// Longest plugin log line kept; longer lines are cut at a character boundary.
-const MAX_LOG_LINE: usize = 1024;
+/// Longest text a plugin hands the host that is kept: a log line, a `configure` error, the last
+/// error line quoted in a failure. Longer text is cut at a character boundary and says so.
+pub(crate) const MAX_PLUGIN_TEXT: usize = 1024;
+
+/// `text` cut to at most [`MAX_PLUGIN_TEXT`] bytes at a character boundary; a cut says how long
+/// the original was. Control characters (a forged log line's newline) become spaces.
+pub(crate) fn bounded_text(text: &str) -> String {
+    let mut cut = text.len().min(MAX_PLUGIN_TEXT);
+    while !text.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    let mut out: String = text[..cut]
+        .chars()
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .collect();
+    if cut < text.len() {
+        out.push_str(&format!("... (cut: {} bytes in all)", text.len()));
+    }
+    out
+}
 
 /// What a store carries: the limits and the log bucket of one instance.
 pub(crate) struct HostState {
@@ -36,10 +63,11 @@ pub(crate) struct HostState {
     /// rate limit drops it from the log: the SDK's panic hook logs the panic's message and
     /// location there just before the trap, which is what an author needs to see.
     last_error_log: Option<String>,
-    log_tokens: f64,
-    log_last: Instant,
     log_rate: f64,
     log_burst: f64,
+    /// The version's counters, which also hold its log allowance: the rate limit belongs to the
+    /// policy version, not to an instance (a fresh instance after every failed call would
+    /// otherwise get a fresh burst).
     stats: Arc<PolicyStats>,
     /// Thread CPU time and wall time at the start of the current grace window (`None`: the call
     /// has not reached its first deadline check).
@@ -65,8 +93,6 @@ impl HostState {
             memory_limit: usize::try_from(shared.config.memory_limit_bytes).unwrap_or(usize::MAX),
             memory_denied: false,
             last_error_log: None,
-            log_tokens: burst,
-            log_last: Instant::now(),
             log_rate: f64::from(shared.config.log_lines_per_second),
             log_burst: burst,
             stats,
@@ -238,30 +264,15 @@ impl ResourceLimiter for HostState {
 impl super::bindings::kvroute::policy::types::Host for HostState {}
 
 impl super::bindings::kvroute::policy::host_log::Host for HostState {
-    fn log(&mut self, level: LogLevel, mut message: String) {
+    fn log(&mut self, level: LogLevel, message: String) {
         if matches!(level, LogLevel::Error) {
-            let mut cut = message.len().min(MAX_LOG_LINE);
-            while !message.is_char_boundary(cut) {
-                cut -= 1;
-            }
-            self.last_error_log = Some(message[..cut].to_string());
+            self.last_error_log = Some(bounded_text(&message));
         }
-        let now = Instant::now();
-        let elapsed = now.duration_since(self.log_last).as_secs_f64();
-        self.log_last = now;
-        self.log_tokens = (self.log_tokens + elapsed * self.log_rate).min(self.log_burst);
-        if self.log_tokens < 1.0 {
+        if !self.stats.take_log_token(self.log_rate, self.log_burst) {
             self.stats.record_log_dropped();
             return;
         }
-        self.log_tokens -= 1.0;
-        if message.len() > MAX_LOG_LINE {
-            let mut cut = MAX_LOG_LINE;
-            while !message.is_char_boundary(cut) {
-                cut -= 1;
-            }
-            message.truncate(cut);
-        }
+        let message = bounded_text(&message);
         let policy = &*self.policy;
         match level {
             LogLevel::Trace => {
@@ -334,6 +345,9 @@ pub(crate) fn classify(err: &wasmtime::Error, memory_denied: bool) -> FallbackRe
 pub(crate) struct Failure {
     pub reason: FallbackReason,
     pub detail: FailureDetail,
+    /// Whether the failure is held against the policy (automatic restore). False for a decision
+    /// that found no ready instance while instances were alive: a miss of the host's pool.
+    pub counts: bool,
 }
 
 #[derive(Debug)]
@@ -372,6 +386,7 @@ impl Failure {
         Self {
             reason,
             detail: FailureDetail::Message(detail.into()),
+            counts: true,
         }
     }
 
@@ -384,11 +399,13 @@ impl Failure {
             return Self {
                 reason,
                 detail: FailureDetail::Message(format!("{during}: {message}").into()),
+                counts: true,
             };
         }
         Self {
             reason,
             detail: FailureDetail::Wasm { during, error },
+            counts: true,
         }
     }
 }
@@ -400,10 +417,86 @@ pub(crate) enum Answer {
     Pick(usize),
 }
 
+thread_local! {
+    /// The number of candidates of the decision being lifted on this thread (see
+    /// [`BoundedCosts`]): lifting runs synchronously inside the call, on the caller's thread.
+    static EXPECTED_COSTS: Cell<usize> = const { Cell::new(0) };
+}
+
+/// A `costs` list as the host lifts it: copied out of the guest only when its length is the
+/// number of candidates. The guest's claimed length is read first (the list's pointer and length,
+/// checked against the bounds of its memory), so an oversize answer (millions of entries) costs
+/// what a wrong length of one costs, instead of a copy of everything the guest could allocate.
+#[derive(Debug)]
+pub(crate) enum BoundedCosts {
+    Fits(Vec<f64>),
+    /// The length the guest claimed.
+    WrongLength(usize),
+}
+
+// SAFETY: every item delegates to `Vec<f64>`, the type of `list<f64>`: same lowered form, same
+// ABI, same type check.
+unsafe impl ComponentType for BoundedCosts {
+    type Lower = <Vec<f64> as ComponentType>::Lower;
+    const ABI: CanonicalAbiInfo = <Vec<f64> as ComponentType>::ABI;
+    fn typecheck(ty: &InterfaceType, types: &InstanceType<'_>) -> wasmtime::Result<()> {
+        <Vec<f64> as ComponentType>::typecheck(ty, types)
+    }
+}
+
+// SAFETY: lifting reads the (pointer, length) pair as `WasmList` does (bounds-checked), and the
+// elements through `Vec<f64>`'s own lift only when the length is the expected one.
+unsafe impl Lift for BoundedCosts {
+    fn linear_lift_from_flat(
+        cx: &mut LiftContext<'_>,
+        ty: InterfaceType,
+        src: &Self::Lower,
+    ) -> wasmtime::Result<Self> {
+        let claimed = <WasmList<f64> as Lift>::linear_lift_from_flat(cx, ty, src)?.len();
+        if claimed != EXPECTED_COSTS.get() {
+            return Ok(BoundedCosts::WrongLength(claimed));
+        }
+        <Vec<f64> as Lift>::linear_lift_from_flat(cx, ty, src).map(BoundedCosts::Fits)
+    }
+
+    fn linear_lift_from_memory(
+        cx: &mut LiftContext<'_>,
+        ty: InterfaceType,
+        bytes: &[u8],
+    ) -> wasmtime::Result<Self> {
+        let claimed = <WasmList<f64> as Lift>::linear_lift_from_memory(cx, ty, bytes)?.len();
+        if claimed != EXPECTED_COSTS.get() {
+            return Ok(BoundedCosts::WrongLength(claimed));
+        }
+        <Vec<f64> as Lift>::linear_lift_from_memory(cx, ty, bytes).map(BoundedCosts::Fits)
+    }
+}
+
+/// WIT `decision` as the host lifts it (see [`BoundedCosts`]).
+#[derive(ComponentType, Lift, Debug)]
+#[component(variant)]
+pub(crate) enum RawDecision {
+    #[component(name = "costs")]
+    Costs(BoundedCosts),
+    #[component(name = "pick")]
+    Pick(u32),
+}
+
+/// `decide` with the host's own lifting of its answer.
+type DecideFn<'a> = TypedFunc<(Request<'a>, Candidates<'a>), (RawDecision,)>;
+
 /// Checks an answer against the number of candidates.
-pub(crate) fn validate(decision: Decision, n: usize, allow_pick: bool) -> Result<Answer, Failure> {
+pub(crate) fn validate(
+    decision: RawDecision,
+    n: usize,
+    allow_pick: bool,
+) -> Result<Answer, Failure> {
     match decision {
-        Decision::Costs(costs) => {
+        RawDecision::Costs(BoundedCosts::WrongLength(len)) => Err(Failure::new(
+            FallbackReason::InvalidLength,
+            format!("answered {len} costs for {n} candidates"),
+        )),
+        RawDecision::Costs(BoundedCosts::Fits(costs)) => {
             if costs.len() != n {
                 return Err(Failure::new(
                     FallbackReason::InvalidLength,
@@ -418,7 +511,7 @@ pub(crate) fn validate(decision: Decision, n: usize, allow_pick: bool) -> Result
             }
             Ok(Answer::Costs(costs))
         }
-        Decision::Pick(i) => {
+        RawDecision::Pick(i) => {
             if !allow_pick {
                 return Err(Failure::new(
                     FallbackReason::UnexpectedPick,
@@ -450,6 +543,8 @@ impl Drop for LiveGuard {
 pub(crate) struct PluginInstance {
     store: Store<HostState>,
     plugin: PolicyPlugin,
+    /// The export `decide`, type-checked against [`DecideFn`] when the instance was made.
+    decide: Func,
     /// The context (taint-table version, block size) this instance was last given (`None`:
     /// never).
     context: Option<(u64, u32)>,
@@ -511,13 +606,18 @@ impl PluginInstance {
         cands: Candidates<'_>,
         ctx: DecisionContext<'_>,
         ticks: u64,
-    ) -> Result<Decision, Failure> {
+    ) -> Result<RawDecision, Failure> {
         self.sync_context(ctx, ticks)?;
+        let n = super::wire::candidate_count(&cands);
+        // SAFETY: `self.decide` was type-checked against `DecideFn` when the instance was made
+        // (`Stage::new_instance`); lifetimes play no part in a component type.
+        let decide: DecideFn<'_> = unsafe { TypedFunc::new_unchecked(self.decide) };
         let running = self.activity.enter();
         arm_call(&mut self.store, ticks, &running);
-        self.plugin
-            .kvroute_policy_policy()
-            .call_decide(&mut self.store, req, cands)
+        EXPECTED_COSTS.set(n);
+        decide
+            .call(&mut self.store, (req, cands))
+            .map(|(d,)| d)
             .map_err(|e| Failure::wasm("decide", e, self.store.data()))
     }
 }
@@ -533,6 +633,12 @@ pub(crate) struct Stage {
     stats: Arc<PolicyStats>,
     pool: Mutex<Vec<PluginInstance>>,
     live: Arc<AtomicUsize>,
+    /// A request for another instance is with the maintenance thread.
+    growing: AtomicBool,
+    /// Signalled when an instance is put back in the pool or a taken one is retired.
+    returned: parking_lot::Condvar,
+    /// Instances taken by decisions and not yet given back.
+    busy: AtomicUsize,
 }
 
 impl Stage {
@@ -553,6 +659,9 @@ impl Stage {
             stats,
             pool: Mutex::new(Vec::new()),
             live: Arc::new(AtomicUsize::new(0)),
+            growing: AtomicBool::new(false),
+            returned: parking_lot::Condvar::new(),
+            busy: AtomicUsize::new(0),
         }
     }
 
@@ -560,17 +669,33 @@ impl Stage {
         &self.plugin.pre
     }
 
-    /// Instantiates and configures a new instance (not added to the pool).
+    /// Instantiates and configures a new instance (not added to the pool). Never on the request
+    /// path: this runs for up to the setup deadline.
     pub(crate) fn new_instance(&self) -> Result<PluginInstance, InstanceError> {
         let mut store = new_store(&self.shared, self.policy.clone(), self.stats.clone());
         let running = self.shared.activity.enter();
-        let plugin = self
+        let failed = |during, e: wasmtime::Error, store: &Store<HostState>| InstanceError::Failed {
+            during,
+            message: describe_failure(&e, store.data()),
+        };
+        let instance = self
             .pre()
+            .instance_pre()
             .instantiate(&mut store)
-            .map_err(|e| InstanceError::Failed {
+            .map_err(|e| failed("instantiation", e, &store))?;
+        let plugin = PolicyPlugin::new(&mut store, &instance)
+            .map_err(|e| failed("instantiation", e, &store))?;
+        let decide = instance
+            .get_export_index(&mut store, None, super::runtime::POLICY_EXPORT)
+            .and_then(|iface| instance.get_export_index(&mut store, Some(&iface), "decide"))
+            .and_then(|f| instance.get_func(&mut store, f))
+            .ok_or_else(|| InstanceError::Failed {
                 during: "instantiation",
-                message: describe_failure(&e, store.data()),
+                message: "no export decide".into(),
             })?;
+        decide
+            .typed::<(Request<'_>, Candidates<'_>), (RawDecision,)>(&store)
+            .map_err(|e| failed("instantiation", e, &store))?;
         store.data_mut().arm();
         store.set_epoch_deadline(self.shared.setup_ticks);
         match plugin
@@ -578,31 +703,63 @@ impl Stage {
             .call_configure(&mut store, &self.config)
         {
             Ok(Ok(())) => {}
-            Ok(Err(message)) => return Err(InstanceError::ConfigRejected(message)),
-            Err(e) => {
-                return Err(InstanceError::Failed {
-                    during: "configure",
-                    message: describe_failure(&e, store.data()),
-                })
-            }
+            Ok(Err(message)) => return Err(InstanceError::ConfigRejected(bounded_text(&message))),
+            Err(e) => return Err(failed("configure", e, &store)),
         }
         drop(running);
         self.live.fetch_add(1, Relaxed);
         Ok(PluginInstance {
             store,
             plugin,
+            decide,
             context: None,
             activity: self.shared.activity.clone(),
             _live: LiveGuard(self.live.clone()),
         })
     }
 
-    /// Takes an instance from the pool, or makes one when the pool is empty.
-    fn take(&self) -> Result<PluginInstance, Failure> {
+    /// Takes an instance from the pool. When the pool is empty, `inline` (load time only) makes
+    /// one here; on the request path the decision falls back at once and the maintenance thread
+    /// is asked for another instance.
+    fn take(self: &Arc<Self>, inline: bool) -> Result<PluginInstance, Failure> {
         if let Some(inst) = self.pool.lock().pop() {
+            self.busy.fetch_add(1, Relaxed);
             return Ok(inst);
         }
+        if !inline {
+            if !self.growing.swap(true, Relaxed) {
+                self.shared.grow(Arc::downgrade(self));
+            }
+            // None pooled but some in use by other decisions: wait for one to come back, at most
+            // as long as a decision may run (the deadline and its grace windows, 10 × deadline)
+            // — a wait for another decision, never for instantiation.
+            if self.busy.load(Relaxed) > 0 {
+                let mut pool = self.pool.lock();
+                let until = Instant::now() + self.shared.config.deadline() * 10;
+                while pool.is_empty() && self.busy.load(Relaxed) > 0 {
+                    if self.returned.wait_until(&mut pool, until).timed_out() {
+                        break;
+                    }
+                }
+                if let Some(inst) = pool.pop() {
+                    self.busy.fetch_add(1, Relaxed);
+                    return Ok(inst);
+                }
+            }
+            // With instances alive (busy in other decisions, or being replaced) the miss is the
+            // host's: it is not held against the policy. With none alive, every replacement
+            // failed, and it is.
+            let counts = self.live() == 0;
+            let mut failure = Failure::new(
+                FallbackReason::Instantiate,
+                "no ready instance (a replacement is being made off the request path)",
+            );
+            failure.counts = counts;
+            return Err(failure);
+        }
+        self.busy.fetch_add(1, Relaxed);
         self.new_instance().map_err(|e| {
+            self.busy.fetch_sub(1, Relaxed);
             let detail = match e {
                 InstanceError::ConfigRejected(m) => format!("configure rejected: {m}"),
                 InstanceError::Failed { during, message } => format!("{during}: {message}"),
@@ -611,14 +768,47 @@ impl Stage {
         })
     }
 
+    /// For the maintenance thread, after a decision found the pool empty: one more instance,
+    /// unless one has come back meanwhile or `cap` are alive.
+    pub(crate) fn grow(&self, cap: usize) {
+        if self.pooled() == 0 && self.live() < cap {
+            match self.new_instance() {
+                Ok(inst) => self.put(inst),
+                Err(e) => {
+                    tracing::warn!(policy = &*self.policy, error = ?e, "could not add a policy instance")
+                }
+            }
+        }
+        self.growing.store(false, Relaxed);
+    }
+
     /// Takes an instance from the pool, if any is there.
     pub(crate) fn take_pooled(&self) -> Option<PluginInstance> {
         self.pool.lock().pop()
     }
 
-    /// Returns an instance to the pool.
+    /// Returns an instance to the pool (and wakes a decision waiting for one).
     pub(crate) fn put(&self, inst: PluginInstance) {
         self.pool.lock().push(inst);
+        self.returned.notify_one();
+    }
+
+    /// Returns an instance a decision took: to the pool, or (`poisoned`) to the maintenance
+    /// thread, which drops it and makes a replacement. Either wakes decisions waiting for one.
+    fn give_back(self: &Arc<Self>, inst: PluginInstance, poisoned: bool) {
+        {
+            let mut pool = self.pool.lock();
+            self.busy.fetch_sub(1, Relaxed);
+            if !poisoned {
+                pool.push(inst);
+                drop(pool);
+                self.returned.notify_one();
+                return;
+            }
+        }
+        self.shared.retire(inst, Arc::downgrade(self));
+        // Waiters re-check: with nothing in use any more, they fall back at once.
+        self.returned.notify_all();
     }
 
     /// Instances alive (pooled or in use).
@@ -645,7 +835,8 @@ impl Stage {
     }
 
     /// One decision on this stage: take an instance, call, validate, and return the instance to
-    /// the pool, or drop it (poisoned) and ask for a replacement.
+    /// the pool, or drop it (poisoned) and ask for a replacement. `inline`: make an instance here
+    /// if the pool is empty (load time only, see [`Stage::take`]).
     pub(crate) fn decide(
         self: &Arc<Self>,
         req: Request<'_>,
@@ -653,20 +844,21 @@ impl Stage {
         ctx: DecisionContext<'_>,
         allow_pick: bool,
         ticks: u64,
+        inline: bool,
     ) -> Result<Answer, Failure> {
         let n = super::wire::candidate_count(&cands);
-        let mut inst = self.take()?;
+        let mut inst = self.take(inline)?;
         match inst
             .decide(req, cands, ctx, ticks)
             .and_then(|d| validate(d, n, allow_pick))
         {
             Ok(answer) => {
-                self.put(inst);
+                self.give_back(inst, false);
                 Ok(answer)
             }
             Err(failure) => {
                 // Poisoned: dropped (and replaced) by the maintenance thread, off the request path.
-                self.shared.retire(inst, Arc::downgrade(self));
+                self.give_back(inst, true);
                 Err(failure)
             }
         }

@@ -54,6 +54,7 @@ mod bindings;
 mod config;
 pub mod conformance;
 mod error;
+mod health;
 mod instance;
 mod pipeline;
 mod registry;

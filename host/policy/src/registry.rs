@@ -15,6 +15,7 @@ use kvroute_core::candidate::{CandidateColumns, PolicyRequest};
 use super::bindings::kvroute::policy::types::{Candidates, Request};
 use super::config::PolicyRuntimeConfig;
 use super::error::{FallbackReason, PolicyError};
+use super::health::FailureWindow;
 use super::instance::{Answer, Failure, InstanceError, Stage};
 use super::pipeline::{is_path, PipelineSpec};
 use super::runtime::{sha256_hex, CompiledPlugin, PluginDescription, PluginKind, PolicyRuntime};
@@ -84,6 +85,8 @@ pub struct PolicyVersion {
     selector: Option<Arc<Stage>>,
     stats: Arc<PolicyStats>,
     consecutive_failures: AtomicU32,
+    /// Whether each of the last `failure_window` decisions failed.
+    recent: FailureWindow,
     /// The reason and detail of the latest failed decision (formatted on failure only).
     last_failure: parking_lot::Mutex<Option<String>>,
 }
@@ -171,16 +174,17 @@ impl PolicyVersion {
         cands: Candidates<'_>,
         ctx: DecisionContext<'_>,
         ticks: u64,
+        inline: bool,
     ) -> Result<Answer, Failure> {
         if self.single() {
-            return self.scorers[0].decide(req, cands, ctx, true, ticks);
+            return self.scorers[0].decide(req, cands, ctx, true, ticks, inline);
         }
         let n = candidate_count(&cands);
         let mut combined = None;
         if !self.scorers.is_empty() {
             let mut sum = vec![0.0; n];
             for stage in &self.scorers {
-                match stage.decide(req.clone(), cands.clone(), ctx, false, ticks)? {
+                match stage.decide(req.clone(), cands.clone(), ctx, false, ticks, inline)? {
                     Answer::Costs(c) => {
                         for (s, c) in sum.iter_mut().zip(c) {
                             *s += stage.weight * c;
@@ -213,7 +217,7 @@ impl PolicyVersion {
                     f64s.extend_from_slice(c.columns_f64.get(n..).unwrap_or(&[]));
                     c.columns_f64 = &f64s;
                 }
-                sel.decide(req, c, ctx, true, ticks)
+                sel.decide(req, c, ctx, true, ticks, inline)
             }
             None => Ok(Answer::Costs(combined.unwrap_or_default())),
         }
@@ -257,7 +261,11 @@ impl PolicyVersion {
             stages,
             trapping_imports,
             instances: self.live_instances(),
-            stats: self.stats.snapshot(),
+            stats: {
+                let mut stats = self.stats.snapshot();
+                stats.recent_failure_rate = self.recent.rate();
+                stats
+            },
         }
     }
 }
@@ -300,11 +308,22 @@ pub struct StageInfo {
     pub config: String,
 }
 
+/// Why a policy was taken out.
+#[derive(Clone, Copy, Debug)]
+enum Cause {
+    /// This many failed decisions in a row.
+    Consecutive(u32),
+    /// `failed` of the last `window` decisions failed.
+    Rate { failed: usize, window: usize },
+}
+
 /// Registry-wide counters.
 #[derive(Debug, Default)]
 pub struct RegistryCounters {
-    /// Times the active policy was taken out after consecutive failures.
+    /// Times the active policy was taken out after too many failures (either rule).
     pub auto_restores: AtomicU64,
+    /// Of those, the times for its failure rate over the window (`max_failure_rate`).
+    pub auto_restores_failure_rate: AtomicU64,
     /// Successful swaps of the active pointer (any cause).
     pub activations: AtomicU64,
     /// Files from the watched directory loaded.
@@ -460,7 +479,7 @@ impl PolicyRegistry {
             block_size: req.block_size,
         };
         let result = with_wit_decision(req, cols, |wreq, wcands| {
-            policy.run(wreq, wcands, ctx, self.runtime.shared.deadline_ticks)
+            policy.run(wreq, wcands, ctx, self.runtime.shared.deadline_ticks, false)
         });
         let nanos = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
         let outcome = match result {
@@ -469,6 +488,7 @@ impl PolicyRegistry {
                 if policy.consecutive_failures.load(Relaxed) != 0 {
                     policy.consecutive_failures.store(0, Relaxed);
                 }
+                policy.recent.record(false);
                 match answer {
                     Answer::Costs(c) => Outcome::Costs(c),
                     Answer::Pick(i) => Outcome::Pick(i),
@@ -486,9 +506,16 @@ impl PolicyRegistry {
                 // One line (no backtrace): this runs on the request path of every fallback.
                 let last = format!("{}: {}", failure.reason.as_str(), failure.detail.short());
                 *policy.last_failure.lock() = Some(last);
-                let n = policy.consecutive_failures.fetch_add(1, Relaxed) + 1;
-                if n >= self.config().max_consecutive_failures {
-                    self.auto_restore(&active, failure.reason, n);
+                if failure.counts {
+                    let n = policy.consecutive_failures.fetch_add(1, Relaxed) + 1;
+                    let (failed, full) = policy.recent.record(true);
+                    let config = self.config();
+                    let window = config.failure_window as usize;
+                    if n >= config.max_consecutive_failures {
+                        self.auto_restore(&active, failure.reason, Cause::Consecutive(n));
+                    } else if full && failed as f64 > config.max_failure_rate * window as f64 {
+                        self.auto_restore(&active, failure.reason, Cause::Rate { failed, window });
+                    }
                 }
                 Outcome::Fallback(failure.reason)
             }
@@ -509,8 +536,8 @@ impl PolicyRegistry {
         }
     }
 
-    /// Takes `failed` out after too many consecutive failures, restoring the previous version.
-    fn auto_restore(&self, failed: &Arc<ActivePolicy>, reason: FallbackReason, count: u32) {
+    /// Takes `failed` out after too many failures, restoring the previous version.
+    fn auto_restore(&self, failed: &Arc<ActivePolicy>, reason: FallbackReason, cause: Cause) {
         let mut state = self.state.lock();
         let still_active = self
             .active
@@ -521,26 +548,39 @@ impl PolicyRegistry {
             return; // Another thread restored it already, or an operator swapped.
         }
         failed.policy.consecutive_failures.store(0, Relaxed);
+        failed.policy.recent.clear();
         self.counters.auto_restores.fetch_add(1, Relaxed);
+        let why = match cause {
+            Cause::Consecutive(n) => format!("{n} failed decisions in a row"),
+            Cause::Rate { failed, window } => {
+                self.counters
+                    .auto_restores_failure_rate
+                    .fetch_add(1, Relaxed);
+                format!(
+                    "{failed} of the last {window} decisions failed, over max_failure_rate {}",
+                    self.config().max_failure_rate
+                )
+            }
+        };
         let previous = state.history.pop();
         match &previous {
             Some(prev) => tracing::warn!(
                 policy = failed.policy.name(),
                 version = failed.policy.version,
-                failures = count,
+                cause = why,
                 last_reason = reason.as_str(),
                 last_failure = failed.policy.last_failure().unwrap_or_default(),
                 restored = prev.name(),
                 restored_version = prev.version,
-                "policy failed too many decisions in a row: restored the previously active version"
+                "policy failed too many decisions: restored the previously active version"
             ),
             None => tracing::warn!(
                 policy = failed.policy.name(),
                 version = failed.policy.version,
-                failures = count,
+                cause = why,
                 last_reason = reason.as_str(),
                 last_failure = failed.policy.last_failure().unwrap_or_default(),
-                "policy failed too many decisions in a row: deactivated; the native cost serves"
+                "policy failed too many decisions: deactivated; the native cost serves"
             ),
         }
         self.set_active(&mut state, previous, false);
@@ -918,6 +958,7 @@ impl PolicyRegistry {
             selector,
             stats,
             consecutive_failures: AtomicU32::new(0),
+            recent: FailureWindow::new(self.config().failure_window as usize),
             last_failure: parking_lot::Mutex::new(None),
         };
 
@@ -940,9 +981,12 @@ impl PolicyRegistry {
                 taints: &table,
                 block_size: req.block_size,
             };
-            with_wit_decision(&req, &cols, |wreq, wc| version.run(wreq, wc, ctx, ticks)).map_err(
-                |f| PolicyError::SelfTest(format!("{n} candidates: {} ({})", f.reason, f.detail)),
-            )?;
+            with_wit_decision(&req, &cols, |wreq, wc| {
+                version.run(wreq, wc, ctx, ticks, true)
+            })
+            .map_err(|f| {
+                PolicyError::SelfTest(format!("{n} candidates: {} ({})", f.reason, f.detail))
+            })?;
         }
         // The serving deadline: a policy that cannot answer an 8-candidate decision in time
         // even once in three tries would fall back on every decision, and be taken out by the
@@ -958,12 +1002,14 @@ impl PolicyRegistry {
             };
             let mut in_time = false;
             for _ in 0..3 {
-                with_wit_decision(&req, &cols, |wreq, wc| version.run(wreq, wc, ctx, ticks))
-                    .map_err(|f| {
-                        PolicyError::SelfTest(format!("8 candidates: {} ({})", f.reason, f.detail))
-                    })?;
+                with_wit_decision(&req, &cols, |wreq, wc| {
+                    version.run(wreq, wc, ctx, ticks, true)
+                })
+                .map_err(|f| {
+                    PolicyError::SelfTest(format!("8 candidates: {} ({})", f.reason, f.detail))
+                })?;
                 match with_wit_decision(&req, &cols, |wreq, wc| {
-                    version.run(wreq, wc, ctx, shared.deadline_ticks)
+                    version.run(wreq, wc, ctx, shared.deadline_ticks, true)
                 }) {
                     Ok(_) => {
                         in_time = true;

@@ -21,6 +21,9 @@ use super::ticker::{self, GuestActivity};
 
 /// The `abi-version` this host speaks (`plugin-info.abi-version`).
 pub const ABI_VERSION: u32 = 4;
+/// Longest `plugin-info` name or version accepted (they are listed by `GET /v1/policies` and in
+/// every log line about the policy).
+pub const MAX_INFO_TEXT: usize = 128;
 /// The instance a policy component must export.
 pub const POLICY_EXPORT: &str = "kvroute:policy/policy@0.4.0";
 
@@ -182,6 +185,8 @@ pub(crate) struct RuntimeShared {
 pub(crate) enum Maintenance {
     /// Drop a poisoned instance and bring its stage's pool back to size.
     Retire(PluginInstance, Weak<Stage>),
+    /// A decision found this stage's pool empty: make one more instance (up to a cap).
+    Grow(Weak<Stage>),
     Stop,
 }
 
@@ -193,7 +198,16 @@ impl RuntimeShared {
             .maintenance_tx
             .send(Maintenance::Retire(instance, stage));
     }
+
+    /// Asks the maintenance thread for one more instance of `stage`.
+    pub(crate) fn grow(&self, stage: Weak<Stage>) {
+        let _ = self.maintenance_tx.send(Maintenance::Grow(stage));
+    }
 }
+
+/// Most instances of one stage the maintenance thread makes on demand, in multiples of the warm
+/// pool size (decisions on more threads at once than that fall back while they wait).
+const GROW_CAP_FACTOR: usize = 4;
 
 /// The wasmtime configuration of the policy engine: the component model without its
 /// concurrency support (which triples the cost of a call), epoch interruption for deadlines, and
@@ -246,12 +260,20 @@ impl PolicyRuntime {
         let instances_per_stage = config.instances_per_stage();
         let maintenance = std::thread::Builder::new()
             .name("kvroute-policy-maint".into())
-            .spawn(move || {
-                while let Ok(Maintenance::Retire(instance, stage)) = maintenance_rx.recv() {
-                    drop(instance);
-                    if let Some(stage) = stage.upgrade() {
-                        stage.refill(instances_per_stage);
+            .spawn(move || loop {
+                match maintenance_rx.recv() {
+                    Ok(Maintenance::Retire(instance, stage)) => {
+                        drop(instance);
+                        if let Some(stage) = stage.upgrade() {
+                            stage.refill(instances_per_stage);
+                        }
                     }
+                    Ok(Maintenance::Grow(stage)) => {
+                        if let Some(stage) = stage.upgrade() {
+                            stage.grow(instances_per_stage * GROW_CAP_FACTOR);
+                        }
+                    }
+                    Ok(Maintenance::Stop) | Err(_) => break,
                 }
             })
             .map_err(|e| {
@@ -363,6 +385,19 @@ impl PolicyRuntime {
                 found: info.abi_version,
                 expected: ABI_VERSION,
             });
+        }
+        for (field, value) in [("name", &info.name), ("version", &info.version)] {
+            if value.len() > MAX_INFO_TEXT || value.chars().any(char::is_control) {
+                return Err(PolicyError::InvalidInfo(format!(
+                    "info.{field} is {} bytes{}; at most {MAX_INFO_TEXT}, without control characters",
+                    value.len(),
+                    if value.chars().any(char::is_control) {
+                        " with control characters"
+                    } else {
+                        ""
+                    }
+                )));
+            }
         }
         let info = PluginDescription {
             name: info.name,

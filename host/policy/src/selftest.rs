@@ -8,8 +8,22 @@ use super::TaintTable;
 /// Candidate-set sizes the self-test runs.
 pub(crate) const SELF_TEST_SIZES: [usize; 3] = [1, 8, 64];
 
-/// The request id of self-test and warm-up calls (a plugin may recognise it, but need not).
-pub(crate) const SELF_TEST_REQUEST_ID: &str = "kvroute-self-test";
+/// A request id and a session id for one self-test or warm-up decision, in the form of the ids
+/// the router gives requests that come without one (`kvr-` and 16 hex digits), from a stream
+/// seeded by the clock: a plugin cannot tell a self-test decision by its ids. (It can still by
+/// other means — the reserved taint table, the `ask-only` flag — see docs/POLICIES.md.)
+fn fresh_ids() -> (String, String) {
+    use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+    static STREAM: AtomicU64 = AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    let rng = kvroute_core::rng::SeededRng::new(nanos ^ STREAM.fetch_add(1, Relaxed));
+    (
+        format!("kvr-{:016x}", rng.next_u64()),
+        format!("{:016x}", rng.next_u64()),
+    )
+}
 
 /// The synthetic taint table (reserved version).
 pub(crate) fn taint_table() -> TaintTable {
@@ -24,8 +38,9 @@ pub(crate) fn taint_table() -> TaintTable {
 
 /// A deterministic, varied decision of `n` candidates with base costs filled in.
 pub(crate) fn decision(n: usize) -> (PolicyRequest, CandidateColumns) {
+    let (request_id, session_id) = fresh_ids();
     let req = PolicyRequest {
-        request_id: SELF_TEST_REQUEST_ID.to_string(),
+        request_id,
         prompt_tokens: 1000,
         request_blocks: 62,
         block_size: 16,
@@ -33,7 +48,7 @@ pub(crate) fn decision(n: usize) -> (PolicyRequest, CandidateColumns) {
         priority: 0.0,
         expected_output_tokens: Some(128),
         temperature: 0.0,
-        session_id: Some("kvroute-self-test".to_string()),
+        session_id: Some(session_id),
         now_ms: 1_700_000_000_000,
         // Self-test and warm-up decisions are not traffic: a policy with memory keeps none.
         ask_only: true,

@@ -93,6 +93,9 @@ pub struct PolicyStats {
     errors: [AtomicU64; FallbackReason::ALL.len()],
     log_dropped: AtomicU64,
     latency: LatencyHistogram,
+    /// The version's log allowance (token bucket: tokens, last refill; `None` until the first
+    /// line). Shared by every instance of every stage of the version.
+    log_bucket: parking_lot::Mutex<Option<(f64, std::time::Instant)>>,
 }
 
 impl PolicyStats {
@@ -108,6 +111,21 @@ impl PolicyStats {
         self.fallbacks.fetch_add(1, Relaxed);
         self.errors[reason.index()].fetch_add(1, Relaxed);
         self.latency.record(nanos);
+    }
+
+    /// Takes one line from the version's log allowance (`rate` lines a second, bursts of
+    /// `burst`); false when it is used up.
+    pub(crate) fn take_log_token(&self, rate: f64, burst: f64) -> bool {
+        let now = std::time::Instant::now();
+        let mut bucket = self.log_bucket.lock();
+        let (tokens, last) = bucket.get_or_insert((burst, now));
+        *tokens = (*tokens + now.duration_since(*last).as_secs_f64() * rate).min(burst);
+        *last = now;
+        if *tokens < 1.0 {
+            return false;
+        }
+        *tokens -= 1.0;
+        true
     }
 
     pub(crate) fn record_log_dropped(&self) {
@@ -134,6 +152,7 @@ impl PolicyStats {
             log_dropped: self.log_dropped.load(Relaxed),
             p50_us: self.latency.quantile(0.50) as f64 / 1000.0,
             p99_us: self.latency.quantile(0.99) as f64 / 1000.0,
+            recent_failure_rate: 0.0,
         }
     }
 }
@@ -156,6 +175,8 @@ pub struct StatsSnapshot {
     pub p50_us: f64,
     /// 99th percentile decision latency, in microseconds (bucket midpoint).
     pub p99_us: f64,
+    /// Share of failed decisions among the last `failure_window` (fewer while the window fills).
+    pub recent_failure_rate: f64,
 }
 
 #[cfg(test)]

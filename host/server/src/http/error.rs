@@ -431,7 +431,13 @@ mod tests {
             max: 1,
         };
         // (error, status, code, field, Retry-After seconds)
-        type Case = (RouteError, u16, &'static str, Option<&'static str>, Option<u32>);
+        type Case = (
+            RouteError,
+            u16,
+            &'static str,
+            Option<&'static str>,
+            Option<u32>,
+        );
         let cases: Vec<Case> = vec![
             (
                 RouteError::Invalid {

@@ -356,7 +356,7 @@ fn render_policies(out: &mut String, p: &kvroute_policy::PolicyRegistry) {
     per_version(
         out,
         "kvroute_policy_log_dropped_total",
-        "Plugin log lines dropped by the per-instance rate limit.",
+        "Plugin log lines dropped by the rate limit (per policy version).",
         |i| i.stats.log_dropped,
     );
     gauge_header(
@@ -379,10 +379,37 @@ fn render_policies(out: &mut String, p: &kvroute_policy::PolicyRegistry) {
             i.stats.p99_us
         );
     }
+    gauge_header(
+        out,
+        "kvroute_policy_recent_failure_rate",
+        "Share of failed decisions among each version's last policy_runtime.failure_window.",
+    );
+    for i in &list {
+        let _ = writeln!(
+            out,
+            "kvroute_policy_recent_failure_rate{{{}}} {}",
+            labels(i),
+            i.stats.recent_failure_rate
+        );
+    }
+    counter_header(
+        out,
+        "kvroute_policy_auto_restores_failure_rate_total",
+        "Of kvroute_policy_auto_restores_total, the times for the failure rate over the window \
+         (policy_runtime.max_failure_rate).",
+    );
+    let _ = writeln!(
+        out,
+        "kvroute_policy_auto_restores_failure_rate_total {}",
+        p.counters()
+            .auto_restores_failure_rate
+            .load(std::sync::atomic::Ordering::Relaxed)
+    );
     counter_header(
         out,
         "kvroute_policy_auto_restores_total",
-        "Times the active policy was taken out after too many failed decisions in a row.",
+        "Times the active policy was taken out after too many failed decisions (in a row, or \
+         over the failure-rate window).",
     );
     let _ = writeln!(
         out,

@@ -408,8 +408,43 @@ async fn post_events(
 
 // ---- routing -----------------------------------------------------------------------------------
 
+/// Whether a request passes the admin rule (the bearer token when one is configured, else a
+/// loopback client), without refusing it: what `explain` may show depends on it.
+fn passes_admin_rule(state: &AppState, peer: &SocketAddr, headers: &HeaderMap) -> bool {
+    match &state.admin_token {
+        Some(token) => headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(bearer_token)
+            .is_some_and(|given| constant_time_eq(given.as_bytes(), token.as_bytes())),
+        None => peer.ip().to_canonical().is_loopback(),
+    }
+}
+
+/// `explain` for a client that does not pass the admin rule: a policy's costs are replaced by
+/// their ranks (0 = lowest cost; equal costs share a rank). A stateful policy could otherwise
+/// write anything into the costs it answers — the previous client's request id, say — and every
+/// client asking for `explain` would read it; ranks leave it the order of the candidates only
+/// (see docs/POLICIES.md). Native costs are the host's and stay as they are.
+fn rank_policy_costs(resp: &mut RouteResponse) {
+    if resp.answer != Some("costs") {
+        return;
+    }
+    let Some(rows) = resp.candidates.as_mut() else {
+        return;
+    };
+    let mut costs: Vec<f64> = rows.iter().map(|r| r.cost).collect();
+    costs.sort_by(f64::total_cmp);
+    costs.dedup();
+    for r in rows.iter_mut() {
+        r.cost = costs.partition_point(|c| c.total_cmp(&r.cost).is_lt()) as f64;
+    }
+}
+
 async fn route(
     State(s): State<AppState>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
     PromptJson(body): PromptJson<RouteBody>,
 ) -> Result<Json<RouteResponse>, ApiError> {
     let limits = BodyLimits {
@@ -423,7 +458,11 @@ async fn route(
         .await
         .inspect_err(|e| s.metrics.record_route_error(e))?;
     s.metrics.record_decision(&d);
-    Ok(Json(d.into()))
+    let mut resp: RouteResponse = d.into();
+    if resp.candidates.is_some() && !passes_admin_rule(&s, &peer, &headers) {
+        rank_policy_costs(&mut resp);
+    }
+    Ok(Json(resp))
 }
 
 async fn prefill_complete(

@@ -15,9 +15,19 @@
 //! - `pick_out_of_range`: answer `pick(len)`;
 //! - `slow`: spin `spin_iters` iterations, then behave like `ok`;
 //! - `wasi`: call a WASI function (the wall clock), which the host links as a trap;
-//! - `reject`: `configure` fails with `message`.
+//! - `reject`: `configure` fails with `message` (repeated to `message_bytes` bytes when given);
+//! - `huge_costs`: answer `count` costs (uninitialised: the host must not read them);
+//! - `fill`: grow the memory by `alloc_mb` MiB (default: until the host refuses), then fill all
+//!   of the grown memory with one `memory.fill` (straight-line code: no loop for the deadline to
+//!   interrupt), then behave like `ok`.
 //!
-//! With `trigger`, the misbehaviour happens only for requests whose id contains it, and the plugin
+//! Also, whatever the mode:
+//! - `configure_spin_iters`: `configure` spins that many iterations first (a slow setup);
+//! - `fail_every`: only every `fail_every`-th triggered call of an instance misbehaves;
+//! - `log_lines`: each `decide` logs that many lines of `log` (default 1), each repeated to
+//!   `message_bytes` bytes when given.
+//!
+//! With `trigger`, the misbehaviour happens only for requests whose id starts with it, and the plugin
 //! behaves like `ok` otherwise — so it passes the host's load-time self-test and misbehaves later.
 //! `log` (a string) makes every `decide` log that line through the host.
 
@@ -44,11 +54,18 @@ struct Config {
     spin_iters: Option<u64>,
     alloc_mb: Option<u64>,
     log: Option<String>,
+    message_bytes: Option<usize>,
+    count: Option<usize>,
+    configure_spin_iters: Option<u64>,
+    fail_every: Option<u64>,
+    log_lines: Option<u32>,
 }
 
 thread_local! {
     static CONFIG: RefCell<Config> = RefCell::new(Config { mode: "ok".into(), ..Config::default() });
     static KEEP: RefCell<Vec<Vec<u8>>> = const { RefCell::new(Vec::new()) };
+    static TRIGGERED: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+    static FILL_FROM: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
 const MODES: &[&str] = &[
@@ -63,6 +80,8 @@ const MODES: &[&str] = &[
     "slow",
     "wasi",
     "reject",
+    "huge_costs",
+    "fill",
 ];
 
 struct Misbehave;
@@ -95,8 +114,19 @@ impl Guest for Misbehave {
                 config.mode
             ));
         }
+        if let Some(iters) = config.configure_spin_iters {
+            let mut x = 0u64;
+            for i in 0..iters {
+                x = black_box(x.wrapping_add(i));
+            }
+            black_box(x);
+        }
         if config.mode == "reject" {
-            return Err(config.message.unwrap_or_else(|| "rejected".into()));
+            let message = config.message.unwrap_or_else(|| "rejected".into());
+            return Err(match config.message_bytes {
+                Some(n) => message.repeat(n / message.len().max(1) + 1),
+                None => message,
+            });
         }
         CONFIG.with(|c| *c.borrow_mut() = config);
         Ok(())
@@ -107,14 +137,29 @@ impl Guest for Misbehave {
     fn decide(req: Request, c: Candidates) -> Decision {
         let config = CONFIG.with(|c| c.borrow().clone());
         if let Some(line) = &config.log {
-            log(LogLevel::Info, line);
+            let line = match config.message_bytes {
+                Some(n) => line.repeat(n / line.len().max(1) + 1),
+                None => line.clone(),
+            };
+            for _ in 0..config.log_lines.unwrap_or(1) {
+                log(LogLevel::Info, &line);
+            }
         }
         let triggered = match &config.trigger {
-            Some(t) => req.request_id.contains(t.as_str()),
+            Some(t) => req.request_id.starts_with(t.as_str()),
             None => true,
         };
         if !triggered {
             return ok(&c);
+        }
+        if let Some(every) = config.fail_every {
+            let k = TRIGGERED.with(|t| {
+                t.set(t.get() + 1);
+                t.get()
+            });
+            if !k.is_multiple_of(every.max(1)) {
+                return ok(&c);
+            }
         }
         let n = c.columns_u64.len() / 4;
         match config.mode.as_str() {
@@ -145,6 +190,11 @@ impl Guest for Misbehave {
                 black_box(x);
                 ok(&c)
             }
+            "huge_costs" => Decision::Costs(uninit_costs(config.count.unwrap_or(6_000_000))),
+            "fill" => {
+                fill(config.alloc_mb);
+                ok(&c)
+            }
             "wasi" => {
                 let now = std::time::SystemTime::now();
                 black_box(now);
@@ -153,6 +203,55 @@ impl Guest for Misbehave {
             _ => ok(&c),
         }
     }
+}
+
+/// `count` costs, uninitialised on purpose: filling 48 MB would run past the deadline in the guest,
+/// and what the `huge_costs` mode measures is the host's handling of the claimed length (the host
+/// must refuse it before it reads a single entry).
+#[allow(clippy::uninit_vec)]
+fn uninit_costs(count: usize) -> Vec<f64> {
+    let mut v: Vec<f64> = Vec::with_capacity(count);
+    // SAFETY (test only): any bit pattern is an f64, and no entry is read here.
+    unsafe { v.set_len(count) };
+    v
+}
+
+/// The `fill` mode: grows the memory by `alloc_mb` MiB (default: until refused), then fills all
+/// memory grown since the first call with one `memory.fill`.
+#[cfg(target_arch = "wasm32")]
+fn fill(alloc_mb: Option<u64>) {
+    let page = 64 * 1024;
+    // The first call's memory end: everything above it is the fill's own.
+    let before = FILL_FROM.with(|f| {
+        if f.get() == 0 {
+            f.set(core::arch::wasm32::memory_size(0));
+        }
+        f.get()
+    });
+    let pages = alloc_mb.map_or(usize::MAX, |mb| (mb as usize) << 4);
+    let mut grown = 0;
+    // Grow in 1 MiB steps until the host refuses or `alloc_mb` is reached.
+    while grown < pages && core::arch::wasm32::memory_grow(0, 16) != usize::MAX {
+        grown += 16;
+    }
+    // Every call fills all of it (grown now or by an earlier call).
+    let grown = core::arch::wasm32::memory_size(0) - before;
+    // SAFETY (test only): the pages from `before` on were grown here, now or on an earlier call;
+    // memory the allocator grew after the first call would be overwritten too (the tests grow to
+    // the cap on the first call, so there is none).
+    unsafe {
+        core::ptr::write_bytes(
+            black_box((before * page) as *mut u8),
+            0x5a,
+            black_box(grown * page),
+        );
+    }
+}
+
+/// Only built for wasm32 (the workspace's lints also check this crate for the host).
+#[cfg(not(target_arch = "wasm32"))]
+fn fill(_alloc_mb: Option<u64>) {
+    unreachable!("misbehave runs as a wasm32 component")
 }
 
 export!(Misbehave);
