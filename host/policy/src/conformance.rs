@@ -300,6 +300,7 @@ pub fn check(
     for n in [1usize, 2, 8, 64, 256, 1024] {
         for s in Scenario::ALL {
             let (req, cols) = generate(n, s, &mut rng);
+            await_instance(&registry);
             let decision = registry.decide(&req, &cols, &taints);
             let first = decision.outcome.clone();
             // What the runtime or the plugin said about a failure (a panic's message).
@@ -337,6 +338,7 @@ pub fn check(
                 ),
             };
             if passed && deterministic {
+                await_instance(&registry);
                 let second = registry.decide(&req, &cols, &taints);
                 match &second.outcome {
                     // A failure the second time is that failure, not nondeterminism.
@@ -403,6 +405,21 @@ pub fn check(
         detail,
     });
     Ok(report)
+}
+
+/// Waits (up to 5 s) until the active policy has a configured instance ready. A decision that
+/// finds none falls back at once (instances are never made on the request path), and after a
+/// trap the failed instance is replaced off the path: the check waits for the replacement, so
+/// that every scenario reaches the plugin instead of reporting the previous one's failure.
+fn await_instance(registry: &PolicyRegistry) {
+    let until = Instant::now() + Duration::from_secs(5);
+    while Instant::now() < until
+        && registry
+            .active()
+            .is_some_and(|a| a.policy.pooled_instances() == 0)
+    {
+        std::thread::sleep(Duration::from_millis(1));
+    }
 }
 
 fn explain(reason: &str) -> String {
