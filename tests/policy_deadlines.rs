@@ -15,10 +15,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use kvroute_core::{CandidateColumns, PolicyRequest};
 use kvroute_policy::{
     FallbackReason, Outcome, PolicyInfo, PolicyRegistry, PolicyRuntimeConfig, TaintTable,
 };
-use kvroute_core::{CandidateColumns, PolicyRequest};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 

@@ -8,11 +8,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvroute_core::cost::native_costs;
+use kvroute_core::{CandidateColumns, PolicyRequest};
 use kvroute_policy::{
     FallbackReason, Outcome, PipelineSpec, PolicyError, PolicyRegistry, PolicyRuntimeConfig,
     TaintTable,
 };
-use kvroute_core::{CandidateColumns, PolicyRequest};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 

@@ -10,12 +10,13 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::sync::Arc;
 
-use kvroute_replay as replay;
-use kvroute_replay::{ LoadOptions, PolicySpec, PreparedTrace, ReplayOptions, SimConfig, Trace, TraceRequest,
-};
 use kvroute_core::router::{PolicyLabel, Scorer, ScorerDecision, ScorerOutcome};
 use kvroute_core::workers::TaintNames;
 use kvroute_core::{CandidateColumns, PolicyRequest};
+use kvroute_replay as replay;
+use kvroute_replay::{
+    LoadOptions, PolicySpec, PreparedTrace, ReplayOptions, SimConfig, Trace, TraceRequest,
+};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 

@@ -494,7 +494,6 @@ pub fn temp_file(name: &str, contents: &str) -> PathBuf {
     path
 }
 
-
 // ---- block hashing (SPEC §2), computed independently of the host's own code ---------------------
 
 /// The seed of a request with no lora and no salt.

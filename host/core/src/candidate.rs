@@ -3,8 +3,8 @@
 //! A worker with `dp_size` data-parallel ranks is that many candidates; each is indexed, loaded and
 //! scored on its own, so almost everything in the host is keyed by [`CandidateKey`].
 
-use std::sync::Arc;
 use serde::{Deserialize, Serialize};
+use std::sync::Arc;
 
 /// A worker's id as the fleet names it.
 pub type WorkerId = u64;

@@ -59,4 +59,3 @@ impl RngCore for SeededRef<'_> {
         Ok(())
     }
 }
-

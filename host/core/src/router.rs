@@ -29,11 +29,11 @@ use crate::candidate::{CandidateColumns, CandidateKey, DpRank, PolicyRequest, Wo
 use crate::cost::{self, CostWeights};
 use crate::eligibility::{self, BusyRule, Constraints, Ineligible, PinError};
 use crate::hashing;
-use crate::rng::{SeededRef, SeededRng};
 use crate::indexer::approx::{ApproxConfig, ApproxIndexer};
 use crate::indexer::{Applied, ApplyError, DenseOverlaps, Indexer, KvEvent, OverlapScores};
 use crate::load::{Booking, CandidateLoad, LoadConfig, LoadError, LoadTracker};
 use crate::queue::{PendingQueue, QueueEntry, QueueError, QueueLimits, QueueOrder};
+use crate::rng::{SeededRef, SeededRng};
 use crate::workers::{
     Registry, RegistryLimits, RegistrySnapshot, SpecError, TaintNames, Worker, WorkerSpec,
 };

@@ -83,10 +83,10 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
+use decode::DropReason;
 use kvroute_core::candidate::{CandidateKey, DpRank, WorkerId};
 use kvroute_core::router::Router;
 use kvroute_core::workers::{rank_endpoints, EndpointError, Worker, WorkerChange};
-use decode::DropReason;
 use subscriber::PayloadOutcome;
 
 /// Timing of connections and replays.

@@ -14,9 +14,9 @@ use std::time::{Duration, Instant};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
+use crate::{Outcome, PolicyRegistry, PolicyRuntimeConfig, TaintTable};
 use kvroute_core::candidate::{CandidateColumns, PolicyRequest};
 use kvroute_core::cost::{fill_base_costs, CostWeights};
-use crate::{Outcome, PolicyRegistry, PolicyRuntimeConfig, TaintTable};
 
 /// One named check and its verdict.
 #[derive(Clone, Debug, PartialEq)]

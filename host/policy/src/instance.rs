@@ -437,6 +437,34 @@ pub(crate) fn validate(decision: Decision, n: usize, allow_pick: bool) -> Result
     }
 }
 
+/// A policy's answer as it comes out of the component (the WIT `decision`), for
+/// [`check_answer`].
+#[derive(Clone, Debug, PartialEq)]
+pub enum RawAnswer {
+    Costs(Vec<f64>),
+    Pick(u32),
+}
+
+/// Checks an answer exactly as every decision does before the router uses it: `candidates` costs,
+/// all finite, or (only where `allow_pick`: a single policy or a pipeline's selector, not a scorer
+/// stage) a pick below `candidates`. `Err` is the fallback reason and the message recorded for it.
+/// Public so that the fuzz target and property tests reach the one check the runtime uses.
+pub fn check_answer(
+    answer: RawAnswer,
+    candidates: usize,
+    allow_pick: bool,
+) -> Result<super::Outcome, (FallbackReason, String)> {
+    let decision = match answer {
+        RawAnswer::Costs(c) => Decision::Costs(c),
+        RawAnswer::Pick(i) => Decision::Pick(i),
+    };
+    match validate(decision, candidates, allow_pick) {
+        Ok(Answer::Costs(c)) => Ok(super::Outcome::Costs(c)),
+        Ok(Answer::Pick(i)) => Ok(super::Outcome::Pick(i)),
+        Err(f) => Err((f.reason, f.detail.to_string())),
+    }
+}
+
 /// Decrements the stage's live-instance count when an instance is dropped.
 struct LiveGuard(Arc<AtomicUsize>);
 
@@ -668,6 +696,58 @@ impl Stage {
                 // Poisoned: dropped (and replaced) by the maintenance thread, off the request path.
                 self.shared.retire(inst, Arc::downgrade(self));
                 Err(failure)
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod answer_tests {
+    use super::*;
+    use crate::Outcome;
+    use proptest::prelude::*;
+
+    fn any_cost() -> impl Strategy<Value = f64> {
+        prop_oneof![
+            -1e6f64..1e6,
+            Just(f64::NAN),
+            Just(f64::INFINITY),
+            Just(f64::NEG_INFINITY),
+            Just(-0.0),
+            Just(f64::MAX),
+            any::<f64>(),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 2000, .. ProptestConfig::default() })]
+
+        /// What the fuzz target `policy_answer` asserts: an accepted answer is exactly one finite
+        /// cost per candidate, unchanged, or a pick in range where picks are allowed; a refused
+        /// one carries the reason the contract names and a message.
+        #[test]
+        fn answers_are_accepted_only_when_usable(
+            costs in proptest::collection::vec(any_cost(), 0..12),
+            pick in prop_oneof![0u32..16, any::<u32>()],
+            is_pick in any::<bool>(),
+            n in 0usize..12,
+            allow_pick in any::<bool>(),
+        ) {
+            let answer = if is_pick { RawAnswer::Pick(pick) } else { RawAnswer::Costs(costs.clone()) };
+            let expected = match &answer {
+                RawAnswer::Costs(c) if c.len() != n => Err(FallbackReason::InvalidLength),
+                RawAnswer::Costs(c) if c.iter().any(|c| !c.is_finite()) => Err(FallbackReason::NonFinite),
+                RawAnswer::Costs(c) => Ok(Outcome::Costs(c.clone())),
+                RawAnswer::Pick(_) if !allow_pick => Err(FallbackReason::UnexpectedPick),
+                RawAnswer::Pick(i) if *i as usize >= n => Err(FallbackReason::PickOutOfRange),
+                RawAnswer::Pick(i) => Ok(Outcome::Pick(*i as usize)),
+            };
+            match check_answer(answer, n, allow_pick) {
+                Ok(got) => prop_assert_eq!(Ok(got), expected),
+                Err((reason, message)) => {
+                    prop_assert!(!message.is_empty());
+                    prop_assert_eq!(Err(reason), expected.map(|_| ()));
+                }
             }
         }
     }

@@ -51,8 +51,8 @@
 //! an optional selector) and a polled directory ([`PolicyRegistry::watch_directory`]).
 
 mod bindings;
-pub mod conformance;
 mod config;
+pub mod conformance;
 mod error;
 mod instance;
 mod pipeline;
@@ -65,9 +65,9 @@ mod ticker;
 mod watch;
 mod wire;
 
-
 pub use config::PolicyRuntimeConfig;
 pub use error::{FallbackReason, PolicyError};
+pub use instance::{check_answer, RawAnswer};
 pub use pipeline::{PipelineSpec, SelectorSpec, StageSpec};
 pub use registry::{
     validate_name, ActivePolicy, Outcome, PolicyDecision, PolicyInfo, PolicyRegistry,

@@ -64,4 +64,3 @@ impl Scorer for RegistryScorer {
         ScorerDecision { outcome, label }
     }
 }
-

@@ -66,10 +66,12 @@ use anyhow::{anyhow, bail, Context, Result};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use kvroute_core::candidate::{CandidateColumns, PolicyRequest};
+use kvroute_core::router::{
+    PolicyLabel, Router, RouterConfig, Scorer, ScorerDecision, ScorerOutcome,
+};
+use kvroute_core::workers::TaintNames;
 use kvroute_policy::RegistryScorer;
 use kvroute_policy::{PolicyRegistry, PolicyRuntimeConfig};
-use kvroute_core::router::{PolicyLabel, Router, RouterConfig, Scorer, ScorerDecision, ScorerOutcome};
-use kvroute_core::workers::TaintNames;
 
 pub use report::{PolicyResult, PolicyRun, Results};
 pub use sim::{PreparedTrace, SimConfig, SimOutput};

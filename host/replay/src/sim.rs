@@ -44,10 +44,10 @@ use std::collections::{BinaryHeap, VecDeque};
 
 use rustc_hash::FxHashMap;
 
+use crate::trace::Trace;
 use kvroute_core::candidate::CandidateKey;
 use kvroute_core::hashing;
 use kvroute_core::indexer::{KvEvent, KvEventData, StoredBlock, Tier};
-use crate::trace::Trace;
 use kvroute_core::router::{RouteRequest, Router};
 use kvroute_core::workers::WorkerSpec;
 

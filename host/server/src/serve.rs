@@ -8,11 +8,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::config::ServeConfig;
-use kvroute_events::{EventIngestion, IngestConfig};
 use crate::http::{self, AppState, Metrics};
-use kvroute_policy::RegistryScorer;
-use kvroute_policy::PolicyRegistry;
 use kvroute_core::router::Router;
+use kvroute_events::{EventIngestion, IngestConfig};
+use kvroute_policy::PolicyRegistry;
+use kvroute_policy::RegistryScorer;
 
 /// A running server's handles, for embedding (tests, tools).
 pub struct Server {

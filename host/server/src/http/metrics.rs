@@ -323,13 +323,15 @@ fn render_policies(out: &mut String, p: &kvroute_policy::PolicyRegistry) {
         );
     }
     // A counter with one series per version.
-    let per_version =
-        |out: &mut String, name: &str, help: &str, value: fn(&kvroute_policy::PolicyInfo) -> u64| {
-            counter_header(out, name, help);
-            for i in &list {
-                let _ = writeln!(out, "{name}{{{}}} {}", labels(i), value(i));
-            }
-        };
+    let per_version = |out: &mut String,
+                       name: &str,
+                       help: &str,
+                       value: fn(&kvroute_policy::PolicyInfo) -> u64| {
+        counter_header(out, name, help);
+        for i in &list {
+            let _ = writeln!(out, "{name}{{{}}} {}", labels(i), value(i));
+        }
+    };
     per_version(
         out,
         "kvroute_policy_calls_total",

@@ -25,15 +25,13 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post, put};
 use axum::{Extension, Json};
 
-use kvroute_core::candidate::CandidateKey;
-use kvroute_core::indexer::{KvEvent, KvEventData, Tier};
-use kvroute_policy::{PolicyError, PolicyRegistry};
-use kvroute_core::router::{
-    LifecycleError, RouteError, Router,
-};
-use kvroute_core::workers::{SpecError, WorkerSpec};
 use dto::*;
 use error::{ApiError, ApiJson, ApiPath, BodyLimit, NoBody, RawBody};
+use kvroute_core::candidate::CandidateKey;
+use kvroute_core::indexer::{KvEvent, KvEventData, Tier};
+use kvroute_core::router::{LifecycleError, RouteError, Router};
+use kvroute_core::workers::{SpecError, WorkerSpec};
+use kvroute_policy::{PolicyError, PolicyRegistry};
 pub use metrics::Metrics;
 use prompt_json::PromptJson;
 
@@ -367,18 +365,10 @@ async fn post_events(
                 message,
             });
         };
-        let env: EventEnvelope = match serde_path_to_error::deserialize(item) {
-            Ok(e) => e,
-            Err(e) => {
-                let path = e.path().to_string();
-                drop("invalid_event", format!("{path}: {}", e.into_inner()));
-                continue;
-            }
-        };
-        let tier = match env.tier() {
-            Ok(t) => t,
-            Err((field, message)) => {
-                drop("unknown_storage_tier", format!("{field}: {message}"));
+        let (env, tier) = match EventEnvelope::read_item(item) {
+            Ok(read) => read,
+            Err((code, message)) => {
+                drop(code, message);
                 continue;
             }
         };
