@@ -845,12 +845,76 @@ fn reader_skips_deep_nesting_without_recursion() {
 
 fn check_no_panic(p: &[u8]) {
     for bs in [1u32, 2, 4, 16] {
-        if let Ok(b) = Decoder::new(bs).decode(p) {
+        let fresh = Decoder::new(bs).decode(p);
+        if let Ok(b) = &fresh {
             // Output is bounded by the input: every event and block needs at least a byte.
             assert!(b.events.len() <= p.len() * 4);
             assert!(b.stored_blocks as usize <= p.len());
+            check_batch_contract(b);
+        }
+        // A decoder and batch that served another payload answer as fresh ones do.
+        let mut reused = Decoder::new(bs);
+        let mut batch = Batch::default();
+        reused
+            .decode_into(
+                &enc(&V::A(vec![
+                    V::U(0),
+                    V::A(vec![V::A(vec![s("AllBlocksCleared")])]),
+                ])),
+                &mut batch,
+            )
+            .unwrap();
+        let again = reused.decode_into(p, &mut batch);
+        match (&fresh, again) {
+            (Ok(f), Ok(())) => {
+                assert_eq!(f.ts.to_bits(), batch.ts.to_bits());
+                assert_eq!(
+                    (&f.events, f.dp_rank, f.dropped, f.stored_blocks),
+                    (
+                        &batch.events,
+                        batch.dp_rank,
+                        batch.dropped,
+                        batch.stored_blocks
+                    )
+                );
+            }
+            (Err(a), Err(b)) => {
+                assert_eq!(*a, b);
+                assert!(batch.events.is_empty() && batch.stored_blocks == 0);
+            }
+            (f, a) => panic!("fresh {f:?} vs reused {a:?}"),
         }
     }
+}
+
+/// What every decoded batch promises (the fuzz target `kv_event_msgpack` checks the same): stored
+/// events have blocks, removals have hashes, a clear is one event per tier in `Tier::ALL` order,
+/// and `stored_blocks` counts the stored blocks.
+fn check_batch_contract(b: &Batch) {
+    let mut stored = 0u64;
+    let mut i = 0;
+    while i < b.events.len() {
+        match &b.events[i].data {
+            KvEventData::Stored { blocks, .. } => {
+                assert!(!blocks.is_empty(), "a stored event without blocks");
+                stored += blocks.len() as u64;
+            }
+            KvEventData::Removed { block_hashes } => {
+                assert!(!block_hashes.is_empty(), "a removal without hashes");
+            }
+            KvEventData::Cleared => {
+                let tiers: Vec<Tier> = b.events[i..(i + 4).min(b.events.len())]
+                    .iter()
+                    .filter(|e| e.data == KvEventData::Cleared)
+                    .map(|e| e.tier)
+                    .collect();
+                assert_eq!(tiers, Tier::ALL, "a clear covers every tier once");
+                i += 3;
+            }
+        }
+        i += 1;
+    }
+    assert_eq!(stored, b.stored_blocks);
 }
 
 proptest! {

@@ -13,16 +13,15 @@
 //! only when its length is the number of candidates (see [`RawDecision`]), and its text (log lines,
 //! a `configure` error, `info`'s name and version) is bounded (see [`MAX_PLUGIN_TEXT`]).
 
-use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Instant;
 
 use parking_lot::Mutex;
-use wasmtime::component::__internal::{CanonicalAbiInfo, InstanceType, InterfaceType, LiftContext};
-use wasmtime::component::{ComponentType, Func, Lift, TypedFunc, WasmList};
+use wasmtime::component::{Func, TypedFunc};
 use wasmtime::{ResourceLimiter, Store, StoreContextMut, Trap, UpdateDeadline};
 
+use super::answer::{validate, Answer, RawDecision, EXPECTED_COSTS};
 use super::bindings::kvroute::policy::types::{Candidates, HostContext, LogLevel, Request};
 use super::bindings::{PolicyPlugin, PolicyPluginPre};
 use super::error::FallbackReason;
@@ -410,125 +409,8 @@ impl Failure {
     }
 }
 
-/// A validated answer of one stage.
-#[derive(Debug)]
-pub(crate) enum Answer {
-    Costs(Vec<f64>),
-    Pick(usize),
-}
-
-thread_local! {
-    /// The number of candidates of the decision being lifted on this thread (see
-    /// [`BoundedCosts`]): lifting runs synchronously inside the call, on the caller's thread.
-    static EXPECTED_COSTS: Cell<usize> = const { Cell::new(0) };
-}
-
-/// A `costs` list as the host lifts it: copied out of the guest only when its length is the
-/// number of candidates. The guest's claimed length is read first (the list's pointer and length,
-/// checked against the bounds of its memory), so an oversize answer (millions of entries) costs
-/// what a wrong length of one costs, instead of a copy of everything the guest could allocate.
-#[derive(Debug)]
-pub(crate) enum BoundedCosts {
-    Fits(Vec<f64>),
-    /// The length the guest claimed.
-    WrongLength(usize),
-}
-
-// SAFETY: every item delegates to `Vec<f64>`, the type of `list<f64>`: same lowered form, same
-// ABI, same type check.
-unsafe impl ComponentType for BoundedCosts {
-    type Lower = <Vec<f64> as ComponentType>::Lower;
-    const ABI: CanonicalAbiInfo = <Vec<f64> as ComponentType>::ABI;
-    fn typecheck(ty: &InterfaceType, types: &InstanceType<'_>) -> wasmtime::Result<()> {
-        <Vec<f64> as ComponentType>::typecheck(ty, types)
-    }
-}
-
-// SAFETY: lifting reads the (pointer, length) pair as `WasmList` does (bounds-checked), and the
-// elements through `Vec<f64>`'s own lift only when the length is the expected one.
-unsafe impl Lift for BoundedCosts {
-    fn linear_lift_from_flat(
-        cx: &mut LiftContext<'_>,
-        ty: InterfaceType,
-        src: &Self::Lower,
-    ) -> wasmtime::Result<Self> {
-        let claimed = <WasmList<f64> as Lift>::linear_lift_from_flat(cx, ty, src)?.len();
-        if claimed != EXPECTED_COSTS.get() {
-            return Ok(BoundedCosts::WrongLength(claimed));
-        }
-        <Vec<f64> as Lift>::linear_lift_from_flat(cx, ty, src).map(BoundedCosts::Fits)
-    }
-
-    fn linear_lift_from_memory(
-        cx: &mut LiftContext<'_>,
-        ty: InterfaceType,
-        bytes: &[u8],
-    ) -> wasmtime::Result<Self> {
-        let claimed = <WasmList<f64> as Lift>::linear_lift_from_memory(cx, ty, bytes)?.len();
-        if claimed != EXPECTED_COSTS.get() {
-            return Ok(BoundedCosts::WrongLength(claimed));
-        }
-        <Vec<f64> as Lift>::linear_lift_from_memory(cx, ty, bytes).map(BoundedCosts::Fits)
-    }
-}
-
-/// WIT `decision` as the host lifts it (see [`BoundedCosts`]).
-#[derive(ComponentType, Lift, Debug)]
-#[component(variant)]
-pub(crate) enum RawDecision {
-    #[component(name = "costs")]
-    Costs(BoundedCosts),
-    #[component(name = "pick")]
-    Pick(u32),
-}
-
 /// `decide` with the host's own lifting of its answer.
 type DecideFn<'a> = TypedFunc<(Request<'a>, Candidates<'a>), (RawDecision,)>;
-
-/// Checks an answer against the number of candidates.
-pub(crate) fn validate(
-    decision: RawDecision,
-    n: usize,
-    allow_pick: bool,
-) -> Result<Answer, Failure> {
-    match decision {
-        RawDecision::Costs(BoundedCosts::WrongLength(len)) => Err(Failure::new(
-            FallbackReason::InvalidLength,
-            format!("answered {len} costs for {n} candidates"),
-        )),
-        RawDecision::Costs(BoundedCosts::Fits(costs)) => {
-            if costs.len() != n {
-                return Err(Failure::new(
-                    FallbackReason::InvalidLength,
-                    format!("answered {} costs for {n} candidates", costs.len()),
-                ));
-            }
-            if let Some(i) = costs.iter().position(|c| !c.is_finite()) {
-                return Err(Failure::new(
-                    FallbackReason::NonFinite,
-                    format!("cost of candidate {i} is {}", costs[i]),
-                ));
-            }
-            Ok(Answer::Costs(costs))
-        }
-        RawDecision::Pick(i) => {
-            if !allow_pick {
-                return Err(Failure::new(
-                    FallbackReason::UnexpectedPick,
-                    "a scorer stage answered a pick; pipeline stages must answer costs",
-                ));
-            }
-            let i = i as usize;
-            if i >= n {
-                return Err(Failure::new(
-                    FallbackReason::PickOutOfRange,
-                    format!("picked {i} of {n} candidates"),
-                ));
-            }
-            Ok(Answer::Pick(i))
-        }
-    }
-}
 
 /// Decrements the stage's live-instance count when an instance is dropped.
 struct LiveGuard(Arc<AtomicUsize>);

@@ -50,6 +50,7 @@
 //! Also: pipelines ([`PipelineSpec`]: weighted scorer stages and
 //! an optional selector) and a polled directory ([`PolicyRegistry::watch_directory`]).
 
+mod answer;
 mod bindings;
 mod config;
 pub mod conformance;
@@ -66,6 +67,7 @@ mod ticker;
 mod watch;
 mod wire;
 
+pub use answer::{check_answer, RawAnswer};
 pub use config::PolicyRuntimeConfig;
 pub use error::{FallbackReason, PolicyError};
 pub use pipeline::{PipelineSpec, SelectorSpec, StageSpec};

@@ -12,11 +12,12 @@ use serde::Serialize;
 
 use kvroute_core::candidate::{CandidateColumns, PolicyRequest};
 
+use super::answer::Answer;
 use super::bindings::kvroute::policy::types::{Candidates, Request};
 use super::config::PolicyRuntimeConfig;
 use super::error::{FallbackReason, PolicyError};
 use super::health::FailureWindow;
-use super::instance::{Answer, Failure, InstanceError, Stage};
+use super::instance::{Failure, InstanceError, Stage};
 use super::pipeline::{is_path, PipelineSpec};
 use super::runtime::{sha256_hex, CompiledPlugin, PluginDescription, PluginKind, PolicyRuntime};
 use super::selftest;

@@ -191,9 +191,15 @@ impl ServeConfig {
     pub fn from_file(path: &Path) -> Result<Self, String> {
         let text = std::fs::read_to_string(path)
             .map_err(|e| format!("cannot read config file {}: {e}", path.display()))?;
-        let mut c: Self =
-            toml::from_str(&text).map_err(|e| format!("config file {}: {e}", path.display()))?;
-        let base = path.parent().unwrap_or(Path::new(""));
+        Self::from_toml_str(&text, path.parent().unwrap_or(Path::new("")))
+            .map_err(|e| format!("config file {}: {e}", path.display()))
+    }
+
+    /// Parses the text of a config file as [`Self::from_file`] does, with relative `policy` and
+    /// `policy_dir` paths taken from `base` (the file's directory). Nothing is validated: that is
+    /// [`Self::validate`], as `kvroute serve --config` runs it after the overrides.
+    pub fn from_toml_str(text: &str, base: &Path) -> Result<Self, String> {
+        let mut c: Self = toml::from_str(text).map_err(|e| e.to_string())?;
         for p in [&mut c.policy, &mut c.policy_dir].into_iter().flatten() {
             if p.is_relative() {
                 *p = base.join(&*p);
@@ -513,5 +519,97 @@ mod tests {
         let ok: ServeConfig =
             toml::from_str("[cost]\nprefill_load_scale = 0.0\nhost_tier_weight = 1.5\n").unwrap();
         assert_eq!(ok.validate(), Ok(()));
+    }
+
+    /// Keys of a serve config, each with values that pass and values `validate` refuses.
+    const TOP: [(&str, &[&str]); 7] = [
+        ("block_size", &["0", "1", "16", "65536", "65537"]),
+        ("http_threads", &["0", "4", "1025"]),
+        ("shutdown_grace_secs", &["0", "1", "3600", "3601"]),
+        ("admin_token", &["\"short\"", "\"long-enough\""]),
+        ("policy", &["\"p/a.wasm\"", "\"bad name!.wasm\""]),
+        ("policy_name", &["\"ok\"", "\"bad/name\""]),
+        ("policy_config", &["\"{}\"", "\"{bad\""]),
+    ];
+    const ROUTING: [(&str, &[&str]); 4] = [
+        ("busy_threshold", &["0.5", "0.0", "-1.0", "nan", "inf"]),
+        ("default_temperature", &["0.0", "2.5", "-0.1", "inf"]),
+        ("queue_timeout_ms", &["0", "5"]),
+        ("approximate", &["true", "false"]),
+    ];
+    const COST: [(&str, &[&str]); 2] = [
+        ("prefill_load_scale", &["1.0", "-1.0", "nan"]),
+        ("host_tier_weight", &["0.0", "inf"]),
+    ];
+    const WORKER: [(&str, &[&str]); 3] = [
+        ("dp_size", &["0", "1", "2", "100000"]),
+        ("dp_start", &["0", "4294967295"]),
+        ("taints", &["[]", "[\"gpu\"]", "[\"\"]"]),
+    ];
+    const WORKER_KEYS: [&str; 4] = ["7", "07", "18446744073709551616", "x"];
+
+    fn section(
+        out: &mut String,
+        header: &str,
+        keys: &[(&str, &[&str])],
+        picks: &[Option<proptest::sample::Index>],
+    ) {
+        out.push_str(header);
+        for ((key, values), pick) in keys.iter().zip(picks) {
+            if let Some(p) = pick {
+                out.push_str(&format!("{key} = {}\n", values[p.index(values.len())]));
+            }
+        }
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig {
+            cases: 300,
+            ..proptest::prelude::ProptestConfig::default()
+        })]
+
+        /// What the fuzz target `serve_config` asserts, on generated files: a configuration
+        /// `validate` accepts builds a router and registers every worker, and reads back the same
+        /// from its TOML; one it refuses says why.
+        #[test]
+        fn generated_configs_are_accepted_whole_or_refused_with_a_reason(
+            picks in proptest::collection::vec(
+                proptest::option::of(proptest::prelude::any::<proptest::sample::Index>()), 16),
+            workers in proptest::collection::vec(
+                (proptest::prelude::any::<proptest::sample::Index>(),
+                 proptest::collection::vec(
+                     proptest::option::of(proptest::prelude::any::<proptest::sample::Index>()), 3)),
+                0..3),
+        ) {
+            let mut text = String::new();
+            section(&mut text, "", &TOP, &picks[0..7]);
+            section(&mut text, "[routing]\n", &ROUTING, &picks[7..11]);
+            section(&mut text, "[cost]\n", &COST, &picks[11..13]);
+            for (key, fields) in &workers {
+                let header = format!("[workers.\"{}\"]\n", WORKER_KEYS[key.index(WORKER_KEYS.len())]);
+                section(&mut text, &header, &WORKER, fields);
+            }
+            let config = match ServeConfig::from_toml_str(&text, Path::new("")) {
+                Ok(c) => c,
+                Err(e) => {
+                    // Only a worker key repeated (or a NaN/inf spelling TOML refuses) fails here.
+                    proptest::prop_assert!(!e.is_empty());
+                    return Ok(());
+                }
+            };
+            match config.validate() {
+                Ok(()) => {
+                    let router = kvroute_core::router::Router::new(config.router_config()).unwrap();
+                    let registered = config.register_workers(&router).unwrap();
+                    proptest::prop_assert_eq!(registered.len(), config.workers.len());
+                    // (TOML has no integers above i64::MAX: such a value cannot be written.)
+                    if let Ok(back) = toml::to_string(&config) {
+                        let again = ServeConfig::from_toml_str(&back, Path::new("")).unwrap();
+                        proptest::prop_assert_eq!(again, config, "{}", back);
+                    }
+                }
+                Err(e) => proptest::prop_assert!(!e.is_empty(), "{}", text),
+            }
+        }
     }
 }

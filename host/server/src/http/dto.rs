@@ -351,6 +351,20 @@ pub struct RemovedData {
 }
 
 impl EventEnvelope {
+    /// One item of a `POST /v1/events` array read as the handler reads it: the envelope and its
+    /// tier, or the drop code (`invalid_event`, `unknown_storage_tier`) and a message that names the
+    /// field. Public for the fuzz target `events_json`.
+    pub fn read_item(item: serde_json::Value) -> Result<(Self, Tier), (&'static str, String)> {
+        let env: Self = serde_path_to_error::deserialize(item).map_err(|e| {
+            let path = e.path().to_string();
+            ("invalid_event", format!("{path}: {}", e.into_inner()))
+        })?;
+        match env.tier() {
+            Ok(tier) => Ok((env, tier)),
+            Err((field, message)) => Err(("unknown_storage_tier", format!("{field}: {message}"))),
+        }
+    }
+
     /// The tier and the core event data; errors name the field.
     pub fn tier(&self) -> Result<Tier, (String, String)> {
         match self.storage_tier.as_deref() {
@@ -465,4 +479,68 @@ pub struct OverlapResponse {
     pub block_size: u32,
     pub num_blocks: u32,
     pub workers: Vec<OverlapWorker>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 500, .. ProptestConfig::default() })]
+
+        /// What the fuzz target `events_json` asserts of one `POST /v1/events` item: read, it
+        /// keeps its blocks in order and its tier; refused, it has a drop code and a message that
+        /// names the field.
+        #[test]
+        fn event_items_are_read_whole_or_refused_naming_the_field(
+            tier in proptest::option::of(proptest::sample::select(
+                vec!["device", "HOST", "cpu", "disk", "external", "tape", ""])),
+            kind in 0u8..4,
+            blocks in proptest::collection::vec((any::<u64>(), any::<u64>()), 0..4),
+            extra_field in any::<bool>(),
+            negative in any::<bool>(),
+        ) {
+            let list: Vec<String> = blocks
+                .iter()
+                .map(|(b, t)| format!(r#"{{"block_hash":{b},"tokens_hash":{t}}}"#))
+                .collect();
+            let data = match kind {
+                0 => format!(r#"{{"stored":{{"parent_hash":null,"blocks":[{}]}}}}"#, list.join(",")),
+                1 => r#"{"removed":{"block_hashes":[1,2]}}"#.to_string(),
+                2 => r#""cleared""#.to_string(),
+                _ => r#"{"evicted":{}}"#.to_string(),
+            };
+            let tier_field = tier.map(|t| format!(r#""storage_tier":"{t}","#)).unwrap_or_default();
+            let worker = if negative { "-1" } else { "3" };
+            let extra = if extra_field { r#","surprise":1"# } else { "" };
+            let text = format!(
+                r#"{{"worker_id":{worker},{tier_field}"event":{{"event_id":9,"data":{data}}}{extra}}}"#
+            );
+            let item: serde_json::Value = serde_json::from_str(&text).unwrap();
+            let known_tier = tier.is_none_or(|t| {
+                ["device", "host", "disk", "external"].contains(&t.to_ascii_lowercase().as_str())
+                    || Tier::from_medium(&t.to_ascii_lowercase()).is_some()
+            });
+            match EventEnvelope::read_item(item) {
+                Ok((env, _tier)) => {
+                    prop_assert!(kind < 3 && !negative && !extra_field && known_tier, "{}", text);
+                    if let KvEventData::Stored { blocks: got, .. } = env.into_data() {
+                        let got: Vec<(u64, u64)> =
+                            got.iter().map(|b| (b.block_hash, b.tokens_hash)).collect();
+                        prop_assert_eq!(got, blocks);
+                    }
+                }
+                Err((code, message)) => {
+                    if kind < 3 && !negative && !extra_field {
+                        prop_assert_eq!(code, "unknown_storage_tier");
+                        prop_assert!(message.starts_with("storage_tier: "), "{}", message);
+                    } else {
+                        prop_assert_eq!(code, "invalid_event");
+                        prop_assert!(!message.is_empty());
+                    }
+                }
+            }
+        }
+    }
 }

@@ -337,18 +337,10 @@ async fn post_events(
                 message,
             });
         };
-        let env: EventEnvelope = match serde_path_to_error::deserialize(item) {
-            Ok(e) => e,
-            Err(e) => {
-                let path = e.path().to_string();
-                drop("invalid_event", format!("{path}: {}", e.into_inner()));
-                continue;
-            }
-        };
-        let tier = match env.tier() {
-            Ok(t) => t,
-            Err((field, message)) => {
-                drop("unknown_storage_tier", format!("{field}: {message}"));
+        let (env, tier) = match EventEnvelope::read_item(item) {
+            Ok(read) => read,
+            Err((code, message)) => {
+                drop(code, message);
                 continue;
             }
         };

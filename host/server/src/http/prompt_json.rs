@@ -57,7 +57,11 @@ struct Found {
     block_hashes: Option<(Vec<u64>, Range<usize>)>,
 }
 
-fn fast_parse<T: PromptBody>(bytes: &[u8]) -> Option<T> {
+/// The fast path alone: `Some` only when it read the body itself, `None` where
+/// [`parse_prompt_body`] would hand the body to the ordinary path. Public for the fuzz target and
+/// property tests, which check that whatever it accepts serde_json reads the same way.
+#[doc(hidden)]
+pub fn fast_parse<T: PromptBody>(bytes: &[u8]) -> Option<T> {
     let found = scan_members(bytes)?;
     let mut spans: Vec<Range<usize>> = [
         found.tokens.as_ref().map(|t| t.1.clone()),
@@ -178,11 +182,11 @@ fn scan_members(b: &[u8]) -> Option<Found> {
         }
         i = skip_ws(b, i + 1);
         if name == b"tokens" && found.tokens.is_none() {
-            let (v, len) = parse_int_array::<u32>(&b[i..], 10)?;
+            let (v, len) = parse_int_array::<u32, true>(&b[i..], 10)?;
             found.tokens = Some((v, i..i + len));
             i += len;
         } else if name == b"block_hashes" && found.block_hashes.is_none() {
-            let (v, len) = parse_int_array::<u64>(&b[i..], 20)?;
+            let (v, len) = parse_int_array::<u64, true>(&b[i..], 20)?;
             found.block_hashes = Some((v, i..i + len));
             i += len;
         } else {
@@ -197,11 +201,26 @@ fn scan_members(b: &[u8]) -> Option<Found> {
     }
 }
 
+/// A `tokens` array at the start of `b` read as the fast path does, with its 64-byte blocks
+/// (`blocks`, SSE2 on x86_64) or one number at a time only (the scalar loop), and how many bytes
+/// it took. For the benchmark that compares the two and the fuzz target that checks they agree.
+#[doc(hidden)]
+pub fn parse_token_array(b: &[u8], blocks: bool) -> Option<(Vec<u32>, usize)> {
+    if blocks {
+        parse_int_array::<u32, true>(b, 10)
+    } else {
+        parse_int_array::<u32, false>(b, 10)
+    }
+}
+
 /// Reads the array `[n, n, ...]` of JSON integers of at most `max_digits` digits that fit in `T`
 /// at the start of `b`, and how many bytes it took. `None` for anything else (including numbers
 /// JSON forbids, such as `01`), so that serde reports it. This is the hot part of parsing a
-/// routing body.
-fn parse_int_array<T: TryFrom<u64>>(b: &[u8], max_digits: usize) -> Option<(Vec<T>, usize)> {
+/// routing body. `BLOCKS` = false never tries [`blocks::read_block`] (the scalar loop alone).
+fn parse_int_array<T: TryFrom<u64>, const BLOCKS: bool>(
+    b: &[u8],
+    max_digits: usize,
+) -> Option<(Vec<T>, usize)> {
     // `blocks` reads numbers of up to 20 digits (all a u64 can have).
     debug_assert!(max_digits <= 20, "max_digits {max_digits}");
     if b.first() != Some(&b'[') {
@@ -225,7 +244,7 @@ fn parse_int_array<T: TryFrom<u64>>(b: &[u8], max_digits: usize) -> Option<(Vec<
     // Numbers left for the one-at-a-time loop before the next try of a 64-byte block.
     let mut scalar_run = 0u32;
     loop {
-        if scalar_run == 0 {
+        if BLOCKS && scalar_run == 0 {
             match blocks::read_block(b, i, max_digits, &mut out) {
                 blocks::Block::Read(next) => {
                     i = skip_ws(b, next);
@@ -237,7 +256,7 @@ fn parse_int_array<T: TryFrom<u64>>(b: &[u8], max_digits: usize) -> Option<(Vec<
                 blocks::Block::Unsuited => scalar_run = 8,
             }
         }
-        scalar_run -= 1;
+        scalar_run = scalar_run.saturating_sub(1);
         let (v, len) = read_integer(b, i, max_digits)?;
         out.push(T::try_from(v).ok()?);
         i += len;
@@ -604,13 +623,16 @@ mod tests {
 
     #[test]
     fn reads_integer_arrays() {
-        let read = |b: &[u8]| parse_int_array::<u32>(b, 10).map(|(v, _)| v);
-        assert_eq!(parse_int_array::<u32>(b"[]", 10), Some((vec![], 2)));
-        assert_eq!(parse_int_array::<u32>(b"[ \n ], 7", 10), Some((vec![], 5)));
+        let read = |b: &[u8]| parse_int_array::<u32, true>(b, 10).map(|(v, _)| v);
+        assert_eq!(parse_int_array::<u32, true>(b"[]", 10), Some((vec![], 2)));
+        assert_eq!(
+            parse_int_array::<u32, true>(b"[ \n ], 7", 10),
+            Some((vec![], 5))
+        );
         assert_eq!(read(b"[0]"), Some(vec![0]));
         assert_eq!(read(b"[0, 10, 100]"), Some(vec![0, 10, 100]));
         assert_eq!(
-            parse_int_array::<u32>(b"[ 1 ,2,\t3 , 4294967295 ]}", 10),
+            parse_int_array::<u32, true>(b"[ 1 ,2,\t3 , 4294967295 ]}", 10),
             Some((vec![1, 2, 3, u32::MAX], 24))
         );
         for bad in [
@@ -630,7 +652,7 @@ mod tests {
             b"",
         ] {
             assert_eq!(
-                parse_int_array::<u32>(bad, 10),
+                parse_int_array::<u32, true>(bad, 10),
                 None,
                 "{}",
                 String::from_utf8_lossy(bad)
@@ -724,7 +746,7 @@ mod tests {
             let with_defects: &[&str] = if round % 3 == 0 { &defects } else { &[] };
             let array = random_array(&mut x, max_len, seps[round % seps.len()], with_defects);
             let body = format!("{array}, \"z\": 1}}");
-            let ours = parse_int_array::<T>(body.as_bytes(), max_digits);
+            let ours = parse_int_array::<T, true>(body.as_bytes(), max_digits);
             let theirs = serde_json::from_str::<Vec<T>>(&array).ok();
             match (&ours, theirs) {
                 (Some((v, len)), Some(w)) => {
@@ -887,7 +909,7 @@ mod tests {
             r#"{{"block_hashes": [1], "request_id": "{}"}}"#,
             "x".repeat(1 << 20)
         );
-        let (v, _) = parse_int_array::<u64>(&body.as_bytes()[17..], 20).unwrap();
+        let (v, _) = parse_int_array::<u64, true>(&body.as_bytes()[17..], 20).unwrap();
         assert_eq!(v, vec![1]);
         assert!(v.capacity() <= 66, "capacity {}", v.capacity());
     }
@@ -897,5 +919,62 @@ mod tests {
         let b: OverlapBody = parse_prompt_body(br#"{"tokens": [5, 6], "lora_name": "l"}"#).unwrap();
         assert_eq!(b.tokens, Some(vec![5, 6]));
         assert_eq!(b.lora_name.as_deref(), Some("l"));
+    }
+
+    /// What the fuzz target `prompt_json` asserts, on one body: whatever the fast path accepts
+    /// serde reads the same; with the fallback the answer is serde's, value or error; the array
+    /// reader agrees with and without its 64-byte blocks from every `[`.
+    fn check_like_the_fuzz_target(body: &[u8]) {
+        let slow = parse_json_object::<RouteBody>(body);
+        if let Some(fast) = fast_parse::<RouteBody>(body) {
+            let slow = slow
+                .as_ref()
+                .expect("the fast path accepted what serde refuses");
+            assert_eq!(format!("{slow:?}"), format!("{fast:?}"));
+        }
+        let mixed = parse_prompt_body::<RouteBody>(body);
+        assert_eq!(format!("{slow:?}"), format!("{mixed:?}"));
+        for (i, _) in body.iter().enumerate().filter(|(_, &b)| b == b'[') {
+            assert_eq!(
+                parse_token_array(&body[i..], true),
+                parse_token_array(&body[i..], false),
+                "at {i}"
+            );
+        }
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig {
+            cases: 400,
+            ..proptest::prelude::ProptestConfig::default()
+        })]
+
+        /// Bodies with long token arrays (so the block path runs), written compact or with
+        /// `, `, then a few bytes overwritten, inserted or cut.
+        #[test]
+        fn mutated_bodies_read_like_serde(
+            tokens in proptest::collection::vec(
+                proptest::prop_oneof![0u32..100_000, proptest::prelude::any::<u32>()], 0..120),
+            spaced in proptest::prelude::any::<bool>(),
+            edits in proptest::collection::vec(
+                (proptest::prelude::any::<proptest::sample::Index>(),
+                 proptest::sample::select(b"0123456789, []{}\"-.e\t".to_vec()),
+                 0u8..3),
+                0..4),
+        ) {
+            let sep = if spaced { ", " } else { "," };
+            let list: Vec<String> = tokens.iter().map(u32::to_string).collect();
+            let mut body = format!(r#"{{"tokens": [{}], "request_id": "r"}}"#, list.join(sep))
+                .into_bytes();
+            for (at, byte, op) in edits {
+                let i = at.index(body.len());
+                match op {
+                    0 => body[i] = byte,
+                    1 => body.insert(i, byte),
+                    _ => body.truncate(i.max(1)),
+                }
+            }
+            check_like_the_fuzz_target(&body);
+        }
     }
 }
