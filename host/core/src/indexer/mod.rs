@@ -40,6 +40,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::candidate::{CandidateKey, WorkerId};
 pub use slots::{Slot, SlotSet};
+pub use tree::TreeMemory;
 use tree::{StoreError, Tree};
 
 /// Most blocks (or removal handles) applied under one write-lock acquisition.
@@ -103,6 +104,21 @@ pub enum KvEventData {
         block_hashes: Vec<u64>,
     },
     Cleared,
+}
+
+/// The tiers an event with `data`, sent for `tier`, applies to. A clear means "the worker (and
+/// rank) holds nothing" (SPEC §3): every tier, whatever tier the event names. Both ingestion paths
+/// (HTTP `POST /v1/events` and the ZMQ decoder) expand an event through this one function.
+pub fn event_tiers(data: &KvEventData, tier: Tier) -> &'static [Tier] {
+    match data {
+        KvEventData::Cleared => &Tier::ALL,
+        _ => match tier {
+            Tier::Device => &[Tier::Device],
+            Tier::Host => &[Tier::Host],
+            Tier::Disk => &[Tier::Disk],
+            Tier::External => &[Tier::External],
+        },
+    }
 }
 
 /// An event for one candidate and tier.
@@ -491,6 +507,20 @@ impl Indexer {
         }
     }
 
+    /// Heap bytes of the index by part, all tiers summed, plus the candidate tables (in
+    /// `slot_handles`). Computed from capacities: see [`TreeMemory`].
+    pub fn memory(&self) -> TreeMemory {
+        let state = self.state.read();
+        let mut m = TreeMemory::default();
+        for t in &state.trees {
+            m.add(&t.memory());
+        }
+        m.slot_handles += tree::memory::map_bytes::<(CandidateKey, Slot)>(state.slot_of.capacity())
+            + state.key_of.capacity() * std::mem::size_of::<Option<CandidateKey>>()
+            + state.free_slots.capacity() * std::mem::size_of::<Slot>();
+        m
+    }
+
     /// Checks every tree's structural invariants (tests only).
     #[cfg(any(test, feature = "invariants"))]
     pub fn check_invariants(&self) {
@@ -526,6 +556,17 @@ mod tests {
                     })
                     .collect(),
             },
+        }
+    }
+
+    #[test]
+    fn a_clear_expands_to_every_tier_other_events_to_their_own() {
+        for t in Tier::ALL {
+            assert_eq!(event_tiers(&KvEventData::Cleared, t), &Tier::ALL);
+            let removed = KvEventData::Removed {
+                block_hashes: vec![1],
+            };
+            assert_eq!(event_tiers(&removed, t), &[t]);
         }
     }
 

@@ -41,6 +41,9 @@ use smallvec::SmallVec;
 use super::slots::{Slot, SlotSet};
 use super::StoredBlock;
 
+pub(super) mod memory;
+pub use memory::TreeMemory;
+
 const ROOT: u32 = 0;
 /// Children kept in a small inline vector up to this many, in a hash map beyond.
 const FEW_CHILDREN: usize = 8;
@@ -136,11 +139,13 @@ struct Node {
     live: bool,
 }
 
-/// One slot's engine handles in one tree.
+/// One slot's engine handles in one tree: only what the tree-wide canonical map cannot answer.
 #[derive(Debug, Default)]
 struct SlotHandles {
-    /// Handle → block id, for every block the slot names.
-    by_handle: FxHashMap<u64, u32>,
+    /// Handle → block id, for the held blocks this slot names by a handle that [`Tree::canon`]
+    /// does not resolve to that block (a non-canonical name, or a canonical handle another block
+    /// took first). Empty when every engine names shared blocks alike.
+    named: FxHashMap<u64, u32>,
     /// Held blocks the slot does not name by their canonical handle: `Some(h)` if it names them
     /// `h`, `None` if it names them by nothing (their handle was moved to another block).
     odd: FxHashMap<u32, Option<u64>>,
@@ -158,40 +163,6 @@ impl SlotHandles {
         self.odd.get(&block).copied().unwrap_or(Some(canonical))
     }
 
-    /// Names `block` (which the slot did not hold) by `handle`.
-    #[inline]
-    fn bind_new(&mut self, block: u32, canonical: u64, handle: u64) {
-        if let Some(old) = self.by_handle.insert(handle, block) {
-            // The handle named another held block, which is now nameless.
-            debug_assert_ne!(old, block);
-            self.odd.insert(old, None);
-        }
-        if handle != canonical {
-            self.odd.insert(block, Some(handle));
-        }
-    }
-
-    /// Names `block` (which the slot holds) by `handle`, dropping the name it had.
-    #[inline]
-    fn rebind(&mut self, block: u32, canonical: u64, handle: u64) {
-        let current = self.name(block, canonical);
-        if current == Some(handle) {
-            return;
-        }
-        if let Some(c) = current {
-            let was = self.by_handle.remove(&c);
-            debug_assert_eq!(was, Some(block));
-        }
-        if let Some(old) = self.by_handle.insert(handle, block) {
-            self.odd.insert(old, None);
-        }
-        if handle == canonical {
-            self.odd.remove(&block);
-        } else {
-            self.odd.insert(block, Some(handle));
-        }
-    }
-
     /// Drops the name of a block leaving the slot.
     #[inline]
     fn unbind(&mut self, block: u32, canonical: u64) {
@@ -201,8 +172,9 @@ impl SlotHandles {
             self.odd.remove(&block).unwrap_or(Some(canonical))
         };
         if let Some(h) = name {
-            let was = self.by_handle.remove(&h);
-            debug_assert_eq!(was, Some(block));
+            if !self.named.is_empty() && self.named.get(&h) == Some(&block) {
+                self.named.remove(&h);
+            }
         }
     }
 }
@@ -253,6 +225,11 @@ pub struct Tree {
     loc: Vec<(u32, u32)>,
     free_blocks: Vec<u32>,
     slots: Vec<SlotHandles>,
+    /// Canonical handle → block id, for live blocks: one entry per distinct block, not per
+    /// (candidate, block) pair. A handle is registered by the first live block stored under it;
+    /// a later block stored under the same handle (engines that do not use content hashes) is
+    /// named through its slots' `named` maps instead.
+    canon: FxHashMap<u64, u32>,
     held: u64,
     /// Scratch space of removals, kept to avoid allocating per event.
     stack: Vec<u32>,
@@ -276,6 +253,7 @@ impl Tree {
             loc: Vec::new(),
             free_blocks: Vec::new(),
             slots: Vec::new(),
+            canon: FxHashMap::default(),
             held: 0,
             stack: Vec::new(),
             order: Vec::new(),
@@ -304,9 +282,102 @@ impl Tree {
 
     /// Whether `handle` names a block `slot` holds.
     pub fn has_handle(&self, slot: Slot, handle: u64) -> bool {
-        self.slots
-            .get(slot as usize)
-            .is_some_and(|h| h.by_handle.contains_key(&handle))
+        self.lookup(slot, handle).is_some()
+    }
+
+    /// The block `slot` names `handle`, if it holds one by that name: its own exception map
+    /// first, then the canonical map (the block must be held by the slot and not renamed by it).
+    #[inline]
+    fn lookup(&self, slot: Slot, handle: u64) -> Option<u32> {
+        let h = self.slots.get(slot as usize)?;
+        if !h.named.is_empty() {
+            if let Some(&b) = h.named.get(&handle) {
+                return Some(b);
+            }
+        }
+        let &b = self.canon.get(&handle)?;
+        let (node, _) = self.loc[b as usize];
+        if !self.nodes[node as usize].holders.contains(slot) {
+            return None;
+        }
+        if !h.odd.is_empty() && h.odd.contains_key(&b) {
+            return None;
+        }
+        Some(b)
+    }
+
+    /// Names `block` (which the slot holds from this store on, and did not hold before) by
+    /// `handle`. The slot must already be in the block's holders.
+    #[inline]
+    fn bind_new(&mut self, slot: Slot, block: u32, canonical: u64, handle: u64) {
+        // An earlier block of the same store may have taken this block's canonical handle (the
+        // slot was already among the node's holders): that left a stale mark to drop.
+        let h = &mut self.slots[slot as usize];
+        if !h.odd.is_empty() {
+            h.odd.remove(&block);
+        }
+        let old = self.lookup(slot, handle);
+        let via_canon = handle == canonical && self.canon.get(&handle) == Some(&block);
+        let h = &mut self.slots[slot as usize];
+        if let Some(old) = old.filter(|&o| o != block) {
+            // The handle named another held block, which is now nameless.
+            if h.named.get(&handle) == Some(&old) {
+                h.named.remove(&handle);
+            }
+            h.odd.insert(old, None);
+        }
+        if !via_canon {
+            h.named.insert(handle, block);
+        }
+        if handle != canonical {
+            h.odd.insert(block, Some(handle));
+        }
+    }
+
+    /// Names `block` (which the slot holds) by `handle`, dropping the name it had.
+    #[inline]
+    fn rebind(&mut self, slot: Slot, block: u32, canonical: u64, handle: u64) {
+        let current = self.slots[slot as usize].name(block, canonical);
+        if current == Some(handle) {
+            return;
+        }
+        if let Some(c) = current {
+            let h = &mut self.slots[slot as usize];
+            if h.named.get(&c) == Some(&block) {
+                h.named.remove(&c);
+            }
+            // Named canonically: the odd entry set below stops the canonical map resolving it.
+        }
+        // Mark the block renamed before looking the new handle up, so the look-up cannot find
+        // the block itself through the canonical map.
+        self.slots[slot as usize].odd.insert(block, Some(handle));
+        let old = self.lookup(slot, handle);
+        let via_canon = handle == canonical && self.canon.get(&handle) == Some(&block);
+        let h = &mut self.slots[slot as usize];
+        if let Some(old) = old.filter(|&o| o != block) {
+            if h.named.get(&handle) == Some(&old) {
+                h.named.remove(&handle);
+            }
+            h.odd.insert(old, None);
+        }
+        if handle == canonical {
+            h.odd.remove(&block);
+        }
+        if via_canon {
+            h.named.remove(&handle);
+        } else {
+            h.named.insert(handle, block);
+        }
+    }
+
+    /// Forgets the canonical registrations of blocks being freed.
+    #[inline]
+    fn unregister(canon: &mut FxHashMap<u64, u32>, blocks: &[u32], handles: &[u64]) {
+        for (&b, h) in blocks.iter().zip(handles) {
+            if canon.get(h) == Some(&b) {
+                canon.remove(h);
+            }
+        }
     }
 
     fn handles_mut(&mut self, slot: Slot) -> &mut SlotHandles {
@@ -412,12 +483,7 @@ impl Tree {
         let (mut node, mut pos) = match parent {
             None => (ROOT, 0usize),
             Some(p) => {
-                let block = self
-                    .slots
-                    .get(slot as usize)
-                    .and_then(|h| h.by_handle.get(&p))
-                    .copied()
-                    .ok_or(StoreError::ParentNotFound)?;
+                let block = self.lookup(slot, p).ok_or(StoreError::ParentNotFound)?;
                 let (n, off) = self.loc[block as usize];
                 (n, off as usize + 1)
             }
@@ -433,7 +499,7 @@ impl Tree {
                 let n = &self.nodes[node as usize];
                 if n.edge[pos] == local {
                     let (b, canonical) = (n.blocks[pos], n.handles[pos]);
-                    self.slots[slot as usize].rebind(b, canonical, blocks[i].handle());
+                    self.rebind(slot, b, canonical, blocks[i].handle());
                     pos += 1;
                     i += 1;
                     continue;
@@ -456,12 +522,11 @@ impl Tree {
                     if m < edge.len() {
                         self.split(c, m);
                     }
-                    let Tree { nodes, slots, .. } = self;
-                    let cn = &mut nodes[c as usize];
-                    cn.holders.insert(slot);
-                    let h = &mut slots[slot as usize];
+                    self.nodes[c as usize].holders.insert(slot);
                     for (j, b) in rest[..m].iter().enumerate() {
-                        h.bind_new(cn.blocks[j], cn.handles[j], b.handle());
+                        let cn = &self.nodes[c as usize];
+                        let (block, canonical) = (cn.blocks[j], cn.handles[j]);
+                        self.bind_new(slot, block, canonical, b.handle());
                     }
                     added += m as u32;
                     i += m;
@@ -501,7 +566,8 @@ impl Tree {
                         t.edge.push(b.local());
                         t.blocks.push(id);
                         t.handles.push(b.handle());
-                        self.slots[slot as usize].bind_new(id, b.handle(), b.handle());
+                        self.canon.entry(b.handle()).or_insert(id);
+                        self.bind_new(slot, id, b.handle(), b.handle());
                     }
                     added += rest.len() as u32;
                     i = blocks.len();
@@ -529,7 +595,7 @@ impl Tree {
         }
         let mut i = 0;
         while i < handles.len() {
-            let Some(&block) = self.slots[slot as usize].by_handle.get(&handles[i]) else {
+            let Some(block) = self.lookup(slot, handles[i]) else {
                 unknown += 1;
                 i += 1;
                 continue;
@@ -540,8 +606,7 @@ impl Tree {
             // the node at each; cutting once at the lowest offset removes the same blocks. A block
             // at or past the cut is gone by its handle's turn: unknown then.
             while i < handles.len() {
-                let by_handle = &self.slots[slot as usize].by_handle;
-                let Some(&b) = by_handle.get(&handles[i]) else {
+                let Some(b) = self.lookup(slot, handles[i]) else {
                     break;
                 };
                 let (n, o) = self.loc[b as usize];
@@ -579,6 +644,7 @@ impl Tree {
             nodes,
             slots,
             free_blocks,
+            canon,
             ..
         } = self;
         let n = &mut nodes[node as usize];
@@ -586,6 +652,7 @@ impl Tree {
         for (&b, &canonical) in n.blocks[off..].iter().zip(&n.handles[off..]) {
             h.unbind(b, canonical);
         }
+        Self::unregister(canon, &n.blocks[off..], &n.handles[off..]);
         free_blocks.extend_from_slice(&n.blocks[off..]);
         let cut = (n.edge.len() - off) as u64;
         n.edge.truncate(off);
@@ -609,7 +676,7 @@ impl Tree {
             removed += self.remove_below(slot, t);
         }
         if let Some(h) = self.slots.get_mut(slot as usize) {
-            debug_assert!(h.by_handle.is_empty() && h.odd.is_empty() && h.blocks == 0);
+            debug_assert!(h.named.is_empty() && h.odd.is_empty() && h.blocks == 0);
             *h = SlotHandles::default();
         }
         removed
@@ -679,6 +746,7 @@ impl Tree {
         self.nodes[node.parent as usize]
             .children
             .remove(node.edge[0]);
+        Self::unregister(&mut self.canon, &node.blocks, &node.handles);
         self.free_blocks.extend_from_slice(&node.blocks);
         self.free_nodes.push(x);
     }
@@ -756,21 +824,32 @@ impl Tree {
                     }
                     if let Some(name) = h.name(b, canonical) {
                         assert_eq!(
-                            h.by_handle.get(&name),
-                            Some(&b),
+                            self.lookup(s, name),
+                            Some(b),
                             "slot {s} names block {b} by {name}"
                         );
-                        *named.entry(s).or_default() += 1;
+                        if self.canon.get(&name) != Some(&b) {
+                            assert_eq!(h.named.get(&name), Some(&b), "exception entry of {b}");
+                            *named.entry(s).or_default() += 1;
+                        }
                     }
                 }
             });
         }
         assert_eq!(held, self.held);
+        for (&handle, &b) in &self.canon {
+            let (n, off) = self.loc[b as usize];
+            let node = &self.nodes[n as usize];
+            assert!(node.live && n != ROOT, "canonical entry of a freed block {b}");
+            assert_eq!(node.blocks[off as usize], b, "canonical entry of a freed block {b}");
+            assert_eq!(node.handles[off as usize], handle, "canonical handle of {b}");
+        }
         for (s, h) in self.slots.iter().enumerate() {
             let s = s as Slot;
             assert_eq!(h.blocks, per_slot.get(&s).copied().unwrap_or(0));
-            // Every handle names a held block that it is the name of (the counts then match).
-            assert_eq!(h.by_handle.len(), named.get(&s).copied().unwrap_or(0));
+            // Every exception entry names a held block that it is the name of (the counts then
+            // match), and no entry repeats what the canonical map already answers.
+            assert_eq!(h.named.len(), named.get(&s).copied().unwrap_or(0));
             for &b in h.odd.keys() {
                 assert!(
                     held_blocks.contains(&(s, b)),
@@ -826,103 +905,4 @@ pub fn check_whole_event<B: BlockPair>(
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn blocks(hs: &[u64]) -> Vec<(u64, u64)> {
-        // Handles = local hashes + 1000, so the two spaces differ.
-        hs.iter().map(|&h| (h + 1000, h)).collect()
-    }
-
-    fn matches(t: &Tree, q: &[u64]) -> Vec<(Slot, u32)> {
-        let mut v = vec![];
-        t.find_matches(q, |s, d| v.push((s, d)));
-        v.sort();
-        v
-    }
-
-    #[test]
-    fn store_match_and_split() {
-        let mut t = Tree::new();
-        assert_eq!(t.store(0, None, &blocks(&[1, 2, 3, 4])), Ok(4));
-        assert_eq!(t.store(1, None, &blocks(&[1, 2, 9])), Ok(3));
-        t.check_invariants();
-        assert_eq!(matches(&t, &[1, 2, 3, 4, 5]), vec![(0, 4), (1, 2)]);
-        assert_eq!(matches(&t, &[1, 2, 9]), vec![(0, 2), (1, 3)]);
-        assert_eq!(matches(&t, &[7]), vec![]);
-        // Idempotent.
-        assert_eq!(t.store(0, None, &blocks(&[1, 2, 3])), Ok(0));
-        // Under a parent.
-        assert_eq!(t.store(1, Some(1002), &blocks(&[3])), Ok(1));
-        assert_eq!(matches(&t, &[1, 2, 3, 4]), vec![(0, 4), (1, 3)]);
-        t.check_invariants();
-        assert_eq!(t.held_blocks(), 8);
-    }
-
-    #[test]
-    fn parent_not_found_and_self_reference() {
-        let mut t = Tree::new();
-        assert_eq!(
-            t.store(0, Some(5), &blocks(&[1])),
-            Err(StoreError::ParentNotFound)
-        );
-        assert_eq!(
-            t.store(0, None, &[(1, 1), (1, 2)]),
-            Err(StoreError::SelfReference)
-        );
-        t.store(0, None, &blocks(&[1])).unwrap();
-        assert_eq!(
-            t.store(0, Some(1001), &[(1001, 7)]),
-            Err(StoreError::SelfReference)
-        );
-        assert_eq!(t.held_blocks(), 1);
-    }
-
-    #[test]
-    fn remove_takes_the_subtree_and_merges_back() {
-        let mut t = Tree::new();
-        t.store(0, None, &blocks(&[1, 2, 3, 4])).unwrap();
-        t.store(1, None, &blocks(&[1, 2, 3, 4])).unwrap();
-        t.store(1, Some(1002), &blocks(&[8])).unwrap();
-        t.check_invariants();
-        // Slot 1 drops block 3 and below (4), keeps 1, 2 and 8.
-        assert_eq!(t.remove(1, 1003), Some(2));
-        t.check_invariants();
-        assert_eq!(matches(&t, &[1, 2, 3, 4]), vec![(0, 4), (1, 2)]);
-        assert_eq!(matches(&t, &[1, 2, 8]), vec![(0, 2), (1, 3)]);
-        assert_eq!(t.remove(1, 1003), None, "handle gone with the block");
-        assert_eq!(t.remove(1, 1002), Some(2));
-        t.check_invariants();
-        // Slot 1 keeps [1]; slot 0 keeps [1, 2, 3, 4]: a shared node and one tail.
-        assert_eq!(t.nodes(), 2);
-        assert_eq!(matches(&t, &[1, 2, 3, 4]), vec![(0, 4), (1, 1)]);
-        assert_eq!(t.clear(0), 4);
-        t.check_invariants();
-        assert_eq!(t.nodes(), 1);
-        assert_eq!(t.remove(1, 1001), Some(1));
-        assert_eq!(t.nodes(), 0);
-        assert_eq!(t.unique_blocks(), 0);
-    }
-
-    #[test]
-    fn rebinding_a_block_replaces_its_handle() {
-        let mut t = Tree::new();
-        t.store(0, None, &[(100, 1)]).unwrap();
-        t.store(0, None, &[(200, 1)]).unwrap();
-        t.check_invariants();
-        assert_eq!(t.remove(0, 100), None);
-        assert_eq!(t.remove(0, 200), Some(1));
-    }
-
-    #[test]
-    fn long_paths_compare_in_chunks() {
-        let mut t = Tree::new();
-        let path: Vec<u64> = (1..=300).collect();
-        t.store(0, None, &blocks(&path)).unwrap();
-        let mut q = path.clone();
-        q[150] = 0;
-        assert_eq!(matches(&t, &q), vec![(0, 150)]);
-        assert_eq!(matches(&t, &path), vec![(0, 300)]);
-        assert_eq!(matches(&t, &path[..17]), vec![(0, 17)]);
-    }
-}
+mod tests;
