@@ -8,11 +8,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::config::ServeConfig;
-use kvroute_events::{EventIngestion, IngestConfig};
 use crate::http::{self, AppState, Metrics};
-use kvroute_policy::RegistryScorer;
-use kvroute_policy::PolicyRegistry;
 use kvroute_core::router::Router;
+use kvroute_events::{EventIngestion, IngestConfig};
+use kvroute_policy::PolicyRegistry;
+use kvroute_policy::RegistryScorer;
 
 /// A running server's handles, for embedding (tests, tools).
 pub struct Server {
@@ -125,11 +125,16 @@ pub async fn run(
         let router = router.clone();
         tokio::spawn(async move {
             let mut every = tokio::time::interval(Duration::from_secs(1));
+            let mut trimmer = crate::trim::Trimmer::default();
             loop {
                 every.tick().await;
                 let (expired, blocks) = router.tick(Instant::now());
                 if expired > 0 || blocks > 0 {
                     tracing::debug!(expired, blocks, "maintenance");
+                }
+                let entries: u64 = router.indexer().stats().held_blocks.iter().sum();
+                if trimmer.tick(entries) {
+                    let _ = tokio::task::spawn_blocking(crate::trim::trim).await;
                 }
             }
         })

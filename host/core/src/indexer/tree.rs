@@ -622,6 +622,7 @@ impl Tree {
             }
             removed += self.cut(slot, node, off as usize);
         }
+        self.shrink_if_sparse();
         (removed, unknown)
     }
 
@@ -658,6 +659,12 @@ impl Tree {
         n.edge.truncate(off);
         n.blocks.truncate(off);
         n.handles.truncate(off);
+        // Give back what an edge cut far below its capacity no longer needs.
+        if n.edge.capacity() >= 2 * off + 16 {
+            n.edge.shrink_to_fit();
+            n.blocks.shrink_to_fit();
+            n.handles.shrink_to_fit();
+        }
         h.blocks -= cut;
         self.held -= cut;
         removed + cut
@@ -679,7 +686,20 @@ impl Tree {
             debug_assert!(h.named.is_empty() && h.odd.is_empty() && h.blocks == 0);
             *h = SlotHandles::default();
         }
+        self.shrink_if_sparse();
         removed
+    }
+
+    /// Shrinks the canonical map once it is less than half full (to room for a quarter more than
+    /// it holds), so memory freed by removals goes back to the allocator instead of staying in an
+    /// empty table. The rehash is O(live blocks) and happens only after the map lost half of its
+    /// capacity, so it is amortized over the removals that emptied it; stores must then add at
+    /// least a quarter of the live blocks before it grows again (no shrink/grow flapping).
+    fn shrink_if_sparse(&mut self) {
+        let (len, cap) = (self.canon.len(), self.canon.capacity());
+        if cap >= 1024 && len * 2 < cap {
+            self.canon.shrink_to(len + len / 4);
+        }
     }
 
     /// Takes `slot` out of `start` (which it holds) and every descendant it holds, frees nodes
@@ -840,9 +860,18 @@ impl Tree {
         for (&handle, &b) in &self.canon {
             let (n, off) = self.loc[b as usize];
             let node = &self.nodes[n as usize];
-            assert!(node.live && n != ROOT, "canonical entry of a freed block {b}");
-            assert_eq!(node.blocks[off as usize], b, "canonical entry of a freed block {b}");
-            assert_eq!(node.handles[off as usize], handle, "canonical handle of {b}");
+            assert!(
+                node.live && n != ROOT,
+                "canonical entry of a freed block {b}"
+            );
+            assert_eq!(
+                node.blocks[off as usize], b,
+                "canonical entry of a freed block {b}"
+            );
+            assert_eq!(
+                node.handles[off as usize], handle,
+                "canonical handle of {b}"
+            );
         }
         for (s, h) in self.slots.iter().enumerate() {
             let s = s as Slot;

@@ -26,14 +26,12 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post, put};
 use axum::{Extension, Json};
 
-use kvroute_core::candidate::CandidateKey;
-use kvroute_policy::{PolicyError, PolicyRegistry};
-use kvroute_core::router::{
-    LifecycleError, RouteError, Router,
-};
-use kvroute_core::workers::{SpecError, WorkerSpec};
 use dto::*;
 use error::{ApiError, ApiJson, ApiPath, BodyLimit, NoBody, RawBody};
+use kvroute_core::candidate::CandidateKey;
+use kvroute_core::router::{LifecycleError, RouteError, Router};
+use kvroute_core::workers::{SpecError, WorkerSpec};
+use kvroute_policy::{PolicyError, PolicyRegistry};
 pub use metrics::Metrics;
 use prompt_json::PromptJson;
 
