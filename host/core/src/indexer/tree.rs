@@ -35,6 +35,8 @@
 //! truncates the edge (no split). Consecutive removal handles that fall in one node (an engine
 //! evicting a sequence tail first) cut that node once, at the lowest of their offsets.
 
+use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
+
 use rustc_hash::{FxHashMap, FxHashSet};
 use smallvec::SmallVec;
 
@@ -137,6 +139,9 @@ struct Node {
     children: Children,
     parent: u32,
     live: bool,
+    /// The tree's query clock when a query last reached this node (eviction takes the least
+    /// recently matched first). Written by readers, hence atomic.
+    matched: AtomicU32,
 }
 
 /// One slot's engine handles in one tree: only what the tree-wide canonical map cannot answer.
@@ -230,6 +235,8 @@ pub struct Tree {
     /// a later block stored under the same handle (engines that do not use content hashes) is
     /// named through its slots' `named` maps instead.
     canon: FxHashMap<u64, u32>,
+    /// Queries so far (wrapping): the clock of [`Node::matched`].
+    clock: AtomicU32,
     held: u64,
     /// Scratch space of removals, kept to avoid allocating per event.
     stack: Vec<u32>,
@@ -254,6 +261,7 @@ impl Tree {
             free_blocks: Vec::new(),
             slots: Vec::new(),
             canon: FxHashMap::default(),
+            clock: AtomicU32::new(0),
             held: 0,
             stack: Vec::new(),
             order: Vec::new(),
@@ -421,6 +429,7 @@ impl Tree {
             children: std::mem::take(&mut n.children),
             parent: node,
             live: true,
+            matched: AtomicU32::new(n.matched.load(Relaxed)),
         };
         let first = tail.edge[0];
         let t = self.alloc_node(tail);
@@ -555,6 +564,7 @@ impl Tree {
                             children: Children::default(),
                             parent: node,
                             live: true,
+                            matched: AtomicU32::new(self.clock.load(Relaxed)),
                         });
                         self.nodes[node as usize].children.insert(local, new);
                         new
@@ -758,6 +768,37 @@ impl Tree {
         removed
     }
 
+    /// Takes from `slot` the blocks of its least recently matched leaf (a node it holds with no
+    /// child it holds) — a whole edge, and nothing it holds above. Returns the blocks taken (0 if
+    /// the slot holds nothing here). Costs one walk over the slot's nodes.
+    pub fn evict_least_recent(&mut self, slot: Slot) -> u64 {
+        let now = self.clock.load(Relaxed);
+        let mut stack: Vec<u32> = vec![ROOT];
+        let mut best: Option<(u32, u32)> = None;
+        while let Some(x) = stack.pop() {
+            let mut held_child = false;
+            for c in self.nodes[x as usize].children.nodes() {
+                if self.nodes[c as usize].holders.contains(slot) {
+                    held_child = true;
+                    stack.push(c);
+                }
+            }
+            if x != ROOT && !held_child {
+                // Age on the wrapping clock: larger is older.
+                let age = now.wrapping_sub(self.nodes[x as usize].matched.load(Relaxed));
+                if best.is_none_or(|(_, a)| age > a) {
+                    best = Some((x, age));
+                }
+            }
+        }
+        let Some((leaf, _)) = best else {
+            return 0;
+        };
+        let removed = self.remove_below(slot, leaf);
+        self.shrink_if_sparse();
+        removed
+    }
+
     fn free_node(&mut self, x: u32) {
         debug_assert_eq!(self.nodes[x as usize].children.len(), 0);
         let node = std::mem::take(&mut self.nodes[x as usize]);
@@ -775,6 +816,7 @@ impl Tree {
     /// the first block, with the number of consecutive blocks from the first that it holds.
     #[inline]
     pub fn find_matches(&self, query: &[u64], mut f: impl FnMut(Slot, u32)) {
+        let now = self.clock.fetch_add(1, Relaxed).wrapping_add(1);
         let mut node = ROOT;
         let mut depth = 0usize;
         let mut current: Option<&SlotSet> = None;
@@ -783,6 +825,7 @@ impl Tree {
                 break;
             };
             let child = &self.nodes[c as usize];
+            child.matched.store(now, Relaxed);
             if let Some(prev) = current {
                 prev.for_each_difference(&child.holders, |s| f(s, depth as u32));
             }
