@@ -10,6 +10,7 @@ mod support;
 mod cli;
 mod hostile;
 mod http;
+mod index_memory;
 mod policy_deadlines;
 mod policy_runtime;
 mod python_plugin;

@@ -15,7 +15,7 @@ use kvroute_server::http::error::parse_json;
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
-    let Ok(items) = parse_json::<Vec<serde_json::Value>>(data) else {
+    let Ok(items) = parse_json::<Vec<&serde_json::value::RawValue>>(data) else {
         return;
     };
     let index = Indexer::new();

@@ -55,7 +55,7 @@ use rmp::Marker;
 use xxhash_rust::xxh3::xxh3_64;
 
 use kvroute_core::hashing;
-use kvroute_core::indexer::{KvEventData, StoredBlock, Tier};
+use kvroute_core::indexer::{event_tiers, KvEventData, StoredBlock, Tier};
 
 /// Largest payload decoded; larger ones are dropped (`payload_too_large`). vLLM batches are a few
 /// KiB to a few hundred KiB.
@@ -394,7 +394,8 @@ impl Decoder {
     fn emit(&mut self, f: Fields<'_>, out: &mut Batch) -> Result<(), DropReason> {
         match f.kind_of_event {
             EventKind::Cleared => {
-                for tier in Tier::ALL {
+                // The event names no medium; `event_tiers` expands a clear to every tier.
+                for &tier in event_tiers(&KvEventData::Cleared, Tier::Device) {
                     out.events.push(DecodedEvent {
                         tier,
                         data: KvEventData::Cleared,

@@ -161,6 +161,10 @@ pub struct LimitsSection {
     pub max_taint_len: usize,
     pub max_allowed_worker_ids: usize,
     pub max_request_taints: usize,
+    /// Most (candidate, block) entries the KV index holds over all tiers; past it, the least
+    /// recently matched blocks of the largest holders are evicted (`None`: no cap).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_index_entries: Option<u64>,
 }
 
 impl Default for LimitsSection {
@@ -177,6 +181,7 @@ impl Default for LimitsSection {
             max_taint_len: r.max_taint_len,
             max_allowed_worker_ids: 16_384,
             max_request_taints: 256,
+            max_index_entries: None,
         }
     }
 }
@@ -326,6 +331,9 @@ impl ServeConfig {
             if v == 0 {
                 return Err(format!("{key} must be at least 1"));
             }
+        }
+        if l.max_index_entries == Some(0) {
+            return Err("limits.max_index_entries must be at least 1 (omit it for no cap)".into());
         }
         self.policy_runtime
             .validate()

@@ -14,3 +14,4 @@
 pub mod config;
 pub mod http;
 pub mod serve;
+pub mod trim;

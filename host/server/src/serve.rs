@@ -28,6 +28,9 @@ pub use kvroute_policy::DEFAULT_POLICY_WASM;
 pub fn build(config: &ServeConfig) -> Result<(Arc<Router>, Arc<PolicyRegistry>), String> {
     config.validate()?;
     let router = Arc::new(Router::new(config.router_config())?);
+    router
+        .indexer()
+        .set_max_entries(config.limits.max_index_entries);
     for w in config.register_workers(&router)? {
         tracing::info!(
             worker_id = w.worker_id,
@@ -67,6 +70,7 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send + 'static,
     on_listening: impl FnOnce(SocketAddr),
 ) -> Result<(), String> {
+    crate::trim::configure();
     let (router, policies) = build(&config)?;
     let _watcher = match &config.policy_dir {
         // What the directory holds is loaded before the server listens, so /readyz never
@@ -125,11 +129,16 @@ pub async fn run(
         let router = router.clone();
         tokio::spawn(async move {
             let mut every = tokio::time::interval(Duration::from_secs(1));
+            let mut trimmer = crate::trim::Trimmer::default();
             loop {
                 every.tick().await;
                 let (expired, blocks) = router.tick(Instant::now());
                 if expired > 0 || blocks > 0 {
                     tracing::debug!(expired, blocks, "maintenance");
+                }
+                let entries: u64 = router.indexer().stats().held_blocks.iter().sum();
+                if trimmer.tick(entries) {
+                    let _ = tokio::task::spawn_blocking(crate::trim::trim).await;
                 }
             }
         })

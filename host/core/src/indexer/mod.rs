@@ -40,6 +40,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::candidate::{CandidateKey, WorkerId};
 pub use slots::{Slot, SlotSet};
+pub use tree::TreeMemory;
 use tree::{StoreError, Tree};
 
 /// Most blocks (or removal handles) applied under one write-lock acquisition.
@@ -103,6 +104,21 @@ pub enum KvEventData {
         block_hashes: Vec<u64>,
     },
     Cleared,
+}
+
+/// The tiers an event with `data`, sent for `tier`, applies to. A clear means "the worker (and
+/// rank) holds nothing" (SPEC §3): every tier, whatever tier the event names. Both ingestion paths
+/// (HTTP `POST /v1/events` and the ZMQ decoder) expand an event through this one function.
+pub fn event_tiers(data: &KvEventData, tier: Tier) -> &'static [Tier] {
+    match data {
+        KvEventData::Cleared => &Tier::ALL,
+        _ => match tier {
+            Tier::Device => &[Tier::Device],
+            Tier::Host => &[Tier::Host],
+            Tier::Disk => &[Tier::Disk],
+            Tier::External => &[Tier::External],
+        },
+    }
 }
 
 /// An event for one candidate and tier.
@@ -206,6 +222,7 @@ struct Counters {
     parent_block_not_found: AtomicU64,
     self_reference: AtomicU64,
     unknown_handles: AtomicU64,
+    evicted: AtomicU64,
 }
 
 /// A snapshot of the indexer's size and counters.
@@ -221,6 +238,8 @@ pub struct IndexStats {
     pub dropped_parent_block_not_found: u64,
     pub dropped_self_reference: u64,
     pub unknown_removal_handles: u64,
+    /// (candidate, block) entries evicted to keep the index under its cap.
+    pub evicted_entries: u64,
 }
 
 #[derive(Debug, Default)]
@@ -266,11 +285,58 @@ impl State {
 pub struct Indexer {
     state: RwLock<State>,
     counters: Counters,
+    /// Most (candidate, block) entries over all tiers; 0 = no cap.
+    max_entries: AtomicU64,
 }
 
 impl Indexer {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// Caps the (candidate, block) entries over all tiers (`None`: no cap). A store that takes
+    /// the index over the cap is applied, then entries are evicted until the index is 1/64 below
+    /// the cap (so eviction runs once per that many stored entries, not on every store): each step
+    /// takes, from the candidate and tier holding the most blocks, its least recently matched
+    /// leaf edge. Each step takes the write lock once, so readers wait at most one step.
+    pub fn set_max_entries(&self, max: Option<u64>) {
+        self.max_entries.store(max.unwrap_or(0), Relaxed);
+    }
+
+    fn enforce_cap(&self) {
+        let cap = self.max_entries.load(Relaxed);
+        if cap == 0 {
+            return;
+        }
+        let held = |s: &State| s.trees.iter().map(Tree::held_blocks).sum::<u64>();
+        if held(&self.state.read()) <= cap {
+            return;
+        }
+        let target = cap - cap / 64;
+        loop {
+            let mut state = self.state.write();
+            if held(&state) <= target {
+                return;
+            }
+            // The largest holder: most blocks in one tier.
+            let mut largest: Option<(usize, Slot, u64)> = None;
+            for (t, tree) in state.trees.iter().enumerate() {
+                for &s in state.slot_of.values() {
+                    let n = tree.slot_blocks(s);
+                    if n > largest.map_or(0, |l| l.2) {
+                        largest = Some((t, s, n));
+                    }
+                }
+            }
+            let Some((t, s, _)) = largest else {
+                return;
+            };
+            let n = state.trees[t].evict_least_recent(s);
+            if n == 0 {
+                return;
+            }
+            self.counters.evicted.fetch_add(n, Relaxed);
+        }
     }
 
     /// The slot of a candidate, allocating one if it has none. Slots stay valid until the
@@ -376,6 +442,7 @@ impl Indexer {
                     );
                     parent = chunk.last().map(|b| b.block_hash);
                 }
+                self.enforce_cap();
             }
             KvEventData::Removed { block_hashes } => {
                 for chunk in block_hashes.chunks(WRITE_CHUNK_BLOCKS) {
@@ -488,7 +555,22 @@ impl Indexer {
             dropped_parent_block_not_found: self.counters.parent_block_not_found.load(Relaxed),
             dropped_self_reference: self.counters.self_reference.load(Relaxed),
             unknown_removal_handles: self.counters.unknown_handles.load(Relaxed),
+            evicted_entries: self.counters.evicted.load(Relaxed),
         }
+    }
+
+    /// Heap bytes of the index by part, all tiers summed, plus the candidate tables (in
+    /// `slot_handles`). Computed from capacities: see [`TreeMemory`].
+    pub fn memory(&self) -> TreeMemory {
+        let state = self.state.read();
+        let mut m = TreeMemory::default();
+        for t in &state.trees {
+            m.add(&t.memory());
+        }
+        m.slot_handles += tree::memory::map_bytes::<(CandidateKey, Slot)>(state.slot_of.capacity())
+            + state.key_of.capacity() * std::mem::size_of::<Option<CandidateKey>>()
+            + state.free_slots.capacity() * std::mem::size_of::<Slot>();
+        m
     }
 
     /// Checks every tree's structural invariants (tests only).
@@ -527,6 +609,90 @@ mod tests {
                     .collect(),
             },
         }
+    }
+
+    #[test]
+    fn a_clear_expands_to_every_tier_other_events_to_their_own() {
+        for t in Tier::ALL {
+            assert_eq!(event_tiers(&KvEventData::Cleared, t), &Tier::ALL);
+            let removed = KvEventData::Removed {
+                block_hashes: vec![1],
+            };
+            assert_eq!(event_tiers(&removed, t), &[t]);
+        }
+    }
+
+    /// Prompt `p` of 40 blocks: 8 shared blocks, then 32 of its own (local hashes; handles are
+    /// local + 1,000,000 as in `stored`).
+    fn prompt(p: u64) -> Vec<u64> {
+        (0..40)
+            .map(|i| if i < 8 { i + 1 } else { p * 1000 + i })
+            .collect()
+    }
+
+    #[test]
+    fn the_cap_holds_evicts_the_largest_least_recent_and_routing_stays_right() {
+        let idx = Indexer::new();
+        idx.set_max_entries(Some(640));
+        let hot = prompt(1);
+        idx.apply(&stored(1, None, &hot)).unwrap();
+        let mut stored_entries = 40u64;
+        for p in 2..60u64 {
+            // Worker 1 stores two of every three prompts: it is the largest holder.
+            let w = if p % 3 == 0 { 2 } else { 1 };
+            let got = idx.apply(&stored(w, None, &prompt(p))).unwrap().stored;
+            stored_entries += got;
+            // The hot prompt is matched between stores.
+            let m = idx.find_matches(&hot);
+            assert!(
+                m.device.contains(&(CandidateKey::new(1, 0), 40)),
+                "hot prompt kept: {m:?}"
+            );
+            let st = idx.stats();
+            let held: u64 = st.held_blocks.iter().sum();
+            assert!(held <= 640, "cap holds: {held}");
+            assert_eq!(
+                stored_entries - held,
+                st.evicted_entries,
+                "evictions counted"
+            );
+            idx.check_invariants();
+        }
+        let st = idx.stats();
+        assert!(st.evicted_entries > 1000, "{st:?}");
+        // Routing is right for what remains: each worker's overlaps over all prompts add up to
+        // exactly the blocks it holds (8 shared blocks once, then each prompt's own).
+        for w in [1, 2] {
+            let key = CandidateKey::new(w, 0);
+            let mut sum = 0u64;
+            for p in 1..60u64 {
+                let d = idx
+                    .find_matches(&prompt(p))
+                    .device
+                    .iter()
+                    .find(|e| e.0 == key)
+                    .map_or(0, |e| u64::from(e.1));
+                sum += d.saturating_sub(8);
+            }
+            let held = idx.candidate_blocks(key)[0];
+            assert!(held >= 8, "the shared prefix is the last to go: {held}");
+            assert_eq!(sum + 8, held, "worker {w}");
+        }
+        // The smaller holder kept more of its own share than an even split would give it.
+        assert!(idx.candidate_blocks(CandidateKey::new(2, 0))[0] > 200);
+    }
+
+    #[test]
+    fn no_cap_evicts_nothing() {
+        let idx = Indexer::new();
+        for p in 1..40u64 {
+            idx.apply(&stored(1, None, &prompt(p))).unwrap();
+        }
+        assert_eq!(idx.stats().evicted_entries, 0);
+        assert_eq!(
+            idx.candidate_blocks(CandidateKey::new(1, 0))[0],
+            8 + 39 * 32
+        );
     }
 
     #[test]

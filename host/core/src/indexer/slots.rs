@@ -67,6 +67,15 @@ impl SlotSet {
             && self.words[..w].iter().all(|&x| x == 0)
     }
 
+    /// Bytes on the heap (zero while the set fits its inline words).
+    pub fn heap_bytes(&self) -> usize {
+        if self.words.spilled() {
+            self.words.capacity() * std::mem::size_of::<u64>()
+        } else {
+            0
+        }
+    }
+
     #[inline]
     pub fn is_empty(&self) -> bool {
         self.words.is_empty()

@@ -35,11 +35,16 @@
 //! truncates the edge (no split). Consecutive removal handles that fall in one node (an engine
 //! evicting a sequence tail first) cut that node once, at the lowest of their offsets.
 
+use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
+
 use rustc_hash::{FxHashMap, FxHashSet};
 use smallvec::SmallVec;
 
 use super::slots::{Slot, SlotSet};
 use super::StoredBlock;
+
+pub(super) mod memory;
+pub use memory::TreeMemory;
 
 const ROOT: u32 = 0;
 /// Children kept in a small inline vector up to this many, in a hash map beyond.
@@ -134,13 +139,18 @@ struct Node {
     children: Children,
     parent: u32,
     live: bool,
+    /// The tree's query clock when a query last reached this node (eviction takes the least
+    /// recently matched first). Written by readers, hence atomic.
+    matched: AtomicU32,
 }
 
-/// One slot's engine handles in one tree.
+/// One slot's engine handles in one tree: only what the tree-wide canonical map cannot answer.
 #[derive(Debug, Default)]
 struct SlotHandles {
-    /// Handle → block id, for every block the slot names.
-    by_handle: FxHashMap<u64, u32>,
+    /// Handle → block id, for the held blocks this slot names by a handle that [`Tree::canon`]
+    /// does not resolve to that block (a non-canonical name, or a canonical handle another block
+    /// took first). Empty when every engine names shared blocks alike.
+    named: FxHashMap<u64, u32>,
     /// Held blocks the slot does not name by their canonical handle: `Some(h)` if it names them
     /// `h`, `None` if it names them by nothing (their handle was moved to another block).
     odd: FxHashMap<u32, Option<u64>>,
@@ -158,40 +168,6 @@ impl SlotHandles {
         self.odd.get(&block).copied().unwrap_or(Some(canonical))
     }
 
-    /// Names `block` (which the slot did not hold) by `handle`.
-    #[inline]
-    fn bind_new(&mut self, block: u32, canonical: u64, handle: u64) {
-        if let Some(old) = self.by_handle.insert(handle, block) {
-            // The handle named another held block, which is now nameless.
-            debug_assert_ne!(old, block);
-            self.odd.insert(old, None);
-        }
-        if handle != canonical {
-            self.odd.insert(block, Some(handle));
-        }
-    }
-
-    /// Names `block` (which the slot holds) by `handle`, dropping the name it had.
-    #[inline]
-    fn rebind(&mut self, block: u32, canonical: u64, handle: u64) {
-        let current = self.name(block, canonical);
-        if current == Some(handle) {
-            return;
-        }
-        if let Some(c) = current {
-            let was = self.by_handle.remove(&c);
-            debug_assert_eq!(was, Some(block));
-        }
-        if let Some(old) = self.by_handle.insert(handle, block) {
-            self.odd.insert(old, None);
-        }
-        if handle == canonical {
-            self.odd.remove(&block);
-        } else {
-            self.odd.insert(block, Some(handle));
-        }
-    }
-
     /// Drops the name of a block leaving the slot.
     #[inline]
     fn unbind(&mut self, block: u32, canonical: u64) {
@@ -201,8 +177,9 @@ impl SlotHandles {
             self.odd.remove(&block).unwrap_or(Some(canonical))
         };
         if let Some(h) = name {
-            let was = self.by_handle.remove(&h);
-            debug_assert_eq!(was, Some(block));
+            if !self.named.is_empty() && self.named.get(&h) == Some(&block) {
+                self.named.remove(&h);
+            }
         }
     }
 }
@@ -253,6 +230,13 @@ pub struct Tree {
     loc: Vec<(u32, u32)>,
     free_blocks: Vec<u32>,
     slots: Vec<SlotHandles>,
+    /// Canonical handle → block id, for live blocks: one entry per distinct block, not per
+    /// (candidate, block) pair. A handle is registered by the first live block stored under it;
+    /// a later block stored under the same handle (engines that do not use content hashes) is
+    /// named through its slots' `named` maps instead.
+    canon: FxHashMap<u64, u32>,
+    /// Queries so far (wrapping): the clock of [`Node::matched`].
+    clock: AtomicU32,
     held: u64,
     /// Scratch space of removals, kept to avoid allocating per event.
     stack: Vec<u32>,
@@ -276,6 +260,8 @@ impl Tree {
             loc: Vec::new(),
             free_blocks: Vec::new(),
             slots: Vec::new(),
+            canon: FxHashMap::default(),
+            clock: AtomicU32::new(0),
             held: 0,
             stack: Vec::new(),
             order: Vec::new(),
@@ -304,9 +290,102 @@ impl Tree {
 
     /// Whether `handle` names a block `slot` holds.
     pub fn has_handle(&self, slot: Slot, handle: u64) -> bool {
-        self.slots
-            .get(slot as usize)
-            .is_some_and(|h| h.by_handle.contains_key(&handle))
+        self.lookup(slot, handle).is_some()
+    }
+
+    /// The block `slot` names `handle`, if it holds one by that name: its own exception map
+    /// first, then the canonical map (the block must be held by the slot and not renamed by it).
+    #[inline]
+    fn lookup(&self, slot: Slot, handle: u64) -> Option<u32> {
+        let h = self.slots.get(slot as usize)?;
+        if !h.named.is_empty() {
+            if let Some(&b) = h.named.get(&handle) {
+                return Some(b);
+            }
+        }
+        let &b = self.canon.get(&handle)?;
+        let (node, _) = self.loc[b as usize];
+        if !self.nodes[node as usize].holders.contains(slot) {
+            return None;
+        }
+        if !h.odd.is_empty() && h.odd.contains_key(&b) {
+            return None;
+        }
+        Some(b)
+    }
+
+    /// Names `block` (which the slot holds from this store on, and did not hold before) by
+    /// `handle`. The slot must already be in the block's holders.
+    #[inline]
+    fn bind_new(&mut self, slot: Slot, block: u32, canonical: u64, handle: u64) {
+        // An earlier block of the same store may have taken this block's canonical handle (the
+        // slot was already among the node's holders): that left a stale mark to drop.
+        let h = &mut self.slots[slot as usize];
+        if !h.odd.is_empty() {
+            h.odd.remove(&block);
+        }
+        let old = self.lookup(slot, handle);
+        let via_canon = handle == canonical && self.canon.get(&handle) == Some(&block);
+        let h = &mut self.slots[slot as usize];
+        if let Some(old) = old.filter(|&o| o != block) {
+            // The handle named another held block, which is now nameless.
+            if h.named.get(&handle) == Some(&old) {
+                h.named.remove(&handle);
+            }
+            h.odd.insert(old, None);
+        }
+        if !via_canon {
+            h.named.insert(handle, block);
+        }
+        if handle != canonical {
+            h.odd.insert(block, Some(handle));
+        }
+    }
+
+    /// Names `block` (which the slot holds) by `handle`, dropping the name it had.
+    #[inline]
+    fn rebind(&mut self, slot: Slot, block: u32, canonical: u64, handle: u64) {
+        let current = self.slots[slot as usize].name(block, canonical);
+        if current == Some(handle) {
+            return;
+        }
+        if let Some(c) = current {
+            let h = &mut self.slots[slot as usize];
+            if h.named.get(&c) == Some(&block) {
+                h.named.remove(&c);
+            }
+            // Named canonically: the odd entry set below stops the canonical map resolving it.
+        }
+        // Mark the block renamed before looking the new handle up, so the look-up cannot find
+        // the block itself through the canonical map.
+        self.slots[slot as usize].odd.insert(block, Some(handle));
+        let old = self.lookup(slot, handle);
+        let via_canon = handle == canonical && self.canon.get(&handle) == Some(&block);
+        let h = &mut self.slots[slot as usize];
+        if let Some(old) = old.filter(|&o| o != block) {
+            if h.named.get(&handle) == Some(&old) {
+                h.named.remove(&handle);
+            }
+            h.odd.insert(old, None);
+        }
+        if handle == canonical {
+            h.odd.remove(&block);
+        }
+        if via_canon {
+            h.named.remove(&handle);
+        } else {
+            h.named.insert(handle, block);
+        }
+    }
+
+    /// Forgets the canonical registrations of blocks being freed.
+    #[inline]
+    fn unregister(canon: &mut FxHashMap<u64, u32>, blocks: &[u32], handles: &[u64]) {
+        for (&b, h) in blocks.iter().zip(handles) {
+            if canon.get(h) == Some(&b) {
+                canon.remove(h);
+            }
+        }
     }
 
     fn handles_mut(&mut self, slot: Slot) -> &mut SlotHandles {
@@ -350,6 +429,7 @@ impl Tree {
             children: std::mem::take(&mut n.children),
             parent: node,
             live: true,
+            matched: AtomicU32::new(n.matched.load(Relaxed)),
         };
         let first = tail.edge[0];
         let t = self.alloc_node(tail);
@@ -412,12 +492,7 @@ impl Tree {
         let (mut node, mut pos) = match parent {
             None => (ROOT, 0usize),
             Some(p) => {
-                let block = self
-                    .slots
-                    .get(slot as usize)
-                    .and_then(|h| h.by_handle.get(&p))
-                    .copied()
-                    .ok_or(StoreError::ParentNotFound)?;
+                let block = self.lookup(slot, p).ok_or(StoreError::ParentNotFound)?;
                 let (n, off) = self.loc[block as usize];
                 (n, off as usize + 1)
             }
@@ -433,7 +508,7 @@ impl Tree {
                 let n = &self.nodes[node as usize];
                 if n.edge[pos] == local {
                     let (b, canonical) = (n.blocks[pos], n.handles[pos]);
-                    self.slots[slot as usize].rebind(b, canonical, blocks[i].handle());
+                    self.rebind(slot, b, canonical, blocks[i].handle());
                     pos += 1;
                     i += 1;
                     continue;
@@ -456,12 +531,11 @@ impl Tree {
                     if m < edge.len() {
                         self.split(c, m);
                     }
-                    let Tree { nodes, slots, .. } = self;
-                    let cn = &mut nodes[c as usize];
-                    cn.holders.insert(slot);
-                    let h = &mut slots[slot as usize];
+                    self.nodes[c as usize].holders.insert(slot);
                     for (j, b) in rest[..m].iter().enumerate() {
-                        h.bind_new(cn.blocks[j], cn.handles[j], b.handle());
+                        let cn = &self.nodes[c as usize];
+                        let (block, canonical) = (cn.blocks[j], cn.handles[j]);
+                        self.bind_new(slot, block, canonical, b.handle());
                     }
                     added += m as u32;
                     i += m;
@@ -490,6 +564,7 @@ impl Tree {
                             children: Children::default(),
                             parent: node,
                             live: true,
+                            matched: AtomicU32::new(self.clock.load(Relaxed)),
                         });
                         self.nodes[node as usize].children.insert(local, new);
                         new
@@ -501,7 +576,8 @@ impl Tree {
                         t.edge.push(b.local());
                         t.blocks.push(id);
                         t.handles.push(b.handle());
-                        self.slots[slot as usize].bind_new(id, b.handle(), b.handle());
+                        self.canon.entry(b.handle()).or_insert(id);
+                        self.bind_new(slot, id, b.handle(), b.handle());
                     }
                     added += rest.len() as u32;
                     i = blocks.len();
@@ -529,7 +605,7 @@ impl Tree {
         }
         let mut i = 0;
         while i < handles.len() {
-            let Some(&block) = self.slots[slot as usize].by_handle.get(&handles[i]) else {
+            let Some(block) = self.lookup(slot, handles[i]) else {
                 unknown += 1;
                 i += 1;
                 continue;
@@ -540,8 +616,7 @@ impl Tree {
             // the node at each; cutting once at the lowest offset removes the same blocks. A block
             // at or past the cut is gone by its handle's turn: unknown then.
             while i < handles.len() {
-                let by_handle = &self.slots[slot as usize].by_handle;
-                let Some(&b) = by_handle.get(&handles[i]) else {
+                let Some(b) = self.lookup(slot, handles[i]) else {
                     break;
                 };
                 let (n, o) = self.loc[b as usize];
@@ -557,6 +632,7 @@ impl Tree {
             }
             removed += self.cut(slot, node, off as usize);
         }
+        self.shrink_if_sparse();
         (removed, unknown)
     }
 
@@ -579,6 +655,7 @@ impl Tree {
             nodes,
             slots,
             free_blocks,
+            canon,
             ..
         } = self;
         let n = &mut nodes[node as usize];
@@ -586,11 +663,18 @@ impl Tree {
         for (&b, &canonical) in n.blocks[off..].iter().zip(&n.handles[off..]) {
             h.unbind(b, canonical);
         }
+        Self::unregister(canon, &n.blocks[off..], &n.handles[off..]);
         free_blocks.extend_from_slice(&n.blocks[off..]);
         let cut = (n.edge.len() - off) as u64;
         n.edge.truncate(off);
         n.blocks.truncate(off);
         n.handles.truncate(off);
+        // Give back what an edge cut far below its capacity no longer needs.
+        if n.edge.capacity() >= 2 * off + 16 {
+            n.edge.shrink_to_fit();
+            n.blocks.shrink_to_fit();
+            n.handles.shrink_to_fit();
+        }
         h.blocks -= cut;
         self.held -= cut;
         removed + cut
@@ -609,10 +693,23 @@ impl Tree {
             removed += self.remove_below(slot, t);
         }
         if let Some(h) = self.slots.get_mut(slot as usize) {
-            debug_assert!(h.by_handle.is_empty() && h.odd.is_empty() && h.blocks == 0);
+            debug_assert!(h.named.is_empty() && h.odd.is_empty() && h.blocks == 0);
             *h = SlotHandles::default();
         }
+        self.shrink_if_sparse();
         removed
+    }
+
+    /// Shrinks the canonical map once it is less than half full (to room for a quarter more than
+    /// it holds), so memory freed by removals goes back to the allocator instead of staying in an
+    /// empty table. The rehash is O(live blocks) and happens only after the map lost half of its
+    /// capacity, so it is amortized over the removals that emptied it; stores must then add at
+    /// least a quarter of the live blocks before it grows again (no shrink/grow flapping).
+    fn shrink_if_sparse(&mut self) {
+        let (len, cap) = (self.canon.len(), self.canon.capacity());
+        if cap >= 1024 && len * 2 < cap {
+            self.canon.shrink_to(len + len / 4);
+        }
     }
 
     /// Takes `slot` out of `start` (which it holds) and every descendant it holds, frees nodes
@@ -671,6 +768,37 @@ impl Tree {
         removed
     }
 
+    /// Takes from `slot` the blocks of its least recently matched leaf (a node it holds with no
+    /// child it holds) — a whole edge, and nothing it holds above. Returns the blocks taken (0 if
+    /// the slot holds nothing here). Costs one walk over the slot's nodes.
+    pub fn evict_least_recent(&mut self, slot: Slot) -> u64 {
+        let now = self.clock.load(Relaxed);
+        let mut stack: Vec<u32> = vec![ROOT];
+        let mut best: Option<(u32, u32)> = None;
+        while let Some(x) = stack.pop() {
+            let mut held_child = false;
+            for c in self.nodes[x as usize].children.nodes() {
+                if self.nodes[c as usize].holders.contains(slot) {
+                    held_child = true;
+                    stack.push(c);
+                }
+            }
+            if x != ROOT && !held_child {
+                // Age on the wrapping clock: larger is older.
+                let age = now.wrapping_sub(self.nodes[x as usize].matched.load(Relaxed));
+                if best.is_none_or(|(_, a)| age > a) {
+                    best = Some((x, age));
+                }
+            }
+        }
+        let Some((leaf, _)) = best else {
+            return 0;
+        };
+        let removed = self.remove_below(slot, leaf);
+        self.shrink_if_sparse();
+        removed
+    }
+
     fn free_node(&mut self, x: u32) {
         debug_assert_eq!(self.nodes[x as usize].children.len(), 0);
         let node = std::mem::take(&mut self.nodes[x as usize]);
@@ -679,6 +807,7 @@ impl Tree {
         self.nodes[node.parent as usize]
             .children
             .remove(node.edge[0]);
+        Self::unregister(&mut self.canon, &node.blocks, &node.handles);
         self.free_blocks.extend_from_slice(&node.blocks);
         self.free_nodes.push(x);
     }
@@ -687,6 +816,7 @@ impl Tree {
     /// the first block, with the number of consecutive blocks from the first that it holds.
     #[inline]
     pub fn find_matches(&self, query: &[u64], mut f: impl FnMut(Slot, u32)) {
+        let now = self.clock.fetch_add(1, Relaxed).wrapping_add(1);
         let mut node = ROOT;
         let mut depth = 0usize;
         let mut current: Option<&SlotSet> = None;
@@ -695,6 +825,7 @@ impl Tree {
                 break;
             };
             let child = &self.nodes[c as usize];
+            child.matched.store(now, Relaxed);
             if let Some(prev) = current {
                 prev.for_each_difference(&child.holders, |s| f(s, depth as u32));
             }
@@ -756,21 +887,41 @@ impl Tree {
                     }
                     if let Some(name) = h.name(b, canonical) {
                         assert_eq!(
-                            h.by_handle.get(&name),
-                            Some(&b),
+                            self.lookup(s, name),
+                            Some(b),
                             "slot {s} names block {b} by {name}"
                         );
-                        *named.entry(s).or_default() += 1;
+                        if self.canon.get(&name) != Some(&b) {
+                            assert_eq!(h.named.get(&name), Some(&b), "exception entry of {b}");
+                            *named.entry(s).or_default() += 1;
+                        }
                     }
                 }
             });
         }
         assert_eq!(held, self.held);
+        for (&handle, &b) in &self.canon {
+            let (n, off) = self.loc[b as usize];
+            let node = &self.nodes[n as usize];
+            assert!(
+                node.live && n != ROOT,
+                "canonical entry of a freed block {b}"
+            );
+            assert_eq!(
+                node.blocks[off as usize], b,
+                "canonical entry of a freed block {b}"
+            );
+            assert_eq!(
+                node.handles[off as usize], handle,
+                "canonical handle of {b}"
+            );
+        }
         for (s, h) in self.slots.iter().enumerate() {
             let s = s as Slot;
             assert_eq!(h.blocks, per_slot.get(&s).copied().unwrap_or(0));
-            // Every handle names a held block that it is the name of (the counts then match).
-            assert_eq!(h.by_handle.len(), named.get(&s).copied().unwrap_or(0));
+            // Every exception entry names a held block that it is the name of (the counts then
+            // match), and no entry repeats what the canonical map already answers.
+            assert_eq!(h.named.len(), named.get(&s).copied().unwrap_or(0));
             for &b in h.odd.keys() {
                 assert!(
                     held_blocks.contains(&(s, b)),
@@ -826,103 +977,4 @@ pub fn check_whole_event<B: BlockPair>(
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn blocks(hs: &[u64]) -> Vec<(u64, u64)> {
-        // Handles = local hashes + 1000, so the two spaces differ.
-        hs.iter().map(|&h| (h + 1000, h)).collect()
-    }
-
-    fn matches(t: &Tree, q: &[u64]) -> Vec<(Slot, u32)> {
-        let mut v = vec![];
-        t.find_matches(q, |s, d| v.push((s, d)));
-        v.sort();
-        v
-    }
-
-    #[test]
-    fn store_match_and_split() {
-        let mut t = Tree::new();
-        assert_eq!(t.store(0, None, &blocks(&[1, 2, 3, 4])), Ok(4));
-        assert_eq!(t.store(1, None, &blocks(&[1, 2, 9])), Ok(3));
-        t.check_invariants();
-        assert_eq!(matches(&t, &[1, 2, 3, 4, 5]), vec![(0, 4), (1, 2)]);
-        assert_eq!(matches(&t, &[1, 2, 9]), vec![(0, 2), (1, 3)]);
-        assert_eq!(matches(&t, &[7]), vec![]);
-        // Idempotent.
-        assert_eq!(t.store(0, None, &blocks(&[1, 2, 3])), Ok(0));
-        // Under a parent.
-        assert_eq!(t.store(1, Some(1002), &blocks(&[3])), Ok(1));
-        assert_eq!(matches(&t, &[1, 2, 3, 4]), vec![(0, 4), (1, 3)]);
-        t.check_invariants();
-        assert_eq!(t.held_blocks(), 8);
-    }
-
-    #[test]
-    fn parent_not_found_and_self_reference() {
-        let mut t = Tree::new();
-        assert_eq!(
-            t.store(0, Some(5), &blocks(&[1])),
-            Err(StoreError::ParentNotFound)
-        );
-        assert_eq!(
-            t.store(0, None, &[(1, 1), (1, 2)]),
-            Err(StoreError::SelfReference)
-        );
-        t.store(0, None, &blocks(&[1])).unwrap();
-        assert_eq!(
-            t.store(0, Some(1001), &[(1001, 7)]),
-            Err(StoreError::SelfReference)
-        );
-        assert_eq!(t.held_blocks(), 1);
-    }
-
-    #[test]
-    fn remove_takes_the_subtree_and_merges_back() {
-        let mut t = Tree::new();
-        t.store(0, None, &blocks(&[1, 2, 3, 4])).unwrap();
-        t.store(1, None, &blocks(&[1, 2, 3, 4])).unwrap();
-        t.store(1, Some(1002), &blocks(&[8])).unwrap();
-        t.check_invariants();
-        // Slot 1 drops block 3 and below (4), keeps 1, 2 and 8.
-        assert_eq!(t.remove(1, 1003), Some(2));
-        t.check_invariants();
-        assert_eq!(matches(&t, &[1, 2, 3, 4]), vec![(0, 4), (1, 2)]);
-        assert_eq!(matches(&t, &[1, 2, 8]), vec![(0, 2), (1, 3)]);
-        assert_eq!(t.remove(1, 1003), None, "handle gone with the block");
-        assert_eq!(t.remove(1, 1002), Some(2));
-        t.check_invariants();
-        // Slot 1 keeps [1]; slot 0 keeps [1, 2, 3, 4]: a shared node and one tail.
-        assert_eq!(t.nodes(), 2);
-        assert_eq!(matches(&t, &[1, 2, 3, 4]), vec![(0, 4), (1, 1)]);
-        assert_eq!(t.clear(0), 4);
-        t.check_invariants();
-        assert_eq!(t.nodes(), 1);
-        assert_eq!(t.remove(1, 1001), Some(1));
-        assert_eq!(t.nodes(), 0);
-        assert_eq!(t.unique_blocks(), 0);
-    }
-
-    #[test]
-    fn rebinding_a_block_replaces_its_handle() {
-        let mut t = Tree::new();
-        t.store(0, None, &[(100, 1)]).unwrap();
-        t.store(0, None, &[(200, 1)]).unwrap();
-        t.check_invariants();
-        assert_eq!(t.remove(0, 100), None);
-        assert_eq!(t.remove(0, 200), Some(1));
-    }
-
-    #[test]
-    fn long_paths_compare_in_chunks() {
-        let mut t = Tree::new();
-        let path: Vec<u64> = (1..=300).collect();
-        t.store(0, None, &blocks(&path)).unwrap();
-        let mut q = path.clone();
-        q[150] = 0;
-        assert_eq!(matches(&t, &q), vec![(0, 150)]);
-        assert_eq!(matches(&t, &path), vec![(0, 300)]);
-        assert_eq!(matches(&t, &path[..17]), vec![(0, 17)]);
-    }
-}
+mod tests;

@@ -204,7 +204,7 @@ pub fn parse_json_object<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiErro
 
 /// Parses JSON bytes into `T`, mapping every failure to a 400 that names the JSON path. Trailing
 /// characters after the value are an error.
-pub fn parse_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
+pub fn parse_json<'a, T: serde::Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, ApiError> {
     if std::str::from_utf8(bytes).is_err() {
         return Err(ApiError::bad_request(
             "invalid_json",

@@ -249,6 +249,16 @@ impl Metrics {
         }
         counter_header(
             &mut out,
+            "kvroute_index_evicted_entries_total",
+            "(Candidate, block) entries evicted to keep the index under limits.max_index_entries.",
+        );
+        let _ = writeln!(
+            out,
+            "kvroute_index_evicted_entries_total {}",
+            stats.evicted_entries
+        );
+        counter_header(
+            &mut out,
             "kvroute_index_unknown_removals_total",
             "Removal handles the index did not hold.",
         );

@@ -8,6 +8,7 @@
 pub mod drain;
 pub mod dto;
 pub mod error;
+mod events;
 pub mod hash;
 pub mod metrics;
 pub mod openapi;
@@ -29,7 +30,6 @@ use axum::{Extension, Json};
 use dto::*;
 use error::{ApiError, ApiJson, ApiPath, BodyLimit, NoBody, RawBody};
 use kvroute_core::candidate::CandidateKey;
-use kvroute_core::indexer::{KvEvent, KvEventData, Tier};
 use kvroute_core::router::Router;
 use kvroute_core::workers::WorkerSpec;
 use kvroute_policy::{PolicyError, PolicyRegistry};
@@ -54,7 +54,7 @@ pub fn app(state: AppState) -> axum::Router {
             "/v1/workers/{worker_id}",
             put(put_worker).patch(patch_worker).delete(delete_worker),
         )
-        .route("/v1/events", post(post_events))
+        .route("/v1/events", post(events::post_events))
         .route(
             "/v1/policies/{name}",
             put(put_policy)
@@ -298,104 +298,6 @@ fn bearer_token(value: &str) -> Option<&str> {
     scheme
         .eq_ignore_ascii_case("bearer")
         .then(|| rest.trim_matches(' '))
-}
-
-// ---- events ------------------------------------------------------------------------------------
-
-async fn post_events(
-    State(s): State<AppState>,
-    headers: HeaderMap,
-    RawBody(body): RawBody,
-) -> Result<Json<EventsResponse>, ApiError> {
-    error::require_json(&headers)?;
-    let items: Vec<serde_json::Value> = error::parse_json(&body)?;
-    if items.len() > s.limits.max_events_per_request {
-        return Err(ApiError::new(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "too_many_events",
-            format!(
-                "{} events in one request; at most {} (limits.max_events_per_request)",
-                items.len(),
-                s.limits.max_events_per_request
-            ),
-        ));
-    }
-    let mut out = EventsResponse {
-        applied: 0,
-        dropped: 0,
-        errors: Vec::new(),
-    };
-    // For events without `dp_rank` (read once per request, not per event).
-    let registry = s.router.registry().snapshot();
-    for (index, item) in items.into_iter().enumerate() {
-        let mut drop = |code: &'static str, message: String| {
-            s.metrics.record_event(code);
-            out.dropped += 1;
-            out.errors.push(EventErrorOut {
-                index,
-                code,
-                message,
-            });
-        };
-        let (env, tier) = match EventEnvelope::read_item(item) {
-            Ok(read) => read,
-            Err((code, message)) => {
-                drop(code, message);
-                continue;
-            }
-        };
-        // Without `dp_rank`, the worker's first rank (its `dp_start`; 0 for an unknown worker,
-        // which the router then reports as unknown).
-        let dp_rank = env.event.dp_rank.unwrap_or_else(|| {
-            registry
-                .workers
-                .get(&env.worker_id)
-                .map_or(0, |w| w.dp_start)
-        });
-        let candidate = CandidateKey::new(env.worker_id, dp_rank);
-        let event_id = env.event.event_id;
-        let data = env.into_data();
-        let result = if let KvEventData::Cleared = data {
-            // SPEC §3: "the worker (and rank) holds nothing": every tier, whatever
-            // `storage_tier` says (as the ZMQ path clears on `AllBlocksCleared`).
-            let mut result = Ok(None);
-            for tier in Tier::ALL {
-                let event = KvEvent {
-                    candidate,
-                    tier,
-                    event_id,
-                    data: KvEventData::Cleared,
-                };
-                result = s.router.apply_event(&event);
-                if !matches!(result, Ok(Some(_))) {
-                    break;
-                }
-            }
-            result
-        } else {
-            s.router.apply_event(&KvEvent {
-                candidate,
-                tier,
-                event_id,
-                data,
-            })
-        };
-        match result {
-            Ok(Some(_)) => {
-                s.metrics.record_event("applied");
-                out.applied += 1;
-            }
-            Ok(None) => drop(
-                "unknown_worker",
-                format!(
-                    "worker {} rank {} is not registered",
-                    candidate.worker_id, candidate.dp_rank
-                ),
-            ),
-            Err(e) => drop(e.code(), e.to_string()),
-        }
-    }
-    Ok(Json(out))
 }
 
 // ---- routing -----------------------------------------------------------------------------------
