@@ -73,6 +73,7 @@
 //! (`IngestConfig::backoff_*`).
 
 pub mod decode;
+pub mod msgpack;
 pub mod subscriber;
 
 use std::collections::HashMap;

@@ -10,7 +10,7 @@ use wasmtime::component::__internal::{CanonicalAbiInfo, InstanceType, InterfaceT
 use wasmtime::component::{ComponentType, Lift, WasmList};
 
 use super::error::FallbackReason;
-use super::instance::Failure;
+use super::failure::Failure;
 
 /// A validated answer of one stage.
 #[derive(Debug)]

@@ -25,6 +25,7 @@ use super::answer::{validate, Answer, RawDecision, EXPECTED_COSTS};
 use super::bindings::kvroute::policy::types::{Candidates, HostContext, LogLevel, Request};
 use super::bindings::{PolicyPlugin, PolicyPluginPre};
 use super::error::FallbackReason;
+pub(crate) use super::failure::{Failure, FailureDetail};
 use super::runtime::RuntimeShared;
 use super::stats::PolicyStats;
 use super::ticker::{CallGuard, GuestActivity};
@@ -335,77 +336,6 @@ pub(crate) fn classify(err: &wasmtime::Error, memory_denied: bool) -> FallbackRe
         FallbackReason::MemoryLimit
     } else {
         FallbackReason::Trap
-    }
-}
-
-/// A failed stage call: the reason counted, and a detail for logs and self-test reports (formatted
-/// only when someone reads it: formatting a trap's backtrace is not free).
-#[derive(Debug)]
-pub(crate) struct Failure {
-    pub reason: FallbackReason,
-    pub detail: FailureDetail,
-    /// Whether the failure is held against the policy (automatic restore). False for a decision
-    /// that found no ready instance while instances were alive: a miss of the host's pool.
-    pub counts: bool,
-}
-
-#[derive(Debug)]
-pub(crate) enum FailureDetail {
-    Message(std::borrow::Cow<'static, str>),
-    Wasm {
-        during: &'static str,
-        error: wasmtime::Error,
-    },
-}
-
-impl std::fmt::Display for FailureDetail {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            FailureDetail::Message(m) => f.write_str(m),
-            FailureDetail::Wasm { during, error } => write!(f, "{during}: {error:#}"),
-        }
-    }
-}
-
-impl FailureDetail {
-    /// One line, without the wasm backtrace: what `PolicyVersion::last_failure` keeps.
-    pub(crate) fn short(&self) -> String {
-        match self {
-            FailureDetail::Message(m) => m.to_string(),
-            FailureDetail::Wasm { during, error } => format!("{during}: {}", error.root_cause()),
-        }
-    }
-}
-
-impl Failure {
-    pub(crate) fn new(
-        reason: FallbackReason,
-        detail: impl Into<std::borrow::Cow<'static, str>>,
-    ) -> Self {
-        Self {
-            reason,
-            detail: FailureDetail::Message(detail.into()),
-            counts: true,
-        }
-    }
-
-    fn wasm(during: &'static str, error: wasmtime::Error, state: &HostState) -> Self {
-        let reason = classify(&error, state.memory_denied);
-        // With a line from the plugin (or a refused grow) the short form says more than the
-        // backtrace; formatting it is only paid on failure.
-        if state.memory_denied || state.last_error_log.is_some() {
-            let message = describe_failure(&error, state);
-            return Self {
-                reason,
-                detail: FailureDetail::Message(format!("{during}: {message}").into()),
-                counts: true,
-            };
-        }
-        Self {
-            reason,
-            detail: FailureDetail::Wasm { during, error },
-            counts: true,
-        }
     }
 }
 
@@ -743,6 +673,29 @@ impl Stage {
                 self.give_back(inst, true);
                 Err(failure)
             }
+        }
+    }
+}
+
+/// A failed call into the guest, told with what the instance saw (a refused grow, the plugin's
+/// last error line).
+impl Failure {
+    pub(crate) fn wasm(during: &'static str, error: wasmtime::Error, state: &HostState) -> Self {
+        let reason = classify(&error, state.memory_denied);
+        // With a line from the plugin (or a refused grow) the short form says more than the
+        // backtrace; formatting it is only paid on failure.
+        if state.memory_denied || state.last_error_log.is_some() {
+            let message = describe_failure(&error, state);
+            return Self {
+                reason,
+                detail: FailureDetail::Message(format!("{during}: {message}").into()),
+                counts: true,
+            };
+        }
+        Self {
+            reason,
+            detail: FailureDetail::Wasm { during, error },
+            counts: true,
         }
     }
 }

@@ -55,6 +55,7 @@ mod bindings;
 mod config;
 pub mod conformance;
 mod error;
+mod failure;
 mod health;
 mod instance;
 mod pipeline;

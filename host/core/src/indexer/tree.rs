@@ -43,88 +43,14 @@ use smallvec::SmallVec;
 use super::slots::{Slot, SlotSet};
 use super::StoredBlock;
 
+mod children;
+mod invariants;
 pub(super) mod memory;
+
+use children::Children;
 pub use memory::TreeMemory;
 
 const ROOT: u32 = 0;
-/// Children kept in a small inline vector up to this many, in a hash map beyond.
-const FEW_CHILDREN: usize = 8;
-
-#[derive(Debug)]
-enum Children {
-    Few(SmallVec<[(u64, u32); 4]>),
-    Many(FxHashMap<u64, u32>),
-}
-
-impl Default for Children {
-    fn default() -> Self {
-        Children::Few(SmallVec::new())
-    }
-}
-
-impl Children {
-    #[inline]
-    fn get(&self, first: u64) -> Option<u32> {
-        match self {
-            Children::Few(v) => v.iter().find(|(h, _)| *h == first).map(|&(_, n)| n),
-            Children::Many(m) => m.get(&first).copied(),
-        }
-    }
-
-    fn insert(&mut self, first: u64, node: u32) {
-        match self {
-            Children::Few(v) => {
-                if let Some(e) = v.iter_mut().find(|(h, _)| *h == first) {
-                    e.1 = node;
-                } else if v.len() < FEW_CHILDREN {
-                    v.push((first, node));
-                } else {
-                    let mut m: FxHashMap<u64, u32> = v.drain(..).collect();
-                    m.insert(first, node);
-                    *self = Children::Many(m);
-                }
-            }
-            Children::Many(m) => {
-                m.insert(first, node);
-            }
-        }
-    }
-
-    fn remove(&mut self, first: u64) {
-        match self {
-            Children::Few(v) => v.retain(|(h, _)| *h != first),
-            Children::Many(m) => {
-                m.remove(&first);
-            }
-        }
-    }
-
-    fn len(&self) -> usize {
-        match self {
-            Children::Few(v) => v.len(),
-            Children::Many(m) => m.len(),
-        }
-    }
-
-    fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    fn nodes(&self) -> SmallVec<[u32; 8]> {
-        match self {
-            Children::Few(v) => v.iter().map(|&(_, n)| n).collect(),
-            Children::Many(m) => m.values().copied().collect(),
-        }
-    }
-
-    fn only(&self) -> Option<u32> {
-        match self {
-            Children::Few(v) if v.len() == 1 => Some(v[0].1),
-            Children::Many(m) if m.len() == 1 => m.values().next().copied(),
-            _ => None,
-        }
-    }
-}
 
 #[derive(Debug, Default)]
 struct Node {
@@ -839,95 +765,6 @@ impl Tree {
         }
         if let Some(prev) = current {
             prev.for_each(|s| f(s, depth as u32));
-        }
-    }
-
-    /// Checks the structural invariants (tests only): holder subsets, no empty live node, no
-    /// mergeable pair, block table and handle maps consistent, counters right.
-    #[cfg(any(test, feature = "invariants"))]
-    pub fn check_invariants(&self) {
-        let mut held = 0u64;
-        let mut per_slot: FxHashMap<Slot, u64> = FxHashMap::default();
-        let mut named: FxHashMap<Slot, usize> = FxHashMap::default();
-        let mut held_blocks: FxHashSet<(Slot, u32)> = FxHashSet::default();
-        for (id, n) in self.nodes.iter().enumerate() {
-            if !n.live || id == ROOT as usize {
-                continue;
-            }
-            assert!(!n.holders.is_empty(), "live node {id} without holders");
-            assert_eq!(n.edge.len(), n.blocks.len());
-            assert_eq!(n.edge.len(), n.handles.len());
-            assert!(!n.edge.is_empty());
-            let p = &self.nodes[n.parent as usize];
-            assert!(p.live);
-            assert_eq!(
-                p.children.get(n.edge[0]),
-                Some(id as u32),
-                "parent link of {id}"
-            );
-            if n.parent != ROOT {
-                let mut extra = false;
-                n.holders.for_each(|s| extra |= !p.holders.contains(s));
-                assert!(!extra, "holders of {id} not a subset of its parent's");
-                if p.children.len() == 1 {
-                    assert_ne!(p.holders, n.holders, "mergeable pair {} -> {id}", n.parent);
-                }
-            }
-            for (j, &b) in n.blocks.iter().enumerate() {
-                assert_eq!(self.loc[b as usize], (id as u32, j as u32));
-            }
-            n.holders.for_each(|s| {
-                *per_slot.entry(s).or_default() += n.blocks.len() as u64;
-                held += n.blocks.len() as u64;
-                let h = &self.slots[s as usize];
-                for (&b, &canonical) in n.blocks.iter().zip(&n.handles) {
-                    held_blocks.insert((s, b));
-                    if let Some(Some(o)) = h.odd.get(&b) {
-                        assert_ne!(*o, canonical, "odd name of block {b} is its canonical one");
-                    }
-                    if let Some(name) = h.name(b, canonical) {
-                        assert_eq!(
-                            self.lookup(s, name),
-                            Some(b),
-                            "slot {s} names block {b} by {name}"
-                        );
-                        if self.canon.get(&name) != Some(&b) {
-                            assert_eq!(h.named.get(&name), Some(&b), "exception entry of {b}");
-                            *named.entry(s).or_default() += 1;
-                        }
-                    }
-                }
-            });
-        }
-        assert_eq!(held, self.held);
-        for (&handle, &b) in &self.canon {
-            let (n, off) = self.loc[b as usize];
-            let node = &self.nodes[n as usize];
-            assert!(
-                node.live && n != ROOT,
-                "canonical entry of a freed block {b}"
-            );
-            assert_eq!(
-                node.blocks[off as usize], b,
-                "canonical entry of a freed block {b}"
-            );
-            assert_eq!(
-                node.handles[off as usize], handle,
-                "canonical handle of {b}"
-            );
-        }
-        for (s, h) in self.slots.iter().enumerate() {
-            let s = s as Slot;
-            assert_eq!(h.blocks, per_slot.get(&s).copied().unwrap_or(0));
-            // Every exception entry names a held block that it is the name of (the counts then
-            // match), and no entry repeats what the canonical map already answers.
-            assert_eq!(h.named.len(), named.get(&s).copied().unwrap_or(0));
-            for &b in h.odd.keys() {
-                assert!(
-                    held_blocks.contains(&(s, b)),
-                    "odd entry of unheld block {b}"
-                );
-            }
         }
     }
 }

@@ -357,7 +357,7 @@ impl EventEnvelope {
     pub fn read_item(
         item: &serde_json::value::RawValue,
     ) -> Result<(Self, Tier), (&'static str, String)> {
-        let env = super::events::parse_event(item).map_err(|m| ("invalid_event", m))?;
+        let env = parse_event(item).map_err(|m| ("invalid_event", m))?;
         match env.tier() {
             Ok(tier) => Ok((env, tier)),
             Err((field, message)) => Err(("unknown_storage_tier", format!("{field}: {message}"))),
@@ -478,6 +478,30 @@ pub struct OverlapResponse {
     pub block_size: u32,
     pub num_blocks: u32,
     pub workers: Vec<OverlapWorker>,
+}
+
+/// One event, typed straight from its text. The message is `"{path}: {reason}"`, the reason
+/// without serde_json's `at line L column C` suffix (positions inside one event's slice would
+/// mislead; the index and path locate it).
+pub(super) fn parse_event(raw: &serde_json::value::RawValue) -> Result<EventEnvelope, String> {
+    let mut de = serde_json::Deserializer::from_str(raw.get());
+    serde_path_to_error::deserialize(&mut de).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        format!("{path}: {}", without_position(&inner))
+    })
+}
+
+fn without_position(e: &serde_json::Error) -> String {
+    let text = e.to_string();
+    if e.line() == 0 {
+        return text;
+    }
+    let suffix = format!(" at line {} column {}", e.line(), e.column());
+    match text.strip_suffix(&suffix) {
+        Some(t) => t.to_string(),
+        None => text,
+    }
 }
 
 #[cfg(test)]

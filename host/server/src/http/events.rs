@@ -114,33 +114,10 @@ pub(super) async fn post_events(
     Ok(Json(out))
 }
 
-/// One event, typed straight from its text. The message is `"{path}: {reason}"`, the reason
-/// without serde_json's `at line L column C` suffix (positions inside one event's slice would
-/// mislead; the index and path locate it).
-pub(super) fn parse_event(raw: &RawValue) -> Result<EventEnvelope, String> {
-    let mut de = serde_json::Deserializer::from_str(raw.get());
-    serde_path_to_error::deserialize(&mut de).map_err(|e| {
-        let path = e.path().to_string();
-        let inner = e.into_inner();
-        format!("{path}: {}", without_position(&inner))
-    })
-}
-
-fn without_position(e: &serde_json::Error) -> String {
-    let text = e.to_string();
-    if e.line() == 0 {
-        return text;
-    }
-    let suffix = format!(" at line {} column {}", e.line(), e.column());
-    match text.strip_suffix(&suffix) {
-        Some(t) => t.to_string(),
-        None => text,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::http::dto::parse_event;
 
     fn raw(s: &str) -> &RawValue {
         serde_json::from_str(s).unwrap()
