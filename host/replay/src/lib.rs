@@ -226,6 +226,9 @@ pub struct ReplayOptions {
     /// Settings of the router; its block size is forced to the workers'. Its `rng_seed` is
     /// `Some(0)` by default here (repeatable); `None` gives an OS-seeded generator.
     pub router: RouterConfig,
+    /// A cap on the router's index entries (`limits.max_index_entries` of `kvroute serve`): what
+    /// routing quality a cap below the working set costs.
+    pub max_index_entries: Option<u64>,
 }
 
 impl Default for ReplayOptions {
@@ -237,6 +240,7 @@ impl Default for ReplayOptions {
                 rng_seed: Some(0),
                 ..RouterConfig::default()
             },
+            max_index_entries: None,
         }
     }
 }
@@ -254,6 +258,7 @@ pub fn run_policy(
         ..opts.router.clone()
     })
     .map_err(|e| anyhow!("router: {e}"))?;
+    router.indexer().set_max_entries(opts.max_index_entries);
     // Keep the registry alive for the whole run (its maintenance thread serves the scorer).
     let mut _registry: Option<Arc<PolicyRegistry>> = None;
     match policy {
@@ -282,6 +287,20 @@ pub fn run_policy(
         .map_err(|e| anyhow!(e))?;
     let wall = t0.elapsed().as_secs_f64();
     let fallbacks = router.counters.fallbacks.load(Relaxed);
+    let index = router.indexer().stats();
+    tracing::info!(
+        policy = name,
+        index_entries = index.held_blocks.iter().sum::<u64>(),
+        evicted_entries = index.evicted_entries,
+        "index at the end of the run"
+    );
+    if opts.max_index_entries.is_some() {
+        eprintln!(
+            "{name}: index holds {} entries at the end, {} evicted by the cap",
+            index.held_blocks.iter().sum::<u64>(),
+            index.evicted_entries
+        );
+    }
     Ok(PolicyRun::from_output(
         name.to_string(),
         policy.describe(),
@@ -416,6 +435,10 @@ pub struct ReplayArgs {
     /// Skip the plots.
     #[arg(long)]
     pub no_plots: bool,
+    /// Cap the router's index at this many (worker, block) entries, as `limits.max_index_entries`
+    /// does for `kvroute serve` (least recently matched blocks of the largest holders go first).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_index_entries: Option<u64>,
 }
 
 /// The end of the plots' titles: the trace, the fleet and how both were sped up.
@@ -507,6 +530,7 @@ fn cli_run(args: ReplayArgs) -> Result<()> {
             default_temperature: args.temperature,
             ..RouterConfig::default()
         },
+        max_index_entries: args.max_index_entries,
     };
     let runs = run(&trace, &opts, &policies, true)?;
     for r in &runs {
