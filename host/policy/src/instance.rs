@@ -534,9 +534,14 @@ impl Stage {
     /// one here; on the request path the decision falls back at once and the maintenance thread
     /// is asked for another instance.
     fn take(self: &Arc<Self>, inline: bool) -> Result<PluginInstance, Failure> {
-        if let Some(inst) = self.pool.lock().pop() {
-            self.busy.fetch_add(1, Relaxed);
-            return Ok(inst);
+        // `busy` changes only under the pool's lock (here and in `give_back`), so a decision that
+        // finds the pool empty and nothing in use knows no instance is about to come back.
+        {
+            let mut pool = self.pool.lock();
+            if let Some(inst) = pool.pop() {
+                self.busy.fetch_add(1, Relaxed);
+                return Ok(inst);
+            }
         }
         if !inline {
             if !self.growing.swap(true, Relaxed) {
@@ -545,7 +550,8 @@ impl Stage {
             // None pooled but some in use by other decisions: wait for one to come back, at most
             // as long as a decision may run (the deadline and its grace windows, 10 × deadline)
             // — a wait for another decision, never for instantiation.
-            if self.busy.load(Relaxed) > 0 {
+            // Checked again under the lock: one may have come back since the pop above.
+            {
                 let mut pool = self.pool.lock();
                 let until = Instant::now() + self.shared.config.deadline() * 10;
                 while pool.is_empty() && self.busy.load(Relaxed) > 0 {
