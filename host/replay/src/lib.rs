@@ -287,14 +287,8 @@ pub fn run_policy(
         .map_err(|e| anyhow!(e))?;
     let wall = t0.elapsed().as_secs_f64();
     let fallbacks = router.counters.fallbacks.load(Relaxed);
-    let index = router.indexer().stats();
-    tracing::info!(
-        policy = name,
-        index_entries = index.held_blocks.iter().sum::<u64>(),
-        evicted_entries = index.evicted_entries,
-        "index at the end of the run"
-    );
     if opts.max_index_entries.is_some() {
+        let index = router.indexer().stats();
         eprintln!(
             "{name}: index holds {} entries at the end, {} evicted by the cap",
             index.held_blocks.iter().sum::<u64>(),
