@@ -552,3 +552,65 @@ fn policy_specs_parse() {
     assert!(PolicySpec::parse("p.wasm:{not json").is_err());
     assert!(PolicySpec::parse("fancy").is_err());
 }
+
+/// `--max-index-entries` reaches the router's index: the capped run ends at or under the cap,
+/// counts its evictions, records the cap in `results.json`, and loses hit rate against the same
+/// run without a cap (the router forgot blocks the engines still hold).
+#[test]
+fn cli_max_index_entries_caps_the_router_index_and_costs_hit_rate() {
+    let trace = traces_dir().join("synthetic_trace.jsonl");
+    let replay_with = |cap: Option<u64>, tag: &str| {
+        let out = support::temp_dir(&format!("replay-cap-{tag}"));
+        let cap_text = cap.map(|c| c.to_string());
+        let mut args = vec![
+            "replay",
+            "--trace",
+            trace.to_str().unwrap(),
+            "--workers",
+            "4",
+            "--policy",
+            "default",
+            "--max-requests",
+            "1000",
+            "--no-plots",
+            "--out",
+            out.to_str().unwrap(),
+        ];
+        if let Some(c) = &cap_text {
+            args.extend(["--max-index-entries", c.as_str()]);
+        }
+        let o = kvroute(&args);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        numbers(&out)
+    };
+    let free = replay_with(None, "none");
+    assert_eq!(free["max_index_entries"], serde_json::Value::Null);
+    let p = &free["policies"][0];
+    assert_eq!(p["index_evicted_entries"], 0);
+    let held = p["index_entries"].as_u64().expect("index_entries");
+    assert!(
+        held > 1000,
+        "the uncapped index should hold the trace's blocks ({held})"
+    );
+
+    let cap = held / 2;
+    let capped = replay_with(Some(cap), "half");
+    assert_eq!(capped["max_index_entries"], cap);
+    let q = &capped["policies"][0];
+    let held_capped = q["index_entries"].as_u64().unwrap();
+    let evicted = q["index_evicted_entries"].as_u64().unwrap();
+    assert!(
+        held_capped <= cap,
+        "{held_capped} entries held over the cap {cap}"
+    );
+    assert!(evicted > 0, "a cap at half the working set evicts");
+    assert_eq!(q["completed"], p["completed"]);
+    let (hit_free, hit_capped) = (
+        p["token_hit_rate"].as_f64().unwrap(),
+        q["token_hit_rate"].as_f64().unwrap(),
+    );
+    assert!(
+        hit_capped < hit_free,
+        "forgetting half the blocks should cost hit rate: {hit_capped} vs {hit_free}"
+    );
+}

@@ -287,21 +287,12 @@ pub fn run_policy(
         .map_err(|e| anyhow!(e))?;
     let wall = t0.elapsed().as_secs_f64();
     let fallbacks = router.counters.fallbacks.load(Relaxed);
-    if opts.max_index_entries.is_some() {
-        let index = router.indexer().stats();
-        eprintln!(
-            "{name}: index holds {} entries at the end, {} evicted by the cap",
-            index.held_blocks.iter().sum::<u64>(),
-            index.evicted_entries
-        );
-    }
-    Ok(PolicyRun::from_output(
-        name.to_string(),
-        policy.describe(),
-        &out,
-        fallbacks,
-        wall,
-    ))
+    let index = router.indexer().stats();
+    let mut run =
+        PolicyRun::from_output(name.to_string(), policy.describe(), &out, fallbacks, wall);
+    run.result.index_entries = index.held_blocks.iter().sum();
+    run.result.index_evicted_entries = index.evicted_entries;
+    Ok(run)
 }
 
 /// How long a policy's run goes before its progress bar appears.
@@ -533,7 +524,7 @@ fn cli_run(args: ReplayArgs) -> Result<()> {
             r.result.name, r.result.simulated_s, r.result.wall_s
         );
     }
-    let results = Results::new(
+    let mut results = Results::new(
         &trace,
         args.workers,
         &sim,
@@ -542,6 +533,7 @@ fn cli_run(args: ReplayArgs) -> Result<()> {
         args.seed,
         &runs,
     );
+    results.max_index_entries = args.max_index_entries;
     let path = args.out.join("results.json");
     let json = serde_json::to_string_pretty(&results)?;
     std::fs::write(&path, json + "\n")

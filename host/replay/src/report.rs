@@ -87,6 +87,10 @@ pub struct PolicyResult {
     pub policy_fallbacks: u64,
     pub kv_events_applied: u64,
     pub kv_events_rejected: u64,
+    /// (worker, block) entries the router's index held when the run ended.
+    pub index_entries: u64,
+    /// Entries the index evicted to stay under `--max-index-entries` (0 without a cap).
+    pub index_evicted_entries: u64,
     /// Router or worker refusals by code.
     pub errors: std::collections::BTreeMap<String, u64>,
     /// Simulated time from the first arrival to the last event.
@@ -197,6 +201,8 @@ impl PolicyRun {
             policy_fallbacks,
             kv_events_applied: out.kv_events_applied,
             kv_events_rejected: out.kv_events_rejected,
+            index_entries: 0,
+            index_evicted_entries: 0,
             errors,
             simulated_s: span_s,
             wall_s,
@@ -222,6 +228,8 @@ pub struct Results {
     /// Arrival compression applied when loading.
     pub speedup: f64,
     pub max_requests: Option<usize>,
+    /// The router index's entry cap (`--max-index-entries`), or none.
+    pub max_index_entries: Option<u64>,
     /// Seed of the router's random tie-break and sampling (`--seed`).
     pub seed: u64,
     /// Prefix-sharing parameters, for traces whose prompts were synthesized (Azure).
@@ -272,6 +280,7 @@ impl Results {
             worker_config: sim.clone(),
             speedup,
             max_requests,
+            max_index_entries: None,
             seed,
             prefix_synthesis: trace.synthesis,
             definitions: Definitions::default(),
