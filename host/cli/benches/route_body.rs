@@ -1,10 +1,6 @@
 //! Parsing a routing body with a 4,096-token prompt: serde_json alone vs the prompt fast path
 //! (`host/server/src/http/prompt_json.rs`), side by side in one run.
 //!
-//! `prompt_tokens_array_4096/{sse2_blocks,scalar}`: the fast path's token-array reader alone on the
-//! same 4,096-token array (written `, ` and compact), with its 64-byte blocks (SSE2 masks on
-//! x86_64) and with the one-number-at-a-time loop only.
-//!
 //! `cargo bench -p kvroute-host --bench route_body -- --warm-up-time 1 --measurement-time 3`
 
 use std::hint::black_box;
@@ -12,7 +8,7 @@ use std::hint::black_box;
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use kvroute_server::http::dto::RouteBody;
 use kvroute_server::http::error::parse_json_object;
-use kvroute_server::http::prompt_json::{parse_prompt_body, parse_token_array};
+use kvroute_server::http::prompt_json::parse_prompt_body;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
@@ -61,22 +57,5 @@ fn route_body(c: &mut Criterion) {
     }
 }
 
-/// The token-array reader with and without its SSE2 blocks, on the same arrays.
-fn token_array(c: &mut Criterion) {
-    for (name, sep) in [("spaced", ", "), ("compact", ",")] {
-        let array = format!("[{}]", tokens().join(sep)).into_bytes();
-        let expected = parse_token_array(&array, false).expect("a valid array");
-        assert_eq!(parse_token_array(&array, true).as_ref(), Some(&expected));
-        let mut group = c.benchmark_group(format!("prompt_tokens_array_4096_{name}"));
-        group.throughput(Throughput::Bytes(array.len() as u64));
-        for (row, blocks) in [("sse2_blocks", true), ("scalar", false)] {
-            group.bench_function(row, |b| {
-                b.iter(|| black_box(parse_token_array(black_box(&array), blocks).unwrap()))
-            });
-        }
-        group.finish();
-    }
-}
-
-criterion_group!(benches, route_body, token_array);
+criterion_group!(benches, route_body);
 criterion_main!(benches);

@@ -182,11 +182,11 @@ fn scan_members(b: &[u8]) -> Option<Found> {
         }
         i = skip_ws(b, i + 1);
         if name == b"tokens" && found.tokens.is_none() {
-            let (v, len) = parse_int_array::<u32, true>(&b[i..], 10)?;
+            let (v, len) = parse_int_array::<u32>(&b[i..], 10)?;
             found.tokens = Some((v, i..i + len));
             i += len;
         } else if name == b"block_hashes" && found.block_hashes.is_none() {
-            let (v, len) = parse_int_array::<u64, true>(&b[i..], 20)?;
+            let (v, len) = parse_int_array::<u64>(&b[i..], 20)?;
             found.block_hashes = Some((v, i..i + len));
             i += len;
         } else {
@@ -201,28 +201,11 @@ fn scan_members(b: &[u8]) -> Option<Found> {
     }
 }
 
-/// A `tokens` array at the start of `b` read as the fast path does, with its 64-byte blocks
-/// (`blocks`, SSE2 on x86_64) or one number at a time only (the scalar loop), and how many bytes
-/// it took. For the benchmark that compares the two and the fuzz target that checks they agree.
-#[doc(hidden)]
-pub fn parse_token_array(b: &[u8], blocks: bool) -> Option<(Vec<u32>, usize)> {
-    if blocks {
-        parse_int_array::<u32, true>(b, 10)
-    } else {
-        parse_int_array::<u32, false>(b, 10)
-    }
-}
-
 /// Reads the array `[n, n, ...]` of JSON integers of at most `max_digits` digits that fit in `T`
 /// at the start of `b`, and how many bytes it took. `None` for anything else (including numbers
 /// JSON forbids, such as `01`), so that serde reports it. This is the hot part of parsing a
-/// routing body. `BLOCKS` = false never tries [`blocks::read_block`] (the scalar loop alone).
-fn parse_int_array<T: TryFrom<u64>, const BLOCKS: bool>(
-    b: &[u8],
-    max_digits: usize,
-) -> Option<(Vec<T>, usize)> {
-    // `blocks` reads numbers of up to 20 digits (all a u64 can have).
-    debug_assert!(max_digits <= 20, "max_digits {max_digits}");
+/// routing body.
+fn parse_int_array<T: TryFrom<u64>>(b: &[u8], max_digits: usize) -> Option<(Vec<T>, usize)> {
     if b.first() != Some(&b'[') {
         return None;
     }
@@ -241,22 +224,7 @@ fn parse_int_array<T: TryFrom<u64>, const BLOCKS: bool>(
     if b.get(i) == Some(&b']') {
         return Some((done(out), i + 1));
     }
-    // Numbers left for the one-at-a-time loop before the next try of a 64-byte block.
-    let mut scalar_run = 0u32;
     loop {
-        if BLOCKS && scalar_run == 0 {
-            match blocks::read_block(b, i, max_digits, &mut out) {
-                blocks::Block::Read(next) => {
-                    i = skip_ws(b, next);
-                    continue;
-                }
-                blocks::Block::Invalid => return None,
-                // Whitespace other than one space after a comma, the end of the array, a number
-                // of more digits than fit one load: the loop below, for a few numbers.
-                blocks::Block::Unsuited => scalar_run = 8,
-            }
-        }
-        scalar_run = scalar_run.saturating_sub(1);
         let (v, len) = read_integer(b, i, max_digits)?;
         out.push(T::try_from(v).ok()?);
         i += len;
@@ -371,177 +339,6 @@ fn eight_digits(t: u64) -> u64 {
     lo.wrapping_add(hi) >> 32
 }
 
-/// Reading a whole block of numbers per step.
-///
-/// [`read_integer`] reads one number and then looks for where the next one starts, so each
-/// number's position hangs on the previous number's length: the CPU works through a prompt one
-/// token at a time, a chain of some fifteen dependent instructions per token (~22% of a loaded
-/// server's CPU on 4,096-token bodies). Here one pass over 64 bytes turns them into bit masks
-/// (digits, commas, spaces, zeros); every number's start and length come out of the masks, and the
-/// numbers are then read independently of each other, which the CPU overlaps.
-///
-/// A block is taken only when it holds nothing but numbers separated by `,` or `, ` (what JSON
-/// encoders write, compact or Python's default) up to its last comma; anything else (other
-/// whitespace, the end of the array) is left to the one-at-a-time loop, which decides it exactly
-/// as before.
-mod blocks {
-    /// What [`read_block`] did.
-    pub(super) enum Block {
-        /// Read every number before the block's last comma; the index just after that comma.
-        Read(usize),
-        /// Not a block of this shape: read on one number at a time.
-        Unsuited,
-        /// The array is not valid for the fast path (leading zero, too many digits, overflow):
-        /// leave the body to serde, which names the error.
-        Invalid,
-    }
-
-    /// One bit per byte of a 64-byte block (bit `k` = byte `k`).
-    #[derive(Debug, Default, PartialEq, Eq)]
-    pub(super) struct Masks {
-        pub digit: u64,
-        pub comma: u64,
-        pub space: u64,
-        pub zero: u64,
-    }
-
-    /// [`Masks`] with SSE2 (part of every x86_64 CPU): 16 bytes per compare.
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    pub(super) fn masks(chunk: &[u8; 64]) -> Masks {
-        use std::arch::x86_64::*;
-        let mut m = Masks::default();
-        // SAFETY: SSE2 is in the x86_64 baseline, so these intrinsics are always available; each
-        // load reads 16 of `chunk`'s 64 bytes (unaligned loads).
-        unsafe {
-            let zero = _mm_set1_epi8(b'0' as i8);
-            let nine = _mm_set1_epi8(9);
-            let comma = _mm_set1_epi8(b',' as i8);
-            let space = _mm_set1_epi8(b' ' as i8);
-            for k in 0..4 {
-                let v = _mm_loadu_si128(chunk.as_ptr().add(16 * k).cast::<__m128i>());
-                let d = _mm_sub_epi8(v, zero);
-                let is_digit = _mm_cmpeq_epi8(_mm_min_epu8(d, nine), d);
-                let bits = |x: __m128i| u64::from(_mm_movemask_epi8(x) as u16) << (16 * k);
-                m.digit |= bits(is_digit);
-                m.comma |= bits(_mm_cmpeq_epi8(v, comma));
-                m.space |= bits(_mm_cmpeq_epi8(v, space));
-                m.zero |= bits(_mm_cmpeq_epi8(v, zero));
-            }
-        }
-        m
-    }
-
-    #[cfg(not(target_arch = "x86_64"))]
-    #[inline(always)]
-    pub(super) fn masks(chunk: &[u8; 64]) -> Masks {
-        masks_swar(chunk)
-    }
-
-    /// [`Masks`] eight bytes at a time in plain integer arithmetic, for other targets (and the
-    /// reference the SSE2 version is tested against).
-    #[cfg_attr(target_arch = "x86_64", allow(dead_code))]
-    pub(super) fn masks_swar(chunk: &[u8; 64]) -> Masks {
-        use super::{ascii_values, non_digits};
-        const LOW7: u64 = 0x7f7f_7f7f_7f7f_7f7f;
-        const HIGH: u64 = 0x8080_8080_8080_8080;
-        // The high bit of each byte, gathered into the byte's bit of one `u8`.
-        let gather = |high: u64| ((high >> 7).wrapping_mul(0x0102_0408_1020_4080) >> 56) & 0xff;
-        // High bit set in each byte of `w` that equals `c` (exact: no carries between bytes).
-        let equal = |w: u64, c: u8| {
-            let y = w ^ (u64::from(c) * 0x0101_0101_0101_0101);
-            !(((y & LOW7).wrapping_add(LOW7)) | y) & HIGH
-        };
-        let mut m = Masks::default();
-        for k in 0..8 {
-            // Bytes as `ascii_values` has them: a byte equals `c` where it equals `c ^ b'0'`.
-            let t = ascii_values(chunk, 8 * k);
-            m.digit |= gather(!non_digits(t) & HIGH) << (8 * k);
-            m.comma |= gather(equal(t, b',' ^ b'0')) << (8 * k);
-            m.space |= gather(equal(t, b' ' ^ b'0')) << (8 * k);
-            m.zero |= gather(equal(t, 0)) << (8 * k);
-        }
-        m
-    }
-
-    /// The number of `n` (1 to 20) digits at `c[at..]`; `None` when it does not fit in `u64`.
-    /// Reads only inside the number, or 8 bytes from its start when it is shorter than that.
-    #[inline(always)]
-    fn digits(c: &[u8], at: usize, n: usize) -> Option<u64> {
-        use super::{ascii_values as load, eight_digits};
-        // The first `k` digits of an 8-byte load move to its top bytes, zeros (leading zeros)
-        // below; `eight_digits` then reads them as a number of `k` digits.
-        let first = |k: usize| eight_digits(load(c, at) << (8 * (8 - k)));
-        if n <= 8 {
-            Some(first(n))
-        } else if n <= 16 {
-            Some(first(n - 8) * 100_000_000 + eight_digits(load(c, at + n - 8)))
-        } else {
-            let low16 = eight_digits(load(c, at + n - 16)) * 100_000_000
-                + eight_digits(load(c, at + n - 8));
-            first(n - 16)
-                .checked_mul(10_000_000_000_000_000)?
-                .checked_add(low16)
-        }
-    }
-
-    /// Reads the numbers of the 64 bytes at `b[i..]`, where a number starts, that come before the
-    /// block's last comma, into `out`.
-    #[inline(always)]
-    pub(super) fn read_block<T: TryFrom<u64>>(
-        b: &[u8],
-        i: usize,
-        max_digits: usize,
-        out: &mut Vec<T>,
-    ) -> Block {
-        // The block, and 8 bytes more so that a short number near its end loads whole.
-        let Some(c) = b.get(i..i + 72) else {
-            return Block::Unsuited;
-        };
-        let m = masks(c[..64].try_into().expect("64 bytes"));
-        if m.digit & 1 == 0 || m.comma == 0 {
-            return Block::Unsuited;
-        }
-        let last = 63 - m.comma.leading_zeros() as usize;
-        let before = (1u64 << last) - 1;
-        let through = before | (1 << last);
-        if !(m.digit | m.comma | m.space) & through != 0 {
-            return Block::Unsuited;
-        }
-        // Separators are `,` or `, `: a comma comes right after a digit and before a digit or
-        // a space, a space right after a comma and before a digit. Anything else (`1 , 2`,
-        // `1,,2`) is for the general loop to accept or refuse.
-        let after_digit = m.digit << 1;
-        let odd = (m.comma & !after_digit) & through
-            | (m.comma & !((m.digit | m.space) >> 1)) & before
-            | (m.space & !(m.comma << 1)) & before
-            | (m.space & !(m.digit >> 1)) & before;
-        if odd != 0 {
-            return Block::Unsuited;
-        }
-        // Each number before the last comma ends inside the block.
-        let starts = m.digit & !after_digit & before;
-        if starts & m.zero & (m.digit >> 1) != 0 {
-            return Block::Invalid; // a leading zero
-        }
-        out.reserve(starts.count_ones() as usize);
-        let mut rest = starts;
-        while rest != 0 {
-            let at = rest.trailing_zeros() as usize;
-            rest &= rest - 1;
-            let n = (!(m.digit >> at)).trailing_zeros() as usize;
-            if n > max_digits {
-                return Block::Invalid;
-            }
-            match digits(c, at, n).and_then(|v| T::try_from(v).ok()) {
-                Some(v) => out.push(v),
-                None => return Block::Invalid,
-            }
-        }
-        Block::Read(i + last + 1)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -623,16 +420,13 @@ mod tests {
 
     #[test]
     fn reads_integer_arrays() {
-        let read = |b: &[u8]| parse_int_array::<u32, true>(b, 10).map(|(v, _)| v);
-        assert_eq!(parse_int_array::<u32, true>(b"[]", 10), Some((vec![], 2)));
-        assert_eq!(
-            parse_int_array::<u32, true>(b"[ \n ], 7", 10),
-            Some((vec![], 5))
-        );
+        let read = |b: &[u8]| parse_int_array::<u32>(b, 10).map(|(v, _)| v);
+        assert_eq!(parse_int_array::<u32>(b"[]", 10), Some((vec![], 2)));
+        assert_eq!(parse_int_array::<u32>(b"[ \n ], 7", 10), Some((vec![], 5)));
         assert_eq!(read(b"[0]"), Some(vec![0]));
         assert_eq!(read(b"[0, 10, 100]"), Some(vec![0, 10, 100]));
         assert_eq!(
-            parse_int_array::<u32, true>(b"[ 1 ,2,\t3 , 4294967295 ]}", 10),
+            parse_int_array::<u32>(b"[ 1 ,2,\t3 , 4294967295 ]}", 10),
             Some((vec![1, 2, 3, u32::MAX], 24))
         );
         for bad in [
@@ -652,7 +446,7 @@ mod tests {
             b"",
         ] {
             assert_eq!(
-                parse_int_array::<u32, true>(bad, 10),
+                parse_int_array::<u32>(bad, 10),
                 None,
                 "{}",
                 String::from_utf8_lossy(bad)
@@ -666,26 +460,6 @@ mod tests {
         *x ^= *x >> 7;
         *x ^= *x << 17;
         *x
-    }
-
-    #[test]
-    fn block_masks_agree_with_the_portable_ones() {
-        let alphabet = b"0123456789, ,]\n\t:/x\x00\xff\x80";
-        let mut x = 0x1234_5678_9abc_def1;
-        for _ in 0..20_000 {
-            let mut chunk = [0u8; 64];
-            for c in &mut chunk {
-                *c = alphabet[(next(&mut x) % alphabet.len() as u64) as usize];
-            }
-            let m = blocks::masks(&chunk);
-            assert_eq!(m, blocks::masks_swar(&chunk), "{chunk:?}");
-            for (k, &c) in chunk.iter().enumerate() {
-                assert_eq!(m.digit >> k & 1 == 1, c.is_ascii_digit(), "{chunk:?}");
-                assert_eq!(m.comma >> k & 1 == 1, c == b',');
-                assert_eq!(m.space >> k & 1 == 1, c == b' ');
-                assert_eq!(m.zero >> k & 1 == 1, c == b'0');
-            }
-        }
     }
 
     /// A random array of integers of `1..=max_len` digits, with separators drawn from `seps`,
@@ -713,8 +487,8 @@ mod tests {
         out
     }
 
-    /// The block path and the one-at-a-time loop together read exactly what serde reads, for
-    /// arrays long enough to take blocks, compact or spaced, with and without defects.
+    /// The array reader reads exactly what serde reads, for long arrays, compact or spaced, with
+    /// and without defects.
     fn arrays_read_like_serde<T>(max_digits: usize, max_len: u64, seed: u64)
     where
         T: TryFrom<u64> + serde::de::DeserializeOwned + PartialEq + std::fmt::Debug,
@@ -746,7 +520,7 @@ mod tests {
             let with_defects: &[&str] = if round % 3 == 0 { &defects } else { &[] };
             let array = random_array(&mut x, max_len, seps[round % seps.len()], with_defects);
             let body = format!("{array}, \"z\": 1}}");
-            let ours = parse_int_array::<T, true>(body.as_bytes(), max_digits);
+            let ours = parse_int_array::<T>(body.as_bytes(), max_digits);
             let theirs = serde_json::from_str::<Vec<T>>(&array).ok();
             match (&ours, theirs) {
                 (Some((v, len)), Some(w)) => {
@@ -775,7 +549,7 @@ mod tests {
 
     #[test]
     fn long_bodies_agree_with_serde_on_every_byte_flip() {
-        // Long enough that the arrays are read in blocks, so that every flip lands in one.
+        // Long arrays of both kinds, so that flips land inside numbers, separators and keys.
         let tokens: Vec<String> = (0..40u32)
             .map(|t| (t * 7919 % 131_072).to_string())
             .collect();
@@ -909,7 +683,7 @@ mod tests {
             r#"{{"block_hashes": [1], "request_id": "{}"}}"#,
             "x".repeat(1 << 20)
         );
-        let (v, _) = parse_int_array::<u64, true>(&body.as_bytes()[17..], 20).unwrap();
+        let (v, _) = parse_int_array::<u64>(&body.as_bytes()[17..], 20).unwrap();
         assert_eq!(v, vec![1]);
         assert!(v.capacity() <= 66, "capacity {}", v.capacity());
     }
@@ -922,8 +696,7 @@ mod tests {
     }
 
     /// What the fuzz target `prompt_json` asserts, on one body: whatever the fast path accepts
-    /// serde reads the same; with the fallback the answer is serde's, value or error; the array
-    /// reader agrees with and without its 64-byte blocks from every `[`.
+    /// serde reads the same; with the fallback the answer is serde's, value or error.
     fn check_like_the_fuzz_target(body: &[u8]) {
         let slow = parse_json_object::<RouteBody>(body);
         if let Some(fast) = fast_parse::<RouteBody>(body) {
@@ -934,13 +707,6 @@ mod tests {
         }
         let mixed = parse_prompt_body::<RouteBody>(body);
         assert_eq!(format!("{slow:?}"), format!("{mixed:?}"));
-        for (i, _) in body.iter().enumerate().filter(|(_, &b)| b == b'[') {
-            assert_eq!(
-                parse_token_array(&body[i..], true),
-                parse_token_array(&body[i..], false),
-                "at {i}"
-            );
-        }
     }
 
     proptest::proptest! {
