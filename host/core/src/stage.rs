@@ -37,6 +37,22 @@ impl Stage {
 
 impl std::fmt::Display for Stage {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
+        f.pad(self.as_str())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_and_padding() {
+        let names: Vec<String> = [Stage::Aggregated, Stage::Prefill, Stage::Decode]
+            .iter()
+            .map(|s| format!("{s:<10}|"))
+            .collect();
+        // Reports align stage names in columns: the width applies.
+        assert_eq!(names, ["aggregated|", "prefill   |", "decode    |"]);
+        assert_eq!(Stage::default(), Stage::Aggregated);
     }
 }
