@@ -330,81 +330,82 @@ pub fn check(
         });
     }
     let taints = taint_table();
-    let mut rng = SmallRng::seed_from_u64(0x6b76_726f);
-    for (stage, n, s) in STAGES.into_iter().flat_map(|stage| {
-        [1usize, 2, 8, 64, 256, 1024]
-            .into_iter()
-            .flat_map(move |n| Scenario::ALL.map(|s| (stage, n, s)))
-    }) {
-        let (req, cols) = generate(n, s, stage, &mut rng);
-        await_instance(&registry);
-        let decision = registry.decide_at(&req, &cols, &taints, stage);
-        let first = decision.outcome.clone();
-        // What the runtime or the plugin said about a failure (a panic's message).
-        let said = |d: &crate::PolicyDecision| {
-            d.policy
-                .as_ref()
-                .and_then(|p| p.last_failure())
-                .map(|f| format!(": {f}"))
-                .unwrap_or_default()
-        };
-        let name = format!("{n:>4} candidates, {stage:<10}: {}", s.name());
-        let (mut passed, mut detail) = match &first {
-            Outcome::Costs(c) => (
-                true,
-                format!(
-                    "costs, min {:.3}",
-                    c.iter().cloned().fold(f64::INFINITY, f64::min)
-                ),
-            ),
-            Outcome::Pick(i) if declares_scorer => (
-                false,
-                format!(
-                    "pick {i}, but info() declares a scorer: a pipeline would refuse this \
-                         answer (unexpected_pick); declare kind selector or mixed"
-                ),
-            ),
-            Outcome::Pick(i) => (true, format!("pick {i}")),
-            Outcome::Fallback(r) => (
-                false,
-                format!(
-                    "the host would fall back: {}{}",
-                    explain(r.as_str()),
-                    said(&decision)
-                ),
-            ),
-        };
-        if passed && deterministic {
+    // One stream per stage from the same seed: each stage sees the same candidate sets (only the
+    // decode step's base costs differ), and the aggregated ones are those of earlier releases.
+    let mut rngs = STAGES.map(|_| SmallRng::seed_from_u64(0x6b76_726f));
+    for n in [1usize, 2, 8, 64, 256, 1024] {
+        let runs = STAGES.into_iter().enumerate();
+        for (k, stage, s) in runs.flat_map(|(k, stage)| Scenario::ALL.map(|s| (k, stage, s))) {
+            let (req, cols) = generate(n, s, stage, &mut rngs[k]);
             await_instance(&registry);
-            let second = registry.decide_at(&req, &cols, &taints, stage);
-            match &second.outcome {
-                // A failure the second time is that failure, not nondeterminism.
-                Outcome::Fallback(r) => {
-                    passed = false;
-                    detail = format!(
-                        "answered once, then the host would fall back: {}{}",
+            let decision = registry.decide_at(&req, &cols, &taints, stage);
+            let first = decision.outcome.clone();
+            // What the runtime or the plugin said about a failure (a panic's message).
+            let said = |d: &crate::PolicyDecision| {
+                d.policy
+                    .as_ref()
+                    .and_then(|p| p.last_failure())
+                    .map(|f| format!(": {f}"))
+                    .unwrap_or_default()
+            };
+            let name = format!("{n:>4} candidates, {stage:<10}: {}", s.name());
+            let (mut passed, mut detail) = match &first {
+                Outcome::Costs(c) => (
+                    true,
+                    format!(
+                        "costs, min {:.3}",
+                        c.iter().cloned().fold(f64::INFINITY, f64::min)
+                    ),
+                ),
+                Outcome::Pick(i) if declares_scorer => (
+                    false,
+                    format!(
+                        "pick {i}, but info() declares a scorer: a pipeline would refuse this \
+                         answer (unexpected_pick); declare kind selector or mixed"
+                    ),
+                ),
+                Outcome::Pick(i) => (true, format!("pick {i}")),
+                Outcome::Fallback(r) => (
+                    false,
+                    format!(
+                        "the host would fall back: {}{}",
                         explain(r.as_str()),
-                        said(&second)
-                    );
-                }
-                again if *again != first => {
-                    passed = false;
-                    detail = "declares itself deterministic but answered differently for \
+                        said(&decision)
+                    ),
+                ),
+            };
+            if passed && deterministic {
+                await_instance(&registry);
+                let second = registry.decide_at(&req, &cols, &taints, stage);
+                match &second.outcome {
+                    // A failure the second time is that failure, not nondeterminism.
+                    Outcome::Fallback(r) => {
+                        passed = false;
+                        detail = format!(
+                            "answered once, then the host would fall back: {}{}",
+                            explain(r.as_str()),
+                            said(&second)
+                        );
+                    }
+                    again if *again != first => {
+                        passed = false;
+                        detail = "declares itself deterministic but answered differently for \
                                   the same input"
-                        .into();
+                            .into();
+                    }
+                    _ => {}
                 }
-                _ => {}
             }
+            report.results.push(CheckResult {
+                name,
+                passed,
+                detail,
+            });
         }
-        report.results.push(CheckResult {
-            name,
-            passed,
-            detail,
-        });
     }
     report.results.push(stage_preferences(&registry, &taints));
     // Latency at 64 candidates, after a warm-up.
-    let (req, cols) = generate(64, Scenario::RandomLoad, Stage::Aggregated, &mut rng);
+    let (req, cols) = generate(64, Scenario::RandomLoad, Stage::Aggregated, &mut rngs[0]);
     for _ in 0..50 {
         registry.decide(&req, &cols, &taints);
     }
