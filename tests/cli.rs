@@ -71,6 +71,16 @@ fn policy_check_passes_every_shipped_plugin() {
                 text.contains("1024 candidates"),
                 "the suite covers 1,024 candidates: {text}"
             );
+            for stage in ["aggregated", "prefill", "decode"] {
+                assert!(
+                    text.contains(&format!("1024 candidates, {stage:<10}:")),
+                    "the suite covers the {stage} stage: {text}"
+                );
+            }
+            assert!(
+                text.contains("stages: whole prompt cached vs idle"),
+                "the report says what the plugin prefers at each stage: {text}"
+            );
             assert!(text.contains("latency at 64 candidates"), "{text}");
         }
     }

@@ -13,6 +13,7 @@ mod http;
 mod index_memory;
 mod policy_deadlines;
 mod policy_runtime;
+mod policy_stages;
 mod python_plugin;
 mod replay;
 mod sandbox;

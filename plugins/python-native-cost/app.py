@@ -23,7 +23,7 @@ from componentize_py_types import Err
 from wit_world import exports
 from wit_world.imports import host_log, types
 
-ABI_VERSION = 4
+ABI_VERSION = 5
 DEFAULTS = {"prefill_load_scale": 1.0, "host_tier_weight": 0.75, "disk_tier_weight": 0.25}
 
 # Per-instance state lives at module level: componentize-py may create the exported class anew

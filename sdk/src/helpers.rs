@@ -3,7 +3,7 @@
 
 use serde::de::DeserializeOwned;
 
-use crate::{Candidates, Request, Row};
+use crate::{Candidates, Request, Row, Stage};
 
 /// Weights of the native cost (SPEC §7). The defaults are the host's.
 #[derive(Clone, Copy, Debug, PartialEq, serde::Deserialize, serde::Serialize)]
@@ -37,12 +37,21 @@ impl Default for CostWeights {
 /// both overlaps. Summing would credit it twice; here host counts only past the device overlap
 /// and disk only past both: `device + 0.75*(host - device)⁺ + 0.25*(disk - max(device, host))⁺`.
 /// With one tier in use the two formulas agree.
+///
+/// At [`Stage::Decode`] `credit` is 0, as in the host's decode step: the decode worker receives
+/// the KV cache and computes no prompt, so what it holds saves nothing. The request's own prompt
+/// term is then the same for every candidate, and the cost ranks by load alone (prefill work
+/// queued there and KV blocks).
 pub fn native_cost(req: &Request, row: Row<'_>, w: &CostWeights) -> f64 {
     let b = f64::from(req.block_size.max(1));
     let (d, h, k) = (row.device_overlap(), row.host_overlap(), row.disk_overlap());
-    let credit = f64::from(d)
-        + w.host_tier_weight * f64::from(h.saturating_sub(d))
-        + w.disk_tier_weight * f64::from(k.saturating_sub(d.max(h)));
+    let credit = if req.stage == Stage::Decode {
+        0.0
+    } else {
+        f64::from(d)
+            + w.host_tier_weight * f64::from(h.saturating_sub(d))
+            + w.disk_tier_weight * f64::from(k.saturating_sub(d.max(h)))
+    };
     let prefill =
         ((row.active_prefill_tokens() as f64 + f64::from(req.prompt_tokens)) / b - credit).max(0.0);
     let blocks = req.prompt_tokens.div_ceil(req.block_size.max(1));

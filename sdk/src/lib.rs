@@ -33,6 +33,13 @@
 //! keeps answers reproducible). Use [`SplitMix64`] for randomness of your own and
 //! `Request::now_ms` (the router's clock, simulated under `kvroute replay`) for time.
 //!
+//! ## Stages
+//! A disaggregated fleet routes each request twice: to a prefill worker, which computes the prompt
+//! (cache overlap saves work there), then to a decode worker, which receives the KV cache and
+//! decodes (overlap saves nothing; decode load and the transfer matter). [`Request::stage`] says
+//! which of the two a decision ranks, or [`Stage::Aggregated`] for the ordinary one-step decision.
+//! [`native_cost`] follows the host: at [`Stage::Decode`] it gives overlap no credit.
+//!
 //! ## State
 //! One policy value lives per Wasm instance. The host keeps instances for a long time, but it may
 //! replace one at any moment (after a trap or a missed deadline) and every configuration change or
@@ -71,12 +78,73 @@ pub use bindings::kvroute::policy::types::HostContext as WireContext;
 /// The request exactly as it crosses the interface (WIT `record request`). Policies see it as a
 /// [`Request`].
 pub use bindings::kvroute::policy::types::Request as WireRequest;
-/// [`WireRequest`]'s yes-or-no facts ([`Request::ask_only`]).
+/// [`WireRequest`]'s yes-or-no facts ([`Request::ask_only`], [`Request::stage`]).
 pub use bindings::kvroute::policy::types::RequestFlags;
 pub use helpers::*;
 
-/// The ABI version this SDK speaks (`plugin-info.abi-version`).
-pub const ABI_VERSION: u32 = 4;
+/// The ABI version this SDK speaks (`plugin-info.abi-version`): 5, for `kvroute:policy@0.5.0`.
+pub const ABI_VERSION: u32 = 5;
+
+/// Which half of a routing decision the policy ranks (WIT `request-flags`: `prefill`, `decode`,
+/// or neither).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Stage {
+    /// An ordinary one-step decision: the chosen candidate computes the prompt and decodes it.
+    /// Every decision of an aggregated fleet, and a disaggregated request that a bypass rule
+    /// keeps on one worker.
+    #[default]
+    Aggregated,
+    /// The prefill step of a disaggregated decision: the chosen candidate computes the prompt and
+    /// sends its KV cache to a decode worker. Rank the prompt's work as for an aggregated
+    /// decision: overlap saves computation here.
+    Prefill,
+    /// The decode step of a disaggregated decision: the chosen candidate receives the prompt's
+    /// KV cache and decodes. It computes no prompt, so overlaps save nothing (the host's base
+    /// cost gives them no credit): rank by decode load, and by the transfer (a preferred taint of
+    /// the KV-transfer domain arrives among [`Request::preferred_taints`] when the operator
+    /// configured one).
+    Decode,
+}
+
+impl Stage {
+    /// The stage's name as the API and the interface spell it: `aggregated`, `prefill`,
+    /// `decode`.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Stage::Aggregated => "aggregated",
+            Stage::Prefill => "prefill",
+            Stage::Decode => "decode",
+        }
+    }
+
+    /// The stage the flags name; an error when both `prefill` and `decode` are set (the host
+    /// never sends that).
+    pub fn from_flags(flags: RequestFlags) -> Result<Self, String> {
+        let has = |f: RequestFlags| flags.bits() & f.bits() != 0;
+        let (prefill, decode) = (has(RequestFlags::PREFILL), has(RequestFlags::DECODE));
+        match (prefill, decode) {
+            (false, false) => Ok(Stage::Aggregated),
+            (true, false) => Ok(Stage::Prefill),
+            (false, true) => Ok(Stage::Decode),
+            (true, true) => Err("request flags set both prefill and decode".to_string()),
+        }
+    }
+
+    /// The flags that carry this stage.
+    pub fn flags(self) -> RequestFlags {
+        match self {
+            Stage::Aggregated => RequestFlags::empty(),
+            Stage::Prefill => RequestFlags::PREFILL,
+            Stage::Decode => RequestFlags::DECODE,
+        }
+    }
+}
+
+impl std::fmt::Display for Stage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.pad(self.as_str())
+    }
+}
 
 /// One soft preference of the request: a taint id (see [`Context::taint_name`]) and a weight in
 /// (-1, 1); positive means preferred, negative avoided, 0 neutral.
@@ -103,6 +171,9 @@ pub struct Request {
     /// The client only asks where the request would go (`"book": false`): answer as usual,
     /// but remember nothing from this decision (the API promises that nothing changes).
     pub ask_only: bool,
+    /// Which half of the routing decision this is: [`Stage::Aggregated`] (one step),
+    /// [`Stage::Prefill`] or [`Stage::Decode`] (the two steps of a disaggregated decision).
+    pub stage: Stage,
     /// Soft taint preferences (hard requirements were already applied by the host).
     pub preferred_taints: Vec<PreferredTaint>,
     /// Scheduling priority given by the client (higher = more important); 0 by default.
@@ -141,6 +212,7 @@ impl Request {
             request_blocks: w.prompt_tokens.checked_div(ctx.block_size()).unwrap_or(0),
             block_size: ctx.block_size(),
             ask_only: w.flags.bits() & RequestFlags::ASK_ONLY.bits() != 0,
+            stage: Stage::from_flags(w.flags)?,
             preferred_taints,
             priority: w.priority,
             expected_output_tokens: (w.expected_output_tokens != 0)
@@ -160,9 +232,9 @@ impl Request {
             session_id: self.session_id.clone().unwrap_or_default(),
             prompt_tokens: self.prompt_tokens,
             flags: if self.ask_only {
-                RequestFlags::ASK_ONLY
+                RequestFlags::ASK_ONLY | self.stage.flags()
             } else {
-                RequestFlags::empty()
+                self.stage.flags()
             },
             priority: self.priority,
             expected_output_tokens: self.expected_output_tokens.unwrap_or(0),

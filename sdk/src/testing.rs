@@ -22,11 +22,36 @@
 //! ```
 //! Candidates are described with [`candidate`] (taints by name); the harness builds the columns,
 //! the taint table, and the host's base cost exactly as the host would, then calls your policy.
+//! A request is an aggregated decision unless the test asks for a stage of a disaggregated one
+//! ([`RequestSpec::prefill`], [`RequestSpec::decode`]); at the decode stage the base cost gives
+//! overlap no credit, as the host's does:
+//!
+//! ```
+//! # use kvroute_sdk::testing::{candidate, request, Harness};
+//! # use kvroute_sdk::{Candidates, Context, Decision, Policy, Request, Stage};
+//! #[derive(Default)]
+//! struct CacheThenLoad;
+//! impl Policy for CacheThenLoad {
+//!     fn decide(&mut self, _: &Context, req: &Request, c: &Candidates) -> Decision {
+//!         Decision::Costs(match req.stage {
+//!             // The decode worker computes no prompt: only its load matters.
+//!             Stage::Decode => c.rows().map(|r| r.active_decode_blocks() as f64).collect(),
+//!             Stage::Aggregated | Stage::Prefill => c.base_cost.to_vec(),
+//!         })
+//!     }
+//! }
+//!
+//! let mut h = Harness::<CacheThenLoad>::new();
+//! // 256 tokens = 16 blocks, all cached on worker 1, which also holds 8 decode blocks.
+//! let set = [candidate(1).device_overlap(16).active_decode_blocks(8), candidate(2)];
+//! assert_eq!(h.pick(&request(256).prefill(), &set).worker_id, 1);
+//! assert_eq!(h.pick(&request(256).decode(), &set).worker_id, 2);
+//! ```
 
 use std::cell::RefCell;
 
 use crate::helpers::{native_cost, CostWeights};
-use crate::{Candidates, Context, Decision, LogLevel, Policy, PreferredTaint, Request};
+use crate::{Candidates, Context, Decision, LogLevel, Policy, PreferredTaint, Request, Stage};
 
 thread_local! {
     static LOGS: RefCell<Vec<(LogLevel, String)>> = const { RefCell::new(Vec::new()) };
@@ -127,10 +152,11 @@ pub struct RequestSpec {
     request_id: String,
     now_ms: u64,
     ask_only: bool,
+    stage: Stage,
 }
 
 /// A request with this many prompt tokens, block size 16, no preferences, temperature 0, at
-/// `now_ms` 1,700,000,000,000.
+/// `now_ms` 1,700,000,000,000, for an aggregated (one-step) decision.
 pub fn request(prompt_tokens: u32) -> RequestSpec {
     RequestSpec {
         prompt_tokens,
@@ -143,6 +169,7 @@ pub fn request(prompt_tokens: u32) -> RequestSpec {
         request_id: "test".into(),
         now_ms: 1_700_000_000_000,
         ask_only: false,
+        stage: Stage::Aggregated,
     }
 }
 
@@ -188,6 +215,20 @@ impl RequestSpec {
     pub fn ask_only(mut self) -> Self {
         self.ask_only = true;
         self
+    }
+    /// The stage of the decision ([`Stage::Aggregated`] by default).
+    pub fn stage(mut self, stage: Stage) -> Self {
+        self.stage = stage;
+        self
+    }
+    /// The prefill step of a disaggregated decision ([`Stage::Prefill`]).
+    pub fn prefill(self) -> Self {
+        self.stage(Stage::Prefill)
+    }
+    /// The decode step of a disaggregated decision ([`Stage::Decode`]): the host's base cost
+    /// gives overlap no credit.
+    pub fn decode(self) -> Self {
+        self.stage(Stage::Decode)
     }
     /// Request id.
     pub fn id(mut self, id: &str) -> Self {
@@ -337,6 +378,7 @@ pub fn build(req: &RequestSpec, set: &[CandidateSpec]) -> (Context, Request, Can
         request_blocks: req.prompt_tokens / req.block_size.max(1),
         block_size: req.block_size,
         ask_only: req.ask_only,
+        stage: req.stage,
         preferred_taints: preferred,
         priority: req.priority,
         expected_output_tokens: req.expected_output_tokens,
@@ -537,6 +579,69 @@ mod tests {
                 dp_rank: 2,
                 index: 1
             }
+        );
+    }
+
+    /// Records the request it was given.
+    #[derive(Default)]
+    struct Seen(Option<Request>);
+    impl Policy for Seen {
+        fn decide(&mut self, _: &Context, req: &Request, c: &Candidates) -> Decision {
+            self.0 = Some(req.clone());
+            Decision::Costs(vec![0.0; c.count()])
+        }
+    }
+
+    #[test]
+    fn the_stage_reaches_the_policy_through_the_wire_form() {
+        let mut h = Harness::<Seen>::new();
+        let set = [candidate(1)];
+        for (spec, want) in [
+            (request(64), Stage::Aggregated),
+            (request(64).prefill(), Stage::Prefill),
+            (request(64).decode(), Stage::Decode),
+            (request(64).stage(Stage::Decode).ask_only(), Stage::Decode),
+        ] {
+            h.decide(&spec, &set);
+            let seen = h.policy.0.take().unwrap();
+            assert_eq!(seen.stage, want, "{spec:?}");
+        }
+        // ask-only and the stage are separate facts.
+        h.decide(&request(64).prefill().ask_only(), &set);
+        let seen = h.policy.0.take().unwrap();
+        assert!(seen.ask_only && seen.stage == Stage::Prefill, "{seen:?}");
+        h.decide(&request(64).decode(), &set);
+        assert!(!h.policy.0.take().unwrap().ask_only);
+    }
+
+    #[test]
+    fn both_stage_flags_are_a_malformed_request() {
+        let (ctx, req, set) = build(&request(64), &[candidate(1)]);
+        let wire_set = set.to_wire(&[]);
+        let mut wire = req.to_wire();
+        wire.flags = crate::RequestFlags::PREFILL | crate::RequestFlags::DECODE;
+        let err = Request::from_wire(wire, &wire_set, &ctx).unwrap_err();
+        assert!(err.contains("prefill") && err.contains("decode"), "{err}");
+    }
+
+    #[test]
+    fn the_decode_base_cost_gives_overlap_no_credit() {
+        // 256 tokens = 16 blocks, all cached on worker 1, which also holds more decode blocks.
+        let set = [
+            candidate(1).device_overlap(16).active_decode_blocks(8),
+            candidate(2),
+        ];
+        let base = |spec: &RequestSpec| build(spec, &set).2.base_cost;
+        // Aggregated and prefill: the cache saves 16 blocks of prompt work, worth more than 8
+        // decode blocks.
+        for spec in [request(256), request(256).prefill()] {
+            let b = base(&spec);
+            assert_eq!(b, vec![8.0 + 16.0, 16.0 + 16.0], "{spec:?}");
+        }
+        // Decode: the prompt's 16 blocks cost every candidate the same; load decides.
+        assert_eq!(
+            base(&request(256).decode()),
+            vec![16.0 + 8.0 + 16.0, 16.0 + 16.0]
         );
     }
 

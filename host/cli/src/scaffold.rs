@@ -185,7 +185,7 @@ debug = false
 
 use kvroute_sdk::{{
     parse_config, preferred_multiplier, Candidates, Context, Decision, Policy,
-    Request,
+    Request, Stage,
 }};
 
 /// Configuration: `{{"cache_weight": 1.0}}` (unknown keys are rejected).
@@ -219,11 +219,17 @@ impl Policy for {ident} {{
 
     fn decide(&mut self, _ctx: &Context, req: &Request, c: &Candidates) -> Decision {{
         // Start from the host's native cost, apply the request's preferred taints, and reward
-        // cached blocks a little more. Lower is better.
+        // cached blocks a little more. Lower is better. At the decode step of a disaggregated
+        // decision the worker receives the KV cache and computes no prompt: what it has cached
+        // saves nothing there (the base cost gives it no credit either).
+        let cache_weight = match req.stage {{
+            Stage::Aggregated | Stage::Prefill => self.config.cache_weight,
+            Stage::Decode => 0.0,
+        }};
         Decision::Costs(
             c.rows()
                 .map(|r| {{
-                    let cost = r.base_cost() - self.config.cache_weight * f64::from(r.device_overlap());
+                    let cost = r.base_cost() - cache_weight * f64::from(r.device_overlap());
                     cost * preferred_multiplier(req, r)
                 }})
                 .collect(),
@@ -244,6 +250,17 @@ mod tests {{
         let set = [candidate(1), candidate(2).device_overlap(16)];
         // `pick` names the candidate as `candidate(n)` did: worker 2 holds the cached blocks.
         assert_eq!(h.pick(&request(256), &set).worker_id, 2);
+    }}
+
+    #[test]
+    fn the_decode_step_prefers_the_less_loaded_candidate() {{
+        let mut h = Harness::<{ident}>::new();
+        h.configure(r#"{{"cache_weight": 0.5}}"#).unwrap();
+        // Worker 2 holds the prompt's 16 blocks but decodes 8 more: worth it to compute the
+        // prompt, not to receive its KV cache.
+        let set = [candidate(1), candidate(2).device_overlap(16).active_decode_blocks(8)];
+        assert_eq!(h.pick(&request(256).prefill(), &set).worker_id, 2);
+        assert_eq!(h.pick(&request(256).decode(), &set).worker_id, 1);
     }}
 
     #[test]

@@ -21,7 +21,9 @@ pub mod load;
 pub mod queue;
 pub mod rng;
 pub mod router;
+pub mod stage;
 pub mod workers;
 
 pub use candidate::{CandidateColumns, PolicyRequest};
 pub use candidate::{CandidateKey, DpRank, WorkerId};
+pub use stage::Stage;

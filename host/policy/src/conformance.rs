@@ -2,10 +2,16 @@
 //!
 //! It loads the component exactly as the server would (world and ABI version, `configure`, the
 //! runtime's self-test), then calls it on generated candidate sets the host can produce — 1 to
-//! 1,024 candidates, no taints, many taints, zero costs, huge loads, preferences, sessions — and
-//! checks each answer the way the router does: the right number of costs, all finite, a pick in
-//! range; the same answer twice when the plugin declares itself deterministic; and per-call
+//! 1,024 candidates, no taints, many taints, zero costs, huge loads, preferences, sessions — at
+//! each stage of a decision (aggregated, and the prefill and decode steps of a disaggregated one)
+//! and checks each answer the way the router does: the right number of costs, all finite, a pick
+//! in range; the same answer twice when the plugin declares itself deterministic; and per-call
 //! latency against the deadline. The report says what failed and what to do.
+//!
+//! It also reports, without judging, what the plugin prefers at each stage between a candidate
+//! holding the whole prompt and an idle one: ranking decode candidates by load rather than
+//! overlap is the interface's advice (`wit/policy.wit`, flag `decode`), not a rule the host
+//! enforces, so a plugin that keeps overlap at the decode step (a session's worker, say) passes.
 
 use std::fmt::Write as _;
 use std::sync::Arc;
@@ -17,6 +23,10 @@ use rand::{Rng, SeedableRng};
 use crate::{Outcome, PolicyRegistry, PolicyRuntimeConfig, TaintTable};
 use kvroute_core::candidate::{CandidateColumns, PolicyRequest};
 use kvroute_core::cost::{fill_base_costs, CostWeights};
+use kvroute_core::Stage;
+
+/// The stages every scenario runs at, in this order.
+const STAGES: [Stage; 3] = [Stage::Aggregated, Stage::Prefill, Stage::Decode];
 
 /// One named check and its verdict.
 #[derive(Clone, Debug, PartialEq)]
@@ -125,8 +135,30 @@ fn taint_table() -> TaintTable {
     )
 }
 
-/// Builds a request and candidate columns for a scenario, like the router would.
-fn generate(n: usize, s: Scenario, rng: &mut SmallRng) -> (PolicyRequest, CandidateColumns) {
+/// Fills the base costs as the host does at `stage`: the native cost, with no overlap credit at
+/// the decode step (the decode worker receives the KV cache and computes no prompt).
+fn fill_stage_base_costs(req: &PolicyRequest, c: &mut CandidateColumns, stage: Stage) {
+    if stage != Stage::Decode {
+        fill_base_costs(req, c, &CostWeights::default());
+        return;
+    }
+    let mut uncredited = CandidateColumns {
+        device_overlap: vec![0; c.len()],
+        host_overlap: vec![0; c.len()],
+        disk_overlap: vec![0; c.len()],
+        ..c.clone()
+    };
+    fill_base_costs(req, &mut uncredited, &CostWeights::default());
+    c.base_cost = uncredited.base_cost;
+}
+
+/// Builds a request and candidate columns for a scenario at a stage, like the router would.
+fn generate(
+    n: usize,
+    s: Scenario,
+    stage: Stage,
+    rng: &mut SmallRng,
+) -> (PolicyRequest, CandidateColumns) {
     let block_size = 16;
     // A prompt shorter than a block is common (chat turns, health probes): `request_blocks` is
     // then 0, and a policy dividing by it traps.
@@ -136,7 +168,7 @@ fn generate(n: usize, s: Scenario, rng: &mut SmallRng) -> (PolicyRequest, Candid
         4096
     };
     let mut req = PolicyRequest {
-        request_id: format!("check-{n}-{}", s.name().len()),
+        request_id: format!("check-{n}-{stage}-{}", s.name().len()),
         prompt_tokens,
         request_blocks: prompt_tokens / block_size,
         block_size,
@@ -209,7 +241,7 @@ fn generate(n: usize, s: Scenario, rng: &mut SmallRng) -> (PolicyRequest, Candid
         req.session_id = Some("check-session".into());
         req.expected_output_tokens = Some(256);
     }
-    fill_base_costs(&req, &mut c, &CostWeights::default());
+    fill_stage_base_costs(&req, &mut c, stage);
     if matches!(s, Scenario::ZeroCosts) {
         c.base_cost.iter_mut().for_each(|x| *x = 0.0);
     }
@@ -223,8 +255,10 @@ pub fn check(
     deadline_us: Option<u64>,
 ) -> Result<Report, String> {
     let mut rc = PolicyRuntimeConfig {
-        // The checker wants every failure reported, never the automatic restore.
+        // The checker wants every failure reported, never the automatic restore (by either
+        // rule: a plugin failing one scenario at every stage fails more than a tenth of a window).
         max_consecutive_failures: u32::MAX,
+        failure_window: 0,
         instances_per_stage: 1,
         ..PolicyRuntimeConfig::default()
     };
@@ -296,12 +330,15 @@ pub fn check(
         });
     }
     let taints = taint_table();
-    let mut rng = SmallRng::seed_from_u64(0x6b76_726f);
+    // One stream per stage from the same seed: each stage sees the same candidate sets (only the
+    // decode step's base costs differ), and the aggregated ones are those of earlier releases.
+    let mut rngs = STAGES.map(|_| SmallRng::seed_from_u64(0x6b76_726f));
     for n in [1usize, 2, 8, 64, 256, 1024] {
-        for s in Scenario::ALL {
-            let (req, cols) = generate(n, s, &mut rng);
+        let runs = STAGES.into_iter().enumerate();
+        for (k, stage, s) in runs.flat_map(|(k, stage)| Scenario::ALL.map(|s| (k, stage, s))) {
+            let (req, cols) = generate(n, s, stage, &mut rngs[k]);
             await_instance(&registry);
-            let decision = registry.decide(&req, &cols, &taints);
+            let decision = registry.decide_at(&req, &cols, &taints, stage);
             let first = decision.outcome.clone();
             // What the runtime or the plugin said about a failure (a panic's message).
             let said = |d: &crate::PolicyDecision| {
@@ -311,7 +348,7 @@ pub fn check(
                     .map(|f| format!(": {f}"))
                     .unwrap_or_default()
             };
-            let name = format!("{n:>4} candidates: {}", s.name());
+            let name = format!("{n:>4} candidates, {stage:<10}: {}", s.name());
             let (mut passed, mut detail) = match &first {
                 Outcome::Costs(c) => (
                     true,
@@ -339,7 +376,7 @@ pub fn check(
             };
             if passed && deterministic {
                 await_instance(&registry);
-                let second = registry.decide(&req, &cols, &taints);
+                let second = registry.decide_at(&req, &cols, &taints, stage);
                 match &second.outcome {
                     // A failure the second time is that failure, not nondeterminism.
                     Outcome::Fallback(r) => {
@@ -366,8 +403,9 @@ pub fn check(
             });
         }
     }
+    report.results.push(stage_preferences(&registry, &taints));
     // Latency at 64 candidates, after a warm-up.
-    let (req, cols) = generate(64, Scenario::RandomLoad, &mut rng);
+    let (req, cols) = generate(64, Scenario::RandomLoad, Stage::Aggregated, &mut rngs[0]);
     for _ in 0..50 {
         registry.decide(&req, &cols, &taints);
     }
@@ -405,6 +443,74 @@ pub fn check(
         detail,
     });
     Ok(report)
+}
+
+/// What the plugin picks at each stage between worker 1, which holds the whole prompt and decodes
+/// a little more, and worker 2, idle with nothing cached: the host's native cost picks worker 1
+/// to compute the prompt (aggregated, prefill) and worker 2 to receive the KV cache (decode).
+/// Reported, not judged (see the module documentation), except that a failed answer fails.
+fn stage_preferences(registry: &PolicyRegistry, taints: &TaintTable) -> CheckResult {
+    let block_size = 16;
+    let req = PolicyRequest {
+        request_id: "check-stages".into(),
+        prompt_tokens: 4096,
+        request_blocks: 4096 / block_size,
+        block_size,
+        now_ms: 1_700_000_000_000,
+        ..Default::default()
+    };
+    let cols = CandidateColumns {
+        worker_id: vec![1, 2],
+        dp_rank: vec![0, 0],
+        device_overlap: vec![256, 0],
+        host_overlap: vec![0, 0],
+        disk_overlap: vec![0, 0],
+        active_prefill_tokens: vec![0, 0],
+        active_decode_blocks: vec![128, 0],
+        active_requests: vec![4, 0],
+        active_prompt_blocks: vec![0, 0],
+        total_kv_blocks: vec![16_384, 16_384],
+        max_num_batched_tokens: vec![8_192, 8_192],
+        base_cost: Vec::new(),
+        taint_offsets: vec![0, 0, 0],
+        taint_ids: Vec::new(),
+    };
+    let mut said = Vec::new();
+    let mut failed = None;
+    for stage in STAGES {
+        let mut c = cols.clone();
+        fill_stage_base_costs(&req, &mut c, stage);
+        await_instance(registry);
+        let choice = match registry.decide_at(&req, &c, taints, stage).outcome {
+            Outcome::Costs(costs) if costs.len() == 2 && costs[0] < costs[1] => "the cached one",
+            Outcome::Costs(costs) if costs.len() == 2 && costs[1] < costs[0] => "the idle one",
+            Outcome::Costs(_) => "neither (a tie)",
+            Outcome::Pick(0) => "the cached one",
+            Outcome::Pick(_) => "the idle one",
+            Outcome::Fallback(r) => {
+                failed.get_or_insert(format!(
+                    "{stage}: the host would fall back: {}",
+                    explain(r.as_str())
+                ));
+                "a fallback"
+            }
+        };
+        said.push(format!("{stage}: {choice}"));
+    }
+    let passed = failed.is_none();
+    let detail = match failed {
+        Some(f) => f,
+        None => format!(
+            "{} (the native cost: the cached one to compute the prompt, the idle one at decode, \
+             where overlap earns no credit; advice, not a rule)",
+            said.join(", ")
+        ),
+    };
+    CheckResult {
+        name: "stages: whole prompt cached vs idle".into(),
+        passed,
+        detail,
+    }
 }
 
 /// Waits (up to 5 s) until the active policy has a configured instance ready. A decision that

@@ -20,12 +20,12 @@ use super::stats::PolicyStats;
 use super::ticker::{self, GuestActivity};
 
 /// The `abi-version` this host speaks (`plugin-info.abi-version`).
-pub const ABI_VERSION: u32 = 4;
+pub const ABI_VERSION: u32 = 5;
 /// Longest `plugin-info` name or version accepted (they are listed by `GET /v1/policies` and in
 /// every log line about the policy).
 pub const MAX_INFO_TEXT: usize = 128;
 /// The instance a policy component must export.
-pub const POLICY_EXPORT: &str = "kvroute:policy/policy@0.4.0";
+pub const POLICY_EXPORT: &str = "kvroute:policy/policy@0.5.0";
 
 /// The WASI interfaces answered rather than trapped (any version): an empty environment and a
 /// fixed pseudo-random stream.
@@ -360,7 +360,7 @@ impl PolicyRuntime {
             .map_err(|e| PolicyError::WrongWorld(format!("its imports cannot be linked: {e:#}")))?;
         let pre = linker.instantiate_pre(&component).map_err(|e| {
             PolicyError::WrongWorld(format!(
-                "its imports do not match (only kvroute:policy/host-log@0.4.0 is provided): {e:#}"
+                "its imports do not match (only kvroute:policy/host-log@0.5.0 is provided): {e:#}"
             ))
         })?;
         let pre =

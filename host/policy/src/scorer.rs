@@ -7,6 +7,7 @@ use std::sync::{Arc, Weak};
 use arc_swap::ArcSwap;
 use kvroute_core::candidate::{CandidateColumns, PolicyRequest, TaintTable};
 use kvroute_core::router::{PolicyLabel, Scorer, ScorerDecision, ScorerOutcome};
+use kvroute_core::Stage;
 
 use crate::{Outcome, PolicyRegistry, PolicyVersion};
 
@@ -49,8 +50,9 @@ impl Scorer for RegistryScorer {
         request: &PolicyRequest,
         candidates: &CandidateColumns,
         taints: &TaintTable,
+        stage: Stage,
     ) -> ScorerDecision {
-        let d = self.registry.decide(request, candidates, taints);
+        let d = self.registry.decide_at(request, candidates, taints, stage);
         let label = match &d.policy {
             Some(v) => self.label_of(v),
             None => PolicyLabel::native(),

@@ -7,12 +7,14 @@
 //! costs the host a call into the guest's allocator and because `decide`'s arguments must flatten
 //! to at most 16 values to travel in registers (beyond that, wasmtime stores every field into
 //! guest memory one by one). Packing is a handful of `memcpy`s into buffers reused by the calling
-//! thread, so no decision allocates.
+//! thread, so no decision allocates. The decision's [`Stage`] travels in the request's flags for
+//! the same reason (one 32-bit value whatever flags are set).
 
 use std::cell::RefCell;
 
 use super::bindings::kvroute::policy::types::{Candidates, Request, RequestFlags};
 use kvroute_core::candidate::{CandidateColumns, PolicyRequest};
+use kvroute_core::Stage;
 
 /// Reusable buffers for the packed lists of one decision.
 #[derive(Default)]
@@ -67,11 +69,26 @@ thread_local! {
     static PACKED: RefCell<Packed> = RefCell::new(Packed::default());
 }
 
-/// Calls `f` with the WIT form of one decision: the request and the packed candidate lists (the
-/// columns must be consistent: same lengths, one more taint offset than candidates).
+/// The request's flags: `ask-only`, and the stage (`prefill`, `decode`, or neither for an
+/// aggregated decision).
+pub(crate) fn request_flags(req: &PolicyRequest, stage: Stage) -> RequestFlags {
+    let mut flags = match stage {
+        Stage::Aggregated => RequestFlags::empty(),
+        Stage::Prefill => RequestFlags::PREFILL,
+        Stage::Decode => RequestFlags::DECODE,
+    };
+    if req.ask_only {
+        flags |= RequestFlags::ASK_ONLY;
+    }
+    flags
+}
+
+/// Calls `f` with the WIT form of one decision at `stage`: the request and the packed candidate
+/// lists (the columns must be consistent: same lengths, one more taint offset than candidates).
 pub(crate) fn with_wit_decision<R>(
     req: &PolicyRequest,
     c: &CandidateColumns,
+    stage: Stage,
     f: impl FnOnce(Request<'_>, Candidates<'_>) -> R,
 ) -> R {
     PACKED.with(|cell| {
@@ -92,11 +109,7 @@ pub(crate) fn with_wit_decision<R>(
                 request_id: &req.request_id,
                 session_id: req.session_id.as_deref().unwrap_or(""),
                 prompt_tokens: req.prompt_tokens,
-                flags: if req.ask_only {
-                    RequestFlags::ASK_ONLY
-                } else {
-                    RequestFlags::empty()
-                },
+                flags: request_flags(req, stage),
                 priority: req.priority,
                 expected_output_tokens: req.expected_output_tokens.unwrap_or(0),
                 temperature: req.temperature,
@@ -151,7 +164,7 @@ mod tests {
             now_ms: 5,
             ask_only: true,
         };
-        with_wit_decision(&req, &c, |r, w| {
+        with_wit_decision(&req, &c, Stage::Aggregated, |r, w| {
             assert_eq!(r.flags, RequestFlags::ASK_ONLY);
             assert_eq!(r.session_id, "");
             assert_eq!(r.expected_output_tokens, 0);
@@ -167,8 +180,44 @@ mod tests {
             ask_only: false,
             ..req
         };
-        with_wit_decision(&booked, &c, |r, _| {
+        with_wit_decision(&booked, &c, Stage::Aggregated, |r, _| {
             assert_eq!(r.flags, RequestFlags::empty())
         });
+    }
+
+    #[test]
+    fn the_stage_travels_in_the_flags_beside_ask_only() {
+        let booked = PolicyRequest::default();
+        let asked = PolicyRequest {
+            ask_only: true,
+            ..PolicyRequest::default()
+        };
+        let cases = [
+            (Stage::Aggregated, RequestFlags::empty()),
+            (Stage::Prefill, RequestFlags::PREFILL),
+            (Stage::Decode, RequestFlags::DECODE),
+        ];
+        for (stage, want) in cases {
+            assert_eq!(request_flags(&booked, stage), want, "{stage}");
+            assert_eq!(
+                request_flags(&asked, stage),
+                want | RequestFlags::ASK_ONLY,
+                "{stage}, ask-only"
+            );
+        }
+        // Six distinct values: a policy can always tell the stages and ask-only apart.
+        let all: Vec<RequestFlags> = [false, true]
+            .into_iter()
+            .flat_map(|ask_only| {
+                let req = PolicyRequest {
+                    ask_only,
+                    ..PolicyRequest::default()
+                };
+                cases.map(|(stage, _)| request_flags(&req, stage))
+            })
+            .collect();
+        for (i, a) in all.iter().enumerate() {
+            assert!(all[i + 1..].iter().all(|b| b != a), "{all:?}");
+        }
     }
 }

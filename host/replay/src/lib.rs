@@ -71,6 +71,7 @@ use kvroute_core::router::{
     PolicyLabel, Router, RouterConfig, Scorer, ScorerDecision, ScorerOutcome,
 };
 use kvroute_core::workers::TaintNames;
+use kvroute_core::Stage;
 use kvroute_policy::RegistryScorer;
 use kvroute_policy::{PolicyRegistry, PolicyRuntimeConfig};
 
@@ -203,7 +204,13 @@ impl Default for RoundRobinScorer {
 }
 
 impl Scorer for RoundRobinScorer {
-    fn decide(&self, _: &PolicyRequest, c: &CandidateColumns, _: &TaintNames) -> ScorerDecision {
+    fn decide(
+        &self,
+        _: &PolicyRequest,
+        c: &CandidateColumns,
+        _: &TaintNames,
+        _: Stage,
+    ) -> ScorerDecision {
         let n = c.len().max(1);
         ScorerDecision {
             outcome: ScorerOutcome::Pick(self.next.fetch_add(1, Relaxed) % n),

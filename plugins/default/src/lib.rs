@@ -7,12 +7,20 @@
 //! taken back off), so a preferred candidate wins a tie at 0 while large costs are ordered as
 //! before. `floor` defaults to one block of work.
 //!
+//! Stages (`Request::stage`): an aggregated decision and the prefill step of a disaggregated one
+//! are ranked as above, cache overlap and all. At the decode step the worker receives the KV
+//! cache and computes no prompt, so the policy computes the native cost itself with no overlap
+//! credit (the SDK's `native_cost` at `Stage::Decode`), whatever the `base-cost` column says: it
+//! ranks by load (prefill work queued there, KV blocks held and the prompt's blocks it will hold),
+//! and a candidate never wins the decode step for what it has cached. Preferred taints still apply
+//! (the KV-transfer domain arrives as one when the operator prefers transfers within a domain).
+//!
 //! Configuration (all optional; unknown keys are rejected):
 //! `{"prefill_load_scale": 1.0, "host_tier_weight": 0.75, "disk_tier_weight": 0.25, "preference_floor": 1.0}`
 
 use kvroute_sdk::{
     native_cost, parse_config, preferred_multiplier, Candidates, Context, CostWeights, Decision,
-    Policy, Request,
+    Policy, Request, Stage,
 };
 
 /// The configuration.
@@ -74,7 +82,10 @@ impl Policy for DefaultPolicy {
     }
 
     fn decide(&mut self, _ctx: &Context, req: &Request, c: &Candidates) -> Decision {
-        let host_weights = self.config.weights() == CostWeights::default();
+        // At the decode step, never trust a base cost that might credit overlap: the decode
+        // worker computes no prompt (`native_cost` gives no credit there).
+        let host_weights =
+            self.config.weights() == CostWeights::default() && req.stage != Stage::Decode;
         let floor = self.config.preference_floor;
         let w = self.config.weights();
         Decision::Costs(
@@ -127,6 +138,56 @@ mod tests {
         assert_eq!(h.pick(&request(256).prefer("zone=b", 0.5), &set).index, 1);
         assert_eq!(h.pick(&request(256).prefer("zone=a", 0.5), &set).index, 0);
         assert_eq!(h.pick(&request(256).prefer("zone=a", -0.5), &set).index, 1);
+    }
+
+    #[test]
+    fn the_decode_step_ranks_by_load_not_overlap() {
+        let mut h = Harness::<DefaultPolicy>::new();
+        // 4,096 tokens = 256 blocks. Worker 1 holds all of them but is busier decoding; worker 2
+        // holds nothing and is idle.
+        let set = [
+            candidate(1).device_overlap(256).active_decode_blocks(64),
+            candidate(2),
+        ];
+        // Aggregated and prefill: 256 blocks of prompt work saved beat 64 decode blocks.
+        assert_eq!(h.pick(&request(4096), &set).worker_id, 1);
+        assert_eq!(h.pick(&request(4096).prefill(), &set).worker_id, 1);
+        // Decode: the KV arrives by transfer, the cache saves nothing, the idle worker wins.
+        assert_eq!(h.pick(&request(4096).decode(), &set).worker_id, 2);
+        // Even when the base-cost column credits overlap (a host or pipeline that did), and with
+        // custom weights.
+        let credited = [
+            set[0].clone().base_cost(64.0),
+            set[1].clone().base_cost(512.0),
+        ];
+        assert_eq!(h.pick(&request(4096).decode(), &credited).worker_id, 2);
+        h.configure(r#"{"prefill_load_scale": 2.0}"#).unwrap();
+        assert_eq!(h.pick(&request(4096).decode(), &credited).worker_id, 2);
+        assert_eq!(h.pick(&request(4096).prefill(), &set).worker_id, 1);
+    }
+
+    #[test]
+    fn the_decode_step_weighs_queued_prefill_and_blocks_and_keeps_preferences() {
+        let mut h = Harness::<DefaultPolicy>::new();
+        // Decode costs differ only by load: 1,600 queued prompt tokens (100 blocks of prefill work
+        // on a `both` worker) weigh more than 60 KV blocks.
+        let set = [
+            candidate(1).active_prefill_tokens(1600).device_overlap(256),
+            candidate(2).active_decode_blocks(60),
+        ];
+        let costs = h.costs(&request(4096).decode(), &set);
+        assert!(
+            (costs[0] - costs[1] - 40.0).abs() < 1e-9,
+            "100 prefill blocks vs 60 decode blocks: {costs:?}"
+        );
+        assert_eq!(h.pick(&request(4096).decode(), &set).worker_id, 2);
+        // A preferred KV-transfer domain separates two equally loaded decode workers.
+        let idle = [
+            candidate(1).taints(&["topology/zone=a"]),
+            candidate(2).taints(&["topology/zone=b"]),
+        ];
+        let req = request(4096).decode().prefer("topology/zone=b", 0.5);
+        assert_eq!(h.pick(&req, &idle).worker_id, 2);
     }
 
     #[test]

@@ -24,6 +24,17 @@
 //!   code trace (BENCHMARKS.md: p99 went from +5% to −5% against the native cost); lower values
 //!   favour this request's own latency.
 //!
+//! That is the estimate of an aggregated decision and of the prefill step of a disaggregated one
+//! (`Request::stage`): either way the chosen engine computes the prompt. At the **decode step** the
+//! engine receives the prompt's KV cache by transfer and computes none of it, so overlap, the
+//! prompt's own prefill and `work_weight` do not apply. The first token then waits for the
+//! engine's current step (`residual_frac` of it, when busy) and one step that decodes this request
+//! beside the others: `decode(u)` with `u` counting this prompt's blocks too, plus a chunk of the
+//! prompts queued there (`prefill(min(active_prefill_tokens, budget))`, which a `both` engine mixes
+//! into its steps). So decode candidates rank by KV utilisation and queued prefill work, the same
+//! figures that set every later step, i.e. the request's inter-token latency; the overflow penalty
+//! applies as above.
+//!
 //! The estimate is then multiplied by SPEC §7's preferred-taint multiplier (never 0, so preferences
 //! separate idle candidates too). Lower is better; the host picks the minimum, ties at random.
 //!
@@ -34,7 +45,7 @@
 //!   "work_weight": 6}`
 
 use kvroute_sdk::{
-    parse_config, preferred_multiplier, Candidates, Context, Decision, Policy, Request, Row,
+    parse_config, preferred_multiplier, Candidates, Context, Decision, Policy, Request, Row, Stage,
 };
 
 /// The configuration.
@@ -88,8 +99,63 @@ impl Config {
         (c0 + c1 * u + c2 * u * u).max(1.0)
     }
 
-    /// Estimated milliseconds from now to this request's first token on `r`.
+    /// Estimated milliseconds from now to this request's first token on `r`, at the request's
+    /// stage.
     pub fn estimate(&self, req: &Request, r: Row<'_>) -> f64 {
+        match req.stage {
+            Stage::Aggregated | Stage::Prefill => self.prefill_estimate(req, r),
+            Stage::Decode => self.decode_estimate(req, r),
+        }
+    }
+
+    /// The step budget of `r`, in tokens.
+    fn budget(&self, r: Row<'_>) -> f64 {
+        f64::from(match r.max_num_batched_tokens() {
+            0 => self.default_max_num_batched_tokens.max(1),
+            m => m,
+        })
+    }
+
+    /// KV utilisation of `r` with `blocks` in use (0 when its capacity is unknown).
+    fn util(r: Row<'_>, blocks: u64) -> f64 {
+        match r.total_kv_blocks() {
+            0 => 0.0,
+            total => (blocks as f64 / total as f64).min(1.0),
+        }
+    }
+
+    /// Blocks of the prompt that `r` must newly hold (those an earlier request made active are
+    /// shared).
+    fn new_blocks(req: &Request, r: Row<'_>) -> u64 {
+        let blocks = req.prompt_tokens.div_ceil(req.block_size.max(1));
+        u64::from(blocks.saturating_sub(r.active_prompt_blocks()))
+    }
+
+    /// The decode step: milliseconds from the KV cache's arrival on `r` to the first token. The
+    /// engine computes no prompt, so overlap earns nothing.
+    pub fn decode_estimate(&self, req: &Request, r: Row<'_>) -> f64 {
+        let ahead = r.active_prefill_tokens() as f64;
+        let chunk = if ahead > 0.0 {
+            self.prefill(ahead.min(self.budget(r)))
+        } else {
+            0.0
+        };
+        let used = r.active_decode_blocks();
+        let new_blocks = Self::new_blocks(req, r);
+        let mut est = chunk + self.decode(Self::util(r, used + new_blocks));
+        if r.active_requests() > 0 || ahead > 0.0 {
+            est += self.residual_frac * (chunk + self.decode(Self::util(r, used)));
+        }
+        let total = r.total_kv_blocks();
+        if total > 0 && used + new_blocks > total {
+            est += self.overflow_penalty_ms;
+        }
+        est
+    }
+
+    /// An aggregated decision or the prefill step: milliseconds from now to the first token of
+    /// the prompt computed on `r`.
+    pub fn prefill_estimate(&self, req: &Request, r: Row<'_>) -> f64 {
         let b = req.block_size.max(1);
         let isl = req.prompt_tokens;
         let (d, h, k) = (r.device_overlap(), r.host_overlap(), r.disk_overlap());
@@ -330,6 +396,96 @@ mod tests {
         ];
         assert_eq!(h.pick(&request(256).prefer("zone=b", 0.5), &set).index, 1);
         assert_eq!(h.pick(&request(256).prefer("zone=a", 0.5), &set).index, 0);
+    }
+
+    #[test]
+    fn the_prefill_step_is_estimated_as_an_aggregated_decision() {
+        let mut h = Harness::<TtftAware>::new();
+        let req = request(4096).block_size(64);
+        let set = [
+            candidate(1)
+                .device_overlap(32)
+                .active_prefill_tokens(1536)
+                .active_requests(1),
+            candidate(2).active_decode_blocks(500).active_requests(3),
+        ];
+        assert_eq!(h.costs(&req.clone().prefill(), &set), h.costs(&req, &set));
+    }
+
+    #[test]
+    fn the_decode_step_ignores_overlap_and_ranks_by_decode_load() {
+        let mut h = Harness::<TtftAware>::new();
+        // 16,384 tokens = 256 blocks at 64, all cached on worker 1, which is decoding more.
+        let req = request(16_384).block_size(64);
+        let set = [
+            candidate(1)
+                .device_overlap(256)
+                .active_decode_blocks(6_000)
+                .active_requests(12),
+            candidate(2).active_decode_blocks(1_000).active_requests(3),
+        ];
+        // Computing the prompt: the cache hit wins by far.
+        assert_eq!(h.pick(&req, &set).worker_id, 1);
+        assert_eq!(h.pick(&req.clone().prefill(), &set).worker_id, 1);
+        // Receiving the KV cache: only the decode load counts.
+        let decode = req.clone().decode();
+        assert_eq!(
+            h.pick(&decode, &set).worker_id,
+            2,
+            "{:?}",
+            h.costs(&decode, &set)
+        );
+        // Overlap changes nothing at the decode step.
+        let uncached = [set[0].clone().device_overlap(0), set[1].clone()];
+        assert_eq!(h.costs(&decode, &set), h.costs(&decode, &uncached));
+        // The estimate is one decode step (and the residual of the current one), not a prefill.
+        let costs = h.costs(&decode, &set);
+        let c = Config::default();
+        let u = |b: f64| b / 16_384.0;
+        let want = c.decode(u(1_256.0)) + 0.5 * c.decode(u(1_000.0));
+        assert!((costs[1] - want).abs() < 1e-9, "{costs:?} vs {want}");
+    }
+
+    #[test]
+    fn the_decode_step_weighs_queued_prefill_and_kv_pressure() {
+        let mut h = Harness::<TtftAware>::new();
+        let decode = request(4096).block_size(64).decode();
+        // A `both` worker with 8,192 queued prompt tokens mixes a full prefill chunk into the
+        // step that decodes this request; a decode-only worker with more KV in use does not.
+        let set = [
+            candidate(1).active_prefill_tokens(8192).active_requests(2),
+            candidate(2).active_decode_blocks(4_000).active_requests(20),
+        ];
+        assert_eq!(
+            h.pick(&decode, &set).worker_id,
+            2,
+            "{:?}",
+            h.costs(&decode, &set)
+        );
+        // A worker the transferred KV would overflow is penalised.
+        let set = [
+            candidate(1)
+                .total_kv_blocks(1_000)
+                .active_decode_blocks(990)
+                .active_requests(4),
+            candidate(2)
+                .total_kv_blocks(1_000)
+                .active_decode_blocks(900)
+                .active_requests(30),
+        ];
+        assert_eq!(
+            h.pick(&decode, &set).worker_id,
+            2,
+            "{:?}",
+            h.costs(&decode, &set)
+        );
+        // Preferred taints (the KV-transfer domain) separate equally loaded decode workers.
+        let idle = [
+            candidate(1).taints(&["topology/zone=a"]),
+            candidate(2).taints(&["topology/zone=b"]),
+        ];
+        let req = request(4096).decode().prefer("topology/zone=a", 0.5);
+        assert_eq!(h.pick(&req, &idle).worker_id, 1);
     }
 
     #[test]

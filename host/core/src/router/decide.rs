@@ -25,6 +25,7 @@ use crate::cost;
 use crate::eligibility::{self, Constraints, Ineligible, PinError};
 use crate::indexer::DenseOverlaps;
 use crate::load::{CandidateLoad, LoadError};
+use crate::stage::Stage;
 use crate::workers::{CandidateEntry, RegistrySnapshot};
 
 /// Per-thread buffers reused across decisions.
@@ -270,7 +271,7 @@ impl Router {
     ) -> (Arc<PolicyLabel>, ScorerOutcome) {
         match self.scorer.load().as_deref() {
             Some(s) => {
-                let d = s.decide(preq, cols, &snap.taints);
+                let d = s.decide(preq, cols, &snap.taints, Stage::Aggregated);
                 (d.label, d.outcome)
             }
             None => (self.native_label.clone(), ScorerOutcome::Native),

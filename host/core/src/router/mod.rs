@@ -45,6 +45,7 @@ use crate::indexer::{Applied, ApplyError, Indexer, KvEvent, OverlapScores};
 use crate::load::{Booking, CandidateLoad, LoadConfig, LoadTracker};
 use crate::queue::{PendingQueue, QueueError, QueueLimits, QueueOrder};
 use crate::rng::{SeededRef, SeededRng};
+use crate::stage::Stage;
 use crate::workers::{Registry, RegistryLimits, SpecError, TaintNames, Worker, WorkerSpec};
 
 use admission::Waiter;
@@ -139,11 +140,14 @@ pub struct ScorerDecision {
 /// Soft scoring: what the router asks of the active policy. The Wasm policy runtime implements it;
 /// tests implement it natively.
 pub trait Scorer: Send + Sync {
+    /// Ranks `candidates` for `request` at `stage` (which half of the decision is asked about:
+    /// [`Stage::Aggregated`] for a one-step decision).
     fn decide(
         &self,
         request: &PolicyRequest,
         candidates: &CandidateColumns,
         taints: &TaintNames,
+        stage: Stage,
     ) -> ScorerDecision;
 }
 

@@ -266,7 +266,7 @@ impl PolicyRegistry {
                 taints: &table,
                 block_size: req.block_size,
             };
-            with_wit_decision(&req, &cols, |wreq, wc| {
+            with_wit_decision(&req, &cols, kvroute_core::Stage::Aggregated, |wreq, wc| {
                 version.run(wreq, wc, ctx, ticks, true)
             })
             .map_err(|f| {
@@ -287,13 +287,13 @@ impl PolicyRegistry {
             };
             let mut in_time = false;
             for _ in 0..3 {
-                with_wit_decision(&req, &cols, |wreq, wc| {
+                with_wit_decision(&req, &cols, kvroute_core::Stage::Aggregated, |wreq, wc| {
                     version.run(wreq, wc, ctx, ticks, true)
                 })
                 .map_err(|f| {
                     PolicyError::SelfTest(format!("8 candidates: {} ({})", f.reason, f.detail))
                 })?;
-                match with_wit_decision(&req, &cols, |wreq, wc| {
+                match with_wit_decision(&req, &cols, kvroute_core::Stage::Aggregated, |wreq, wc| {
                     version.run(wreq, wc, ctx, shared.deadline_ticks, true)
                 }) {
                     Ok(_) => {
@@ -334,10 +334,12 @@ impl PolicyRegistry {
                     taints: &table,
                     block_size: req.block_size,
                 };
-                with_wit_decision(&req, &cols, |wreq, wc| inst.decide(wreq, wc, ctx, ticks))
-                    .map_err(|f| {
-                        PolicyError::SelfTest(format!("warm-up: {} ({})", f.reason, f.detail))
-                    })?;
+                with_wit_decision(&req, &cols, kvroute_core::Stage::Aggregated, |wreq, wc| {
+                    inst.decide(wreq, wc, ctx, ticks)
+                })
+                .map_err(|f| {
+                    PolicyError::SelfTest(format!("warm-up: {} ({})", f.reason, f.detail))
+                })?;
                 if let Some(t) = &router_taints {
                     let ctx = DecisionContext {
                         taints: t,

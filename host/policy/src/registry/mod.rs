@@ -10,6 +10,7 @@ use arc_swap::ArcSwapOption;
 use parking_lot::Mutex;
 
 use kvroute_core::candidate::{CandidateColumns, PolicyRequest};
+use kvroute_core::Stage;
 
 use super::answer::Answer;
 use super::config::PolicyRuntimeConfig;
@@ -150,15 +151,28 @@ impl PolicyRegistry {
 
     // ---------------------------------------------------------------- request path
 
-    /// Asks the active policy to rank `cols` (base costs already filled by the router).
-    ///
-    /// Never fails: any problem is an [`Outcome::Fallback`], and the router uses the native cost.
-    /// Loads the active pointer once, so the whole decision runs on one version.
+    /// Asks the active policy to rank `cols` (base costs already filled by the router) for an
+    /// aggregated (one-step) decision: [`PolicyRegistry::decide_at`] at [`Stage::Aggregated`].
     pub fn decide(
         &self,
         req: &PolicyRequest,
         cols: &CandidateColumns,
         taints: &TaintTable,
+    ) -> PolicyDecision {
+        self.decide_at(req, cols, taints, Stage::Aggregated)
+    }
+
+    /// Asks the active policy to rank `cols` at `stage` (which half of a disaggregated decision,
+    /// or an aggregated one; the policy reads it in the request's flags).
+    ///
+    /// Never fails: any problem is an [`Outcome::Fallback`], and the router uses the native cost.
+    /// Loads the active pointer once, so the whole decision runs on one version.
+    pub fn decide_at(
+        &self,
+        req: &PolicyRequest,
+        cols: &CandidateColumns,
+        taints: &TaintTable,
+        stage: Stage,
     ) -> PolicyDecision {
         let Some(active) = self.active.load_full() else {
             return PolicyDecision {
@@ -195,7 +209,7 @@ impl PolicyRegistry {
             taints,
             block_size: req.block_size,
         };
-        let result = with_wit_decision(req, cols, |wreq, wcands| {
+        let result = with_wit_decision(req, cols, stage, |wreq, wcands| {
             policy.run(wreq, wcands, ctx, self.runtime.shared.deadline_ticks, false)
         });
         let nanos = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);

@@ -96,7 +96,7 @@ impl Guest for Misbehave {
         PluginInfo {
             name: "misbehave".to_string(),
             version: env!("CARGO_PKG_VERSION").to_string(),
-            abi_version: 4,
+            abi_version: 5,
             deterministic: true,
             kind: PluginKind::Mixed,
         }

@@ -1,0 +1,40 @@
+//! Test-only component: a well-behaved policy built against the previous version of the
+//! interface, `kvroute:policy@0.4.0` (abi 4), whose definition is frozen in `wit/policy.wit` here.
+//! It stands for every plugin built before the interface learned the stage (0.5.0): the host
+//! must refuse it at load time with a message that names both versions, never load it and call
+//! it with a request it does not understand.
+
+wit_bindgen::generate!({
+    path: "wit",
+    world: "policy-plugin",
+});
+
+use exports::kvroute::policy::policy::Guest;
+use kvroute::policy::types::{Candidates, Decision, HostContext, PluginInfo, PluginKind, Request};
+
+struct OldInterface;
+
+impl Guest for OldInterface {
+    fn info() -> PluginInfo {
+        PluginInfo {
+            name: "old-interface".to_string(),
+            version: env!("CARGO_PKG_VERSION").to_string(),
+            abi_version: 4,
+            deterministic: true,
+            kind: PluginKind::Scorer,
+        }
+    }
+
+    fn configure(_config_json: String) -> Result<(), String> {
+        Ok(())
+    }
+
+    fn set_context(_context: HostContext) {}
+
+    /// The host's base costs, unchanged.
+    fn decide(_req: Request, c: Candidates) -> Decision {
+        Decision::Costs(c.columns_f64[..c.columns_u64.len() / 4].to_vec())
+    }
+}
+
+export!(OldInterface);
