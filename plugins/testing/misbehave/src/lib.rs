@@ -170,7 +170,7 @@ impl Guest for Misbehave {
             Some(t) => req.request_id.starts_with(t.as_str()),
             None => true,
         };
-        let spared = (config.only_booked && req.flags.contains(RequestFlags::ASK_ONLY))
+        let spared = (config.only_booked && req.flags.bits() & RequestFlags::ASK_ONLY.bits() != 0)
             || SAW_TAINT.with(|s| s.get());
         if !triggered || spared {
             return ok(&c);
