@@ -49,7 +49,7 @@ pub(crate) struct HostState {
     grace_windows: u32,
     grace_ticks: u64,
     max_grace_windows: u32,
-    /// The fixed pseudo-random stream behind `wasi:random` (see `runtime.rs`).
+    /// The fixed pseudo-random stream behind `wasi:random` (see `plugin.rs`).
     pub(crate) entropy: SeededRng,
     /// The runtime's record of guest calls, whose ticker may be parked (see `ticker.rs`).
     activity: Arc<GuestActivity>,
