@@ -165,7 +165,7 @@ mod tests {
             .collect();
         assert_eq!(utf16_start(&text, 0, 4).unwrap(), "ab\u{1F600}");
         // Cut inside the pair (as a longer string would be): the half is dropped.
-        let mut long = vec![b'a', 0].repeat(MAX_PLUGIN_TEXT - 1);
+        let mut long = [b'a', 0].repeat(MAX_PLUGIN_TEXT - 1);
         long.extend_from_slice(&text[4..]);
         let got = utf16_start(&long, 0, MAX_PLUGIN_TEXT + 1).unwrap();
         assert!(got.starts_with(&"a".repeat(MAX_PLUGIN_TEXT - 1)), "{got}");
