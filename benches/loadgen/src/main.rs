@@ -33,6 +33,7 @@ mod phases;
 mod poll;
 mod server;
 mod timeline;
+mod upload;
 mod workload;
 
 use std::net::{SocketAddr, ToSocketAddrs};
@@ -46,6 +47,7 @@ use hdrhistogram::Histogram;
 use client::{request, Conn};
 use phases::{closed_loop, open_loop, print_header, print_row, quantile_ms, PhaseResult};
 use server::{check, setup, spawn_server};
+use upload::Uploader;
 use workload::{route_body_rest, PromptForm, Shape, Workload};
 
 #[derive(Parser, Debug)]
@@ -145,6 +147,10 @@ struct Cli {
     /// send lag), warm-up included: when a tail built up, not only how large it was.
     #[arg(long)]
     timeline: bool,
+    /// During each open-loop phase, upload this policy component back to back (not activated;
+    /// each upload made unique so that the server compiles it): routes while the server compiles.
+    #[arg(long)]
+    upload: Option<String>,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
@@ -348,6 +354,12 @@ fn measure(cli: &Cli, addr: SocketAddr, server_pid: Option<u32>) -> Result<(), S
         }
     );
     println!("# latency columns in ms: p50/p99/p999/max from the scheduled send (open) or the send (closed); svc = from the actual send; lag = send - schedule; CPU in cores");
+    let upload = match &cli.upload {
+        Some(path) => Some(Arc::new(
+            std::fs::read(path).map_err(|e| format!("--upload {path}: {e}"))?,
+        )),
+        None => None,
+    };
     print_header();
     let mut summary = Vec::new();
     for &form in &cli.forms {
@@ -391,8 +403,12 @@ fn measure(cli: &Cli, addr: SocketAddr, server_pid: Option<u32>) -> Result<(), S
                 None => cli.load.iter().map(|&l| (Some(l), peak * l)).collect(),
             };
             for (load, rate) in phases {
+                let uploader = upload.clone().map(|c| Uploader::start(addr, c));
                 let r = open_loop(&t, rate, cli, server_pid);
                 print_row(form.name(), run, &r);
+                if let Some(u) = uploader {
+                    println!("{}", u.stop().line());
+                }
                 if let (true, Some(tl)) = (cli.timeline, &r.timeline) {
                     let title = format!("{} run {run}, open loop at {rate:.0}/s", form.name());
                     tl.print(&title, Duration::from_secs_f64(cli.warmup));

@@ -133,8 +133,7 @@ pub struct PolicyRequest {
 /// The taint-name table that candidate taint ids refer to: `names[id]` is taint `id`.
 ///
 /// The router owns one and bumps `version` whenever the names change; an instance is sent the
-/// names only when the version differs from the last one it saw. Version `u64::MAX` is reserved
-/// for the runtime's self-test.
+/// names only when the version differs from the last one it saw.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct TaintTable {
     pub version: u64,
@@ -142,9 +141,6 @@ pub struct TaintTable {
 }
 
 impl TaintTable {
-    /// The version reserved for the load-time self-test's synthetic table.
-    pub const SELF_TEST_VERSION: u64 = u64::MAX;
-
     pub fn new(version: u64, names: impl Into<Arc<[String]>>) -> Self {
         Self {
             version,

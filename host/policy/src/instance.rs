@@ -1,57 +1,31 @@
-//! Plugin instances and the per-stage pool of them.
+//! A plugin instance: one `Store` with one instantiated component, configured once, reused for
+//! many decisions, and what the store carries (limits, deadline state, the log allowance).
 //!
-//! An instance is one `Store` with one instantiated component, configured once, reused for many
-//! decisions. A trap (including a deadline interrupt) poisons the whole store, and an invalid
-//! answer makes the instance suspect, so either drops it; the pool is refilled off the request
-//! path by the runtime's maintenance thread. A decision never waits for an instance to be made:
-//! instantiating and `configure` can take as long as the setup deadline (a second), so a decision
-//! that finds its stage's pool empty asks the maintenance thread for another instance, waits (at
-//! most as long as a decision may run) only while another decision is using an instance, and
-//! otherwise falls back at once (`instantiate`).
-//!
-//! Nothing a plugin hands the host is taken at its word: a `costs` list is lifted out of the guest
-//! only when its length is the number of candidates (see [`RawDecision`]), and its text (log lines,
-//! a `configure` error, `info`'s name and version) is bounded (see [`MAX_PLUGIN_TEXT`]).
+//! A trap (including a deadline interrupt) poisons the whole store, and an invalid answer makes
+//! the instance suspect, so the stage drops either (`stage.rs`). Nothing a plugin hands the host is
+//! taken at its word: a `costs` list is lifted out of the guest only when its length is the number
+//! of candidates (see [`RawDecision`]), and its text (log lines, a `configure` error, `info`'s name
+//! and version) is bounded (see `text.rs`; a log line before it is lifted).
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Instant;
 
-use parking_lot::Mutex;
-use wasmtime::component::{Func, TypedFunc};
+use wasmtime::component::{Func, HasSelf, Linker, TypedFunc};
 use wasmtime::{ResourceLimiter, Store, StoreContextMut, Trap, UpdateDeadline};
 
-use super::answer::{validate, Answer, RawDecision, EXPECTED_COSTS};
+use super::answer::{RawDecision, EXPECTED_COSTS};
 use super::bindings::kvroute::policy::types::{Candidates, HostContext, LogLevel, Request};
-use super::bindings::{PolicyPlugin, PolicyPluginPre};
+use super::bindings::{PolicyPlugin, PolicyPluginPre, POLICY_EXPORT};
 use super::error::FallbackReason;
 pub(crate) use super::failure::{Failure, FailureDetail};
-use super::runtime::RuntimeShared;
+use super::shared::RuntimeShared;
 use super::stats::PolicyStats;
+pub(crate) use super::text::bounded_text;
+use super::text::BoundedText;
 use super::ticker::{CallGuard, GuestActivity};
 use super::DecisionContext;
 use kvroute_core::rng::SeededRng;
-
-/// Longest text a plugin hands the host that is kept: a log line, a `configure` error, the last
-/// error line quoted in a failure. Longer text is cut at a character boundary and says so.
-pub(crate) const MAX_PLUGIN_TEXT: usize = 1024;
-
-/// `text` cut to at most [`MAX_PLUGIN_TEXT`] bytes at a character boundary; a cut says how long
-/// the original was. Control characters (a forged log line's newline) become spaces.
-pub(crate) fn bounded_text(text: &str) -> String {
-    let mut cut = text.len().min(MAX_PLUGIN_TEXT);
-    while !text.is_char_boundary(cut) {
-        cut -= 1;
-    }
-    let mut out: String = text[..cut]
-        .chars()
-        .map(|c| if c.is_control() { ' ' } else { c })
-        .collect();
-    if cut < text.len() {
-        out.push_str(&format!("... (cut: {} bytes in all)", text.len()));
-    }
-    out
-}
 
 /// What a store carries: the limits and the log bucket of one instance.
 pub(crate) struct HostState {
@@ -75,7 +49,7 @@ pub(crate) struct HostState {
     grace_windows: u32,
     grace_ticks: u64,
     max_grace_windows: u32,
-    /// The fixed pseudo-random stream behind `wasi:random` (see `runtime.rs`).
+    /// The fixed pseudo-random stream behind `wasi:random` (see `plugin.rs`).
     pub(crate) entropy: SeededRng,
     /// The runtime's record of guest calls, whose ticker may be parked (see `ticker.rs`).
     activity: Arc<GuestActivity>,
@@ -263,16 +237,17 @@ impl ResourceLimiter for HostState {
 
 impl super::bindings::kvroute::policy::types::Host for HostState {}
 
-impl super::bindings::kvroute::policy::host_log::Host for HostState {
+impl HostState {
+    /// `host-log`: a line already bounded while it was lifted (see [`BoundedText`]), written to
+    /// the server's log within the version's allowance.
     fn log(&mut self, level: LogLevel, message: String) {
         if matches!(level, LogLevel::Error) {
-            self.last_error_log = Some(bounded_text(&message));
+            self.last_error_log = Some(message.clone());
         }
         if !self.stats.take_log_token(self.log_rate, self.log_burst) {
             self.stats.record_log_dropped();
             return;
         }
-        let message = bounded_text(&message);
         let policy = &*self.policy;
         match level {
             LogLevel::Trace => {
@@ -293,6 +268,25 @@ impl super::bindings::kvroute::policy::host_log::Host for HostState {
         }
     }
 }
+
+/// Links the world's imports: the `types` interface, and `host-log` with its line lifted as a
+/// [`BoundedText`] (the bindings would copy the whole line out of the guest first).
+pub(crate) fn link_host(linker: &mut Linker<HostState>) -> wasmtime::Result<()> {
+    super::bindings::kvroute::policy::types::add_to_linker::<HostState, HasSelf<HostState>>(
+        linker,
+        |s| s,
+    )?;
+    linker.instance(HOST_LOG)?.func_wrap(
+        "log",
+        |mut store: StoreContextMut<'_, HostState>, (level, message): (LogLevel, BoundedText)| {
+            store.data_mut().log(level, message.0);
+            Ok(())
+        },
+    )
+}
+
+/// The one import a policy gets.
+const HOST_LOG: &str = "kvroute:policy/host-log@0.5.0";
 
 /// Creates a store for an instance of a component: limits, deadline behaviour, log bucket.
 pub(crate) fn new_store(
@@ -380,6 +374,61 @@ pub(crate) enum InstanceError {
 }
 
 impl PluginInstance {
+    /// Instantiates `pre` and configures it with `config`, counted in `live` while it lives.
+    /// Never on the request path: this runs for up to the setup deadline.
+    pub(crate) fn new(
+        shared: &RuntimeShared,
+        pre: &PolicyPluginPre<HostState>,
+        config: &str,
+        policy: Arc<str>,
+        stats: Arc<PolicyStats>,
+        live: &Arc<AtomicUsize>,
+    ) -> Result<Self, InstanceError> {
+        let mut store = new_store(shared, policy, stats);
+        let running = shared.activity.enter();
+        let failed = |during, e: wasmtime::Error, store: &Store<HostState>| InstanceError::Failed {
+            during,
+            message: describe_failure(&e, store.data()),
+        };
+        let instance = pre
+            .instance_pre()
+            .instantiate(&mut store)
+            .map_err(|e| failed("instantiation", e, &store))?;
+        let plugin = PolicyPlugin::new(&mut store, &instance)
+            .map_err(|e| failed("instantiation", e, &store))?;
+        let decide = instance
+            .get_export_index(&mut store, None, POLICY_EXPORT)
+            .and_then(|iface| instance.get_export_index(&mut store, Some(&iface), "decide"))
+            .and_then(|f| instance.get_func(&mut store, f))
+            .ok_or_else(|| InstanceError::Failed {
+                during: "instantiation",
+                message: "no export decide".into(),
+            })?;
+        decide
+            .typed::<(Request<'_>, Candidates<'_>), (RawDecision,)>(&store)
+            .map_err(|e| failed("instantiation", e, &store))?;
+        store.data_mut().arm();
+        store.set_epoch_deadline(shared.setup_ticks);
+        match plugin
+            .kvroute_policy_policy()
+            .call_configure(&mut store, config)
+        {
+            Ok(Ok(())) => {}
+            Ok(Err(message)) => return Err(InstanceError::ConfigRejected(bounded_text(&message))),
+            Err(e) => return Err(failed("configure", e, &store)),
+        }
+        drop(running);
+        live.fetch_add(1, Relaxed);
+        Ok(PluginInstance {
+            store,
+            plugin,
+            decide,
+            context: None,
+            activity: shared.activity.clone(),
+            _live: LiveGuard(live.clone()),
+        })
+    }
+
     /// Calls `set-context` when this instance has not seen `ctx` yet (also used to prime a new
     /// instance ahead of its first decision).
     pub(crate) fn sync_context(
@@ -431,255 +480,6 @@ impl PluginInstance {
             .call(&mut self.store, (req, cands))
             .map(|(d,)| d)
             .map_err(|e| Failure::wasm("decide", e, self.store.data()))
-    }
-}
-
-/// One stage of a loaded policy version: a compiled component, its configuration and weight, and a
-/// pool of configured instances. A single-component policy is one stage.
-pub(crate) struct Stage {
-    pub(crate) plugin: Arc<super::runtime::CompiledPlugin>,
-    pub(crate) config: String,
-    pub(crate) weight: f64,
-    policy: Arc<str>,
-    shared: Arc<RuntimeShared>,
-    stats: Arc<PolicyStats>,
-    pool: Mutex<Vec<PluginInstance>>,
-    live: Arc<AtomicUsize>,
-    /// A request for another instance is with the maintenance thread.
-    growing: AtomicBool,
-    /// Signalled when an instance is put back in the pool or a taken one is retired.
-    returned: parking_lot::Condvar,
-    /// Instances taken by decisions and not yet given back.
-    busy: AtomicUsize,
-}
-
-impl Stage {
-    pub(crate) fn new(
-        plugin: Arc<super::runtime::CompiledPlugin>,
-        config: String,
-        weight: f64,
-        policy: Arc<str>,
-        shared: Arc<RuntimeShared>,
-        stats: Arc<PolicyStats>,
-    ) -> Self {
-        Self {
-            plugin,
-            config,
-            weight,
-            policy,
-            shared,
-            stats,
-            pool: Mutex::new(Vec::new()),
-            live: Arc::new(AtomicUsize::new(0)),
-            growing: AtomicBool::new(false),
-            returned: parking_lot::Condvar::new(),
-            busy: AtomicUsize::new(0),
-        }
-    }
-
-    fn pre(&self) -> &PolicyPluginPre<HostState> {
-        &self.plugin.pre
-    }
-
-    /// Instantiates and configures a new instance (not added to the pool). Never on the request
-    /// path: this runs for up to the setup deadline.
-    pub(crate) fn new_instance(&self) -> Result<PluginInstance, InstanceError> {
-        let mut store = new_store(&self.shared, self.policy.clone(), self.stats.clone());
-        let running = self.shared.activity.enter();
-        let failed = |during, e: wasmtime::Error, store: &Store<HostState>| InstanceError::Failed {
-            during,
-            message: describe_failure(&e, store.data()),
-        };
-        let instance = self
-            .pre()
-            .instance_pre()
-            .instantiate(&mut store)
-            .map_err(|e| failed("instantiation", e, &store))?;
-        let plugin = PolicyPlugin::new(&mut store, &instance)
-            .map_err(|e| failed("instantiation", e, &store))?;
-        let decide = instance
-            .get_export_index(&mut store, None, super::runtime::POLICY_EXPORT)
-            .and_then(|iface| instance.get_export_index(&mut store, Some(&iface), "decide"))
-            .and_then(|f| instance.get_func(&mut store, f))
-            .ok_or_else(|| InstanceError::Failed {
-                during: "instantiation",
-                message: "no export decide".into(),
-            })?;
-        decide
-            .typed::<(Request<'_>, Candidates<'_>), (RawDecision,)>(&store)
-            .map_err(|e| failed("instantiation", e, &store))?;
-        store.data_mut().arm();
-        store.set_epoch_deadline(self.shared.setup_ticks);
-        match plugin
-            .kvroute_policy_policy()
-            .call_configure(&mut store, &self.config)
-        {
-            Ok(Ok(())) => {}
-            Ok(Err(message)) => return Err(InstanceError::ConfigRejected(bounded_text(&message))),
-            Err(e) => return Err(failed("configure", e, &store)),
-        }
-        drop(running);
-        self.live.fetch_add(1, Relaxed);
-        Ok(PluginInstance {
-            store,
-            plugin,
-            decide,
-            context: None,
-            activity: self.shared.activity.clone(),
-            _live: LiveGuard(self.live.clone()),
-        })
-    }
-
-    /// Takes an instance from the pool. When the pool is empty, `inline` (load time only) makes
-    /// one here; on the request path the decision falls back at once and the maintenance thread
-    /// is asked for another instance.
-    fn take(self: &Arc<Self>, inline: bool) -> Result<PluginInstance, Failure> {
-        // `busy` changes only under the pool's lock (here and in `give_back`), so a decision that
-        // finds the pool empty and nothing in use knows no instance is about to come back.
-        {
-            let mut pool = self.pool.lock();
-            if let Some(inst) = pool.pop() {
-                self.busy.fetch_add(1, Relaxed);
-                return Ok(inst);
-            }
-        }
-        if !inline {
-            if !self.growing.swap(true, Relaxed) {
-                self.shared.grow(Arc::downgrade(self));
-            }
-            // None pooled but some in use by other decisions: wait for one to come back, at most
-            // as long as a decision may run (the deadline and its grace windows, 10 × deadline)
-            // — a wait for another decision, never for instantiation.
-            // Checked again under the lock: one may have come back since the pop above.
-            {
-                let mut pool = self.pool.lock();
-                let until = Instant::now() + self.shared.config.deadline() * 10;
-                while pool.is_empty() && self.busy.load(Relaxed) > 0 {
-                    if self.returned.wait_until(&mut pool, until).timed_out() {
-                        break;
-                    }
-                }
-                if let Some(inst) = pool.pop() {
-                    self.busy.fetch_add(1, Relaxed);
-                    return Ok(inst);
-                }
-            }
-            // With instances alive (busy in other decisions, or being replaced) the miss is the
-            // host's: it is not held against the policy. With none alive, every replacement
-            // failed, and it is.
-            let counts = self.live() == 0;
-            let mut failure = Failure::new(
-                FallbackReason::Instantiate,
-                "no ready instance (a replacement is being made off the request path)",
-            );
-            failure.counts = counts;
-            return Err(failure);
-        }
-        self.busy.fetch_add(1, Relaxed);
-        self.new_instance().map_err(|e| {
-            self.busy.fetch_sub(1, Relaxed);
-            let detail = match e {
-                InstanceError::ConfigRejected(m) => format!("configure rejected: {m}"),
-                InstanceError::Failed { during, message } => format!("{during}: {message}"),
-            };
-            Failure::new(FallbackReason::Instantiate, detail)
-        })
-    }
-
-    /// For the maintenance thread, after a decision found the pool empty: one more instance,
-    /// unless one has come back meanwhile or `cap` are alive.
-    pub(crate) fn grow(&self, cap: usize) {
-        if self.pooled() == 0 && self.live() < cap {
-            match self.new_instance() {
-                Ok(inst) => self.put(inst),
-                Err(e) => {
-                    tracing::warn!(policy = &*self.policy, error = ?e, "could not add a policy instance")
-                }
-            }
-        }
-        self.growing.store(false, Relaxed);
-    }
-
-    /// Takes an instance from the pool, if any is there.
-    pub(crate) fn take_pooled(&self) -> Option<PluginInstance> {
-        self.pool.lock().pop()
-    }
-
-    /// Returns an instance to the pool (and wakes a decision waiting for one).
-    pub(crate) fn put(&self, inst: PluginInstance) {
-        self.pool.lock().push(inst);
-        self.returned.notify_one();
-    }
-
-    /// Returns an instance a decision took: to the pool, or (`poisoned`) to the maintenance
-    /// thread, which drops it and makes a replacement. Either wakes decisions waiting for one.
-    fn give_back(self: &Arc<Self>, inst: PluginInstance, poisoned: bool) {
-        {
-            let mut pool = self.pool.lock();
-            self.busy.fetch_sub(1, Relaxed);
-            if !poisoned {
-                pool.push(inst);
-                drop(pool);
-                self.returned.notify_one();
-                return;
-            }
-        }
-        self.shared.retire(inst, Arc::downgrade(self));
-        // Waiters re-check: with nothing in use any more, they fall back at once.
-        self.returned.notify_all();
-    }
-
-    /// Instances alive (pooled or in use).
-    pub(crate) fn live(&self) -> usize {
-        self.live.load(Relaxed)
-    }
-
-    /// Instances waiting in the pool.
-    pub(crate) fn pooled(&self) -> usize {
-        self.pool.lock().len()
-    }
-
-    /// Makes instances until `target` are alive; stops at the first failure.
-    pub(crate) fn refill(&self, target: usize) {
-        while self.live() < target {
-            match self.new_instance() {
-                Ok(inst) => self.put(inst),
-                Err(e) => {
-                    tracing::warn!(policy = &*self.policy, error = ?e, "could not refill the policy instance pool");
-                    return;
-                }
-            }
-        }
-    }
-
-    /// One decision on this stage: take an instance, call, validate, and return the instance to
-    /// the pool, or drop it (poisoned) and ask for a replacement. `inline`: make an instance here
-    /// if the pool is empty (load time only, see [`Stage::take`]).
-    pub(crate) fn decide(
-        self: &Arc<Self>,
-        req: Request<'_>,
-        cands: Candidates<'_>,
-        ctx: DecisionContext<'_>,
-        allow_pick: bool,
-        ticks: u64,
-        inline: bool,
-    ) -> Result<Answer, Failure> {
-        let n = super::wire::candidate_count(&cands);
-        let mut inst = self.take(inline)?;
-        match inst
-            .decide(req, cands, ctx, ticks)
-            .and_then(|d| validate(d, n, allow_pick))
-        {
-            Ok(answer) => {
-                self.give_back(inst, false);
-                Ok(answer)
-            }
-            Err(failure) => {
-                // Poisoned: dropped (and replaced) by the maintenance thread, off the request path.
-                self.give_back(inst, true);
-                Err(failure)
-            }
-        }
     }
 }
 

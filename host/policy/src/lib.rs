@@ -17,7 +17,8 @@
 //!   0.1–0.3 ms, so each stage keeps a pool of configured instances; a decision takes one, calls it
 //!   and puts it back. Several router threads decide at once, each on its own instance.
 //! - **ArcSwap flips.** Loading (compile, configure, self-test, warm-up) happens off the request
-//!   path; the new version becomes active with one atomic pointer swap. A decision loads the
+//!   path (compiling on a niced thread of its own, one component at a time: `worker.rs`); the new
+//!   version becomes active with one atomic pointer swap. A decision loads the
 //!   active pointer once, so it finishes on the version it started with, and the old version's
 //!   instances are freed when its last in-flight decision ends. Rollback is the same swap.
 //! - **Fallbacks.** A trap, a missed deadline (epoch interruption, [`PolicyRuntimeConfig::deadline_us`]),
@@ -37,7 +38,8 @@
 //!   a short grace window: if its thread spent most of that window off the CPU (an oversubscribed
 //!   machine), it gets another one; if it kept running, it is interrupted. A runaway guest is
 //!   stopped at the deadline; a short call that was merely preempted is not blamed for it.
-//! - **Zero capabilities.** The only real import is `host-log` (rate-limited per instance). Other
+//! - **Zero capabilities.** The only real import is `host-log` (lines bounded before they are
+//!   lifted, rate-limited per version). Other
 //!   imports — the WASI interfaces a `std` Rust guest pulls in — link as functions that trap.
 //!   Two answer without granting anything, because language runtimes such as CPython call them
 //!   before they can run: `wasi:cli/environment` (empty) and `wasi:random` (a fixed pseudo-random
@@ -59,27 +61,32 @@ mod failure;
 mod health;
 mod instance;
 mod pipeline;
+mod plugin;
 mod registry;
 mod runtime;
 mod scorer;
 mod selftest;
+mod shared;
+mod stage;
 mod stats;
+mod text;
 mod ticker;
 mod watch;
 mod wire;
+mod worker;
 
 pub use answer::{check_answer, RawAnswer};
+pub use bindings::{ABI_VERSION, POLICY_EXPORT};
 pub use config::PolicyRuntimeConfig;
 pub use error::{FallbackReason, PolicyError};
 pub use pipeline::{PipelineSpec, SelectorSpec, StageSpec};
+pub use plugin::{sha256_hex, PluginDescription, PluginKind};
 pub use registry::{
     validate_name, ActivePolicy, Outcome, PolicyDecision, PolicyInfo, PolicyRegistry,
     PolicyVersion, RegistryCounters, StageInfo,
 };
-pub use runtime::{
-    engine_config, sha256_hex, PluginDescription, PluginKind, ABI_VERSION, POLICY_EXPORT,
-};
 pub use scorer::RegistryScorer;
+pub use shared::engine_config;
 pub use stats::{LatencyHistogram, PolicyStats, StatsSnapshot};
 pub use watch::{DirectoryScanner, DirectoryWatcher, ScanReport};
 

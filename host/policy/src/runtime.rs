@@ -1,241 +1,29 @@
-//! The Wasm engine, its helper threads, and compiling + checking a component.
+//! The policy runtime: the Wasm engine and its three helper threads — the epoch ticker
+//! (deadlines), the maintenance thread (instances made and replaced off the request path) and the
+//! compile thread (niced, one component at a time).
 
-use std::sync::mpsc;
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use serde::Serialize;
-use sha2::{Digest, Sha256};
-use wasmtime::component::types::ComponentItem;
-use wasmtime::component::{Component, HasSelf, Linker};
-use wasmtime::{Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig, Trap};
+use wasmtime::Engine;
 
-use super::bindings::kvroute::policy::types::PluginKind as WitPluginKind;
-use super::bindings::{PolicyPlugin, PolicyPluginPre};
 use super::config::PolicyRuntimeConfig;
 use super::error::PolicyError;
-use super::instance::{new_store, HostState, PluginInstance, Stage};
-use super::stats::PolicyStats;
+use super::plugin::{self, CompiledPlugin};
+use super::shared::{engine_config, RuntimeShared};
 use super::ticker::{self, GuestActivity};
+use super::worker::{Worker, COMPILE_NICE};
 
-/// The `abi-version` this host speaks (`plugin-info.abi-version`).
-pub const ABI_VERSION: u32 = 5;
-/// Longest `plugin-info` name or version accepted (they are listed by `GET /v1/policies` and in
-/// every log line about the policy).
-pub const MAX_INFO_TEXT: usize = 128;
-/// The instance a policy component must export.
-pub const POLICY_EXPORT: &str = "kvroute:policy/policy@0.5.0";
-
-/// The WASI interfaces answered rather than trapped (any version): an empty environment and a
-/// fixed pseudo-random stream.
-const ANSWERED_WASI: [&str; 3] = [
-    "wasi:cli/environment@",
-    "wasi:random/random@",
-    "wasi:random/insecure-seed@",
-];
-
-/// Whether an import is one of [`ANSWERED_WASI`].
-fn answered_wasi(name: &str) -> bool {
-    ANSWERED_WASI.iter().any(|p| name.starts_with(p))
-}
-
-/// Answers the WASI calls a language runtime makes before it can run at all, without granting
-/// anything:
-/// - `wasi:cli/environment`: no variables, no arguments, no working directory;
-/// - `wasi:random/random` and `wasi:random/insecure-seed`: a fixed pseudo-random stream per
-///   instance (SplitMix64 from a constant), so runtimes that seed themselves start (CPython under
-///   `componentize-py` reads both on its first call) and a policy's answers stay reproducible.
-///   It is not entropy and not secret; a policy has no use for either.
-///
-/// There is still no file, clock, network or stdio: every other WASI function traps. Only the
-/// functions the component imports are defined, each for the exact interface version it names.
-fn define_answered_wasi(
-    linker: &mut Linker<HostState>,
-    component: &Component,
-    engine: &Engine,
-) -> wasmtime::Result<()> {
-    for (name, item) in component.component_type().imports(engine) {
-        if !answered_wasi(name) {
-            continue;
-        }
-        let ComponentItem::ComponentInstance(instance) = item.ty else {
-            continue;
-        };
-        let funcs: Vec<String> = instance
-            .exports(engine)
-            .map(|(f, _)| f.to_string())
-            .collect();
-        let mut inst = linker.instance(name)?;
-        for f in funcs {
-            match f.as_str() {
-                "get-environment" => inst.func_wrap("get-environment", |_, (): ()| {
-                    Ok((Vec::<(String, String)>::new(),))
-                })?,
-                "get-arguments" => {
-                    inst.func_wrap("get-arguments", |_, (): ()| Ok((Vec::<String>::new(),)))?
-                }
-                "initial-cwd" => {
-                    inst.func_wrap("initial-cwd", |_, (): ()| Ok((None::<String>,)))?
-                }
-                "get-random-bytes" => inst.func_wrap(
-                    "get-random-bytes",
-                    |store: wasmtime::StoreContextMut<'_, HostState>, (len,): (u64,)| {
-                        // A policy has no reason to ask for much; refuse absurd sizes.
-                        if len > 1 << 20 {
-                            return Err(wasmtime::format_err!(
-                                "get-random-bytes: {len} bytes asked, at most 1 MiB"
-                            ));
-                        }
-                        let state = store.data();
-                        let mut out = Vec::with_capacity(len as usize);
-                        while out.len() < len as usize {
-                            out.extend_from_slice(&state.entropy.next_u64().to_le_bytes());
-                        }
-                        out.truncate(len as usize);
-                        Ok((out,))
-                    },
-                )?,
-                "get-random-u64" => inst.func_wrap(
-                    "get-random-u64",
-                    |store: wasmtime::StoreContextMut<'_, HostState>, (): ()| {
-                        Ok((store.data().entropy.next_u64(),))
-                    },
-                )?,
-                "insecure-seed" => inst.func_wrap(
-                    "insecure-seed",
-                    |store: wasmtime::StoreContextMut<'_, HostState>, (): ()| {
-                        let rng = &store.data().entropy;
-                        Ok(((rng.next_u64(), rng.next_u64()),))
-                    },
-                )?,
-                _ => {}
-            }
-        }
-    }
-    Ok(())
-}
-
-/// What kind of answer a plugin gives (WIT `plugin-kind`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum PluginKind {
-    Scorer,
-    Selector,
-    Mixed,
-}
-
-/// What a component says about itself (WIT `plugin-info`).
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-pub struct PluginDescription {
-    pub name: String,
-    pub version: String,
-    pub abi_version: u32,
-    pub deterministic: bool,
-    pub kind: PluginKind,
-}
-
-/// A component compiled, checked against the world, and ready to instantiate.
-pub struct CompiledPlugin {
-    /// sha256 of the component bytes, lower-case hex.
-    pub digest: String,
-    /// Size of the component in bytes.
-    pub size: usize,
-    /// The component's own description.
-    pub info: PluginDescription,
-    /// Imports other than `host-log` (WASI and the like): linked, but trap when called.
-    pub trapping_imports: Vec<String>,
-    pub(crate) pre: PolicyPluginPre<HostState>,
-}
-
-impl std::fmt::Debug for CompiledPlugin {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CompiledPlugin")
-            .field("digest", &self.digest)
-            .field("size", &self.size)
-            .field("info", &self.info)
-            .finish_non_exhaustive()
-    }
-}
-
-/// sha256 of `bytes`, lower-case hex.
-pub fn sha256_hex(bytes: &[u8]) -> String {
-    let digest = Sha256::digest(bytes);
-    let mut s = String::with_capacity(64);
-    for b in digest {
-        use std::fmt::Write;
-        let _ = write!(s, "{b:02x}");
-    }
-    s
-}
-
-/// What every stage and store needs from the runtime (no threads: dropping it joins nothing).
-pub(crate) struct RuntimeShared {
-    pub(crate) engine: Engine,
-    pub(crate) config: PolicyRuntimeConfig,
-    pub(crate) deadline_ticks: u64,
-    pub(crate) setup_ticks: u64,
-    pub(crate) instances_per_stage: usize,
-    /// Guest calls in progress, for the epoch ticker (which parks when there are none).
-    pub(crate) activity: Arc<GuestActivity>,
-    maintenance_tx: mpsc::Sender<Maintenance>,
-}
-
-/// Work for the maintenance thread.
-pub(crate) enum Maintenance {
-    /// Drop a poisoned instance and bring its stage's pool back to size.
-    Retire(PluginInstance, Weak<Stage>),
-    /// A decision found this stage's pool empty: make one more instance (up to a cap).
-    Grow(Weak<Stage>),
-    Stop,
-}
-
-impl RuntimeShared {
-    /// Hands a poisoned instance to the maintenance thread, which drops it and makes a fresh one.
-    pub(crate) fn retire(&self, instance: PluginInstance, stage: Weak<Stage>) {
-        // If the thread is gone (runtime dropping), the instance is dropped here instead.
-        let _ = self
-            .maintenance_tx
-            .send(Maintenance::Retire(instance, stage));
-    }
-
-    /// Asks the maintenance thread for one more instance of `stage`.
-    pub(crate) fn grow(&self, stage: Weak<Stage>) {
-        let _ = self.maintenance_tx.send(Maintenance::Grow(stage));
-    }
-}
-
-/// Most instances of one stage the maintenance thread makes on demand, in multiples of the warm
-/// pool size (decisions on more threads at once than that fall back while they wait).
-const GROW_CAP_FACTOR: usize = 4;
-
-/// The wasmtime configuration of the policy engine: the component model without its
-/// concurrency support (which triples the cost of a call), epoch interruption for deadlines, and
-/// the pooling allocator sized for `config`'s instances and memory cap. Public so that benchmarks
-/// measure exactly this engine.
-pub fn engine_config(config: &PolicyRuntimeConfig) -> Config {
-    let mut pool = PoolingAllocationConfig::default();
-    let slots = config.max_instances();
-    pool.total_component_instances(slots)
-        .total_core_instances(slots.saturating_mul(8))
-        .total_memories(slots.saturating_mul(2))
-        .total_tables(slots.saturating_mul(8))
-        .max_memory_size(usize::try_from(config.memory_limit_bytes).unwrap_or(usize::MAX));
-    let mut wasm = Config::new();
-    wasm.wasm_component_model(true)
-        .concurrency_support(false)
-        .epoch_interruption(true)
-        .allocation_strategy(InstanceAllocationStrategy::Pooling(pool));
-    wasm
-}
-
-/// The engine and its two helper threads: the epoch ticker (deadlines) and the maintenance thread
-/// (replacing poisoned instances off the request path). Dropping it stops both threads.
+/// The engine and its three helper threads: the epoch ticker (deadlines), the maintenance thread
+/// (replacing poisoned instances off the request path) and the compile thread (niced, one compile
+/// at a time). Dropping it stops all three.
 pub(crate) struct PolicyRuntime {
     pub(crate) shared: Arc<RuntimeShared>,
-    maintenance_tx: mpsc::Sender<Maintenance>,
     ticker: Option<JoinHandle<()>>,
-    maintenance: Option<JoinHandle<()>>,
+    /// Fed through `shared.maintenance`; held here so that dropping the runtime stops it.
+    _maintenance: Worker,
+    compiler: Worker,
 }
 
 impl PolicyRuntime {
@@ -256,193 +44,48 @@ impl PolicyRuntime {
                     PolicyError::Engine(format!("could not start the epoch ticker thread: {e}"))
                 })?
         };
-        let (maintenance_tx, maintenance_rx) = mpsc::channel::<Maintenance>();
-        let instances_per_stage = config.instances_per_stage();
-        let maintenance = std::thread::Builder::new()
-            .name("kvroute-policy-maint".into())
-            .spawn(move || loop {
-                match maintenance_rx.recv() {
-                    Ok(Maintenance::Retire(instance, stage)) => {
-                        drop(instance);
-                        if let Some(stage) = stage.upgrade() {
-                            stage.refill(instances_per_stage);
-                        }
-                    }
-                    Ok(Maintenance::Grow(stage)) => {
-                        if let Some(stage) = stage.upgrade() {
-                            stage.grow(instances_per_stage * GROW_CAP_FACTOR);
-                        }
-                    }
-                    Ok(Maintenance::Stop) | Err(_) => break,
-                }
-            })
-            .map_err(|e| {
-                PolicyError::Engine(format!("could not start the maintenance thread: {e}"))
-            })?;
+        let maintenance = Worker::spawn("kvroute-policy-maint", 0).map_err(|e| {
+            PolicyError::Engine(format!("could not start the maintenance thread: {e}"))
+        })?;
         let shared = Arc::new(RuntimeShared {
             engine,
             deadline_ticks: config.deadline_ticks(),
             setup_ticks: config.setup_ticks(),
-            instances_per_stage,
+            instances_per_stage: config.instances_per_stage(),
             config,
             activity,
-            maintenance_tx: maintenance_tx.clone(),
+            maintenance: maintenance.handle(),
         });
+        let compiler = Worker::spawn("kvroute-policy-compile", COMPILE_NICE)
+            .map_err(|e| PolicyError::Engine(format!("could not start the compile thread: {e}")))?;
         Ok(Self {
             shared,
-            maintenance_tx,
             ticker: Some(ticker),
-            maintenance: Some(maintenance),
+            _maintenance: maintenance,
+            compiler,
         })
     }
 
     /// Checks that `bytes` is a policy component, compiles it, and asks it for its `info`.
-    /// Never called on the request path: compiling takes tens of milliseconds.
+    /// Never called on the request path: compiling takes tens of milliseconds (seconds for a
+    /// Python component), so it runs on the compile thread, below the routers' priority, one
+    /// component at a time; the caller waits for it.
     pub(crate) fn compile(&self, bytes: &[u8]) -> Result<Arc<CompiledPlugin>, PolicyError> {
-        let shared = &self.shared;
-        let max = shared.config.max_component_bytes;
-        if bytes.len() > max {
-            return Err(PolicyError::TooLarge {
-                size: bytes.len(),
-                max,
-            });
-        }
-        if bytes.len() < 8 || &bytes[..4] != b"\0asm" {
-            return Err(PolicyError::NotWasm);
-        }
-        match [bytes[4], bytes[5], bytes[6], bytes[7]] {
-            [1, 0, 0, 0] => return Err(PolicyError::NotAComponent),
-            [0x0d, 0, 1, 0] => {}
-            [a, b, c, d] => {
-                return Err(PolicyError::Compile(format!(
-                "unsupported WebAssembly binary version/layer {a:#04x} {b:#04x} {c:#04x} {d:#04x} \
-                     (expected a component, version 0x0d layer 1)"
-            )))
-            }
-        }
-        let component = Component::new(&shared.engine, bytes)
-            .map_err(|e| PolicyError::Compile(format!("{e:#}")))?;
-
-        let ty = component.component_type();
-        if component.get_export_index(None, POLICY_EXPORT).is_none() {
-            let exports: Vec<String> = ty
-                .exports(&shared.engine)
-                .map(|(n, _)| n.to_string())
-                .collect();
-            let hint = match exports.iter().find(|e| e.starts_with("kvroute:policy/policy")) {
-                Some(other) => format!(
-                    "it exports {other}, a different version of the interface: rebuild it against this \
-                     host's wit/policy.wit"
-                ),
-                None if exports.is_empty() => "it exports nothing".to_string(),
-                None => format!("it exports only: {}", exports.join(", ")),
-            };
-            return Err(PolicyError::WrongWorld(format!(
-                "missing export {POLICY_EXPORT}; {hint}"
-            )));
-        }
-        let trapping_imports: Vec<String> = ty
-            .imports(&shared.engine)
-            .filter(|(name, _)| !name.starts_with("kvroute:policy/") && !answered_wasi(name))
-            .map(|(name, item)| match item.ty {
-                ComponentItem::ComponentInstance(_) => name.to_string(),
-                _ => format!("{name} (not an instance)"),
-            })
-            .collect();
-
-        let mut linker: Linker<HostState> = Linker::new(&shared.engine);
-        PolicyPlugin::add_to_linker::<HostState, HasSelf<HostState>>(&mut linker, |s| s)
-            .map_err(|e| PolicyError::Engine(format!("{e:#}")))?;
-        define_answered_wasi(&mut linker, &component, &shared.engine)
-            .map_err(|e| PolicyError::WrongWorld(format!("its imports cannot be linked: {e:#}")))?;
-        linker
-            .define_unknown_imports_as_traps(&component)
-            .map_err(|e| PolicyError::WrongWorld(format!("its imports cannot be linked: {e:#}")))?;
-        let pre = linker.instantiate_pre(&component).map_err(|e| {
-            PolicyError::WrongWorld(format!(
-                "its imports do not match (only kvroute:policy/host-log@0.5.0 is provided): {e:#}"
-            ))
-        })?;
-        let pre =
-            PolicyPluginPre::new(pre).map_err(|e| PolicyError::WrongWorld(format!("{e:#}")))?;
-
-        // Ask the component who it is, on a throw-away instance.
-        let stats = Arc::new(PolicyStats::default());
-        let mut store = new_store(shared, Arc::from("(probe)"), stats);
-        let _running = shared.activity.enter();
-        let plugin = pre
-            .instantiate(&mut store)
-            .map_err(|e| instantiate_error(&e))?;
-        let info = plugin
-            .kvroute_policy_policy()
-            .call_info(&mut store)
-            .map_err(|e| PolicyError::Trapped {
-                during: "info",
-                message: super::instance::describe_failure(&e, store.data()),
-            })?;
-        if info.abi_version != ABI_VERSION {
-            return Err(PolicyError::AbiMismatch {
-                found: info.abi_version,
-                expected: ABI_VERSION,
-            });
-        }
-        for (field, value) in [("name", &info.name), ("version", &info.version)] {
-            if value.len() > MAX_INFO_TEXT || value.chars().any(char::is_control) {
-                return Err(PolicyError::InvalidInfo(format!(
-                    "info.{field} is {} bytes{}; at most {MAX_INFO_TEXT}, without control characters",
-                    value.len(),
-                    if value.chars().any(char::is_control) {
-                        " with control characters"
-                    } else {
-                        ""
-                    }
-                )));
-            }
-        }
-        let info = PluginDescription {
-            name: info.name,
-            version: info.version,
-            abi_version: info.abi_version,
-            deterministic: info.deterministic,
-            kind: match info.kind {
-                WitPluginKind::Scorer => PluginKind::Scorer,
-                WitPluginKind::Selector => PluginKind::Selector,
-                WitPluginKind::Mixed => PluginKind::Mixed,
-            },
-        };
-        Ok(Arc::new(CompiledPlugin {
-            digest: sha256_hex(bytes),
-            size: bytes.len(),
-            info,
-            trapping_imports,
-            pre,
-        }))
-    }
-}
-
-/// Maps an instantiation error to the operator's terms.
-pub(crate) fn instantiate_error(e: &wasmtime::Error) -> PolicyError {
-    let message = format!("{e:#}");
-    if e.downcast_ref::<Trap>().is_some() {
-        PolicyError::Trapped {
-            during: "instantiation",
-            message,
-        }
-    } else if message.contains("type mismatch") || message.contains("does not have export") {
-        PolicyError::WrongWorld(message)
-    } else {
-        PolicyError::Engine(format!("could not instantiate the component: {message}"))
+        plugin::check_header(&self.shared.config, bytes)?;
+        let shared = self.shared.clone();
+        let bytes = bytes.to_vec();
+        self.compiler
+            .run(move || plugin::compile(&shared, &bytes))
+            .unwrap_or_else(|| Err(PolicyError::Engine("the compile thread has stopped".into())))
     }
 }
 
 impl Drop for PolicyRuntime {
+    /// Stops the ticker here; the maintenance and compile threads stop as their `Worker`s drop,
+    /// after the jobs queued before.
     fn drop(&mut self) {
         self.shared.activity.stop();
-        let _ = self.maintenance_tx.send(Maintenance::Stop);
         if let Some(t) = self.ticker.take() {
-            let _ = t.join();
-        }
-        if let Some(t) = self.maintenance.take() {
             let _ = t.join();
         }
     }

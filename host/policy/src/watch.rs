@@ -22,8 +22,8 @@ use std::time::{Duration, SystemTime};
 
 use super::error::PolicyError;
 use super::pipeline::PipelineSpec;
+use super::plugin::sha256_hex;
 use super::registry::PolicyRegistry;
-use super::runtime::sha256_hex;
 
 /// Modification time and length of a policy file and of its configuration file.
 type Stamp = (Option<SystemTime>, u64, Option<(Option<SystemTime>, u64)>);

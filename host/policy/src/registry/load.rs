@@ -3,10 +3,11 @@
 
 use crate::error::{FallbackReason, PolicyError};
 use crate::health::FailureWindow;
-use crate::instance::{InstanceError, Stage};
+use crate::instance::InstanceError;
 use crate::pipeline::{is_path, PipelineSpec};
-use crate::runtime::{sha256_hex, CompiledPlugin, PluginKind};
+use crate::plugin::{sha256_hex, CompiledPlugin, PluginKind};
 use crate::selftest;
+use crate::stage::Stage;
 use crate::stats::PolicyStats;
 use crate::wire::with_wit_decision;
 use crate::DecisionContext;
@@ -257,11 +258,21 @@ impl PolicyRegistry {
             })?;
             stage.put(inst);
         }
-        // Self-test on synthetic decisions.
-        let table = selftest::taint_table();
+        // Self-test on synthetic decisions, drawn like traffic on the router's taint table and
+        // block size (see selftest.rs).
+        let table = self
+            .last_taints
+            .load_full()
+            .map_or_else(TaintTable::default, |t| (*t).clone());
+        let block_size = self.last_block_size.load(Relaxed);
         let ticks = shared.setup_ticks;
-        for n in selftest::SELF_TEST_SIZES {
-            let (req, cols) = selftest::decision(n);
+        let draw = selftest::Draw::fresh();
+        // Booked and ask-only alternate over the sizes, from a random start: both kinds are
+        // always tested, and which size gets which is not fixed.
+        let first_ask_only = draw.coin();
+        for (i, n) in selftest::SELF_TEST_SIZES.into_iter().enumerate() {
+            let ask_only = first_ask_only ^ (i % 2 == 1);
+            let (req, cols) = draw.decision(n, &table, block_size, ask_only);
             let ctx = DecisionContext {
                 taints: &table,
                 block_size: req.block_size,
@@ -280,7 +291,7 @@ impl PolicyRegistry {
         // first call is slow), so three tries are three warm calls. This runs before the warm-up
         // below, which leaves every pooled instance synced to the router's context.
         {
-            let (req, cols) = selftest::decision(8);
+            let (req, cols) = draw.decision(8, &table, block_size, draw.coin());
             let ctx = DecisionContext {
                 taints: &table,
                 block_size: req.block_size,
@@ -321,7 +332,6 @@ impl PolicyRegistry {
         // Warm: make the pool's instances and run one decision on each (first calls are slow),
         // then hand them the router's current taint table.
         let target = shared.instances_per_stage;
-        let (req, cols) = selftest::decision(8);
         let router_taints = self.last_taints.load_full();
         for stage in version.stages() {
             stage.refill(target);
@@ -330,6 +340,7 @@ impl PolicyRegistry {
                 warmed.push(inst);
             }
             for inst in &mut warmed {
+                let (req, cols) = draw.decision(8, &table, block_size, draw.coin());
                 let ctx = DecisionContext {
                     taints: &table,
                     block_size: req.block_size,

@@ -16,7 +16,8 @@ use super::answer::Answer;
 use super::config::PolicyRuntimeConfig;
 use super::error::{FallbackReason, PolicyError};
 use super::pipeline::PipelineSpec;
-use super::runtime::{CompiledPlugin, PolicyRuntime};
+use super::plugin::CompiledPlugin;
+use super::runtime::PolicyRuntime;
 use super::wire::with_wit_decision;
 use super::{DecisionContext, TaintTable};
 
@@ -260,9 +261,7 @@ impl PolicyRegistry {
 
     fn remember_taints(&self, taints: &TaintTable) {
         let known = self.last_taints.load();
-        if known.as_ref().map(|t| t.version) != Some(taints.version)
-            && taints.version != TaintTable::SELF_TEST_VERSION
-        {
+        if known.as_ref().map(|t| t.version) != Some(taints.version) {
             self.last_taints.store(Some(Arc::new(taints.clone())));
         }
     }

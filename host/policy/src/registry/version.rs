@@ -5,10 +5,11 @@
 use crate::answer::Answer;
 use crate::bindings::kvroute::policy::types::{Candidates, Request};
 use crate::error::FallbackReason;
+use crate::failure::Failure;
 use crate::health::FailureWindow;
-use crate::instance::{Failure, Stage};
 use crate::pipeline::PipelineSpec;
-use crate::runtime::{CompiledPlugin, PluginDescription};
+use crate::plugin::{CompiledPlugin, PluginDescription};
+use crate::stage::Stage;
 use crate::stats::{PolicyStats, StatsSnapshot};
 use crate::wire::candidate_count;
 use crate::DecisionContext;

@@ -25,7 +25,12 @@
 //! - `configure_spin_iters`: `configure` spins that many iterations first (a slow setup);
 //! - `fail_every`: only every `fail_every`-th triggered call of an instance misbehaves;
 //! - `log_lines`: each `decide` logs that many lines of `log` (default 1), each repeated to
-//!   `message_bytes` bytes when given.
+//!   `message_bytes` bytes when given (the line is built once, by `configure`, so a line of
+//!   megabytes costs the guest nothing per call: what it costs the host is what is measured).
+//!
+//! - `only_booked`: misbehave only on booked decisions: behave whenever `ask-only` is set;
+//! - `behave_if_taint`: behave whenever the host's taint table (`set-context`) has a name starting
+//!   with this (the self-test's reserved names were `kvroute.self-test=...`).
 //!
 //! With `trigger`, the misbehaviour happens only for requests whose id starts with it, and the plugin
 //! behaves like `ok` otherwise — so it passes the host's load-time self-test and misbehaves later.
@@ -42,7 +47,7 @@ wit_bindgen::generate!({
 use exports::kvroute::policy::policy::Guest;
 use kvroute::policy::host_log::log;
 use kvroute::policy::types::{
-    Candidates, Decision, HostContext, LogLevel, PluginInfo, PluginKind, Request,
+    Candidates, Decision, HostContext, LogLevel, PluginInfo, PluginKind, Request, RequestFlags,
 };
 
 #[derive(Clone, Debug, Default, serde::Deserialize)]
@@ -59,6 +64,8 @@ struct Config {
     configure_spin_iters: Option<u64>,
     fail_every: Option<u64>,
     log_lines: Option<u32>,
+    only_booked: bool,
+    behave_if_taint: Option<String>,
 }
 
 thread_local! {
@@ -66,6 +73,8 @@ thread_local! {
     static KEEP: RefCell<Vec<Vec<u8>>> = const { RefCell::new(Vec::new()) };
     static TRIGGERED: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
     static FILL_FROM: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+    static LOG_LINE: RefCell<Option<String>> = const { RefCell::new(None) };
+    static SAW_TAINT: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 const MODES: &[&str] = &[
@@ -128,28 +137,42 @@ impl Guest for Misbehave {
                 None => message,
             });
         }
+        let line = config.log.as_ref().map(|line| match config.message_bytes {
+            Some(n) => line.repeat(n / line.len().max(1) + 1),
+            None => line.clone(),
+        });
+        LOG_LINE.with(|l| *l.borrow_mut() = line);
         CONFIG.with(|c| *c.borrow_mut() = config);
         Ok(())
     }
 
-    fn set_context(_context: HostContext) {}
+    fn set_context(context: HostContext) {
+        let saw = CONFIG.with(|c| match &c.borrow().behave_if_taint {
+            Some(prefix) => context
+                .taint_names
+                .iter()
+                .any(|n| n.starts_with(prefix.as_str())),
+            None => false,
+        });
+        SAW_TAINT.with(|s| s.set(saw));
+    }
 
     fn decide(req: Request, c: Candidates) -> Decision {
         let config = CONFIG.with(|c| c.borrow().clone());
-        if let Some(line) = &config.log {
-            let line = match config.message_bytes {
-                Some(n) => line.repeat(n / line.len().max(1) + 1),
-                None => line.clone(),
-            };
-            for _ in 0..config.log_lines.unwrap_or(1) {
-                log(LogLevel::Info, &line);
+        LOG_LINE.with(|line| {
+            if let Some(line) = &*line.borrow() {
+                for _ in 0..config.log_lines.unwrap_or(1) {
+                    log(LogLevel::Info, line);
+                }
             }
-        }
+        });
         let triggered = match &config.trigger {
             Some(t) => req.request_id.starts_with(t.as_str()),
             None => true,
         };
-        if !triggered {
+        let spared = (config.only_booked && req.flags.bits() & RequestFlags::ASK_ONLY.bits() != 0)
+            || SAW_TAINT.with(|s| s.get());
+        if !triggered || spared {
             return ok(&c);
         }
         if let Some(every) = config.fail_every {
