@@ -570,7 +570,7 @@ fn route_ask_only_and_explain() {
     assert_eq!(
         d["excluded"],
         json!([{"worker_id": 1, "dp_rank": 0, "reason": "missing_required_taints",
-                "overlap_blocks": 0, "active_prefill_tokens": 50}]),
+                "missing_taints": ["zone=b"], "overlap_blocks": 0, "active_prefill_tokens": 50}]),
         "{d}"
     );
     assert_eq!(d["candidates"].as_array().unwrap().len(), 2, "{d}");

@@ -14,6 +14,7 @@ mod index_memory;
 mod policy_deadlines;
 mod policy_runtime;
 mod python_plugin;
+mod refusals;
 mod replay;
 mod sandbox;
 mod tutorial;

@@ -10,7 +10,7 @@ use rustc_hash::FxHashSet;
 
 use crate::candidate::{DpRank, WorkerId};
 use crate::load::CandidateLoad;
-use crate::workers::CandidateEntry;
+use crate::workers::{CandidateEntry, RegistrySnapshot};
 
 /// The busy rule (SPEC §9): a candidate is busy when its not-yet-prefilled tokens exceed
 /// `threshold_frac × max_num_batched_tokens`. Off when `threshold_frac` is `None`; a candidate whose
@@ -92,6 +92,28 @@ pub fn check(
     Ok(())
 }
 
+/// The required taints a candidate lacks, by name, in the request's order. A name no worker has
+/// ever had is lacked by everyone. Called on refusals and explained decisions only.
+pub fn missing_taints(
+    c: &CandidateEntry,
+    required: &[String],
+    snap: &RegistrySnapshot,
+) -> Vec<String> {
+    required
+        .iter()
+        .filter(|name| snap.taint_id(name).is_none_or(|id| !c.has_taint(id)))
+        .cloned()
+        .collect()
+}
+
+/// A worker the required taints kept out, and the ones it lacks (taints are per worker, so its
+/// ranks all lack the same). The structured half of a refusal's message.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct WorkerMissingTaints {
+    pub worker_id: WorkerId,
+    pub missing: Vec<String>,
+}
+
 /// Why a pinned request cannot go to its pinned candidate. Each has its own status and code.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum PinError {
@@ -104,8 +126,8 @@ pub enum PinError {
         worker_id: WorkerId,
         dp_rank: DpRank,
     },
-    #[error("pinned worker {0} lacks a required taint")]
-    MissingTaints(WorkerId),
+    #[error("pinned worker {} lacks the required taints {}", .0.worker_id, .0.missing.join(", "))]
+    MissingTaints(WorkerMissingTaints),
     #[error("pinned worker {0} is draining")]
     Draining(WorkerId),
     #[error("pinned worker {0} is overloaded")]
@@ -113,10 +135,14 @@ pub enum PinError {
 }
 
 impl From<(Ineligible, WorkerId)> for PinError {
+    /// The pin's error for a rule; `MissingTaints` names no taint (the caller fills them in).
     fn from((why, w): (Ineligible, WorkerId)) -> Self {
         match why {
             Ineligible::NotAllowed => PinError::NotAllowed(w),
-            Ineligible::MissingTaints => PinError::MissingTaints(w),
+            Ineligible::MissingTaints => PinError::MissingTaints(WorkerMissingTaints {
+                worker_id: w,
+                missing: Vec::new(),
+            }),
             Ineligible::Draining => PinError::Draining(w),
             Ineligible::Busy => PinError::Overloaded(w),
         }

@@ -17,9 +17,7 @@ use rustc_hash::FxHashSet;
 
 use super::explain::{self, Excluded};
 use super::request::Prepared;
-use super::{
-    Pin, PolicyLabel, RouteDecision, RouteError, RouteRequest, Router, ScorerOutcome, Timings,
-};
+use super::{PolicyLabel, RouteDecision, RouteError, RouteRequest, Router, ScorerOutcome, Timings};
 use crate::candidate::{CandidateColumns, CandidateKey, PolicyRequest};
 use crate::cost;
 use crate::eligibility::{self, Constraints, Ineligible, PinError};
@@ -81,7 +79,8 @@ impl Router {
             self.indexer.find_matches_dense(&p.local, &mut s.dense);
             let matching = tm.elapsed();
 
-            self.filter(p, pool, &constraints, s)?;
+            self.filter(p, pool, &constraints, s)
+                .map_err(|out| nobody_eligible(p, pool, &constraints, &snap, &out))?;
             s.fill_columns(pool);
             let preq = self.policy_request(p, &snap);
             cost::fill_base_costs(&preq, &mut s.cols, &self.config.cost);
@@ -114,7 +113,15 @@ impl Router {
                 answer: explained.then_some(pick.answer),
                 candidates: explained
                     .then(|| explain::candidate_rows(&s.cols, &s.costs, pick.chosen, &snap)),
-                excluded: explained.then(|| explain::excluded_rows(pool, &s.excluded, &s.dense)),
+                excluded: explained.then(|| {
+                    explain::excluded_rows(
+                        pool,
+                        &s.excluded,
+                        &s.dense,
+                        &p.req.required_taints,
+                        &snap,
+                    )
+                }),
                 timings: Timings {
                     hash: p.hash_time,
                     matching,
@@ -192,14 +199,14 @@ impl Router {
     /// Filter: the candidates of the pool that pass the hard rules ([`eligibility::check`]), with
     /// their loads, and (with `explain`) the ones that do not and why. Loads, eligibility and the
     /// active prefix depths are read under one short lock of the load tracker. Nobody eligible is
-    /// the request's error.
+    /// the request's error, made by [`nobody_eligible`] from what was excluded.
     fn filter(
         &self,
         p: &Prepared,
         pool: &[CandidateEntry],
         constraints: &Constraints,
         s: &mut Scratch,
-    ) -> Result<(), RouteError> {
+    ) -> Result<(), Exclusions> {
         s.eligible.clear();
         s.loads.clear();
         s.excluded.clear();
@@ -234,7 +241,7 @@ impl Router {
         }
         if s.eligible.is_empty() {
             self.counters.rejected.fetch_add(1, Relaxed);
-            return Err(nobody_eligible(p.req.pinned, &out));
+            return Err(out);
         }
         Ok(())
     }
@@ -401,22 +408,42 @@ impl Scratch {
     }
 }
 
+/// The most workers a refusal's message names one by one (its `missing_taints` lists them all).
+const NAMED_WORKERS: usize = 8;
+
 /// The error when the filter left nobody. A pinned request gets its pin's own error, with the most
 /// actionable reason (busy, else the first); otherwise anyone merely busy makes it
-/// `all_overloaded` (retryable), and else every reason is named with its count.
-fn nobody_eligible(pinned: Option<Pin>, out: &Exclusions) -> RouteError {
+/// `all_overloaded` (retryable), and else every reason is named with its count, the required
+/// taints with the ones no worker has and the ones each worker lacks.
+fn nobody_eligible(
+    p: &Prepared,
+    pool: &[CandidateEntry],
+    constraints: &Constraints,
+    snap: &RegistrySnapshot,
+    out: &Exclusions,
+) -> RouteError {
+    let required = &p.req.required_taints;
     let busy = out.by_reason[Ineligible::Busy as usize];
-    if let Some(pin) = pinned {
+    if let Some(pin) = p.req.pinned {
         let why = if busy > 0 {
             Ineligible::Busy
         } else {
             out.first.unwrap_or(Ineligible::Draining)
         };
-        return PinError::from((why, pin.worker_id)).into();
+        let mut e = PinError::from((why, pin.worker_id));
+        if let (PinError::MissingTaints(w), Some(c)) = (&mut e, pool.first()) {
+            w.missing = eligibility::missing_taints(c, required, snap);
+        }
+        return e.into();
     }
     if busy > 0 {
         return RouteError::AllOverloaded;
     }
+    let missing_taints = if out.by_reason[Ineligible::MissingTaints as usize] > 0 {
+        workers_missing_taints(pool, constraints, required, snap)
+    } else {
+        Vec::new()
+    };
     // Every reason with its count: the first candidate's reason alone can name
     // allowed_worker_ids when the allowed workers were all draining.
     let why: Vec<String> = [
@@ -426,7 +453,85 @@ fn nobody_eligible(pinned: Option<Pin>, out: &Exclusions) -> RouteError {
     ]
     .iter()
     .filter(|(r, _)| out.by_reason[*r as usize] > 0)
-    .map(|(r, what)| format!("{} {what}", out.by_reason[*r as usize]))
+    .map(|(r, what)| {
+        let n = out.by_reason[*r as usize];
+        if *r == Ineligible::MissingTaints {
+            format!(
+                "{n} {what} ({})",
+                taints_detail(&missing_taints, required, snap)
+            )
+        } else {
+            format!("{n} {what}")
+        }
+    })
     .collect();
-    RouteError::AllFiltered(why.join(", "))
+    RouteError::AllFiltered {
+        reasons: why.join(", "),
+        missing_taints,
+    }
+}
+
+/// The allowed workers of the pool that lack a required taint, and which, in worker order.
+fn workers_missing_taints(
+    pool: &[CandidateEntry],
+    constraints: &Constraints,
+    required: &[String],
+    snap: &RegistrySnapshot,
+) -> Vec<eligibility::WorkerMissingTaints> {
+    let mut out: Vec<eligibility::WorkerMissingTaints> = Vec::new();
+    for c in pool {
+        let w = c.key.worker_id;
+        // Taints are per worker: its other ranks lack the same.
+        if out.last().is_some_and(|m| m.worker_id == w)
+            || constraints
+                .allowed
+                .as_ref()
+                .is_some_and(|a| !a.contains(&w))
+        {
+            continue;
+        }
+        let missing = eligibility::missing_taints(c, required, snap);
+        if !missing.is_empty() {
+            out.push(eligibility::WorkerMissingTaints {
+                worker_id: w,
+                missing,
+            });
+        }
+    }
+    out
+}
+
+/// "no worker has zone=mars; worker 1 lacks gpu=h100; …": the required taints no registered
+/// worker has, then what each excluded worker lacks (the first [`NAMED_WORKERS`]).
+fn taints_detail(
+    missing: &[eligibility::WorkerMissingTaints],
+    required: &[String],
+    snap: &RegistrySnapshot,
+) -> String {
+    let mut parts = Vec::new();
+    let nobody: Vec<&str> = required
+        .iter()
+        .filter(|name| {
+            snap.taint_id(name)
+                .is_none_or(|id| !snap.candidates.iter().any(|c| c.has_taint(id)))
+        })
+        .map(String::as_str)
+        .collect();
+    if !nobody.is_empty() {
+        parts.push(format!("no worker has {}", nobody.join(", ")));
+    }
+    for m in missing.iter().take(NAMED_WORKERS) {
+        parts.push(format!(
+            "worker {} lacks {}",
+            m.worker_id,
+            m.missing.join(", ")
+        ));
+    }
+    if missing.len() > NAMED_WORKERS {
+        parts.push(format!(
+            "{} more workers in missing_taints",
+            missing.len() - NAMED_WORKERS
+        ));
+    }
+    parts.join("; ")
 }

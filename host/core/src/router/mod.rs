@@ -39,7 +39,7 @@ pub use request::{preferred_taint_weight, Pin, Prompt, RouteRequest};
 
 use crate::candidate::{CandidateColumns, CandidateKey, PolicyRequest, WorkerId};
 use crate::cost::CostWeights;
-use crate::eligibility::{BusyRule, PinError};
+use crate::eligibility::{BusyRule, PinError, WorkerMissingTaints};
 use crate::indexer::approx::{ApproxConfig, ApproxIndexer};
 use crate::indexer::{Applied, ApplyError, Indexer, KvEvent, OverlapScores};
 use crate::load::{Booking, CandidateLoad, LoadConfig, LoadTracker};
@@ -191,8 +191,13 @@ pub enum RouteError {
     Pin(#[from] PinError),
     #[error("no workers are registered")]
     NoWorkers,
-    #[error("no candidate is eligible: {0}")]
-    AllFiltered(String),
+    /// Nobody passed the hard rules: `reasons` counts the candidates by rule (naming, for the
+    /// required taints, which taints each worker lacks); `missing_taints` is that last part as data.
+    #[error("no candidate is eligible: {reasons}")]
+    AllFiltered {
+        reasons: String,
+        missing_taints: Vec<WorkerMissingTaints>,
+    },
     #[error("every eligible worker is overloaded; retry shortly")]
     AllOverloaded,
     #[error("{0}; retry shortly")]
@@ -220,7 +225,7 @@ impl RouteError {
                 PinError::Overloaded(_) => "pinned_worker_overloaded",
             },
             RouteError::NoWorkers => "no_workers",
-            RouteError::AllFiltered(_) => "all_filtered_by_constraints",
+            RouteError::AllFiltered { .. } => "all_filtered_by_constraints",
             RouteError::AllOverloaded => "all_overloaded",
             RouteError::QueueFull(QueueError::Full { limit, .. }) => limit.as_str(),
             RouteError::QueueFull(QueueError::DuplicateRequest(_)) => "duplicate_request_id",
@@ -241,6 +246,16 @@ impl RouteError {
                 | RouteError::ShuttingDown
                 | RouteError::Pin(PinError::Overloaded(_))
         )
+    }
+
+    /// The workers the request's required taints kept out and the taints each lacks, when that is
+    /// (part of) why it was refused.
+    pub fn missing_taints(&self) -> &[WorkerMissingTaints] {
+        match self {
+            RouteError::AllFiltered { missing_taints, .. } => missing_taints,
+            RouteError::Pin(PinError::MissingTaints(w)) => std::slice::from_ref(w),
+            _ => &[],
+        }
     }
 
     /// The request field at fault, when one is.

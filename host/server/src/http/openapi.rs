@@ -96,7 +96,8 @@ fn base_document() -> Value {
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
             "schemas": {
                 "Error": {"type": "object", "required": ["error"], "properties": {"error": {"type": "object", "required": ["code", "message"], "properties": {
-                    "code": {"type": "string"}, "message": {"type": "string"}, "field": {"type": "string"}}}}},
+                    "code": {"type": "string"}, "message": {"type": "string"}, "field": {"type": "string"},
+                    "missing_taints": {"type": "array", "description": "On a refusal for required_taints: each worker they kept out and the required taints it lacks.", "items": {"type": "object", "required": ["worker_id", "missing"], "properties": {"worker_id": {"type": "integer"}, "missing": {"type": "array", "items": {"type": "string"}}}}}}}}},
                 "WorkerSpec": {"type": "object", "additionalProperties": false, "description": "Re-registering keeps the worker's draining flag, its bookings and its cached blocks (of the ranks it keeps); removed ranks lose theirs.", "properties": {
                     "worker_id": {"type": "integer", "description": "Optional: the path's id, repeated (400 if it differs)."},
                     "dp_start": {"type": "integer", "minimum": 0}, "dp_size": {"type": "integer", "minimum": 1},
@@ -153,6 +154,7 @@ fn base_document() -> Value {
                     "excluded": {"type": "array", "description": "With explain: the candidates considered (the pinned worker's ranks when pinned) that a hard rule kept out, with the first rule each failed.", "items": {"type": "object", "required": ["worker_id", "dp_rank", "reason", "overlap_blocks", "active_prefill_tokens"], "properties": {
                         "worker_id": {"type": "integer"}, "dp_rank": {"type": "integer"},
                         "reason": {"type": "string", "enum": ["not_allowed", "missing_required_taints", "draining", "busy"]},
+                        "missing_taints": {"type": "array", "items": {"type": "string"}, "description": "With missing_required_taints only: the required taints the candidate lacks."},
                         "overlap_blocks": {"type": "integer"}, "active_prefill_tokens": {"type": "integer"}}}}}},
                 "Lifecycle": {"type": "object", "required": ["request_id", "status"], "properties": {"request_id": {"type": "string"}, "status": {"type": "string"}, "worker_id": {"type": "integer"}, "dp_rank": {"type": "integer"}}},
                 "Output": {"type": "object", "additionalProperties": false, "required": ["tokens"], "properties": {"tokens": {"type": "integer", "minimum": 0}}},
