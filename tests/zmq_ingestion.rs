@@ -79,6 +79,11 @@ struct Server {
 
 impl Server {
     fn start() -> Server {
+        Self::start_with(&[])
+    }
+
+    /// With more `kvroute serve` arguments.
+    fn start_with(extra: &[&str]) -> Server {
         let log = std::env::temp_dir().join(format!(
             "kvroute-zmq-ingestion-{}-{:?}.log",
             std::process::id(),
@@ -92,6 +97,7 @@ impl Server {
                 "--block-size",
                 &BLOCK.to_string(),
             ])
+            .args(extra)
             .env("RUST_LOG", "kvroute_events=debug,info")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -318,6 +324,23 @@ impl Publisher {
             .unwrap_or_else(|_| panic!("{}: no reply to {c}", self.name));
         let v: Value = serde_json::from_str(&line).unwrap();
         assert_eq!(v["ok"], true, "{}: {c} → {v}", self.name);
+        v
+    }
+
+    /// Sends one command without waiting for its reply (see [`Self::reply`]).
+    fn send_cmd(&mut self, c: Value) {
+        writeln!(self.stdin, "{c}").unwrap();
+        self.stdin.flush().unwrap();
+    }
+
+    /// The reply to a command sent with [`Self::send_cmd`]; panics unless it says ok.
+    fn reply(&mut self) -> Value {
+        let line = self
+            .lines
+            .recv_timeout(WAIT + Duration::from_secs(5))
+            .unwrap_or_else(|_| panic!("{}: no reply", self.name));
+        let v: Value = serde_json::from_str(&line).unwrap();
+        assert_eq!(v["ok"], true, "{}: {v}", self.name);
         v
     }
 
@@ -643,4 +666,130 @@ fn golden_payloads_and_garbage_over_the_wire() {
         server.metric("kvroute_kv_sequence_total{kind=\"clear\"}"),
         0.0
     );
+}
+
+/// The feed of (worker, rank) in `GET /v1/workers` (`null` when it has none).
+fn kv_feed(server: &Server, worker: u64, rank: u64) -> Value {
+    let v = server.json("GET", "/v1/workers", None);
+    let w = v["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|w| w["worker_id"] == worker)
+        .unwrap_or_else(|| panic!("worker {worker} not listed: {v}"))
+        .clone();
+    w["ranks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["dp_rank"] == rank)
+        .unwrap()
+        .get("kv_feed")
+        .cloned()
+        .unwrap_or(Value::Null)
+}
+
+#[test]
+fn a_dead_feed_is_shown_counted_and_routed_by_the_configured_rule() {
+    for rule in ["drain", "unknown", "keep"] {
+        let config = std::env::temp_dir().join(format!(
+            "kvroute-dead-feed-{rule}-{}.toml",
+            std::process::id()
+        ));
+        std::fs::write(
+            &config,
+            format!("[routing]\ndead_feed = \"{rule}\"\ndead_feed_after_ms = 300\n"),
+        )
+        .unwrap();
+        let server = Server::start_with(&["--config", config.to_str().unwrap()]);
+        let mut p = Publisher::spawn("vllm_publisher.py", &[]);
+        server.register_with_events(1, &p, json!({}));
+        server.register(2, json!({}));
+        p.wait_sub();
+        let a = tokens(1, 12);
+        p.store(&a, None, json!({}));
+        p.store(&tokens(300, 4), None, json!({}));
+        server.wait_overlap(&a, None, 1, 0, 3);
+
+        // Live: connected, the last sequence (the second message, 1), a fresh age, not dead.
+        let f = eventually("the feed to show seq 1", || {
+            let f = kv_feed(&server, 1, 0);
+            (f["last_seq"] == 1).then_some(f)
+        });
+        assert_eq!(
+            (&f["connected"], &f["dead"]),
+            (&json!(true), &json!(false)),
+            "{f}"
+        );
+        assert!(f["last_event_age_ms"].as_u64().unwrap() < 10_000, "{f}");
+        assert_eq!(kv_feed(&server, 2, 0), Value::Null, "no kv_events, no feed");
+        let dead = r#"kvroute_kv_feed_dead{worker_id="1",dp_rank="0"}"#;
+        assert_eq!(server.metric(dead), 0.0);
+        assert!(
+            server.metric(r#"kvroute_kv_last_event_age_seconds{worker_id="1",dp_rank="0"}"#) >= 0.0
+        );
+        let r = server.route(&a, None);
+        assert_eq!(
+            (r["worker_id"].as_u64(), r["overlap_blocks"].as_u64()),
+            (Some(1), Some(3)),
+            "{r}"
+        );
+
+        // The engine goes away for 3 s (sockets closed, then bound again on the same ports).
+        p.send_cmd(json!({"cmd": "restart", "down_secs": 3}));
+        let f = eventually("the feed to be dead", || {
+            let f = kv_feed(&server, 1, 0);
+            (f["dead"] == true).then_some(f)
+        });
+        assert_eq!(f["connected"], false, "{f}");
+        assert_eq!(f["last_seq"], 1, "{f}");
+        assert_eq!(server.metric(dead), 1.0, "{rule}");
+        let r = server.json(
+            "POST",
+            "/v1/route",
+            Some(json!({"tokens": a, "book": false, "explain": true})),
+        );
+        match rule {
+            "drain" => {
+                assert_eq!(r["worker_id"], 2, "{r}");
+                assert_eq!(r["excluded"][0]["worker_id"], 1, "{r}");
+                assert_eq!(r["excluded"][0]["reason"], "kv_feed_dead", "{r}");
+            }
+            "unknown" => {
+                let c1 = r["candidates"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .find(|c| c["worker_id"] == 1)
+                    .cloned()
+                    .unwrap();
+                assert_eq!(c1["overlap_blocks"], 0, "its overlap is unknown: {r}");
+                assert_eq!(r["overlap_blocks"], 0, "{r}");
+            }
+            _ => assert_eq!(
+                (r["worker_id"].as_u64(), r["overlap_blocks"].as_u64()),
+                (Some(1), Some(3)),
+                "keep routes on the stale index: {r}"
+            ),
+        }
+
+        // Back: connected again, not dead, the rule no longer applies.
+        p.reply();
+        p.wait_sub();
+        let f = eventually("the feed to be alive again", || {
+            let f = kv_feed(&server, 1, 0);
+            (f["connected"] == true && f["dead"] == false).then_some(f)
+        });
+        assert_eq!(server.metric(dead), 0.0, "{f}");
+        let b = tokens(7000, 8);
+        p.store(&b, None, json!({}));
+        server.wait_overlap(&b, None, 1, 0, 2);
+        let r = server.route(&b, None);
+        assert_eq!(
+            (r["worker_id"].as_u64(), r["overlap_blocks"].as_u64()),
+            (Some(1), Some(2)),
+            "{r}"
+        );
+        let _ = std::fs::remove_file(&config);
+    }
 }

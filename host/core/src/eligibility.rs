@@ -3,7 +3,8 @@
 //! never drift apart, and policies only ever see candidates that passed it.
 //!
 //! A candidate is eligible when, in this order: it is among the allowed worker ids (when given); it
-//! has every required taint; it is not draining; it is not busy. A pinned request checks its one
+//! has every required taint; it is not draining; its KV event feed is not dead (only under the
+//! `drain` dead-feed rule, see [`crate::feeds`]); it is not busy. A pinned request checks its one
 //! candidate the same way and turns the first failure into its own error (see [`PinError`]).
 
 use rustc_hash::FxHashSet;
@@ -42,6 +43,8 @@ pub struct Constraints {
     pub required_taints: Vec<u32>,
     /// A required taint name that no worker has ever had: nobody is eligible.
     pub unsatisfiable: Option<String>,
+    /// Under the `drain` dead-feed rule: the candidates whose KV event feed is dead.
+    pub dead_feeds: Option<std::sync::Arc<FxHashSet<crate::candidate::CandidateKey>>>,
 }
 
 /// Why a candidate is not eligible, in check order.
@@ -50,6 +53,7 @@ pub enum Ineligible {
     NotAllowed,
     MissingTaints,
     Draining,
+    FeedDead,
     Busy,
 }
 
@@ -60,6 +64,7 @@ impl Ineligible {
             Ineligible::NotAllowed => "not_allowed",
             Ineligible::MissingTaints => "missing_required_taints",
             Ineligible::Draining => "draining",
+            Ineligible::FeedDead => "kv_feed_dead",
             Ineligible::Busy => "busy",
         }
     }
@@ -85,6 +90,13 @@ pub fn check(
     }
     if c.draining {
         return Err(Ineligible::Draining);
+    }
+    if constraints
+        .dead_feeds
+        .as_ref()
+        .is_some_and(|d| d.contains(&c.key))
+    {
+        return Err(Ineligible::FeedDead);
     }
     if busy.is_busy(c, load) {
         return Err(Ineligible::Busy);
@@ -130,6 +142,8 @@ pub enum PinError {
     MissingTaints(WorkerMissingTaints),
     #[error("pinned worker {0} is draining")]
     Draining(WorkerId),
+    #[error("pinned worker {0}'s KV event feed is dead (routing.dead_feed = \"drain\")")]
+    FeedDead(WorkerId),
     #[error("pinned worker {0} is overloaded")]
     Overloaded(WorkerId),
 }
@@ -144,6 +158,7 @@ impl From<(Ineligible, WorkerId)> for PinError {
                 missing: Vec::new(),
             }),
             Ineligible::Draining => PinError::Draining(w),
+            Ineligible::FeedDead => PinError::FeedDead(w),
             Ineligible::Busy => PinError::Overloaded(w),
         }
     }
@@ -179,6 +194,7 @@ mod tests {
             allowed: Some([1].into_iter().collect()),
             required_taints: vec![7],
             unsatisfiable: None,
+            dead_feeds: None,
         };
         // Not allowed wins over everything else.
         assert_eq!(
@@ -198,6 +214,20 @@ mod tests {
             Err(Ineligible::Busy)
         );
         assert_eq!(check(&entry(1, &[7], false), &idle, &c, &busy), Ok(()));
+        c.dead_feeds = Some(std::sync::Arc::new(
+            [CandidateKey::new(1, 0)].into_iter().collect(),
+        ));
+        assert_eq!(
+            check(&entry(1, &[7], true), &loaded, &c, &busy),
+            Err(Ineligible::Draining),
+            "draining before a dead feed"
+        );
+        assert_eq!(
+            check(&entry(1, &[7], false), &loaded, &c, &busy),
+            Err(Ineligible::FeedDead),
+            "a dead feed before busy"
+        );
+        c.dead_feeds = None;
         c.unsatisfiable = Some("zone=mars".into());
         assert_eq!(
             check(&entry(1, &[7], false), &idle, &c, &busy),

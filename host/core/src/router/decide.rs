@@ -21,6 +21,7 @@ use super::{PolicyLabel, RouteDecision, RouteError, RouteRequest, Router, Scorer
 use crate::candidate::{CandidateColumns, CandidateKey, PolicyRequest};
 use crate::cost;
 use crate::eligibility::{self, Constraints, Ineligible, PinError};
+use crate::feeds::DeadFeedRule;
 use crate::indexer::DenseOverlaps;
 use crate::load::{CandidateLoad, LoadError};
 use crate::workers::{CandidateEntry, RegistrySnapshot};
@@ -48,7 +49,7 @@ thread_local! {
 #[derive(Default)]
 struct Exclusions {
     /// Candidates excluded, by `Ineligible` reason.
-    by_reason: [u32; 4],
+    by_reason: [u32; 5],
     /// The first excluded candidate's reason.
     first: Option<Ineligible>,
 }
@@ -82,6 +83,9 @@ impl Router {
             self.filter(p, pool, &constraints, s)
                 .map_err(|out| nobody_eligible(p, pool, &constraints, &snap, &out))?;
             s.fill_columns(pool);
+            if self.config.feeds.dead_feed == DeadFeedRule::Unknown {
+                s.forget_dead_overlaps(pool, &self.feeds.dead());
+            }
             let preq = self.policy_request(p, &snap);
             cost::fill_base_costs(&preq, &mut s.cols, &self.config.cost);
 
@@ -145,6 +149,12 @@ impl Router {
             match snap.taint_id(t) {
                 Some(id) => c.required_taints.push(id),
                 None => c.unsatisfiable = Some(t.clone()),
+            }
+        }
+        if self.config.feeds.dead_feed == DeadFeedRule::Drain {
+            let dead = self.feeds.dead();
+            if !dead.is_empty() {
+                c.dead_feeds = Some(dead);
             }
         }
         c
@@ -368,6 +378,21 @@ impl Router {
 }
 
 impl Scratch {
+    /// The `unknown` dead-feed rule: the overlaps of candidates whose feed is dead are unknown, so
+    /// they count as 0 in every tier (the pick, the policy and `cached_tokens` all see 0).
+    fn forget_dead_overlaps(&mut self, pool: &[CandidateEntry], dead: &FxHashSet<CandidateKey>) {
+        if dead.is_empty() {
+            return;
+        }
+        for (j, &i) in self.eligible.iter().enumerate() {
+            if dead.contains(&pool[i as usize].key) {
+                self.cols.device_overlap[j] = 0;
+                self.cols.host_overlap[j] = 0;
+                self.cols.disk_overlap[j] = 0;
+            }
+        }
+    }
+
     /// Fill the candidate columns with the eligible candidates' figures (overlaps, loads, budget,
     /// taints), in the layout policies read.
     fn fill_columns(&mut self, pool: &[CandidateEntry]) {
@@ -450,6 +475,7 @@ fn nobody_eligible(
         (Ineligible::NotAllowed, "not in allowed_worker_ids"),
         (Ineligible::MissingTaints, "without the required_taints"),
         (Ineligible::Draining, "draining"),
+        (Ineligible::FeedDead, "with a dead KV event feed"),
     ]
     .iter()
     .filter(|(r, _)| out.by_reason[*r as usize] > 0)

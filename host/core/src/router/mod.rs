@@ -40,6 +40,7 @@ pub use request::{preferred_taint_weight, Pin, Prompt, RouteRequest};
 use crate::candidate::{CandidateColumns, CandidateKey, PolicyRequest, WorkerId};
 use crate::cost::CostWeights;
 use crate::eligibility::{BusyRule, PinError, WorkerMissingTaints};
+use crate::feeds::{FeedConfig, Feeds};
 use crate::indexer::approx::{ApproxConfig, ApproxIndexer};
 use crate::indexer::{Applied, ApplyError, Indexer, KvEvent, OverlapScores};
 use crate::load::{Booking, CandidateLoad, LoadConfig, LoadTracker};
@@ -74,6 +75,8 @@ pub struct RouterConfig {
     /// one lock-free generator per router ([`SeededRng`]), so a single-threaded caller — `kvroute
     /// replay` — gets the same decisions on every run.
     pub rng_seed: Option<u64>,
+    /// What a dead KV event feed means for routing, and when a feed is dead ([`crate::feeds`]).
+    pub feeds: FeedConfig,
 }
 
 impl Default for RouterConfig {
@@ -91,6 +94,7 @@ impl Default for RouterConfig {
             max_prompt_tokens: 1 << 20,
             registry: RegistryLimits::default(),
             rng_seed: None,
+            feeds: FeedConfig::default(),
         }
     }
 }
@@ -222,6 +226,7 @@ impl RouteError {
                 PinError::UnknownRank { .. } => "pinned_rank_not_found",
                 PinError::MissingTaints(_) => "pinned_worker_missing_taints",
                 PinError::Draining(_) => "pinned_worker_draining",
+                PinError::FeedDead(_) => "pinned_worker_feed_dead",
                 PinError::Overloaded(_) => "pinned_worker_overloaded",
             },
             RouteError::NoWorkers => "no_workers",
@@ -320,6 +325,7 @@ pub struct Router {
     /// The clock policies see (`request.now-ms`): `u64::MAX` = the wall clock; anything else is a
     /// time set by [`Router::set_clock_ms`] (the replay simulator's time).
     clock_ms: AtomicU64,
+    feeds: Feeds,
     pub counters: RouterCounters,
 }
 
@@ -376,6 +382,7 @@ impl Router {
             seeded_rng: config.rng_seed.map(SeededRng::new),
             epoch: Instant::now(),
             clock_ms: AtomicU64::new(u64::MAX),
+            feeds: Feeds::new(config.feeds),
             config,
             counters: RouterCounters::default(),
         })
@@ -392,6 +399,11 @@ impl Router {
             Some(s) => f(&mut SeededRef(s)),
             None => RNG.with(|r| f(&mut *r.borrow_mut())),
         }
+    }
+
+    /// The KV event feeds' health (written by the event ingestion).
+    pub fn feeds(&self) -> &Feeds {
+        &self.feeds
     }
 
     pub fn indexer(&self) -> &Arc<Indexer> {

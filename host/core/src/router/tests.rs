@@ -303,6 +303,64 @@ fn a_required_taint_refusal_names_the_taints_each_worker_lacks() {
 }
 
 #[test]
+fn a_dead_feed_is_kept_forgotten_or_drained_as_configured() {
+    use crate::feeds::{DeadFeedRule, FeedConfig};
+    let p = prompt(64);
+    let decide = |rule: DeadFeedRule| {
+        let r = router(RouterConfig {
+            feeds: FeedConfig {
+                dead_feed: rule,
+                dead_after: Duration::ZERO,
+            },
+            ..Default::default()
+        });
+        r.upsert_worker(1, worker(&[], 0)).unwrap();
+        r.upsert_worker(2, worker(&[], 0)).unwrap();
+        store(&r, 1, &p, 4);
+        // Worker 1's feed: opened, never connected, dead at once (dead_after 0).
+        let _cell = r.feeds().open(CandidateKey::new(1, 0));
+        r.feeds().refresh();
+        let d = r.route_now(RouteRequest {
+            explain: true,
+            ..ask(p.clone())
+        });
+        let pin = r.route_now(RouteRequest {
+            pinned: Some(Pin {
+                worker_id: 1,
+                dp_rank: None,
+            }),
+            ..ask(p.clone())
+        });
+        (
+            d.unwrap(),
+            pin.map(|d| d.candidate.worker_id).map_err(|e| e.code()),
+        )
+    };
+    // keep: the (stale) overlap still steers.
+    let (d, pin) = decide(DeadFeedRule::Keep);
+    assert_eq!((d.candidate.worker_id, d.overlap_blocks), (1, 4));
+    assert_eq!(pin, Ok(1));
+    // unknown: worker 1 is still a candidate, with overlap 0.
+    let (d, pin) = decide(DeadFeedRule::Unknown);
+    let rows = d.candidates.unwrap();
+    assert_eq!(rows.len(), 2);
+    assert!(rows.iter().all(|r| r.overlap_blocks == 0), "{rows:?}");
+    assert_eq!(d.overlap_blocks, 0);
+    assert_eq!(pin, Ok(1));
+    // drain: worker 1 is kept out, named with the rule.
+    let (d, pin) = decide(DeadFeedRule::Drain);
+    assert_eq!(d.candidate.worker_id, 2);
+    let ex = d.excluded.unwrap();
+    assert_eq!(
+        ex.iter()
+            .map(|e| (e.worker_id, e.reason))
+            .collect::<Vec<_>>(),
+        [(1, "kv_feed_dead")]
+    );
+    assert_eq!(pin, Err("pinned_worker_feed_dead"));
+}
+
+#[test]
 fn explain_names_each_excluded_candidate_and_the_rule() {
     let r = router(RouterConfig {
         busy_threshold: Some(0.5),

@@ -90,7 +90,9 @@ fn pin_status(e: &PinError) -> StatusCode {
     match e {
         PinError::NotAllowed(_) | PinError::UnknownRank { .. } => StatusCode::BAD_REQUEST,
         PinError::UnknownWorker(_) => StatusCode::NOT_FOUND,
-        PinError::MissingTaints(_) | PinError::Draining(_) => StatusCode::CONFLICT,
+        PinError::MissingTaints(_) | PinError::Draining(_) | PinError::FeedDead(_) => {
+            StatusCode::CONFLICT
+        }
         PinError::Overloaded(_) => StatusCode::TOO_MANY_REQUESTS,
     }
 }
@@ -496,6 +498,13 @@ mod tests {
                 .into(),
                 409,
                 "pinned_worker_missing_taints",
+                Some("pinned_worker"),
+                None,
+            ),
+            (
+                PinError::FeedDead(1).into(),
+                409,
+                "pinned_worker_feed_dead",
                 Some("pinned_worker"),
                 None,
             ),

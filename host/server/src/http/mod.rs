@@ -185,6 +185,7 @@ fn worker_out(router: &Router, w: kvroute_core::workers::Worker) -> WorkerOut {
                 cached_blocks: cached[0],
                 host_cached_blocks: cached[1],
                 disk_cached_blocks: cached[2] + cached[3],
+                kv_feed: router.feeds().status(key),
             }
         })
         .collect();

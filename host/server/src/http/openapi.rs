@@ -112,7 +112,9 @@ fn base_document() -> Value {
                     "taints": {"type": "array", "items": {"type": "string"}}, "draining": {"type": "boolean"},
                     "ranks": {"type": "array", "items": {"type": "object", "required": ["dp_rank", "active_prefill_tokens", "active_decode_blocks", "active_requests", "cached_blocks"], "properties": {
                         "dp_rank": {"type": "integer"}, "active_prefill_tokens": {"type": "integer"}, "active_decode_blocks": {"type": "integer"},
-                        "active_requests": {"type": "integer"}, "cached_blocks": {"type": "integer"}}}}}},
+                        "active_requests": {"type": "integer"}, "cached_blocks": {"type": "integer"},
+                        "kv_feed": {"type": "object", "description": "With kv_events only: the rank's KV event subscription.", "required": ["connected", "last_event_age_ms", "last_seq", "dead"], "properties": {
+                            "connected": {"type": "boolean"}, "last_event_age_ms": {"type": ["integer", "null"]}, "last_seq": {"type": ["integer", "null"]}, "dead": {"type": "boolean"}}}}}}}},
                 "WorkerList": {"type": "object", "required": ["workers"], "properties": {"workers": {"type": "array", "items": {"$ref": "#/components/schemas/Worker"}}}},
                 "Event": {"type": "object", "additionalProperties": false, "required": ["worker_id", "event"], "properties": {
                     "worker_id": {"type": "integer"}, "storage_tier": {"type": "string", "enum": ["device", "host", "disk", "external"]},
@@ -153,7 +155,7 @@ fn base_document() -> Value {
                         "chosen": {"type": "boolean"}}}},
                     "excluded": {"type": "array", "description": "With explain: the candidates considered (the pinned worker's ranks when pinned) that a hard rule kept out, with the first rule each failed.", "items": {"type": "object", "required": ["worker_id", "dp_rank", "reason", "overlap_blocks", "active_prefill_tokens"], "properties": {
                         "worker_id": {"type": "integer"}, "dp_rank": {"type": "integer"},
-                        "reason": {"type": "string", "enum": ["not_allowed", "missing_required_taints", "draining", "busy"]},
+                        "reason": {"type": "string", "enum": ["not_allowed", "missing_required_taints", "draining", "kv_feed_dead", "busy"]},
                         "missing_taints": {"type": "array", "items": {"type": "string"}, "description": "With missing_required_taints only: the required taints the candidate lacks."},
                         "overlap_blocks": {"type": "integer"}, "active_prefill_tokens": {"type": "integer"}}}}}},
                 "Lifecycle": {"type": "object", "required": ["request_id", "status"], "properties": {"request_id": {"type": "string"}, "status": {"type": "string"}, "worker_id": {"type": "integer"}, "dp_rank": {"type": "integer"}}},
