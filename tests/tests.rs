@@ -11,6 +11,7 @@ mod cli;
 mod hostile;
 mod http;
 mod index_memory;
+mod policies;
 mod policy_deadlines;
 mod policy_runtime;
 mod python_plugin;

@@ -61,6 +61,16 @@ impl ApiError {
         self
     }
 
+    /// The error of an operation on the policy `name`: the message names it (unless it already
+    /// does), so an operator juggling several uploads sees which one was refused.
+    pub fn for_policy(mut self, name: &str) -> Self {
+        let quoted = format!("{name:?}");
+        if !self.message.contains(&quoted) {
+            self.message = format!("policy {quoted}: {}", self.message);
+        }
+        self
+    }
+
     pub fn retry_after(mut self, secs: u32) -> Self {
         self.retry_after = Some(secs);
         self
