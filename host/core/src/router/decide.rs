@@ -109,6 +109,7 @@ impl Router {
                 candidate,
                 overlap_blocks: overlap,
                 cached_tokens,
+                prompt_tokens: p.prompt_tokens,
                 policy: label,
                 fallback: pick.fallback_reason.is_some(),
                 fallback_reason: pick.fallback_reason,

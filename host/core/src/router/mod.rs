@@ -168,6 +168,8 @@ pub struct RouteDecision {
     /// Device blocks of the prompt the chosen candidate holds.
     pub overlap_blocks: u32,
     pub cached_tokens: u32,
+    /// The prompt's length in tokens (`cached_tokens` of it are cached on the candidate).
+    pub prompt_tokens: u32,
     pub policy: Arc<PolicyLabel>,
     pub fallback: bool,
     pub fallback_reason: Option<&'static str>,
