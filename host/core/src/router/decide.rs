@@ -529,7 +529,8 @@ fn workers_missing_taints(
 }
 
 /// "no worker has zone=mars; worker 1 lacks gpu=h100; …": the required taints no registered
-/// worker has, then what each excluded worker lacks (the first [`NAMED_WORKERS`]).
+/// worker has, then what else each excluded worker lacks (the first [`NAMED_WORKERS`] of those
+/// that lack something else).
 fn taints_detail(
     missing: &[eligibility::WorkerMissingTaints],
     required: &[String],
@@ -547,18 +548,28 @@ fn taints_detail(
     if !nobody.is_empty() {
         parts.push(format!("no worker has {}", nobody.join(", ")));
     }
-    for m in missing.iter().take(NAMED_WORKERS) {
-        parts.push(format!(
-            "worker {} lacks {}",
-            m.worker_id,
-            m.missing.join(", ")
-        ));
+    // What a worker lacks beyond the taints nobody has (those were just named).
+    let mut named = 0;
+    let mut more = 0;
+    for m in missing {
+        let own: Vec<&str> = m
+            .missing
+            .iter()
+            .map(String::as_str)
+            .filter(|t| !nobody.contains(t))
+            .collect();
+        if own.is_empty() {
+            continue;
+        }
+        if named == NAMED_WORKERS {
+            more += 1;
+            continue;
+        }
+        named += 1;
+        parts.push(format!("worker {} lacks {}", m.worker_id, own.join(", ")));
     }
-    if missing.len() > NAMED_WORKERS {
-        parts.push(format!(
-            "{} more workers in missing_taints",
-            missing.len() - NAMED_WORKERS
-        ));
+    if more > 0 {
+        parts.push(format!("{more} more workers in missing_taints"));
     }
     parts.join("; ")
 }

@@ -239,8 +239,7 @@ fn a_required_taint_refusal_names_the_taints_each_worker_lacks() {
     assert_eq!(
         e.to_string(),
         "no candidate is eligible: 4 without the required_taints (no worker has zone=mars; \
-         worker 1 lacks zone=b, gpu=h100, zone=mars; worker 2 lacks gpu=h100, zone=mars; \
-         worker 3 lacks zone=mars)"
+         worker 1 lacks zone=b, gpu=h100; worker 2 lacks gpu=h100)"
     );
     // Allowed ids first: a worker kept out by them is not said to lack anything.
     let e = refuse(RouteRequest {
