@@ -1532,11 +1532,20 @@ fn policy_rows() -> Vec<Row> {
         ),
         row(
             "policy wrong method",
-            "GET",
+            "PATCH",
             "/v1/policies/x",
             "",
             405,
             "method_not_allowed",
+        ),
+        // GET on a policy is its detail (docs/API.md §3.9): an unknown one is a 404.
+        row(
+            "policy detail, unknown",
+            "GET",
+            "/v1/policies/x",
+            "",
+            404,
+            "unknown_policy",
         ),
     ]
 }

@@ -570,7 +570,7 @@ fn route_ask_only_and_explain() {
     assert_eq!(
         d["excluded"],
         json!([{"worker_id": 1, "dp_rank": 0, "reason": "missing_required_taints",
-                "overlap_blocks": 0, "active_prefill_tokens": 50}]),
+                "missing_taints": ["zone=b"], "overlap_blocks": 0, "active_prefill_tokens": 50}]),
         "{d}"
     );
     assert_eq!(d["candidates"].as_array().unwrap().len(), 2, "{d}");
@@ -1671,8 +1671,8 @@ fn sigterm_lets_a_queued_request_finish_and_exits_zero() {
 
 // ------------------------------------------------------------------------------------- openapi
 
-/// Checks `value` against an OpenAPI schema: `$ref`, `type`, `required`, `properties`, `items`,
-/// `enum`, `oneOf` (enough for this document).
+/// Checks `value` against an OpenAPI schema: `$ref`, `type`, `required`, `properties` (and no
+/// property the schema does not declare), `items`, `enum`, `oneOf` (enough for this document).
 fn check_schema(doc: &Value, value: &Value, schema: &Value, at: &str, errors: &mut Vec<String>) {
     if let Some(r) = schema.get("$ref").and_then(Value::as_str) {
         let name = r
@@ -1737,6 +1737,12 @@ fn check_schema(doc: &Value, value: &Value, schema: &Value, at: &str, errors: &m
         for (k, s) in props {
             if let Some(v) = obj.get(k) {
                 check_schema(doc, v, s, &format!("{at}.{k}"), errors);
+            }
+        }
+        // A served field the document does not declare (and so does not describe) is drift.
+        if schema.get("additionalProperties").is_none() {
+            for k in obj.keys().filter(|k| !props.contains_key(*k)) {
+                errors.push(format!("{at}: property {k:?} is not in the document"));
             }
         }
     }
@@ -1886,6 +1892,7 @@ fn openapi_document_matches_served_behaviour() {
         "PUT /v1/policies/native/config ",
         "POST /v1/policies/native/activate ",
         "GET /v1/policies ",
+        "GET /v1/policies/native ",
         "GET /healthz ",
         "GET /readyz ",
         "GET /metrics ",

@@ -160,3 +160,52 @@ fn sdk_tutorial_runs_as_written() {
         answers[7]
     );
 }
+
+/// The README's quick start (the ```sh block that talks to the server with curl), run as written
+/// against a fresh server: every command succeeds and the route answers with an explained decision.
+#[test]
+fn readme_quick_start_runs_as_written() {
+    let readme = std::fs::read_to_string(workspace_root().join("README.md")).unwrap();
+    let block = sh_blocks(&readme)
+        .into_iter()
+        .find(|b| b.contains("curl") && b.contains("/v1/route"))
+        .expect("the README has a quick start with curl");
+    let s = support::Server::start(&[]);
+    let base = s.url("");
+    let host_port = base
+        .trim_start_matches("http://")
+        .trim_end_matches('/')
+        .to_string();
+    // The README's server listens on 8080; this one on a free port.
+    let script = block.replace("localhost:8080", &host_port);
+    // `curl -f`-like: fail on an HTTP error status too.
+    let script = script.replace("curl -s ", "curl -sf ");
+    let out = Command::new("bash")
+        .args(["-euo", "pipefail", "-c", &script])
+        .output()
+        .expect("bash");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "the quick start failed:\n{script}\nstdout:\n{stdout}\nstderr:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // Each command printed one JSON document: the two workers, the decision, the list.
+    let docs: Vec<serde_json::Value> = serde_json::Deserializer::from_str(&stdout)
+        .into_iter()
+        .collect::<Result<_, _>>()
+        .unwrap_or_else(|e| panic!("{e}: {stdout}"));
+    assert_eq!(docs.len(), 4, "{stdout}");
+    let decision = &docs[2];
+    assert!(decision["worker_id"].is_u64(), "{decision}");
+    assert_eq!(
+        decision["candidates"].as_array().map(Vec::len),
+        Some(2),
+        "{decision}"
+    );
+    assert_eq!(
+        docs[3]["workers"].as_array().map(Vec::len),
+        Some(2),
+        "{stdout}"
+    );
+}

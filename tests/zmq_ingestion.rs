@@ -79,6 +79,11 @@ struct Server {
 
 impl Server {
     fn start() -> Server {
+        Self::start_with(&[])
+    }
+
+    /// With more `kvroute serve` arguments.
+    fn start_with(extra: &[&str]) -> Server {
         let log = std::env::temp_dir().join(format!(
             "kvroute-zmq-ingestion-{}-{:?}.log",
             std::process::id(),
@@ -92,6 +97,7 @@ impl Server {
                 "--block-size",
                 &BLOCK.to_string(),
             ])
+            .args(extra)
             .env("RUST_LOG", "kvroute_events=debug,info")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -318,6 +324,23 @@ impl Publisher {
             .unwrap_or_else(|_| panic!("{}: no reply to {c}", self.name));
         let v: Value = serde_json::from_str(&line).unwrap();
         assert_eq!(v["ok"], true, "{}: {c} → {v}", self.name);
+        v
+    }
+
+    /// Sends one command without waiting for its reply (see [`Self::reply`]).
+    fn send_cmd(&mut self, c: Value) {
+        writeln!(self.stdin, "{c}").unwrap();
+        self.stdin.flush().unwrap();
+    }
+
+    /// The reply to a command sent with [`Self::send_cmd`]; panics unless it says ok.
+    fn reply(&mut self) -> Value {
+        let line = self
+            .lines
+            .recv_timeout(WAIT + Duration::from_secs(5))
+            .unwrap_or_else(|_| panic!("{}: no reply", self.name));
+        let v: Value = serde_json::from_str(&line).unwrap();
+        assert_eq!(v["ok"], true, "{}: {v}", self.name);
         v
     }
 
@@ -644,3 +667,5 @@ fn golden_payloads_and_garbage_over_the_wire() {
         0.0
     );
 }
+
+mod feeds;

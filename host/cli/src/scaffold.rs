@@ -82,9 +82,14 @@ const RESERVED: &[&str] = &[
     "yield",
 ];
 
-/// Checks a plugin name: lower-case letters, digits and dashes, starting with a letter, and not a
-/// name the crate could not build under.
+/// Checks a plugin name. It is the policy's name in the API, so first the one policy naming rule
+/// (`kvroute_policy::validate_name`, the same check as `PUT /v1/policies/{name}`, `policy_name`
+/// and the policy directory); then, since it also names the crate, the part of that rule a crate
+/// can take: lower-case letters, digits and dashes, starting with a letter, not a name the crate
+/// could not build under.
 pub fn validate_name(name: &str) -> Result<(), String> {
+    kvroute_policy::validate_name(name)
+        .map_err(|e| format!("{name:?} is not a plugin name: {e}"))?;
     let ok = !name.is_empty()
         && name.len() <= 64
         && name.starts_with(|c: char| c.is_ascii_lowercase())
@@ -93,7 +98,7 @@ pub fn validate_name(name: &str) -> Result<(), String> {
             .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-');
     if !ok {
         return Err(format!(
-            "{name:?} is not a plugin name: use lower-case letters, digits and dashes, starting with a letter (e.g. `my-policy`)"
+            "{name:?} is not a plugin name: it is a valid policy name, but it also names the crate, so `policy new` takes lower-case letters, digits and dashes, starting with a letter (e.g. `my-policy`); the component it builds can be served under any valid policy name (`PUT /v1/policies/NAME`, `--policy-name`)"
         ));
     }
     if RESERVED.contains(&name) {
@@ -274,7 +279,10 @@ mod tests {{
         file = name.replace('-', "_"),
     );
     let readme = format!(
-        "# {name}\n\nA kvroute routing policy.\n\n```sh\ncargo test                                   # unit tests, native\ncargo build --release --target wasm32-wasip2  # the component\nkvroute policy check target/wasm32-wasip2/release/{file}.wasm\n```\n",
+        "# {name}\n\nA kvroute routing policy.\n\n```sh\ncargo test                                   # unit tests, native\ncargo build --release --target wasm32-wasip2  # the component\nkvroute policy check target/wasm32-wasip2/release/{file}.wasm\n\
+         kvroute serve --policy target/wasm32-wasip2/release/{file}.wasm --policy-name {name}\n```\n\n\
+         Cargo names the file `{file}.wasm`; `--policy-name` (or `PUT /v1/policies/{name}`) serves it \
+         under the name it was created with.\n",
         file = name.replace('-', "_")
     );
     let files = [

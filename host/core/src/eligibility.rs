@@ -3,14 +3,15 @@
 //! never drift apart, and policies only ever see candidates that passed it.
 //!
 //! A candidate is eligible when, in this order: it is among the allowed worker ids (when given); it
-//! has every required taint; it is not draining; it is not busy. A pinned request checks its one
+//! has every required taint; it is not draining; its KV event feed is not dead (only under the
+//! `drain` dead-feed rule, see [`crate::feeds`]); it is not busy. A pinned request checks its one
 //! candidate the same way and turns the first failure into its own error (see [`PinError`]).
 
 use rustc_hash::FxHashSet;
 
 use crate::candidate::{DpRank, WorkerId};
 use crate::load::CandidateLoad;
-use crate::workers::CandidateEntry;
+use crate::workers::{CandidateEntry, RegistrySnapshot};
 
 /// The busy rule (SPEC §9): a candidate is busy when its not-yet-prefilled tokens exceed
 /// `threshold_frac × max_num_batched_tokens`. Off when `threshold_frac` is `None`; a candidate whose
@@ -42,6 +43,8 @@ pub struct Constraints {
     pub required_taints: Vec<u32>,
     /// A required taint name that no worker has ever had: nobody is eligible.
     pub unsatisfiable: Option<String>,
+    /// Under the `drain` dead-feed rule: the candidates whose KV event feed is dead.
+    pub dead_feeds: Option<std::sync::Arc<FxHashSet<crate::candidate::CandidateKey>>>,
 }
 
 /// Why a candidate is not eligible, in check order.
@@ -50,6 +53,7 @@ pub enum Ineligible {
     NotAllowed,
     MissingTaints,
     Draining,
+    FeedDead,
     Busy,
 }
 
@@ -60,6 +64,7 @@ impl Ineligible {
             Ineligible::NotAllowed => "not_allowed",
             Ineligible::MissingTaints => "missing_required_taints",
             Ineligible::Draining => "draining",
+            Ineligible::FeedDead => "kv_feed_dead",
             Ineligible::Busy => "busy",
         }
     }
@@ -86,10 +91,39 @@ pub fn check(
     if c.draining {
         return Err(Ineligible::Draining);
     }
+    if constraints
+        .dead_feeds
+        .as_ref()
+        .is_some_and(|d| d.contains(&c.key))
+    {
+        return Err(Ineligible::FeedDead);
+    }
     if busy.is_busy(c, load) {
         return Err(Ineligible::Busy);
     }
     Ok(())
+}
+
+/// The required taints a candidate lacks, by name, in the request's order. A name no worker has
+/// ever had is lacked by everyone. Called on refusals and explained decisions only.
+pub fn missing_taints(
+    c: &CandidateEntry,
+    required: &[String],
+    snap: &RegistrySnapshot,
+) -> Vec<String> {
+    required
+        .iter()
+        .filter(|name| snap.taint_id(name).is_none_or(|id| !c.has_taint(id)))
+        .cloned()
+        .collect()
+}
+
+/// A worker the required taints kept out, and the ones it lacks (taints are per worker, so its
+/// ranks all lack the same). The structured half of a refusal's message.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct WorkerMissingTaints {
+    pub worker_id: WorkerId,
+    pub missing: Vec<String>,
 }
 
 /// Why a pinned request cannot go to its pinned candidate. Each has its own status and code.
@@ -104,20 +138,27 @@ pub enum PinError {
         worker_id: WorkerId,
         dp_rank: DpRank,
     },
-    #[error("pinned worker {0} lacks a required taint")]
-    MissingTaints(WorkerId),
+    #[error("pinned worker {} lacks the required taints {}", .0.worker_id, .0.missing.join(", "))]
+    MissingTaints(WorkerMissingTaints),
     #[error("pinned worker {0} is draining")]
     Draining(WorkerId),
+    #[error("pinned worker {0}'s KV event feed is dead (routing.dead_feed = \"drain\")")]
+    FeedDead(WorkerId),
     #[error("pinned worker {0} is overloaded")]
     Overloaded(WorkerId),
 }
 
 impl From<(Ineligible, WorkerId)> for PinError {
+    /// The pin's error for a rule; `MissingTaints` names no taint (the caller fills them in).
     fn from((why, w): (Ineligible, WorkerId)) -> Self {
         match why {
             Ineligible::NotAllowed => PinError::NotAllowed(w),
-            Ineligible::MissingTaints => PinError::MissingTaints(w),
+            Ineligible::MissingTaints => PinError::MissingTaints(WorkerMissingTaints {
+                worker_id: w,
+                missing: Vec::new(),
+            }),
             Ineligible::Draining => PinError::Draining(w),
+            Ineligible::FeedDead => PinError::FeedDead(w),
             Ineligible::Busy => PinError::Overloaded(w),
         }
     }
@@ -153,6 +194,7 @@ mod tests {
             allowed: Some([1].into_iter().collect()),
             required_taints: vec![7],
             unsatisfiable: None,
+            dead_feeds: None,
         };
         // Not allowed wins over everything else.
         assert_eq!(
@@ -172,6 +214,20 @@ mod tests {
             Err(Ineligible::Busy)
         );
         assert_eq!(check(&entry(1, &[7], false), &idle, &c, &busy), Ok(()));
+        c.dead_feeds = Some(std::sync::Arc::new(
+            [CandidateKey::new(1, 0)].into_iter().collect(),
+        ));
+        assert_eq!(
+            check(&entry(1, &[7], true), &loaded, &c, &busy),
+            Err(Ineligible::Draining),
+            "draining before a dead feed"
+        );
+        assert_eq!(
+            check(&entry(1, &[7], false), &loaded, &c, &busy),
+            Err(Ineligible::FeedDead),
+            "a dead feed before busy"
+        );
+        c.dead_feeds = None;
         c.unsatisfiable = Some("zone=mars".into());
         assert_eq!(
             check(&entry(1, &[7], false), &idle, &c, &busy),

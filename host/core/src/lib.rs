@@ -2,7 +2,7 @@
 //!
 //! One module per noun of the architecture (docs/ARCHITECTURE.md): [`hashing`] turns prompts into
 //! block hashes, [`indexer`] knows which candidate holds which blocks, [`workers`] is the registry,
-//! [`eligibility`] is the one hard-rule predicate, [`load`] tracks booked work, [`queue`] holds
+//! [`eligibility`] is the one hard-rule predicate, [`feeds`] is the health of each KV event feed, [`load`] tracks booked work, [`queue`] holds
 //! requests while every eligible candidate is busy, [`cost`] is the native cost and picker, and
 //! [`router`] ties them into the one entry point callers use.
 //!
@@ -15,6 +15,7 @@
 pub mod candidate;
 pub mod cost;
 pub mod eligibility;
+pub mod feeds;
 pub mod hashing;
 pub mod indexer;
 pub mod load;

@@ -86,9 +86,13 @@ use parking_lot::Mutex;
 
 use decode::DropReason;
 use kvroute_core::candidate::{CandidateKey, DpRank, WorkerId};
+use kvroute_core::feeds::FeedCell;
 use kvroute_core::router::Router;
 use kvroute_core::workers::{rank_endpoints, EndpointError, Worker, WorkerChange};
 use subscriber::PayloadOutcome;
+
+/// How often the feeds' dead flags are re-evaluated (`kvroute_core::feeds::Feeds::refresh`).
+const FEED_TICK: Duration = Duration::from_millis(100);
 
 /// Timing of connections and replays.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -291,15 +295,19 @@ impl IngestStats {
 struct Running {
     spec: SubscriptionSpec,
     stop: Arc<AtomicBool>,
-    /// True while the subscription's socket is connected and subscribed.
-    up: Arc<AtomicBool>,
+    /// The rank's feed in the router: connected, last event, dead (`kvroute_core::feeds`).
+    feed: Arc<FeedCell>,
     task: tokio::task::JoinHandle<()>,
 }
 
 impl Running {
-    fn stop(self) {
+    fn stop(self, router: &Router) {
         self.stop.store(true, Relaxed);
         self.task.abort();
+        router.feeds().close(
+            CandidateKey::new(self.spec.worker_id, self.spec.dp_rank),
+            &self.feed,
+        );
     }
 }
 
@@ -343,12 +351,24 @@ impl EventIngestion {
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
         let thread = std::thread::Builder::new()
             .name("kvroute-kv-events".into())
-            .spawn(move || {
-                rt.block_on(async {
-                    let _ = rx.await;
-                });
-                // Dropping the runtime cancels every task still there (sockets close).
-                drop(rt);
+            .spawn({
+                let router = router.clone();
+                move || {
+                    rt.block_on(async move {
+                        // Which feeds are dead is a matter of time: re-evaluated on a short tick.
+                        let tick = tokio::spawn(async move {
+                            let mut every = tokio::time::interval(FEED_TICK);
+                            loop {
+                                every.tick().await;
+                                router.feeds().refresh();
+                            }
+                        });
+                        let _ = rx.await;
+                        tick.abort();
+                    });
+                    // Dropping the runtime cancels every task still there (sockets close).
+                    drop(rt);
+                }
             })?;
         Ok(Self {
             inner: Arc::new(Inner {
@@ -440,7 +460,7 @@ impl EventIngestion {
         }
         if let Some(old) = subs.remove(&worker_id) {
             for r in old {
-                r.stop();
+                r.stop(&inner.router);
             }
             // Still registered (re-registered differently): what the old subscriptions indexed
             // can no longer be kept current.
@@ -465,19 +485,22 @@ impl EventIngestion {
             .into_iter()
             .map(|spec| {
                 let stop = Arc::new(AtomicBool::new(false));
-                let up = Arc::new(AtomicBool::new(false));
+                let feed = inner
+                    .router
+                    .feeds()
+                    .open(CandidateKey::new(spec.worker_id, spec.dp_rank));
                 let task = rt.handle.spawn(subscriber::run_subscription(
                     spec.clone(),
                     inner.router.clone(),
                     inner.stats.clone(),
                     inner.config,
                     stop.clone(),
-                    up.clone(),
+                    feed.clone(),
                 ));
                 Running {
                     spec,
                     stop,
-                    up,
+                    feed,
                     task,
                 }
             })
@@ -508,25 +531,51 @@ impl EventIngestion {
     pub fn render_metrics(&self, out: &mut String) {
         self.inner.stats.render(self.subscription_count(), out);
         // One series per subscribed rank; a removed worker's series go with it.
-        let mut ups: Vec<(WorkerId, u32, bool)> = self
+        let mut ups: Vec<(WorkerId, u32, kvroute_core::feeds::FeedStatus)> = self
             .inner
             .subs
             .lock()
             .values()
             .flatten()
-            .map(|r| (r.spec.worker_id, r.spec.dp_rank, r.up.load(Relaxed)))
+            .map(|r| (r.spec.worker_id, r.spec.dp_rank, r.feed.status()))
             .collect();
-        ups.sort_unstable();
+        ups.sort_unstable_by_key(|(w, r, _)| (*w, *r));
         out.push_str(
             "# HELP kvroute_kv_subscription_up 1 while the rank's KV event subscription is \
              connected and subscribed, 0 while it is (re)connecting.\n\
              # TYPE kvroute_kv_subscription_up gauge\n",
         );
-        for (w, r, up) in ups {
-            out.push_str(&format!(
-                "kvroute_kv_subscription_up{{worker_id=\"{w}\",dp_rank=\"{r}\"}} {}\n",
-                u8::from(up)
-            ));
+        for (w, r, f) in &ups {
+            let _ = writeln!(
+                out,
+                "kvroute_kv_subscription_up{{worker_id=\"{w}\",dp_rank=\"{r}\"}} {}",
+                u8::from(f.connected)
+            );
+        }
+        out.push_str(
+            "# HELP kvroute_kv_feed_dead 1 while the rank's KV event feed is dead (its subscription \
+             down for routing.dead_feed_after_ms); routing.dead_feed says what routing does then.\n\
+             # TYPE kvroute_kv_feed_dead gauge\n",
+        );
+        for (w, r, f) in &ups {
+            let _ = writeln!(
+                out,
+                "kvroute_kv_feed_dead{{worker_id=\"{w}\",dp_rank=\"{r}\"}} {}",
+                u8::from(f.dead)
+            );
+        }
+        out.push_str(
+            "# HELP kvroute_kv_last_event_age_seconds Seconds since the rank's last KV event message \
+             (absent until the first).\n# TYPE kvroute_kv_last_event_age_seconds gauge\n",
+        );
+        for (w, r, f) in &ups {
+            if let Some(ms) = f.last_event_age_ms {
+                let _ = writeln!(
+                    out,
+                    "kvroute_kv_last_event_age_seconds{{worker_id=\"{w}\",dp_rank=\"{r}\"}} {}",
+                    ms as f64 / 1000.0
+                );
+            }
         }
     }
 
@@ -536,7 +585,7 @@ impl EventIngestion {
         let rt = self.inner.runtime.lock().take();
         for (_, running) in self.inner.subs.lock().drain() {
             for r in running {
-                r.stop();
+                r.stop(&self.inner.router);
             }
         }
         if let Some(mut rt) = rt {

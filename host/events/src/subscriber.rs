@@ -12,12 +12,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use futures_util::StreamExt;
 use smallvec::SmallVec;
-use zeromq::{Socket, SocketOptions, SocketRecv, SocketSend, ZmqMessage};
+use zeromq::{Socket, SocketEvent, SocketOptions, SocketRecv, SocketSend, ZmqMessage};
 
 use super::decode::{Batch, Decoder, DropReason};
 use super::{IngestConfig, IngestStats, SubscriptionSpec};
 use kvroute_core::candidate::{CandidateKey, DpRank, WorkerId};
+use kvroute_core::feeds::FeedCell;
 use kvroute_core::indexer::KvEvent;
 use kvroute_core::router::Router;
 
@@ -479,7 +481,7 @@ pub(crate) async fn run_subscription(
     stats: Arc<IngestStats>,
     config: IngestConfig,
     stop: Arc<AtomicBool>,
-    up: Arc<AtomicBool>,
+    feed: Arc<FeedCell>,
 ) {
     let applier = PayloadApplier::new(router, stats.clone(), spec.worker_id, spec.dp_rank);
     let replayer = spec
@@ -499,6 +501,9 @@ pub(crate) async fn run_subscription(
         let mut opts = SocketOptions::default();
         opts.connect_timeout(config.connect_timeout);
         let mut socket = zeromq::SubSocket::with_options(opts);
+        // zmq.rs reconnects a connected SUB socket by itself, without an error on `recv`: its
+        // monitor is what says the engine went away and came back.
+        let mut monitor = socket.monitor();
         let connected =
             tokio::time::timeout(config.connect_timeout, socket.connect(&spec.endpoint)).await;
         let ok = match connected {
@@ -528,13 +533,32 @@ pub(crate) async fn run_subscription(
         }
         stats.connects.fetch_add(1, Relaxed);
         failures = 0;
-        up.store(true, Relaxed);
+        feed.set_connected(true);
         tracing::info!(worker_id = spec.worker_id, dp_rank = spec.dp_rank, endpoint = %spec.endpoint, topic = %spec.topic, "KV events: subscribed");
         backoff = config.backoff_initial;
         loop {
-            match socket.recv().await {
+            let received = tokio::select! {
+                r = socket.recv() => r,
+                ev = monitor.next() => {
+                    match ev {
+                        Some(SocketEvent::Disconnected(_)) => {
+                            feed.set_connected(false);
+                            tracing::warn!(worker_id = spec.worker_id, dp_rank = spec.dp_rank, endpoint = %spec.endpoint, "KV events: the engine's publisher went away; reconnecting");
+                        }
+                        Some(SocketEvent::Connected(..)) => feed.set_connected(true),
+                        _ => {}
+                    }
+                    continue;
+                }
+            };
+            match received {
                 Ok(msg) => {
                     let frames = msg.into_vec();
+                    if let [_, seq, _] = frames.as_slice() {
+                        if seq.len() == 8 {
+                            feed.on_event(seq_of(seq));
+                        }
+                    }
                     session.on_frames(&frames).await;
                     if stop.load(Relaxed) {
                         return;
@@ -547,7 +571,7 @@ pub(crate) async fn run_subscription(
                 }
             }
         }
-        up.store(false, Relaxed);
+        feed.set_connected(false);
         drop(socket);
         tokio::time::sleep(backoff).await;
         backoff = (backoff * 2).min(config.backoff_max);

@@ -128,6 +128,11 @@ pub struct RoutingSection {
     pub approximate: bool,
     pub approximate_ttl_secs: u64,
     pub default_temperature: f64,
+    /// What routing does with a rank whose KV event feed is dead: `keep` routing on its (possibly
+    /// stale) index, treat its overlap as `unknown` (0), or `drain` it.
+    pub dead_feed: kvroute_core::feeds::DeadFeedRule,
+    /// A feed is dead once its subscription has been down this long.
+    pub dead_feed_after_ms: u64,
 }
 
 impl Default for RoutingSection {
@@ -143,6 +148,10 @@ impl Default for RoutingSection {
             approximate: false,
             approximate_ttl_secs: 120,
             default_temperature: 0.0,
+            dead_feed: kvroute_core::feeds::DeadFeedRule::default(),
+            dead_feed_after_ms: kvroute_core::feeds::FeedConfig::default()
+                .dead_after
+                .as_millis() as u64,
         }
     }
 }
@@ -382,6 +391,10 @@ impl ServeConfig {
             },
             // A server's tie-breaks stay unpredictable: a per-thread, OS-seeded generator.
             rng_seed: None,
+            feeds: kvroute_core::feeds::FeedConfig {
+                dead_feed: self.routing.dead_feed,
+                dead_after: Duration::from_millis(self.routing.dead_feed_after_ms),
+            },
         }
     }
 }

@@ -211,9 +211,11 @@ pub fn settings_line(config: &ServeConfig, workers: usize) -> String {
         .as_ref()
         .map_or_else(|| "none".to_string(), |d| d.display().to_string());
     format!(
-        "busy_threshold={busy} queue_order={order} approximate={} admin_token={admin} \
-         policy_dir={policy_dir} workers={workers}",
-        config.routing.approximate
+        "busy_threshold={busy} queue_order={order} approximate={} dead_feed={} \
+         dead_feed_after_ms={} admin_token={admin} policy_dir={policy_dir} workers={workers}",
+        config.routing.approximate,
+        config.routing.dead_feed.as_str(),
+        config.routing.dead_feed_after_ms
     )
 }
 

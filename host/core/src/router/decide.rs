@@ -17,12 +17,11 @@ use rustc_hash::FxHashSet;
 
 use super::explain::{self, Excluded};
 use super::request::Prepared;
-use super::{
-    Pin, PolicyLabel, RouteDecision, RouteError, RouteRequest, Router, ScorerOutcome, Timings,
-};
+use super::{PolicyLabel, RouteDecision, RouteError, RouteRequest, Router, ScorerOutcome, Timings};
 use crate::candidate::{CandidateColumns, CandidateKey, PolicyRequest};
 use crate::cost;
 use crate::eligibility::{self, Constraints, Ineligible, PinError};
+use crate::feeds::DeadFeedRule;
 use crate::indexer::DenseOverlaps;
 use crate::load::{CandidateLoad, LoadError};
 use crate::stage::Stage;
@@ -51,7 +50,7 @@ thread_local! {
 #[derive(Default)]
 struct Exclusions {
     /// Candidates excluded, by `Ineligible` reason.
-    by_reason: [u32; 4],
+    by_reason: [u32; 5],
     /// The first excluded candidate's reason.
     first: Option<Ineligible>,
 }
@@ -82,8 +81,12 @@ impl Router {
             self.indexer.find_matches_dense(&p.local, &mut s.dense);
             let matching = tm.elapsed();
 
-            self.filter(p, pool, &constraints, s)?;
+            self.filter(p, pool, &constraints, s)
+                .map_err(|out| nobody_eligible(p, pool, &constraints, &snap, &out))?;
             s.fill_columns(pool);
+            if self.config.feeds.dead_feed == DeadFeedRule::Unknown {
+                s.forget_dead_overlaps(pool, &self.feeds.dead());
+            }
             let preq = self.policy_request(p, &snap);
             cost::fill_base_costs(&preq, &mut s.cols, &self.config.cost);
 
@@ -107,6 +110,7 @@ impl Router {
                 candidate,
                 overlap_blocks: overlap,
                 cached_tokens,
+                prompt_tokens: p.prompt_tokens,
                 policy: label,
                 fallback: pick.fallback_reason.is_some(),
                 fallback_reason: pick.fallback_reason,
@@ -115,7 +119,15 @@ impl Router {
                 answer: explained.then_some(pick.answer),
                 candidates: explained
                     .then(|| explain::candidate_rows(&s.cols, &s.costs, pick.chosen, &snap)),
-                excluded: explained.then(|| explain::excluded_rows(pool, &s.excluded, &s.dense)),
+                excluded: explained.then(|| {
+                    explain::excluded_rows(
+                        pool,
+                        &s.excluded,
+                        &s.dense,
+                        &p.req.required_taints,
+                        &snap,
+                    )
+                }),
                 timings: Timings {
                     hash: p.hash_time,
                     matching,
@@ -139,6 +151,12 @@ impl Router {
             match snap.taint_id(t) {
                 Some(id) => c.required_taints.push(id),
                 None => c.unsatisfiable = Some(t.clone()),
+            }
+        }
+        if self.config.feeds.dead_feed == DeadFeedRule::Drain {
+            let dead = self.feeds.dead();
+            if !dead.is_empty() {
+                c.dead_feeds = Some(dead);
             }
         }
         c
@@ -193,14 +211,14 @@ impl Router {
     /// Filter: the candidates of the pool that pass the hard rules ([`eligibility::check`]), with
     /// their loads, and (with `explain`) the ones that do not and why. Loads, eligibility and the
     /// active prefix depths are read under one short lock of the load tracker. Nobody eligible is
-    /// the request's error.
+    /// the request's error, made by [`nobody_eligible`] from what was excluded.
     fn filter(
         &self,
         p: &Prepared,
         pool: &[CandidateEntry],
         constraints: &Constraints,
         s: &mut Scratch,
-    ) -> Result<(), RouteError> {
+    ) -> Result<(), Exclusions> {
         s.eligible.clear();
         s.loads.clear();
         s.excluded.clear();
@@ -235,7 +253,7 @@ impl Router {
         }
         if s.eligible.is_empty() {
             self.counters.rejected.fetch_add(1, Relaxed);
-            return Err(nobody_eligible(p.req.pinned, &out));
+            return Err(out);
         }
         Ok(())
     }
@@ -362,6 +380,21 @@ impl Router {
 }
 
 impl Scratch {
+    /// The `unknown` dead-feed rule: the overlaps of candidates whose feed is dead are unknown, so
+    /// they count as 0 in every tier (the pick, the policy and `cached_tokens` all see 0).
+    fn forget_dead_overlaps(&mut self, pool: &[CandidateEntry], dead: &FxHashSet<CandidateKey>) {
+        if dead.is_empty() {
+            return;
+        }
+        for (j, &i) in self.eligible.iter().enumerate() {
+            if dead.contains(&pool[i as usize].key) {
+                self.cols.device_overlap[j] = 0;
+                self.cols.host_overlap[j] = 0;
+                self.cols.disk_overlap[j] = 0;
+            }
+        }
+    }
+
     /// Fill the candidate columns with the eligible candidates' figures (overlaps, loads, budget,
     /// taints), in the layout policies read.
     fn fill_columns(&mut self, pool: &[CandidateEntry]) {
@@ -402,32 +435,142 @@ impl Scratch {
     }
 }
 
+/// The most workers a refusal's message names one by one (its `missing_taints` lists them all).
+const NAMED_WORKERS: usize = 8;
+
 /// The error when the filter left nobody. A pinned request gets its pin's own error, with the most
 /// actionable reason (busy, else the first); otherwise anyone merely busy makes it
-/// `all_overloaded` (retryable), and else every reason is named with its count.
-fn nobody_eligible(pinned: Option<Pin>, out: &Exclusions) -> RouteError {
+/// `all_overloaded` (retryable), and else every reason is named with its count, the required
+/// taints with the ones no worker has and the ones each worker lacks.
+fn nobody_eligible(
+    p: &Prepared,
+    pool: &[CandidateEntry],
+    constraints: &Constraints,
+    snap: &RegistrySnapshot,
+    out: &Exclusions,
+) -> RouteError {
+    let required = &p.req.required_taints;
     let busy = out.by_reason[Ineligible::Busy as usize];
-    if let Some(pin) = pinned {
+    if let Some(pin) = p.req.pinned {
         let why = if busy > 0 {
             Ineligible::Busy
         } else {
             out.first.unwrap_or(Ineligible::Draining)
         };
-        return PinError::from((why, pin.worker_id)).into();
+        let mut e = PinError::from((why, pin.worker_id));
+        if let (PinError::MissingTaints(w), Some(c)) = (&mut e, pool.first()) {
+            w.missing = eligibility::missing_taints(c, required, snap);
+        }
+        return e.into();
     }
     if busy > 0 {
         return RouteError::AllOverloaded;
     }
+    let missing_taints = if out.by_reason[Ineligible::MissingTaints as usize] > 0 {
+        workers_missing_taints(pool, constraints, required, snap)
+    } else {
+        Vec::new()
+    };
     // Every reason with its count: the first candidate's reason alone can name
     // allowed_worker_ids when the allowed workers were all draining.
     let why: Vec<String> = [
         (Ineligible::NotAllowed, "not in allowed_worker_ids"),
         (Ineligible::MissingTaints, "without the required_taints"),
         (Ineligible::Draining, "draining"),
+        (Ineligible::FeedDead, "with a dead KV event feed"),
     ]
     .iter()
     .filter(|(r, _)| out.by_reason[*r as usize] > 0)
-    .map(|(r, what)| format!("{} {what}", out.by_reason[*r as usize]))
+    .map(|(r, what)| {
+        let n = out.by_reason[*r as usize];
+        if *r == Ineligible::MissingTaints {
+            format!(
+                "{n} {what} ({})",
+                taints_detail(&missing_taints, required, snap)
+            )
+        } else {
+            format!("{n} {what}")
+        }
+    })
     .collect();
-    RouteError::AllFiltered(why.join(", "))
+    RouteError::AllFiltered {
+        reasons: why.join(", "),
+        missing_taints,
+    }
+}
+
+/// The allowed workers of the pool that lack a required taint, and which, in worker order.
+fn workers_missing_taints(
+    pool: &[CandidateEntry],
+    constraints: &Constraints,
+    required: &[String],
+    snap: &RegistrySnapshot,
+) -> Vec<eligibility::WorkerMissingTaints> {
+    let mut out: Vec<eligibility::WorkerMissingTaints> = Vec::new();
+    for c in pool {
+        let w = c.key.worker_id;
+        // Taints are per worker: its other ranks lack the same.
+        if out.last().is_some_and(|m| m.worker_id == w)
+            || constraints
+                .allowed
+                .as_ref()
+                .is_some_and(|a| !a.contains(&w))
+        {
+            continue;
+        }
+        let missing = eligibility::missing_taints(c, required, snap);
+        if !missing.is_empty() {
+            out.push(eligibility::WorkerMissingTaints {
+                worker_id: w,
+                missing,
+            });
+        }
+    }
+    out
+}
+
+/// "no worker has zone=mars; worker 1 lacks gpu=h100; …": the required taints no registered
+/// worker has, then what else each excluded worker lacks (the first [`NAMED_WORKERS`] of those
+/// that lack something else).
+fn taints_detail(
+    missing: &[eligibility::WorkerMissingTaints],
+    required: &[String],
+    snap: &RegistrySnapshot,
+) -> String {
+    let mut parts = Vec::new();
+    let nobody: Vec<&str> = required
+        .iter()
+        .filter(|name| {
+            snap.taint_id(name)
+                .is_none_or(|id| !snap.candidates.iter().any(|c| c.has_taint(id)))
+        })
+        .map(String::as_str)
+        .collect();
+    if !nobody.is_empty() {
+        parts.push(format!("no worker has {}", nobody.join(", ")));
+    }
+    // What a worker lacks beyond the taints nobody has (those were just named).
+    let mut named = 0;
+    let mut more = 0;
+    for m in missing {
+        let own: Vec<&str> = m
+            .missing
+            .iter()
+            .map(String::as_str)
+            .filter(|t| !nobody.contains(t))
+            .collect();
+        if own.is_empty() {
+            continue;
+        }
+        if named == NAMED_WORKERS {
+            more += 1;
+            continue;
+        }
+        named += 1;
+        parts.push(format!("worker {} lacks {}", m.worker_id, own.join(", ")));
+    }
+    if more > 0 {
+        parts.push(format!("{more} more workers in missing_taints"));
+    }
+    parts.join("; ")
 }

@@ -6,7 +6,7 @@
 use serde::Serialize;
 
 use crate::candidate::{CandidateColumns, DpRank, WorkerId};
-use crate::eligibility::Ineligible;
+use crate::eligibility::{self, Ineligible};
 use crate::indexer::DenseOverlaps;
 use crate::workers::{CandidateEntry, RegistrySnapshot};
 
@@ -38,6 +38,9 @@ pub struct ExcludedRow {
     pub dp_rank: DpRank,
     /// `not_allowed`, `missing_required_taints`, `draining` or `busy`.
     pub reason: &'static str,
+    /// With `missing_required_taints`: the required taints it lacks (absent otherwise).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub missing_taints: Vec<String>,
     pub overlap_blocks: u32,
     pub active_prefill_tokens: u64,
 }
@@ -81,11 +84,13 @@ pub(super) fn candidate_rows(
         .collect()
 }
 
-/// The rows of the excluded candidates, in pool order.
+/// The rows of the excluded candidates, in pool order, naming the required taints each lacks.
 pub(super) fn excluded_rows(
     pool: &[CandidateEntry],
     excluded: &[Excluded],
     dense: &DenseOverlaps,
+    required_taints: &[String],
+    snap: &RegistrySnapshot,
 ) -> Vec<ExcludedRow> {
     excluded
         .iter()
@@ -95,6 +100,11 @@ pub(super) fn excluded_rows(
                 worker_id: c.key.worker_id,
                 dp_rank: c.key.dp_rank,
                 reason: e.reason.code(),
+                missing_taints: if e.reason == Ineligible::MissingTaints {
+                    eligibility::missing_taints(c, required_taints, snap)
+                } else {
+                    Vec::new()
+                },
                 overlap_blocks: dense.get(c.slot)[0],
                 active_prefill_tokens: e.active_prefill_tokens,
             }

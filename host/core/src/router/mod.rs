@@ -39,7 +39,8 @@ pub use request::{preferred_taint_weight, Pin, Prompt, RouteRequest};
 
 use crate::candidate::{CandidateColumns, CandidateKey, PolicyRequest, WorkerId};
 use crate::cost::CostWeights;
-use crate::eligibility::{BusyRule, PinError};
+use crate::eligibility::{BusyRule, PinError, WorkerMissingTaints};
+use crate::feeds::{FeedConfig, Feeds};
 use crate::indexer::approx::{ApproxConfig, ApproxIndexer};
 use crate::indexer::{Applied, ApplyError, Indexer, KvEvent, OverlapScores};
 use crate::load::{Booking, CandidateLoad, LoadConfig, LoadTracker};
@@ -75,6 +76,8 @@ pub struct RouterConfig {
     /// one lock-free generator per router ([`SeededRng`]), so a single-threaded caller — `kvroute
     /// replay` — gets the same decisions on every run.
     pub rng_seed: Option<u64>,
+    /// What a dead KV event feed means for routing, and when a feed is dead ([`crate::feeds`]).
+    pub feeds: FeedConfig,
 }
 
 impl Default for RouterConfig {
@@ -92,6 +95,7 @@ impl Default for RouterConfig {
             max_prompt_tokens: 1 << 20,
             registry: RegistryLimits::default(),
             rng_seed: None,
+            feeds: FeedConfig::default(),
         }
     }
 }
@@ -168,6 +172,8 @@ pub struct RouteDecision {
     /// Device blocks of the prompt the chosen candidate holds.
     pub overlap_blocks: u32,
     pub cached_tokens: u32,
+    /// The prompt's length in tokens (`cached_tokens` of it are cached on the candidate).
+    pub prompt_tokens: u32,
     pub policy: Arc<PolicyLabel>,
     pub fallback: bool,
     pub fallback_reason: Option<&'static str>,
@@ -195,8 +201,13 @@ pub enum RouteError {
     Pin(#[from] PinError),
     #[error("no workers are registered")]
     NoWorkers,
-    #[error("no candidate is eligible: {0}")]
-    AllFiltered(String),
+    /// Nobody passed the hard rules: `reasons` counts the candidates by rule (naming, for the
+    /// required taints, which taints each worker lacks); `missing_taints` is that last part as data.
+    #[error("no candidate is eligible: {reasons}")]
+    AllFiltered {
+        reasons: String,
+        missing_taints: Vec<WorkerMissingTaints>,
+    },
     #[error("every eligible worker is overloaded; retry shortly")]
     AllOverloaded,
     #[error("{0}; retry shortly")]
@@ -221,10 +232,11 @@ impl RouteError {
                 PinError::UnknownRank { .. } => "pinned_rank_not_found",
                 PinError::MissingTaints(_) => "pinned_worker_missing_taints",
                 PinError::Draining(_) => "pinned_worker_draining",
+                PinError::FeedDead(_) => "pinned_worker_feed_dead",
                 PinError::Overloaded(_) => "pinned_worker_overloaded",
             },
             RouteError::NoWorkers => "no_workers",
-            RouteError::AllFiltered(_) => "all_filtered_by_constraints",
+            RouteError::AllFiltered { .. } => "all_filtered_by_constraints",
             RouteError::AllOverloaded => "all_overloaded",
             RouteError::QueueFull(QueueError::Full { limit, .. }) => limit.as_str(),
             RouteError::QueueFull(QueueError::DuplicateRequest(_)) => "duplicate_request_id",
@@ -245,6 +257,16 @@ impl RouteError {
                 | RouteError::ShuttingDown
                 | RouteError::Pin(PinError::Overloaded(_))
         )
+    }
+
+    /// The workers the request's required taints kept out and the taints each lacks, when that is
+    /// (part of) why it was refused.
+    pub fn missing_taints(&self) -> &[WorkerMissingTaints] {
+        match self {
+            RouteError::AllFiltered { missing_taints, .. } => missing_taints,
+            RouteError::Pin(PinError::MissingTaints(w)) => std::slice::from_ref(w),
+            _ => &[],
+        }
     }
 
     /// The request field at fault, when one is.
@@ -309,6 +331,7 @@ pub struct Router {
     /// The clock policies see (`request.now-ms`): `u64::MAX` = the wall clock; anything else is a
     /// time set by [`Router::set_clock_ms`] (the replay simulator's time).
     clock_ms: AtomicU64,
+    feeds: Feeds,
     pub counters: RouterCounters,
 }
 
@@ -365,6 +388,7 @@ impl Router {
             seeded_rng: config.rng_seed.map(SeededRng::new),
             epoch: Instant::now(),
             clock_ms: AtomicU64::new(u64::MAX),
+            feeds: Feeds::new(config.feeds),
             config,
             counters: RouterCounters::default(),
         })
@@ -381,6 +405,11 @@ impl Router {
             Some(s) => f(&mut SeededRef(s)),
             None => RNG.with(|r| f(&mut *r.borrow_mut())),
         }
+    }
+
+    /// The KV event feeds' health (written by the event ingestion).
+    pub fn feeds(&self) -> &Feeds {
+        &self.feeds
     }
 
     pub fn indexer(&self) -> &Arc<Indexer> {

@@ -2,6 +2,7 @@
 //! error); these check the codes, fields and retryability the core owns.
 
 use super::*;
+use crate::candidate::DpRank;
 use crate::hashing;
 use crate::indexer::{KvEventData, StoredBlock, Tier};
 use rustc_hash::FxHashSet;
@@ -201,6 +202,164 @@ fn hard_constraints_filter_and_explain() {
 }
 
 #[test]
+fn a_required_taint_refusal_names_the_taints_each_worker_lacks() {
+    let r = router(RouterConfig::default());
+    r.upsert_worker(1, worker(&["zone=a"], 0)).unwrap();
+    r.upsert_worker(
+        2,
+        WorkerSpec {
+            dp_size: 2,
+            ..worker(&["zone=b"], 0)
+        },
+    )
+    .unwrap();
+    r.upsert_worker(3, worker(&["zone=b", "gpu=h100"], 0))
+        .unwrap();
+    r.patch_worker(3, None, Some(true)).unwrap();
+    let refuse = |req: RouteRequest| r.route_now(req).unwrap_err();
+    let lacks = |w, m: &[&str]| WorkerMissingTaints {
+        worker_id: w,
+        missing: m.iter().map(|s| s.to_string()).collect(),
+    };
+
+    // Worker 3 has both but is draining; 1 and 2 (two ranks) lack some; nobody has zone=mars.
+    let e = refuse(RouteRequest {
+        required_taints: vec!["zone=b".into(), "gpu=h100".into(), "zone=mars".into()],
+        ..ask(prompt(32))
+    });
+    assert_eq!(e.code(), "all_filtered_by_constraints");
+    assert_eq!(
+        e.missing_taints(),
+        [
+            lacks(1, &["zone=b", "gpu=h100", "zone=mars"]),
+            lacks(2, &["gpu=h100", "zone=mars"]),
+            lacks(3, &["zone=mars"]),
+        ]
+    );
+    assert_eq!(
+        e.to_string(),
+        "no candidate is eligible: 4 without the required_taints (no worker has zone=mars; \
+         worker 1 lacks zone=b, gpu=h100; worker 2 lacks gpu=h100)"
+    );
+    // Allowed ids first: a worker kept out by them is not said to lack anything.
+    let e = refuse(RouteRequest {
+        allowed_worker_ids: Some(vec![2, 3]),
+        required_taints: vec!["gpu=h100".into()],
+        ..ask(prompt(32))
+    });
+    assert_eq!(e.missing_taints(), [lacks(2, &["gpu=h100"])]);
+    assert_eq!(
+        e.to_string(),
+        "no candidate is eligible: 1 not in allowed_worker_ids, \
+         2 without the required_taints (worker 2 lacks gpu=h100), 1 draining"
+    );
+    // Other refusals name no taint.
+    let e = refuse(RouteRequest {
+        allowed_worker_ids: Some(vec![3]),
+        required_taints: vec!["gpu=h100".into()],
+        ..ask(prompt(32))
+    });
+    assert!(e.missing_taints().is_empty(), "{e}");
+    // A pin names what its worker lacks.
+    let e = refuse(RouteRequest {
+        pinned: Some(Pin {
+            worker_id: 2,
+            dp_rank: None,
+        }),
+        required_taints: vec!["zone=b".into(), "gpu=h100".into()],
+        ..ask(prompt(32))
+    });
+    assert_eq!(e.code(), "pinned_worker_missing_taints");
+    assert_eq!(e.missing_taints(), [lacks(2, &["gpu=h100"])]);
+    assert_eq!(
+        e.to_string(),
+        "pinned worker 2 lacks the required taints gpu=h100"
+    );
+    // Explain names them per excluded rank.
+    let d = r
+        .route_now(RouteRequest {
+            required_taints: vec!["zone=a".into()],
+            explain: true,
+            ..ask(prompt(32))
+        })
+        .unwrap();
+    let rows: Vec<(WorkerId, DpRank, &str, Vec<String>)> = d
+        .excluded
+        .as_ref()
+        .unwrap()
+        .iter()
+        .map(|e| (e.worker_id, e.dp_rank, e.reason, e.missing_taints.clone()))
+        .collect();
+    let z = vec!["zone=a".to_string()];
+    assert_eq!(
+        rows,
+        [
+            (2, 0, "missing_required_taints", z.clone()),
+            (2, 1, "missing_required_taints", z.clone()),
+            (3, 0, "missing_required_taints", z),
+        ]
+    );
+}
+
+#[test]
+fn a_dead_feed_is_kept_forgotten_or_drained_as_configured() {
+    use crate::feeds::{DeadFeedRule, FeedConfig};
+    let p = prompt(64);
+    let decide = |rule: DeadFeedRule| {
+        let r = router(RouterConfig {
+            feeds: FeedConfig {
+                dead_feed: rule,
+                dead_after: Duration::ZERO,
+            },
+            ..Default::default()
+        });
+        r.upsert_worker(1, worker(&[], 0)).unwrap();
+        r.upsert_worker(2, worker(&[], 0)).unwrap();
+        store(&r, 1, &p, 4);
+        // Worker 1's feed: opened, never connected, dead at once (dead_after 0).
+        let _cell = r.feeds().open(CandidateKey::new(1, 0));
+        r.feeds().refresh();
+        let d = r.route_now(RouteRequest {
+            explain: true,
+            ..ask(p.clone())
+        });
+        let pin = r.route_now(RouteRequest {
+            pinned: Some(Pin {
+                worker_id: 1,
+                dp_rank: None,
+            }),
+            ..ask(p.clone())
+        });
+        (
+            d.unwrap(),
+            pin.map(|d| d.candidate.worker_id).map_err(|e| e.code()),
+        )
+    };
+    // keep: the (stale) overlap still steers.
+    let (d, pin) = decide(DeadFeedRule::Keep);
+    assert_eq!((d.candidate.worker_id, d.overlap_blocks), (1, 4));
+    assert_eq!(pin, Ok(1));
+    // unknown: worker 1 is still a candidate, with overlap 0.
+    let (d, pin) = decide(DeadFeedRule::Unknown);
+    let rows = d.candidates.unwrap();
+    assert_eq!(rows.len(), 2);
+    assert!(rows.iter().all(|r| r.overlap_blocks == 0), "{rows:?}");
+    assert_eq!(d.overlap_blocks, 0);
+    assert_eq!(pin, Ok(1));
+    // drain: worker 1 is kept out, named with the rule.
+    let (d, pin) = decide(DeadFeedRule::Drain);
+    assert_eq!(d.candidate.worker_id, 2);
+    let ex = d.excluded.unwrap();
+    assert_eq!(
+        ex.iter()
+            .map(|e| (e.worker_id, e.reason))
+            .collect::<Vec<_>>(),
+        [(1, "kv_feed_dead")]
+    );
+    assert_eq!(pin, Err("pinned_worker_feed_dead"));
+}
+
+#[test]
 fn explain_names_each_excluded_candidate_and_the_rule() {
     let r = router(RouterConfig {
         busy_threshold: Some(0.5),
@@ -233,6 +392,7 @@ fn explain_names_each_excluded_candidate_and_the_rule() {
         worker_id: w,
         dp_rank: 0,
         reason,
+        missing_taints: vec![],
         overlap_blocks: 0,
         active_prefill_tokens: prefill,
     };

@@ -424,6 +424,30 @@ impl PolicyRegistry {
         out
     }
 
+    /// The version [`Self::rollback`] would restore now (the most recently replaced active one).
+    pub fn rollback_target(&self) -> Option<Arc<PolicyVersion>> {
+        self.state.lock().history.last().cloned()
+    }
+
+    /// Every loaded version of `name` (its current one, the active one and the ones rollback can
+    /// restore), by version; empty when none is loaded.
+    pub fn versions(&self, name: &str) -> Vec<Arc<PolicyVersion>> {
+        let state = self.state.lock();
+        let active = self.active.load_full().map(|a| a.policy.clone());
+        let mut out: Vec<Arc<PolicyVersion>> = state
+            .policies
+            .get(name)
+            .cloned()
+            .into_iter()
+            .chain(active)
+            .chain(state.history.iter().cloned())
+            .filter(|p| &*p.name == name)
+            .collect();
+        out.sort_by_key(|p| p.version);
+        out.dedup_by_key(|p| p.version);
+        out
+    }
+
     /// Whether the epoch ticker is parked: no guest call has run for a while (see
     /// `policy/ticker.rs`). For operators' diagnostics and the runtime's tests.
     pub fn epoch_ticker_parked(&self) -> bool {

@@ -269,6 +269,9 @@ pub struct RankOut {
     pub cached_blocks: u64,
     pub host_cached_blocks: u64,
     pub disk_cached_blocks: u64,
+    /// With `kv_events`: the rank's subscription (connected, last event age and sequence, dead).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_feed: Option<kvroute_core::feeds::FeedStatus>,
 }
 
 #[derive(Debug, Serialize)]

@@ -11,7 +11,7 @@
 use axum::extract::{FromRequest, Request};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
-use kvroute_core::eligibility::PinError;
+use kvroute_core::eligibility::{PinError, WorkerMissingTaints};
 use kvroute_core::queue::QueueError;
 use kvroute_core::router::{LifecycleError, RouteError};
 use kvroute_core::workers::SpecError;
@@ -28,6 +28,8 @@ pub struct ApiError {
     pub field: Option<String>,
     /// Seconds for `Retry-After`, on retryable errors.
     pub retry_after: Option<u32>,
+    /// A refusal for required taints: the workers kept out and the taints each lacks.
+    pub missing_taints: Vec<WorkerMissingTaints>,
 }
 
 impl ApiError {
@@ -38,6 +40,7 @@ impl ApiError {
             message: message.into(),
             field: None,
             retry_after: None,
+            missing_taints: Vec::new(),
         }
     }
 
@@ -58,6 +61,16 @@ impl ApiError {
         self
     }
 
+    /// The error of an operation on the policy `name`: the message names it (unless it already
+    /// does), so an operator juggling several uploads sees which one was refused.
+    pub fn for_policy(mut self, name: &str) -> Self {
+        let quoted = format!("{name:?}");
+        if !self.message.contains(&quoted) {
+            self.message = format!("policy {quoted}: {}", self.message);
+        }
+        self
+    }
+
     pub fn retry_after(mut self, secs: u32) -> Self {
         self.retry_after = Some(secs);
         self
@@ -70,7 +83,7 @@ fn route_status(e: &RouteError) -> StatusCode {
         RouteError::Invalid { .. } => StatusCode::BAD_REQUEST,
         RouteError::DuplicateRequest(_) => StatusCode::CONFLICT,
         RouteError::Pin(p) => pin_status(p),
-        RouteError::NoWorkers | RouteError::AllFiltered(_) => StatusCode::SERVICE_UNAVAILABLE,
+        RouteError::NoWorkers | RouteError::AllFiltered { .. } => StatusCode::SERVICE_UNAVAILABLE,
         // API.md: overloaded → 429 (SPEC §6 lists it among the 503 reasons; the HTTP contract
         // is what clients program against).
         RouteError::AllOverloaded => StatusCode::TOO_MANY_REQUESTS,
@@ -87,7 +100,9 @@ fn pin_status(e: &PinError) -> StatusCode {
     match e {
         PinError::NotAllowed(_) | PinError::UnknownRank { .. } => StatusCode::BAD_REQUEST,
         PinError::UnknownWorker(_) => StatusCode::NOT_FOUND,
-        PinError::MissingTaints(_) | PinError::Draining(_) => StatusCode::CONFLICT,
+        PinError::MissingTaints(_) | PinError::Draining(_) | PinError::FeedDead(_) => {
+            StatusCode::CONFLICT
+        }
         PinError::Overloaded(_) => StatusCode::TOO_MANY_REQUESTS,
     }
 }
@@ -98,6 +113,7 @@ impl From<RouteError> for ApiError {
     fn from(e: RouteError) -> Self {
         let retryable = e.retryable();
         let mut err = ApiError::new(route_status(&e), e.code(), String::new());
+        err.missing_taints = e.missing_taints().to_vec();
         match e {
             // The message without the field: the body names the field on its own.
             RouteError::Invalid { field, message } => {
@@ -158,6 +174,8 @@ struct Inner<'a> {
     message: &'a str,
     #[serde(skip_serializing_if = "Option::is_none")]
     field: Option<&'a str>,
+    #[serde(skip_serializing_if = "<[_]>::is_empty")]
+    missing_taints: &'a [WorkerMissingTaints],
 }
 
 impl IntoResponse for ApiError {
@@ -167,6 +185,7 @@ impl IntoResponse for ApiError {
                 code: self.code,
                 message: &self.message,
                 field: self.field.as_deref(),
+                missing_taints: &self.missing_taints,
             },
         })
         .unwrap_or_default();
@@ -482,9 +501,20 @@ mod tests {
                 None,
             ),
             (
-                PinError::MissingTaints(1).into(),
+                PinError::MissingTaints(WorkerMissingTaints {
+                    worker_id: 1,
+                    missing: vec!["zone=b".into()],
+                })
+                .into(),
                 409,
                 "pinned_worker_missing_taints",
+                Some("pinned_worker"),
+                None,
+            ),
+            (
+                PinError::FeedDead(1).into(),
+                409,
+                "pinned_worker_feed_dead",
                 Some("pinned_worker"),
                 None,
             ),
@@ -504,7 +534,10 @@ mod tests {
             ),
             (RouteError::NoWorkers, 503, "no_workers", None, None),
             (
-                RouteError::AllFiltered("1 draining".into()),
+                RouteError::AllFiltered {
+                    reasons: "1 draining".into(),
+                    missing_taints: vec![],
+                },
                 503,
                 "all_filtered_by_constraints",
                 None,

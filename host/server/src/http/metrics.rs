@@ -19,6 +19,10 @@ pub struct Metrics {
     registry: Registry,
     route_seconds: HistogramVec,
     decisions: IntCounterVec,
+    /// Prompt tokens routed, and of them the ones cached on the chosen candidate: per candidate,
+    /// so `rate(cached) / rate(prompt)` is the hit rate of a worker or of the fleet.
+    prompt_tokens: IntCounterVec,
+    cached_tokens: IntCounterVec,
     route_errors: IntCounterVec,
     fallbacks: IntCounterVec,
     queue_wait_seconds: Histogram,
@@ -67,6 +71,19 @@ impl Metrics {
             &["worker_id", "dp_rank"],
         )
         .expect("valid metric");
+        let per_candidate = |name: &str, help: &str| {
+            IntCounterVec::new(Opts::new(name, help), &["worker_id", "dp_rank"])
+                .expect("valid metric")
+        };
+        let prompt_tokens = per_candidate(
+            "kvroute_routed_prompt_tokens_total",
+            "Prompt tokens of the requests routed to each candidate.",
+        );
+        let cached_tokens = per_candidate(
+            "kvroute_routed_cached_tokens_total",
+            "Of kvroute_routed_prompt_tokens_total, the tokens the candidate held in its KV cache \
+             when routed (its device overlap); divided by it, the KV cache hit rate.",
+        );
         let route_errors = IntCounterVec::new(
             Opts::new(
                 "kvroute_route_errors_total",
@@ -102,6 +119,8 @@ impl Metrics {
         for c in [
             Box::new(route_seconds.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(decisions.clone()),
+            Box::new(prompt_tokens.clone()),
+            Box::new(cached_tokens.clone()),
             Box::new(route_errors.clone()),
             Box::new(fallbacks.clone()),
             Box::new(queue_wait_seconds.clone()),
@@ -109,10 +128,22 @@ impl Metrics {
         ] {
             registry.register(c).expect("unique metric");
         }
+        // Every fallback reason starts at 0, so rate() and the dashboard see the series before the
+        // first fallback (a vector's series otherwise appear on first use).
+        for r in kvroute_policy::FallbackReason::ALL
+            .iter()
+            .filter(|r| r.is_failure())
+            .map(|r| r.as_str())
+            .chain(["invalid_answer", "pick_out_of_range"])
+        {
+            fallbacks.with_label_values(&[r]).inc_by(0);
+        }
         Self {
             registry,
             route_seconds,
             decisions,
+            prompt_tokens,
+            cached_tokens,
             route_errors,
             fallbacks,
             queue_wait_seconds,
@@ -138,12 +169,17 @@ impl Metrics {
                 .with_label_values(&[phase])
                 .observe(v.as_secs_f64());
         }
-        self.decisions
-            .with_label_values(&[
-                &d.candidate.worker_id.to_string(),
-                &d.candidate.dp_rank.to_string(),
-            ])
-            .inc();
+        let labels = [
+            &d.candidate.worker_id.to_string(),
+            &d.candidate.dp_rank.to_string(),
+        ];
+        self.decisions.with_label_values(&labels).inc();
+        self.prompt_tokens
+            .with_label_values(&labels)
+            .inc_by(u64::from(d.prompt_tokens));
+        self.cached_tokens
+            .with_label_values(&labels)
+            .inc_by(u64::from(d.cached_tokens));
         if let Some(r) = d.fallback_reason {
             self.fallbacks.with_label_values(&[r]).inc();
         }
@@ -161,9 +197,10 @@ impl Metrics {
     ) {
         let id = worker_id.to_string();
         for rank in ranks {
-            let _ = self
-                .decisions
-                .remove_label_values(&[&id, &rank.to_string()]);
+            let labels = [&id, &rank.to_string()];
+            for c in [&self.decisions, &self.prompt_tokens, &self.cached_tokens] {
+                let _ = c.remove_label_values(&labels);
+            }
         }
     }
 

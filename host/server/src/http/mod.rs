@@ -12,6 +12,7 @@ mod events;
 pub mod hash;
 pub mod metrics;
 pub mod openapi;
+mod policies;
 pub mod prompt_json;
 pub mod serving;
 
@@ -76,7 +77,8 @@ pub fn app(state: AppState) -> axum::Router {
         .route("/v1/requests/{request_id}", delete(free_request))
         .route("/v1/overlap", post(overlap))
         .route("/v1/hash", post(hash::hash))
-        .route("/v1/policies", get(list_policies))
+        .route("/v1/policies", get(policies::list_policies))
+        .route("/v1/policies/{name}", get(policies::policy_detail))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics_text))
@@ -185,6 +187,7 @@ fn worker_out(router: &Router, w: kvroute_core::workers::Worker) -> WorkerOut {
                 cached_blocks: cached[0],
                 host_cached_blocks: cached[1],
                 disk_cached_blocks: cached[2] + cached[3],
+                kv_feed: router.feeds().status(key),
             }
         })
         .collect();
@@ -446,14 +449,6 @@ async fn overlap(
 
 // ---- policies ----------------------------------------------------------------------------------
 
-async fn list_policies(State(s): State<AppState>) -> Json<serde_json::Value> {
-    let active = s.policies.active_info().map(|i| i.name);
-    Json(serde_json::json!({
-        "active": active,
-        "policies": s.policies.list(),
-    }))
-}
-
 /// The query of a policy upload: `activate=true|false` and `config=JSON` (URL-encoded; what
 /// `PUT /v1/policies/{name}/config` would take), so a policy that needs a configuration is loaded
 /// and configured in one step.
@@ -521,10 +516,12 @@ async fn put_policy(
     // application/octet-stream too: what generic tools send for a binary file.
     error::require_media_type(&headers, &["application/wasm", "application/octet-stream"])?;
     // Compiling takes tens of milliseconds (seconds for a Python component).
-    let info = off_thread(&s, move |r| {
-        r.load(&name, &body, config.as_deref(), activate)
+    let info = off_thread(&s, {
+        let name = name.clone();
+        move |r| r.load(&name, &body, config.as_deref(), activate)
     })
-    .await?;
+    .await
+    .map_err(|e| e.for_policy(&name))?;
     Ok((StatusCode::CREATED, Json(info)).into_response())
 }
 
@@ -554,7 +551,12 @@ async fn put_policy_config(
         .to_string();
     serde_json::from_str::<serde_json::Value>(&json)
         .map_err(|e| ApiError::bad_request("invalid_json", e.to_string()))?;
-    let info = off_thread(&s, move |r| r.configure(&name, &json)).await?;
+    let info = off_thread(&s, {
+        let name = name.clone();
+        move |r| r.configure(&name, &json)
+    })
+    .await
+    .map_err(|e| e.for_policy(&name))?;
     Ok(Json(info))
 }
 
@@ -563,7 +565,13 @@ async fn activate_policy(
     ApiPath(name): ApiPath<String>,
     _: NoBody,
 ) -> Result<Json<kvroute_policy::PolicyInfo>, ApiError> {
-    off_thread(&s, move |r| r.activate(&name)).await.map(Json)
+    off_thread(&s, {
+        let name = name.clone();
+        move |r| r.activate(&name)
+    })
+    .await
+    .map(Json)
+    .map_err(|e| e.for_policy(&name))
 }
 
 async fn rollback_policy(
@@ -578,7 +586,12 @@ async fn delete_policy(
     ApiPath(name): ApiPath<String>,
     _: NoBody,
 ) -> Result<StatusCode, ApiError> {
-    off_thread(&s, move |r| r.remove(&name)).await?;
+    off_thread(&s, {
+        let name = name.clone();
+        move |r| r.remove(&name)
+    })
+    .await
+    .map_err(|e| e.for_policy(&name))?;
     Ok(StatusCode::NO_CONTENT)
 }
 

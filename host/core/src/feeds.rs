@@ -1,0 +1,256 @@
+//! KV event feed health: per candidate whose engine publishes KV events, whether its subscription
+//! is connected, when its last event arrived and its last sequence number, and whether the feed is
+//! dead (SPEC §4). A dead feed means the index may be stale for that candidate, so what routing
+//! does with it is a configured rule ([`DeadFeedRule`]).
+//!
+//! Why it lives in core: the rule acts where decisions are made (overlaps, eligibility), and the
+//! registry view (`GET /v1/workers`) reads the same cells. The event ingestion (`kvroute-events`)
+//! owns the sockets and writes the cells; core knows nothing of ZMQ. The decision path reads one
+//! lock-free snapshot of the dead set, empty almost always.
+//!
+//! A feed is dead once its subscription has been down (never connected, or the engine went away)
+//! for `dead_after`. A connected feed that is silent is not dead: engines publish only when their
+//! cache changes, so an idle engine's index is current.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use arc_swap::ArcSwap;
+use parking_lot::Mutex;
+use rustc_hash::{FxHashMap, FxHashSet};
+use serde::{Deserialize, Serialize};
+
+use crate::candidate::CandidateKey;
+
+/// What routing does with a candidate whose KV event feed is dead.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DeadFeedRule {
+    /// Keep routing on the index as it is (it may be stale).
+    Keep,
+    /// Treat its overlap as unknown: 0 blocks in every tier, so it competes on load only.
+    #[default]
+    Unknown,
+    /// Keep it out, as if draining (explain reason `kv_feed_dead`).
+    Drain,
+}
+
+impl DeadFeedRule {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DeadFeedRule::Keep => "keep",
+            DeadFeedRule::Unknown => "unknown",
+            DeadFeedRule::Drain => "drain",
+        }
+    }
+}
+
+/// The dead-feed rule and when a feed counts as dead.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FeedConfig {
+    pub dead_feed: DeadFeedRule,
+    /// How long a subscription may be down before its feed is dead.
+    pub dead_after: Duration,
+}
+
+impl Default for FeedConfig {
+    fn default() -> Self {
+        Self {
+            dead_feed: DeadFeedRule::default(),
+            dead_after: Duration::from_secs(10),
+        }
+    }
+}
+
+/// One candidate's feed, written by its subscription. Times are milliseconds since the
+/// [`Feeds`]' epoch, plus one (0 = never).
+#[derive(Debug, Default)]
+pub struct FeedCell {
+    connected: AtomicBool,
+    /// Since when the subscription is down (set at creation and on every disconnect).
+    down_since: AtomicU64,
+    last_event: AtomicU64,
+    /// `u64::MAX` = none yet.
+    last_seq: AtomicU64,
+    dead: AtomicBool,
+    epoch: Option<Instant>,
+}
+
+impl FeedCell {
+    fn now(&self) -> u64 {
+        self.epoch.map_or(0, |e| e.elapsed().as_millis() as u64 + 1)
+    }
+
+    /// The subscription connected (`true`) or lost its engine (`false`).
+    pub fn set_connected(&self, up: bool) {
+        if !up && self.connected.load(Relaxed) {
+            self.down_since.store(self.now(), Relaxed);
+        }
+        self.connected.store(up, Relaxed);
+    }
+
+    /// A message of sequence `seq` arrived (which proves the subscription connected).
+    pub fn on_event(&self, seq: u64) {
+        self.connected.store(true, Relaxed);
+        self.last_event.store(self.now(), Relaxed);
+        self.last_seq.store(seq, Relaxed);
+    }
+
+    /// What `GET /v1/workers` shows.
+    pub fn status(&self) -> FeedStatus {
+        let now = self.now();
+        let last = self.last_event.load(Relaxed);
+        let seq = self.last_seq.load(Relaxed);
+        FeedStatus {
+            connected: self.connected.load(Relaxed),
+            last_event_age_ms: (last > 0).then(|| now.saturating_sub(last)),
+            last_seq: (seq != u64::MAX).then_some(seq),
+            dead: self.dead.load(Relaxed),
+        }
+    }
+}
+
+/// A feed as reported: connected, age of the last event and its sequence, dead.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct FeedStatus {
+    pub connected: bool,
+    /// Milliseconds since the last message (`None`: none yet).
+    pub last_event_age_ms: Option<u64>,
+    /// Sequence number of the last message (`None`: none yet).
+    pub last_seq: Option<u64>,
+    pub dead: bool,
+}
+
+/// Every subscribed candidate's feed, and the dead set the decision path reads.
+#[derive(Debug)]
+pub struct Feeds {
+    config: FeedConfig,
+    epoch: Instant,
+    cells: Mutex<FxHashMap<CandidateKey, Arc<FeedCell>>>,
+    dead: ArcSwap<FxHashSet<CandidateKey>>,
+}
+
+impl Feeds {
+    pub fn new(config: FeedConfig) -> Self {
+        Self {
+            config,
+            epoch: Instant::now(),
+            cells: Mutex::new(FxHashMap::default()),
+            dead: ArcSwap::from_pointee(FxHashSet::default()),
+        }
+    }
+
+    pub fn config(&self) -> FeedConfig {
+        self.config
+    }
+
+    /// A new cell for a subscription starting on `key` (down since now), replacing any earlier one.
+    pub fn open(&self, key: CandidateKey) -> Arc<FeedCell> {
+        let cell = Arc::new(FeedCell {
+            last_seq: AtomicU64::new(u64::MAX),
+            epoch: Some(self.epoch),
+            ..Default::default()
+        });
+        cell.down_since.store(cell.now(), Relaxed);
+        self.cells.lock().insert(key, cell.clone());
+        cell
+    }
+
+    /// The subscription on `key` stopped: it has no feed any more (and is not dead).
+    pub fn close(&self, key: CandidateKey, cell: &Arc<FeedCell>) {
+        let mut cells = self.cells.lock();
+        if cells.get(&key).is_some_and(|c| Arc::ptr_eq(c, cell)) {
+            cells.remove(&key);
+        }
+        drop(cells);
+        self.refresh();
+    }
+
+    /// The feed of `key`, when it is subscribed.
+    pub fn status(&self, key: CandidateKey) -> Option<FeedStatus> {
+        self.cells.lock().get(&key).map(|c| c.status())
+    }
+
+    /// Every subscribed feed, sorted by candidate.
+    pub fn all(&self) -> Vec<(CandidateKey, FeedStatus)> {
+        let mut v: Vec<_> = self
+            .cells
+            .lock()
+            .iter()
+            .map(|(k, c)| (*k, c.status()))
+            .collect();
+        v.sort_unstable_by_key(|(k, _)| *k);
+        v
+    }
+
+    /// Re-evaluates which feeds are dead (a subscription down for `dead_after`) and publishes the
+    /// set. The ingestion calls it on a short ticker and whenever a subscription stops.
+    pub fn refresh(&self) {
+        let now = self.epoch.elapsed().as_millis() as u64 + 1;
+        let after = self.config.dead_after.as_millis() as u64;
+        let mut dead = FxHashSet::default();
+        for (k, c) in self.cells.lock().iter() {
+            let is_dead = !c.connected.load(Relaxed)
+                && now.saturating_sub(c.down_since.load(Relaxed)) >= after;
+            c.dead.store(is_dead, Relaxed);
+            if is_dead {
+                dead.insert(*k);
+            }
+        }
+        if dead != **self.dead.load() {
+            self.dead.store(Arc::new(dead));
+        }
+    }
+
+    /// The candidates whose feed is dead now.
+    pub fn dead(&self) -> Arc<FxHashSet<CandidateKey>> {
+        self.dead.load_full()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_feed_is_dead_once_down_for_dead_after_and_alive_again_on_connect() {
+        let feeds = Feeds::new(FeedConfig {
+            dead_feed: DeadFeedRule::Drain,
+            dead_after: Duration::from_millis(30),
+        });
+        let k = CandidateKey::new(1, 0);
+        let cell = feeds.open(k);
+        feeds.refresh();
+        assert!(feeds.dead().is_empty(), "not down long enough yet");
+        let s = feeds.status(k).unwrap();
+        assert_eq!(
+            (s.connected, s.last_event_age_ms, s.last_seq, s.dead),
+            (false, None, None, false)
+        );
+        std::thread::sleep(Duration::from_millis(40));
+        feeds.refresh();
+        assert!(feeds.dead().contains(&k));
+        assert!(feeds.status(k).unwrap().dead);
+
+        cell.set_connected(true);
+        cell.on_event(7);
+        feeds.refresh();
+        assert!(feeds.dead().is_empty());
+        let s = feeds.status(k).unwrap();
+        assert!(s.connected && !s.dead && s.last_seq == Some(7), "{s:?}");
+        assert!(s.last_event_age_ms.unwrap() < 30, "{s:?}");
+
+        // Down again: dead only after another dead_after, counted from the disconnect.
+        std::thread::sleep(Duration::from_millis(40));
+        cell.set_connected(false);
+        feeds.refresh();
+        assert!(feeds.dead().is_empty());
+        std::thread::sleep(Duration::from_millis(40));
+        feeds.refresh();
+        assert!(feeds.dead().contains(&k));
+        // A closed subscription has no feed.
+        feeds.close(k, &cell);
+        assert!(feeds.dead().is_empty() && feeds.status(k).is_none());
+    }
+}
