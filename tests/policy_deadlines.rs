@@ -113,7 +113,9 @@ fn misbehaviour_falls_back(mode: &str, reason: FallbackReason) {
     assert_eq!(snap.fallbacks, failures);
     assert_eq!(snap.errors_by_kind.get(reason.as_str()), Some(&failures));
     // The poisoned instance is replaced off the request path.
-    support::eventually("pool refilled", || policy.live_instances() >= target);
+    // Pooled, not just alive: an instance counts as alive as soon as it is made, a moment before
+    // the maintenance thread puts it in the pool where a decision can take it.
+    support::eventually("pool refilled", || policy.pooled_instances() >= target);
     // And the next good decision works, on the same version.
     let d = reg.decide(&req, &cols, &taints);
     assert!(
