@@ -1,4 +1,6 @@
-//! The ZMQ KV event payload decoder (vLLM / SGLang MessagePack, `kvroute_events::decode`).
+//! The ZMQ KV event payload decoder (vLLM / SGLang MessagePack, `kvroute_events::decode`: the
+//! serde model read by `rmp-serde`, and the depth-capped second read of payloads nested past
+//! rmp-serde's limit).
 //!
 //! The first byte picks the router block size (1..=16), the rest is the payload. Asserts: no
 //! panic; a decoder reused with a dirty batch gives what a fresh one gives; a refused payload

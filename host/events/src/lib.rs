@@ -9,7 +9,8 @@
 //! # Pieces
 //! - [`decode`]: MessagePack payload → index events, with every SPEC §4 shape accepted and every
 //!   drop counted by reason; nothing in a payload can panic it or make it allocate beyond the
-//!   payload's size.
+//!   payload's size. The wire is read by `rmp-serde` through the serde model in `wire/`;
+//!   `nesting.rs` caps payloads nested past rmp-serde's depth limit.
 //! - [`subscriber`]: one subscription = one SUB socket on one engine rank; sequence tracking per
 //!   (worker, rank); gap replay over a DEALER socket; reconnection with exponential backoff.
 //! - [`EventIngestion`] (here): the manager. It reconciles subscriptions with the registry when a
@@ -73,8 +74,9 @@
 //! (`IngestConfig::backoff_*`).
 
 pub mod decode;
-pub mod msgpack;
+mod nesting;
 pub mod subscriber;
+mod wire;
 
 use std::collections::HashMap;
 use std::fmt::Write as _;

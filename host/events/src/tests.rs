@@ -841,6 +841,117 @@ fn reader_skips_deep_nesting_without_recursion() {
     assert_eq!(b.dropped.get(DropReason::MalformedEvent), 1);
 }
 
+/// `depth` arrays of one element around a nil (the test writer recurses: keep it in hundreds).
+fn nested(depth: usize) -> V {
+    (0..depth).fold(V::Nil, |v, _| V::A(vec![v]))
+}
+
+#[test]
+fn deep_values_the_decoder_ignores_keep_their_event() {
+    // Past rmp-serde's limit (MAX_NESTING), the payload is read again with the depth capped:
+    // a deep unknown key, trailing element or block_mm_infos slot still leaves the event whole.
+    for depth in [
+        super::decode::CAPPED_NESTING,
+        super::decode::MAX_NESTING,
+        600,
+    ] {
+        let map = m(&[
+            ("type", s("BlockRemoved")),
+            ("future", nested(depth)),
+            ("block_hashes", ua(&[4])),
+        ]);
+        let trailing = simple_stored(vec![V::U(0), s("full_attention"), V::Nil, nested(depth)]);
+        let mm = simple_stored(vec![V::A(vec![nested(depth)]), V::U(0)]);
+        let p = batch(vec![map, trailing, mm]);
+        let b = decode2(&p);
+        assert_eq!(b.dropped.total(), 0, "depth {depth}: {:?}", b.dropped);
+        assert_eq!(b.events.len(), 3, "depth {depth}");
+        assert_eq!(b.stored_blocks, 2);
+        // The same depth where the decoder reads a field is one malformed event.
+        let deep_hashes = V::A(vec![s("BlockRemoved"), V::A(vec![nested(depth)])]);
+        let b = decode2(&batch(vec![deep_hashes, simple_stored(vec![])]));
+        assert_eq!(
+            b.dropped.get(DropReason::MalformedEvent),
+            1,
+            "depth {depth}"
+        );
+        assert_eq!(b.events.len(), 1);
+        // ... and where the batch is read, a malformed payload.
+        let p = enc(&V::A(vec![nested(depth), V::A(vec![])]));
+        assert_eq!(
+            Decoder::new(2).decode(&p),
+            Err(DropReason::MalformedPayload)
+        );
+    }
+    // A deep payload that is also truncated is malformed, whatever the depth.
+    let mut p = batch(vec![simple_stored(vec![nested(600)])]);
+    p.pop();
+    assert_eq!(
+        Decoder::new(2).decode(&p),
+        Err(DropReason::MalformedPayload)
+    );
+}
+
+#[test]
+fn extensions_and_bools_are_wrong_types_not_bad_payloads() {
+    let ext = |len: u8| {
+        let mut e = vec![0xd4 + len.trailing_zeros() as u8, 7];
+        e.extend(std::iter::repeat_n(0xee, len as usize));
+        e
+    };
+    // An extension (fixext 1..16) as an event, as a hash, and under an unknown key.
+    for len in [1u8, 2, 4, 8, 16] {
+        let mut p = enc(&V::A(vec![V::F(1.0), V::A(vec![V::Nil, V::Nil])]));
+        let at = p.len() - 2;
+        p.splice(at..at + 1, ext(len));
+        let b = decode2(&p);
+        assert_eq!(b.dropped.get(DropReason::MalformedEvent), 2, "fixext {len}");
+
+        let mut p = batch(vec![V::A(vec![s("BlockRemoved"), V::A(vec![V::Nil])])]);
+        let at = p.len() - 2;
+        p.splice(at..at + 1, ext(len));
+        assert_eq!(decode2(&p).dropped.get(DropReason::MalformedEvent), 1);
+
+        let mut p = batch(vec![m(&[
+            ("type", s("BlockRemoved")),
+            ("block_hashes", ua(&[1])),
+            ("x", V::Nil),
+        ])]);
+        // The batch ends with its nil rank.
+        let at = p.len() - 2;
+        p.splice(at..at + 1, ext(len));
+        assert_eq!(
+            decode2(&p).events.len(),
+            1,
+            "fixext {len} under an unknown key"
+        );
+    }
+    // `true` as the group index.
+    let mut p = batch(vec![simple_stored(vec![V::Nil])]);
+    let at = p.len() - 2;
+    p[at] = 0xc3;
+    assert_eq!(decode2(&p).dropped.get(DropReason::MalformedEvent), 1);
+}
+
+#[test]
+fn a_str_that_is_not_utf8_reads_as_a_byte_string() {
+    // rmp-serde hands it over as bytes: a digest where a hash goes...
+    let mut p = batch(vec![V::A(vec![s("BlockRemoved"), V::A(vec![s("ab")])])]);
+    let at = p.windows(3).position(|w| w == [0xa2, b'a', b'b']).unwrap();
+    p[at + 1] = 0xff;
+    assert_eq!(
+        decode2(&p).events[0].data,
+        KvEventData::Removed {
+            block_hashes: vec![xxhash_rust::xxh3::xxh3_64(&[0xff, b'b'])]
+        }
+    );
+    // ... and not a string as an event's type.
+    let mut p = batch(vec![V::A(vec![s("BlockRemoved"), ua(&[1])])]);
+    let at = p.windows(2).position(|w| w == [0xac, b'B']).unwrap();
+    p[at + 1] = 0xff;
+    assert_eq!(decode2(&p).dropped.get(DropReason::MalformedEvent), 1);
+}
+
 // ---- fuzz-style properties ---------------------------------------------------------------------
 
 fn check_no_panic(p: &[u8]) {

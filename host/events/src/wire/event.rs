@@ -1,0 +1,504 @@
+//! One KV event: a tagged array or a tagged map, read into [`Fields`] with every field's
+//! alternatives (hashes, plain or Eagle tokens, SGLang's name map at 7/8, Dynamo's slot at 9),
+//! then emitted by the decoder or dropped with its reason, always consumed whole.
+
+use std::fmt;
+use std::marker::PhantomData;
+
+use serde::de::{
+    self, Deserialize, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor,
+};
+
+use super::value::{
+    drain_map, drain_seq, hash_of, opt_str, opt_uint, otherwise, parent_of, token_of, Val,
+};
+use super::Key;
+use crate::decode::{Batch, Decoder, DropReason};
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) enum EventKind {
+    #[default]
+    Unknown,
+    Stored,
+    Removed,
+    Cleared,
+}
+
+/// The fields of one event (tokens go to the decoder's scratch buffer).
+#[derive(Debug, Default)]
+pub(crate) struct Fields<'a> {
+    pub kind: EventKind,
+    pub hashes: Option<Vec<u64>>,
+    pub parent: Option<u64>,
+    pub has_tokens: bool,
+    pub eagle: bool,
+    pub block_size: Option<u64>,
+    pub medium: Option<&'a str>,
+    pub lora_name: Option<&'a str>,
+    pub cache_salt: Option<&'a str>,
+    pub group_idx: Option<u64>,
+    pub spec_kind: Option<&'a str>,
+}
+
+/// Why reading an event stopped early: the wire failed (the payload is dropped) or the event is
+/// dropped for a reason (the rest of it is consumed, then it is counted).
+enum Stop<E> {
+    Wire(E),
+    Drop(DropReason),
+}
+
+impl<E> From<DropReason> for Stop<E> {
+    fn from(r: DropReason) -> Self {
+        Stop::Drop(r)
+    }
+}
+
+/// The next array element through `$seed`, or `return Ok(())` when the array has no more.
+macro_rules! next {
+    ($seq:expr, $seed:expr) => {
+        match $seq.next_element_seed($seed) {
+            Ok(Some(v)) => v,
+            Ok(None) => return Ok(()),
+            Err(e) => return Err(Stop::Wire(e)),
+        }
+    };
+}
+
+/// One event: a tagged array or a tagged map. Its value is `Err(reason)` when it is dropped.
+pub(super) struct EventSeed<'s> {
+    pub(super) dec: &'s mut Decoder,
+    pub(super) out: &'s mut Batch,
+    pub(super) budget: usize,
+}
+
+impl<'de> DeserializeSeed<'de> for EventSeed<'_> {
+    type Value = Result<(), DropReason>;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+fn kind_of(tag: &str) -> EventKind {
+    match tag {
+        "BlockStored" => EventKind::Stored,
+        "BlockRemoved" => EventKind::Removed,
+        "AllBlocksCleared" => EventKind::Cleared,
+        _ => EventKind::Unknown,
+    }
+}
+
+impl<'s> EventSeed<'s> {
+    fn hashes(&self) -> HashesSeed {
+        HashesSeed {
+            budget: self.budget,
+        }
+    }
+
+    fn tokens(&mut self) -> TokensSeed<'_> {
+        TokensSeed {
+            out: &mut self.dec.tokens,
+            budget: self.budget,
+        }
+    }
+
+    /// `["BlockStored", hashes, parent, tokens, block_size, lora_id, medium, lora_name,
+    /// extra_keys, (block_mm_infos,) group_idx, kind, window, ...]`.
+    fn stored_array<'de, A: SeqAccess<'de>>(
+        &mut self,
+        seq: &mut A,
+        f: &mut Fields<'de>,
+    ) -> Result<(), Stop<A::Error>> {
+        f.hashes = Some(next!(seq, self.hashes())?);
+        f.parent = parent_of(next!(seq, PhantomData::<Val>))?;
+        f.eagle = next!(seq, self.tokens())?;
+        f.has_tokens = true;
+        f.block_size = opt_uint(next!(seq, PhantomData::<Val>))?;
+        next!(seq, PhantomData::<IgnoredAny>); // lora_id
+        f.medium = opt_str(next!(seq, PhantomData::<Val>))?;
+        name_slot(next!(seq, PhantomData::<Slot>), true, f)?;
+        name_slot(next!(seq, PhantomData::<Slot>), false, f)?;
+        // Metadata starts at position 9, or 10 when 9 is Dynamo's block_mm_infos array.
+        let group = match next!(seq, PhantomData::<Val>) {
+            Val::Array => next!(seq, PhantomData::<Val>),
+            v => v,
+        };
+        f.group_idx = opt_uint(group)?;
+        f.spec_kind = opt_str(next!(seq, PhantomData::<Val>))?;
+        Ok(())
+    }
+
+    /// `["BlockRemoved", hashes, medium, group_idx, kind, ...]`.
+    fn removed_array<'de, A: SeqAccess<'de>>(
+        &mut self,
+        seq: &mut A,
+        f: &mut Fields<'de>,
+    ) -> Result<(), Stop<A::Error>> {
+        f.hashes = Some(next!(seq, self.hashes())?);
+        f.medium = opt_str(next!(seq, PhantomData::<Val>))?;
+        f.group_idx = opt_uint(next!(seq, PhantomData::<Val>))?;
+        f.spec_kind = opt_str(next!(seq, PhantomData::<Val>))?;
+        Ok(())
+    }
+
+    /// A tagged array after its tag.
+    fn array_fields<'de, A: SeqAccess<'de>>(
+        &mut self,
+        seq: &mut A,
+        f: &mut Fields<'de>,
+    ) -> Result<(), Stop<A::Error>> {
+        let tag = match seq.next_element::<Val>() {
+            Ok(Some(Val::Str(t))) => t,
+            Ok(_) => return Err(Stop::Drop(DropReason::MalformedEvent)),
+            Err(e) => return Err(Stop::Wire(e)),
+        };
+        f.kind = kind_of(tag);
+        match f.kind {
+            EventKind::Stored => self.stored_array(seq, f),
+            EventKind::Removed => self.removed_array(seq, f),
+            EventKind::Cleared => Ok(()),
+            EventKind::Unknown => Err(Stop::Drop(DropReason::UnknownEventType)),
+        }
+    }
+
+    /// A tagged map: fields by name, any order, unknown keys ignored.
+    fn map_fields<'de, A: MapAccess<'de>>(
+        &mut self,
+        map: &mut A,
+        f: &mut Fields<'de>,
+    ) -> Result<(), Stop<A::Error>> {
+        let mut tag = None;
+        loop {
+            let key = match map.next_key::<Key>() {
+                Ok(Some(k)) => k,
+                Ok(None) => break,
+                Err(e) => return Err(Stop::Wire(e)),
+            };
+            let w = Stop::Wire;
+            match key {
+                Key::Type => match map.next_value::<Val>().map_err(w)? {
+                    Val::Str(t) => tag = Some(t),
+                    _ => return Err(Stop::Drop(DropReason::MalformedEvent)),
+                },
+                Key::BlockHashes => {
+                    f.hashes = Some(map.next_value_seed(self.hashes()).map_err(w)??)
+                }
+                Key::Parent => f.parent = parent_of(map.next_value().map_err(w)?)?,
+                Key::TokenIds => {
+                    f.eagle = map.next_value_seed(self.tokens()).map_err(w)??;
+                    f.has_tokens = true;
+                }
+                Key::BlockSize => f.block_size = opt_uint(map.next_value().map_err(w)?)?,
+                Key::Medium => f.medium = opt_str(map.next_value().map_err(w)?)?,
+                Key::LoraName => f.lora_name = opt_str(map.next_value().map_err(w)?)?,
+                Key::CacheSalt => f.cache_salt = opt_str(map.next_value().map_err(w)?)?,
+                Key::GroupIdx => f.group_idx = opt_uint(map.next_value().map_err(w)?)?,
+                Key::SpecKind => f.spec_kind = opt_str(map.next_value().map_err(w)?)?,
+                _ => {
+                    map.next_value::<IgnoredAny>().map_err(w)?;
+                }
+            }
+        }
+        f.kind = match tag.map(kind_of) {
+            Some(EventKind::Unknown) => return Err(Stop::Drop(DropReason::UnknownEventType)),
+            Some(kind) => kind,
+            None => return Err(Stop::Drop(DropReason::MalformedEvent)),
+        };
+        Ok(())
+    }
+}
+
+/// An event's reading as the batch sees it: a wire error to return, or the event's fate.
+fn settle<E>(read: Result<(), Stop<E>>) -> Result<Result<(), DropReason>, E> {
+    match read {
+        Ok(()) => Ok(Ok(())),
+        Err(Stop::Drop(reason)) => Ok(Err(reason)),
+        Err(Stop::Wire(e)) => Err(e),
+    }
+}
+
+impl<'de> Visitor<'de> for EventSeed<'_> {
+    type Value = Result<(), DropReason>;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a tagged array or tagged map KV event")
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(mut self, mut seq: A) -> Result<Self::Value, A::Error> {
+        let mut f = Fields::default();
+        let read = settle(self.array_fields(&mut seq, &mut f))?;
+        // Trailing extra elements, or the rest of a dropped event.
+        drain_seq(&mut seq)?;
+        Ok(read.and_then(|()| self.dec.emit(f, self.out)))
+    }
+
+    fn visit_map<A: MapAccess<'de>>(mut self, mut map: A) -> Result<Self::Value, A::Error> {
+        let mut f = Fields::default();
+        let read = settle(self.map_fields(&mut map, &mut f))?;
+        drain_map(&mut map)?;
+        Ok(read.and_then(|()| self.dec.emit(f, self.out)))
+    }
+
+    otherwise!(Err(DropReason::MalformedEvent); unit bool int float str bytes ext);
+}
+
+// ---- arrays inside an event -------------------------------------------------------------------
+
+/// `block_hashes`: an array of hashes (nil = none).
+struct HashesSeed {
+    budget: usize,
+}
+
+impl<'de> DeserializeSeed<'de> for HashesSeed {
+    type Value = Result<Vec<u64>, DropReason>;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for HashesSeed {
+    type Value = Result<Vec<u64>, DropReason>;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("an array of block hashes")
+    }
+
+    fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+        Ok(Ok(Vec::new()))
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        let mut out = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(self.budget));
+        while let Some(v) = seq.next_element::<Val>()? {
+            match hash_of(v) {
+                Ok(h) => out.push(h),
+                Err(r) => {
+                    drain_seq(&mut seq)?;
+                    return Ok(Err(r));
+                }
+            }
+        }
+        Ok(Ok(out))
+    }
+
+    otherwise!(Err(DropReason::MalformedEvent); bool int float str bytes map ext);
+}
+
+/// `token_ids` into the decoder's scratch buffer: plain tokens, or Eagle's pairs `[[a, b], ...]`
+/// (the firsts plus the last second). The first element decides which. Its value is whether they
+/// were pairs.
+struct TokensSeed<'s> {
+    out: &'s mut Vec<u32>,
+    budget: usize,
+}
+
+impl<'de> DeserializeSeed<'de> for TokensSeed<'_> {
+    type Value = Result<bool, DropReason>;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+/// One element of `token_ids`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Token {
+    One(u32),
+    Pair(u32, u32),
+    Bad,
+}
+
+struct TokenVisitor;
+
+impl<'de> Visitor<'de> for TokenVisitor {
+    type Value = Token;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a token id or an Eagle pair")
+    }
+
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<Token, E> {
+        Ok(token_of(Val::UInt(v)).map_or(Token::Bad, Token::One))
+    }
+
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<Token, E> {
+        match u64::try_from(v) {
+            Ok(v) => self.visit_u64(v),
+            Err(_) => Ok(Token::Bad),
+        }
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Token, A::Error> {
+        if seq.size_hint() != Some(2) {
+            drain_seq(&mut seq)?;
+            return Ok(Token::Bad);
+        }
+        let a = seq.next_element::<Val>()?.map(token_of);
+        let b = seq.next_element::<Val>()?.map(token_of);
+        drain_seq(&mut seq)?;
+        Ok(match (a, b) {
+            (Some(Ok(a)), Some(Ok(b))) => Token::Pair(a, b),
+            _ => Token::Bad,
+        })
+    }
+
+    otherwise!(Token::Bad; unit bool float str bytes map ext);
+}
+
+impl<'de> Deserialize<'de> for Token {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(TokenVisitor)
+    }
+}
+
+impl<'de> Visitor<'de> for TokensSeed<'_> {
+    type Value = Result<bool, DropReason>;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("an array of token ids")
+    }
+
+    fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+        self.out.clear();
+        Ok(Ok(false))
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        let out = self.out;
+        out.clear();
+        out.reserve(seq.size_hint().unwrap_or(0).min(self.budget));
+        let bad = |mut seq: A| -> Result<Self::Value, A::Error> {
+            drain_seq(&mut seq)?;
+            Ok(Err(DropReason::MalformedEvent))
+        };
+        match seq.next_element::<Token>()? {
+            None => Ok(Ok(false)),
+            Some(Token::One(t)) => {
+                out.push(t);
+                while let Some(t) = seq.next_element::<Token>()? {
+                    match t {
+                        Token::One(t) => out.push(t),
+                        _ => return bad(seq),
+                    }
+                }
+                Ok(Ok(false))
+            }
+            Some(Token::Pair(a, mut last_second)) => {
+                out.push(a);
+                while let Some(t) = seq.next_element::<Token>()? {
+                    match t {
+                        Token::Pair(a, b) => {
+                            out.push(a);
+                            last_second = b;
+                        }
+                        _ => return bad(seq),
+                    }
+                }
+                out.push(last_second);
+                Ok(Ok(true))
+            }
+            Some(Token::Bad) => bad(seq),
+        }
+    }
+
+    otherwise!(Err(DropReason::MalformedEvent); bool int float str bytes map ext);
+}
+
+// ---- positions 7 and 8 of a stored array ------------------------------------------------------
+
+/// Position 7 (`lora_name`) or 8 (`extra_keys`): a string, SGLang's `{cache_salt, lora_name?}`
+/// map (each name present: `Some`, maybe of nil), nil, or anything else.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Slot<'de> {
+    Nil,
+    Name(&'de str),
+    Salted {
+        cache_salt: Option<Option<&'de str>>,
+        lora_name: Option<Option<&'de str>>,
+    },
+    Bad,
+    Other,
+}
+
+struct SlotVisitor;
+
+impl<'de> Visitor<'de> for SlotVisitor {
+    type Value = Slot<'de>;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a LoRA name or a {cache_salt, lora_name} map")
+    }
+
+    fn visit_unit<E: de::Error>(self) -> Result<Slot<'de>, E> {
+        Ok(Slot::Nil)
+    }
+
+    fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Slot<'de>, E> {
+        Ok(Slot::Name(v))
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Slot<'de>, A::Error> {
+        let (mut cache_salt, mut lora_name) = (None, None);
+        while let Some(key) = map.next_key::<Key>()? {
+            let into = match key {
+                Key::CacheSalt => &mut cache_salt,
+                Key::LoraName => &mut lora_name,
+                _ => {
+                    map.next_value::<IgnoredAny>()?;
+                    continue;
+                }
+            };
+            match opt_str(map.next_value()?) {
+                Ok(v) => *into = Some(v),
+                Err(_) => {
+                    drain_map(&mut map)?;
+                    return Ok(Slot::Bad);
+                }
+            }
+        }
+        Ok(Slot::Salted {
+            cache_salt,
+            lora_name,
+        })
+    }
+
+    otherwise!(Slot::Other; bool int float str bytes seq ext);
+}
+
+impl<'de> Deserialize<'de> for Slot<'de> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(SlotVisitor)
+    }
+}
+
+/// Applies position 7 (`is_lora_slot`) or 8: a string names the LoRA (position 7 only), a map is
+/// SGLang's, nil or anything else at position 8 is ignored.
+fn name_slot<'de>(
+    slot: Slot<'de>,
+    is_lora_slot: bool,
+    f: &mut Fields<'de>,
+) -> Result<(), DropReason> {
+    match slot {
+        Slot::Nil => Ok(()),
+        Slot::Name(s) if is_lora_slot => {
+            f.lora_name = Some(s);
+            Ok(())
+        }
+        Slot::Salted {
+            cache_salt,
+            lora_name,
+        } => {
+            if let Some(s) = cache_salt {
+                f.cache_salt = s;
+            }
+            if let Some(l) = lora_name {
+                f.lora_name = l;
+            }
+            Ok(())
+        }
+        Slot::Bad => Err(DropReason::MalformedEvent),
+        _ if is_lora_slot => Err(DropReason::MalformedEvent),
+        _ => Ok(()),
+    }
+}
