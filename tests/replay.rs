@@ -10,7 +10,7 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::sync::Arc;
 
-use kvroute_core::router::{PolicyLabel, Scorer, ScorerDecision, ScorerOutcome};
+use kvroute_core::router::{PolicyLabel, Scorer, ScorerDecision, ScorerOutcome, Stage};
 use kvroute_core::workers::TaintNames;
 use kvroute_core::{CandidateColumns, PolicyRequest};
 use kvroute_replay as replay;
@@ -122,7 +122,13 @@ fn one_worker(trace: &Trace, sim: &SimConfig, policy: PolicySpec) -> replay::Pol
 struct MaxOverlap;
 
 impl Scorer for MaxOverlap {
-    fn decide(&self, _: &PolicyRequest, c: &CandidateColumns, _: &TaintNames) -> ScorerDecision {
+    fn decide(
+        &self,
+        _: &PolicyRequest,
+        c: &CandidateColumns,
+        _: &TaintNames,
+        _: Stage,
+    ) -> ScorerDecision {
         ScorerDecision {
             outcome: ScorerOutcome::Costs(
                 c.device_overlap.iter().map(|&o| -f64::from(o)).collect(),

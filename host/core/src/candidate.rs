@@ -107,6 +107,29 @@ impl CandidateColumns {
     }
 }
 
+/// Which decision a policy is asked for. An aggregated fleet only ever asks `Aggregated`; a
+/// disaggregated decision asks twice, once for the worker that computes the prompt (`Prefill`:
+/// overlap matters) and once for the worker that generates from the transferred KV cache
+/// (`Decode`: load matters, the prompt arrives whole).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Stage {
+    #[default]
+    Aggregated,
+    Prefill,
+    Decode,
+}
+
+impl Stage {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Stage::Aggregated => "aggregated",
+            Stage::Prefill => "prefill",
+            Stage::Decode => "decode",
+        }
+    }
+}
+
 /// What a policy learns about the request being routed (WIT record `request`).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct PolicyRequest {

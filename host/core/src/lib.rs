@@ -24,4 +24,4 @@ pub mod router;
 pub mod workers;
 
 pub use candidate::{CandidateColumns, PolicyRequest};
-pub use candidate::{CandidateKey, DpRank, WorkerId};
+pub use candidate::{CandidateKey, DpRank, Stage, WorkerId};

@@ -6,7 +6,7 @@ use std::sync::{Arc, Weak};
 
 use arc_swap::ArcSwap;
 use kvroute_core::candidate::{CandidateColumns, PolicyRequest, TaintTable};
-use kvroute_core::router::{PolicyLabel, Scorer, ScorerDecision, ScorerOutcome};
+use kvroute_core::router::{PolicyLabel, Scorer, ScorerDecision, ScorerOutcome, Stage};
 
 use crate::{Outcome, PolicyRegistry, PolicyVersion};
 
@@ -49,6 +49,8 @@ impl Scorer for RegistryScorer {
         request: &PolicyRequest,
         candidates: &CandidateColumns,
         taints: &TaintTable,
+        // WIT 0.5.0 hands the stage to policies; until then every stage gets the same call.
+        _stage: Stage,
     ) -> ScorerDecision {
         let d = self.registry.decide(request, candidates, taints);
         let label = match &d.policy {

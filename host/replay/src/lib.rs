@@ -68,7 +68,7 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use kvroute_core::candidate::{CandidateColumns, PolicyRequest};
 use kvroute_core::router::{
-    PolicyLabel, Router, RouterConfig, Scorer, ScorerDecision, ScorerOutcome,
+    PolicyLabel, Router, RouterConfig, Scorer, ScorerDecision, ScorerOutcome, Stage,
 };
 use kvroute_core::workers::TaintNames;
 use kvroute_policy::RegistryScorer;
@@ -203,7 +203,13 @@ impl Default for RoundRobinScorer {
 }
 
 impl Scorer for RoundRobinScorer {
-    fn decide(&self, _: &PolicyRequest, c: &CandidateColumns, _: &TaintNames) -> ScorerDecision {
+    fn decide(
+        &self,
+        _: &PolicyRequest,
+        c: &CandidateColumns,
+        _: &TaintNames,
+        _: Stage,
+    ) -> ScorerDecision {
         let n = c.len().max(1);
         ScorerDecision {
             outcome: ScorerOutcome::Pick(self.next.fetch_add(1, Relaxed) % n),

@@ -397,7 +397,13 @@ fn block_hash_prompts_match_token_prompts() {
 
 struct FixedScorer(ScorerOutcome);
 impl Scorer for FixedScorer {
-    fn decide(&self, _: &PolicyRequest, _: &CandidateColumns, _: &TaintNames) -> ScorerDecision {
+    fn decide(
+        &self,
+        _: &PolicyRequest,
+        _: &CandidateColumns,
+        _: &TaintNames,
+        _: Stage,
+    ) -> ScorerDecision {
         ScorerDecision {
             outcome: self.0.clone(),
             label: Arc::new(PolicyLabel {
