@@ -108,7 +108,7 @@ fn roles_and_topology_are_registered_shown_patched_and_derive_taints() {
     assert_eq!(r.field(), Some("topology.zone"), "{r}");
     let r = s.put("/v1/workers/21", &json!({"role": "mixed"}));
     r.expect_error(400, "invalid_request");
-    assert!(s.workers().get(&21).is_none());
+    assert!(!s.workers().contains_key(&21));
     // PATCH changes role and topology like taints: whole values, the derived taint follows.
     let p = s.patch(
         "/v1/workers/20",

@@ -284,7 +284,9 @@ impl Router {
                     }
                 }
             }
-            if !s.eligible.is_empty() {
+            // A decode step assumes no reuse (Dynamo's `assume_kv_reuse = false`): the prompt
+            // arrives by transfer, so its blocks already active there count as new.
+            if !s.eligible.is_empty() && input.stage != Stage::Decode {
                 load.active_prefix_depths(&p.seq, &mut s.depths);
             } else {
                 s.depths.clear();

@@ -411,8 +411,11 @@ fn isl_or_load_bypasses_on_either() {
     assert!(d.disaggregated && d.bypass.is_none());
 }
 
+/// Each policy call's stage and candidate workers.
+type Calls = Arc<Mutex<Vec<(Stage, Vec<WorkerId>)>>>;
+
 /// Records the stage of every policy call and picks the first candidate.
-struct StageLog(Arc<Mutex<Vec<(Stage, Vec<WorkerId>)>>>);
+struct StageLog(Calls);
 
 impl Scorer for StageLog {
     fn decide(
