@@ -10,9 +10,9 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::sync::Arc;
 
-use kvroute_core::router::{PolicyLabel, Scorer, ScorerDecision, ScorerOutcome};
+use kvroute_core::router::{PolicyLabel, Scorer, ScorerDecision, ScorerOutcome, Stage};
 use kvroute_core::workers::TaintNames;
-use kvroute_core::{CandidateColumns, PolicyRequest, Stage};
+use kvroute_core::{CandidateColumns, PolicyRequest};
 use kvroute_replay as replay;
 use kvroute_replay::{
     LoadOptions, PolicySpec, PreparedTrace, ReplayOptions, SimConfig, Trace, TraceRequest,

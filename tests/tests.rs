@@ -8,6 +8,7 @@
 mod support;
 
 mod cli;
+mod disaggregation;
 mod hostile;
 mod http;
 mod index_memory;

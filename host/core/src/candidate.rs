@@ -107,6 +107,8 @@ impl CandidateColumns {
     }
 }
 
+pub use crate::stage::Stage;
+
 /// What a policy learns about the request being routed (WIT record `request`).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct PolicyRequest {

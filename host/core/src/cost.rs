@@ -77,6 +77,27 @@ pub fn fill_base_costs(req: &PolicyRequest, cols: &mut CandidateColumns, w: &Cos
     }
 }
 
+/// Fills `cols.base_cost` with the decode step's native cost: load only. The prompt's KV cache
+/// arrives by transfer, so no overlap earns credit, the prompt is not prefilled there, and its
+/// blocks are all new (as Dynamo's decode step: overlap credit 0, no KV reuse assumed, no prefill
+/// tokens tracked):
+///
+/// ```text
+/// cost = prefill_load_scale * active_prefill_tokens/B + active_decode_blocks + ceil(isl/B)
+/// ```
+pub fn fill_decode_costs(req: &PolicyRequest, cols: &mut CandidateColumns, w: &CostWeights) {
+    let n = cols.len();
+    let b = f64::from(req.block_size.max(1));
+    let blocks = f64::from(prompt_blocks(req.prompt_tokens, req.block_size));
+    cols.base_cost.clear();
+    cols.base_cost.reserve(n);
+    for i in 0..n {
+        let prefill = cols.active_prefill_tokens[i] as f64 / b;
+        let decode = cols.active_decode_blocks[i] as f64 + blocks;
+        cols.base_cost.push(w.prefill_load_scale * prefill + decode);
+    }
+}
+
 /// The preferred-taint multiplier of candidate `i`: `exp(-tanh(s))`, `s` the sum of the weights of
 /// the preferred taints the candidate has. 1.0 when it has none of them.
 #[inline]
@@ -221,6 +242,20 @@ mod tests {
         assert_eq!(c.base_cost[1], (96.0 / 16.0 - 2.0) + 10.0 + 2.0);
         let credit = 1.0 + 0.75 * 2.0 + 0.25 * 1.0;
         assert_eq!(c.base_cost[2], (4.0 - credit) + 4.0);
+    }
+
+    #[test]
+    fn decode_cost_is_load_only() {
+        let mut c = cols(2);
+        // Candidate 0 holds the whole prompt and has it active; candidate 1 holds nothing but
+        // carries 32 unprefilled tokens and 10 decode blocks. Overlap earns nothing.
+        c.device_overlap[0] = 4;
+        c.active_prompt_blocks[0] = 4;
+        c.active_prefill_tokens[1] = 32;
+        c.active_decode_blocks[1] = 10;
+        fill_decode_costs(&req(50), &mut c, &CostWeights::default());
+        assert_eq!(c.base_cost[0], 4.0);
+        assert_eq!(c.base_cost[1], 32.0 / 16.0 + 10.0 + 4.0);
     }
 
     #[test]

@@ -2,16 +2,40 @@
 //! (SPEC §6). Queue admission, selection and every cost estimate call [`check`], so the rules can
 //! never drift apart, and policies only ever see candidates that passed it.
 //!
-//! A candidate is eligible when, in this order: it is among the allowed worker ids (when given); it
-//! has every required taint; it is not draining; its KV event feed is not dead (only under the
-//! `drain` dead-feed rule, see [`crate::feeds`]); it is not busy. A pinned request checks its one
+//! A candidate is eligible when, in this order: its role takes the step being decided (a
+//! prefill-only worker never decodes, a decode-only worker never takes a prefill step); it is among
+//! the allowed worker ids (when given); it has every required taint; it is not draining; its KV
+//! event feed is not dead (only under the `drain` dead-feed rule, see [`crate::feeds`]); it is not
+//! busy. A pinned request checks its one
 //! candidate the same way and turns the first failure into its own error (see [`PinError`]).
 
 use rustc_hash::FxHashSet;
 
 use crate::candidate::{DpRank, WorkerId};
 use crate::load::CandidateLoad;
-use crate::workers::{CandidateEntry, RegistrySnapshot};
+use crate::workers::{CandidateEntry, RegistrySnapshot, Role};
+
+/// Which roles a step takes: a prefill step takes workers that can prefill, a decode step (and an
+/// aggregated decision, which decodes where it prefills) workers that can decode.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum RoleNeed {
+    /// Every role (library callers that predate roles).
+    #[default]
+    Any,
+    Prefill,
+    Decode,
+}
+
+impl RoleNeed {
+    #[inline]
+    pub fn admits(self, role: Role) -> bool {
+        match self {
+            RoleNeed::Any => true,
+            RoleNeed::Prefill => role.can_prefill(),
+            RoleNeed::Decode => role.can_decode(),
+        }
+    }
+}
 
 /// The busy rule (SPEC §9): a candidate is busy when its not-yet-prefilled tokens exceed
 /// `threshold_frac × max_num_batched_tokens`. Off when `threshold_frac` is `None`; a candidate whose
@@ -45,11 +69,14 @@ pub struct Constraints {
     pub unsatisfiable: Option<String>,
     /// Under the `drain` dead-feed rule: the candidates whose KV event feed is dead.
     pub dead_feeds: Option<std::sync::Arc<FxHashSet<crate::candidate::CandidateKey>>>,
+    /// The roles the step takes.
+    pub role: RoleNeed,
 }
 
 /// Why a candidate is not eligible, in check order.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Ineligible {
+    Role,
     NotAllowed,
     MissingTaints,
     Draining,
@@ -61,6 +88,7 @@ impl Ineligible {
     /// Stable snake_case name (the `reason` of an explained decision's excluded candidates).
     pub fn code(self) -> &'static str {
         match self {
+            Ineligible::Role => "role",
             Ineligible::NotAllowed => "not_allowed",
             Ineligible::MissingTaints => "missing_required_taints",
             Ineligible::Draining => "draining",
@@ -78,6 +106,9 @@ pub fn check(
     constraints: &Constraints,
     busy: &BusyRule,
 ) -> Result<(), Ineligible> {
+    if !constraints.role.admits(c.role) {
+        return Err(Ineligible::Role);
+    }
     if let Some(allowed) = &constraints.allowed {
         if !allowed.contains(&c.key.worker_id) {
             return Err(Ineligible::NotAllowed);
@@ -146,12 +177,17 @@ pub enum PinError {
     FeedDead(WorkerId),
     #[error("pinned worker {0} is overloaded")]
     Overloaded(WorkerId),
+    #[error(
+        "pinned worker {0}'s role does not take this step (a prefill-only worker never decodes)"
+    )]
+    WrongRole(WorkerId),
 }
 
 impl From<(Ineligible, WorkerId)> for PinError {
     /// The pin's error for a rule; `MissingTaints` names no taint (the caller fills them in).
     fn from((why, w): (Ineligible, WorkerId)) -> Self {
         match why {
+            Ineligible::Role => PinError::WrongRole(w),
             Ineligible::NotAllowed => PinError::NotAllowed(w),
             Ineligible::MissingTaints => PinError::MissingTaints(WorkerMissingTaints {
                 worker_id: w,
@@ -177,6 +213,7 @@ mod tests {
             draining,
             total_kv_blocks: 0,
             max_num_batched_tokens: 1000,
+            role: Role::Both,
         }
     }
 
@@ -195,7 +232,15 @@ mod tests {
             required_taints: vec![7],
             unsatisfiable: None,
             dead_feeds: None,
+            role: RoleNeed::Decode,
         };
+        // The role comes first.
+        let mut prefill_only = entry(2, &[], true);
+        prefill_only.role = Role::Prefill;
+        assert_eq!(
+            check(&prefill_only, &loaded, &c, &busy),
+            Err(Ineligible::Role)
+        );
         // Not allowed wins over everything else.
         assert_eq!(
             check(&entry(2, &[], true), &loaded, &c, &busy),

@@ -10,7 +10,10 @@
 //! [`Scorer`]: crate::router::Scorer
 
 /// Which half of a routing decision is being ranked.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "snake_case")]
 pub enum Stage {
     /// One decision: the worker computes the prompt and decodes it (the only stage of an
     /// aggregated fleet, and of a disaggregated request a bypass rule keeps on one worker).

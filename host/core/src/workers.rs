@@ -19,6 +19,9 @@ use smallvec::SmallVec;
 use crate::candidate::{CandidateKey, DpRank, WorkerId};
 use crate::indexer::{Indexer, Slot};
 
+pub mod topology;
+pub use topology::{topology_taint, Role, Topology, TOPOLOGY_TAINT_PREFIX};
+
 /// Taints starting with this prefix are derived by the host and cannot be set by a client.
 pub const RESERVED_TAINT_PREFIX: &str = "kvroute.";
 
@@ -45,6 +48,11 @@ pub struct WorkerSpec {
     /// Prefill token budget per step; 0 = unknown (the worker is then never considered busy).
     pub max_num_batched_tokens: u32,
     pub kv_events: Option<KvEventsSpec>,
+    /// Which half of a disaggregated request the worker takes (default `both`).
+    pub role: Role,
+    /// Where the worker sits (domain → value); each entry is the derived taint
+    /// `topology/<domain>=<value>`.
+    pub topology: Topology,
 }
 
 impl Default for WorkerSpec {
@@ -56,6 +64,8 @@ impl Default for WorkerSpec {
             total_kv_blocks: 0,
             max_num_batched_tokens: 0,
             kv_events: None,
+            role: Role::Both,
+            topology: Topology::new(),
         }
     }
 }
@@ -110,11 +120,31 @@ pub struct Worker {
     pub max_num_batched_tokens: u32,
     pub draining: bool,
     pub kv_events: Option<KvEventsSpec>,
+    pub role: Role,
+    pub topology: Topology,
+}
+
+/// A change to a registered worker (`PATCH /v1/workers/{id}`): each field given replaces the
+/// worker's; absent fields stay as they are.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct WorkerPatch {
+    pub taints: Option<Vec<String>>,
+    pub draining: Option<bool>,
+    pub role: Option<Role>,
+    pub topology: Option<Topology>,
 }
 
 impl Worker {
     pub fn ranks(&self) -> impl Iterator<Item = DpRank> {
         self.dp_start..self.dp_start + self.dp_size
+    }
+
+    /// Every taint the worker has: the client's, then the ones derived from its topology.
+    pub fn all_taints(&self) -> impl Iterator<Item = std::borrow::Cow<'_, str>> + '_ {
+        self.taints
+            .iter()
+            .map(|t| std::borrow::Cow::Borrowed(t.as_str()))
+            .chain(topology::topology_taints(&self.topology).map(std::borrow::Cow::Owned))
     }
 }
 
@@ -133,6 +163,7 @@ pub struct CandidateEntry {
     pub draining: bool,
     pub total_kv_blocks: u64,
     pub max_num_batched_tokens: u32,
+    pub role: Role,
 }
 
 impl CandidateEntry {
@@ -148,6 +179,8 @@ pub struct RegistrySnapshot {
     pub workers: BTreeMap<WorkerId, Worker>,
     /// All candidates, ordered by (worker_id, dp_rank).
     pub candidates: Vec<CandidateEntry>,
+    /// Workers whose role is `prefill`: with none, `disaggregation: auto` routes aggregated.
+    pub prefill_role_workers: usize,
     pub taints: TaintNames,
     taint_ids: FxHashMap<String, u32>,
     /// Every subscribed endpoint (after the per-rank port offset) and who uses it, so a
@@ -202,7 +235,8 @@ impl RegistrySnapshot {
     fn rebuild_candidates(&mut self, indexer: &Indexer) {
         let mut out = Vec::with_capacity(self.candidates.len());
         for w in self.workers.values() {
-            let mut ids: SmallVec<[u32; 8]> = w.taints.iter().map(|t| self.taint_ids[t]).collect();
+            let mut ids: SmallVec<[u32; 8]> =
+                w.all_taints().map(|t| self.taint_ids[t.as_ref()]).collect();
             ids.sort_unstable();
             ids.dedup();
             for r in w.ranks() {
@@ -214,10 +248,16 @@ impl RegistrySnapshot {
                     draining: w.draining,
                     total_kv_blocks: w.total_kv_blocks,
                     max_num_batched_tokens: w.max_num_batched_tokens,
+                    role: w.role,
                 });
             }
         }
         self.candidates = out;
+        self.prefill_role_workers = self
+            .workers
+            .values()
+            .filter(|w| w.role == Role::Prefill)
+            .count();
     }
 
     fn intern(&mut self, taints: &[String], limits: &RegistryLimits) -> Result<(), SpecError> {
@@ -339,13 +379,16 @@ impl Registry {
                     format!("longer than {} bytes", self.limits.max_taint_len),
                 ));
             }
-            if t.starts_with(RESERVED_TAINT_PREFIX) {
-                return Err(spec_error(
-                    field,
-                    format!(
-                        "taints starting with `{RESERVED_TAINT_PREFIX}` are reserved for the host"
-                    ),
-                ));
+            for reserved in [RESERVED_TAINT_PREFIX, TOPOLOGY_TAINT_PREFIX] {
+                if t.starts_with(reserved) {
+                    return Err(spec_error(
+                        field,
+                        format!(
+                            "taints starting with `{reserved}` are reserved for the host (set \
+                             `topology` for topology taints)"
+                        ),
+                    ));
+                }
             }
             if t.chars().any(char::is_control) {
                 return Err(spec_error(field, "control characters are not allowed"));
@@ -367,7 +410,8 @@ impl Registry {
         if spec.dp_start.checked_add(spec.dp_size).is_none() {
             return Err(spec_error("dp_start", "dp_start + dp_size overflows"));
         }
-        self.validate_taints(&spec.taints)
+        self.validate_taints(&spec.taints)?;
+        topology::validate_topology(&spec.topology, spec.taints.len(), &self.limits)
     }
 
     /// Registers or replaces a worker. Ranks that the new spec drops are removed from the index
@@ -394,6 +438,10 @@ impl Registry {
             ));
         }
         next.intern(&spec.taints, &self.limits)?;
+        next.intern(
+            &topology::topology_taints(&spec.topology).collect::<Vec<_>>(),
+            &self.limits,
+        )?;
         let draining = next.workers.get(&worker_id).is_some_and(|w| w.draining);
         let worker = Worker {
             worker_id,
@@ -404,6 +452,8 @@ impl Registry {
             max_num_batched_tokens: spec.max_num_batched_tokens,
             draining,
             kv_events: spec.kv_events,
+            role: spec.role,
+            topology: spec.topology,
         };
         let dropped: Vec<CandidateKey> = next
             .workers
@@ -435,23 +485,54 @@ impl Registry {
         draining: Option<bool>,
         indexer: &Indexer,
     ) -> Result<Option<Worker>, SpecError> {
-        if let Some(t) = &taints {
+        let patch = WorkerPatch {
+            taints,
+            draining,
+            ..Default::default()
+        };
+        self.patch_with(worker_id, patch, indexer)
+    }
+
+    /// Applies a [`WorkerPatch`]: the fields given replace the worker's, all or nothing. `None`
+    /// if the worker is unknown.
+    pub fn patch_with(
+        &self,
+        worker_id: WorkerId,
+        patch: WorkerPatch,
+        indexer: &Indexer,
+    ) -> Result<Option<Worker>, SpecError> {
+        if let Some(t) = &patch.taints {
             self.validate_taints(t)?;
         }
         let _w = self.write.lock();
         let mut next = (*self.current.load_full()).clone();
-        if !next.workers.contains_key(&worker_id) {
+        let Some(old) = next.workers.get(&worker_id) else {
             return Ok(None);
-        }
-        if let Some(t) = &taints {
+        };
+        let client_taints = patch.taints.as_ref().map_or(old.taints.len(), Vec::len);
+        let topology = patch.topology.as_ref().unwrap_or(&old.topology);
+        topology::validate_topology(topology, client_taints, &self.limits)?;
+        if let Some(t) = &patch.taints {
             next.intern(t, &self.limits)?;
         }
+        if let Some(t) = &patch.topology {
+            next.intern(
+                &topology::topology_taints(t).collect::<Vec<_>>(),
+                &self.limits,
+            )?;
+        }
         let w = next.workers.get_mut(&worker_id).expect("checked above");
-        if let Some(t) = taints {
+        if let Some(t) = patch.taints {
             w.taints = dedup(t);
         }
-        if let Some(d) = draining {
+        if let Some(d) = patch.draining {
             w.draining = d;
+        }
+        if let Some(r) = patch.role {
+            w.role = r;
+        }
+        if let Some(t) = patch.topology {
+            w.topology = t;
         }
         let worker = w.clone();
         next.rebuild_candidates(indexer);

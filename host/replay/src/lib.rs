@@ -68,10 +68,9 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use kvroute_core::candidate::{CandidateColumns, PolicyRequest};
 use kvroute_core::router::{
-    PolicyLabel, Router, RouterConfig, Scorer, ScorerDecision, ScorerOutcome,
+    PolicyLabel, Router, RouterConfig, Scorer, ScorerDecision, ScorerOutcome, Stage,
 };
 use kvroute_core::workers::TaintNames;
-use kvroute_core::Stage;
 use kvroute_policy::RegistryScorer;
 use kvroute_policy::{PolicyRegistry, PolicyRuntimeConfig};
 

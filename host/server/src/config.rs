@@ -14,7 +14,7 @@ use kvroute_core::cost::CostWeights;
 use kvroute_core::indexer::approx::ApproxConfig;
 use kvroute_core::load::LoadConfig;
 use kvroute_core::queue::{QueueLimits, QueueOrder};
-use kvroute_core::router::RouterConfig;
+use kvroute_core::router::{DisaggConfig, RouterConfig};
 use kvroute_core::workers::RegistryLimits;
 
 /// Everything `kvroute serve` can be told.
@@ -49,6 +49,8 @@ pub struct ServeConfig {
     pub cost: CostWeights,
     /// Limits of the Wasm policy runtime (memory cap, per-call deadline, failures before restore).
     pub policy_runtime: kvroute_policy::PolicyRuntimeConfig,
+    /// Disaggregated prefill/decode routing (API.md, "Disaggregated prefill/decode").
+    pub disaggregation: DisaggConfig,
     /// Workers registered at start, by id (`[workers.7]` in TOML), each as the body of
     /// `PUT /v1/workers/{id}` would give it (`kv_events` subscribes at start). The API can
     /// change or remove them later; the file is read once.
@@ -99,6 +101,7 @@ impl Default for ServeConfig {
             limits: LimitsSection::default(),
             cost: CostWeights::default(),
             policy_runtime: kvroute_policy::PolicyRuntimeConfig::default(),
+            disaggregation: DisaggConfig::default(),
             workers: Default::default(),
         }
     }
@@ -347,6 +350,9 @@ impl ServeConfig {
         self.policy_runtime
             .validate()
             .map_err(|e| format!("policy_runtime: {e}"))?;
+        self.disaggregation
+            .validate()
+            .map_err(|e| format!("disaggregation.{e}"))?;
         if !self.workers.is_empty() {
             self.register_workers(&kvroute_core::router::Router::new(self.router_config())?)?;
         }
@@ -395,6 +401,7 @@ impl ServeConfig {
                 dead_feed: self.routing.dead_feed,
                 dead_after: Duration::from_millis(self.routing.dead_feed_after_ms),
             },
+            disagg: self.disaggregation.clone(),
         }
     }
 }
@@ -537,6 +544,23 @@ mod tests {
             "limits.max_prompt_tokens",
         );
         refused("[policy_runtime]\ndeadline_us = 10\n", "policy_runtime");
+        refused(
+            "[disaggregation]\nkv_transfer_enforcement = \"required\"\n",
+            "disaggregation.kv_transfer_enforcement",
+        );
+        refused(
+            "[disaggregation]\nbypass = \"prefill_load\"\n",
+            "disaggregation.bypass",
+        );
+        let ok: ServeConfig = toml::from_str(
+            "[disaggregation]\nkv_transfer_domain = \"zone\"\nkv_transfer_enforcement = \"preferred\"\n\
+             bypass = \"isl_bounding\"\n[workers.1]\nrole = \"prefill\"\n[workers.1.topology]\nzone = \"a\"\n",
+        )
+        .unwrap();
+        assert_eq!(ok.validate(), Ok(()));
+        assert_eq!(ok.router_config().disagg, ok.disaggregation);
+        let e = toml::from_str::<ServeConfig>("[workers.1]\nrole = \"mixed\"\n").unwrap_err();
+        assert!(e.to_string().contains("mixed"), "{e}");
         let ok: ServeConfig =
             toml::from_str("[cost]\nprefill_load_scale = 0.0\nhost_tier_weight = 1.5\n").unwrap();
         assert_eq!(ok.validate(), Ok(()));

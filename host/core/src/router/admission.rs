@@ -9,6 +9,7 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::booking;
 use super::request::Prepared;
 use super::{RouteDecision, RouteError, RouteRequest, Router};
 use crate::queue::{QueueEntry, QueueOrder};
@@ -37,7 +38,7 @@ impl Drop for Waiting<'_> {
         if removed.is_none() {
             if let Ok(Ok(decision)) = self.rx.try_recv() {
                 if decision.booked {
-                    let _ = self.router.load.lock().free(&decision.request_id);
+                    let _ = booking::release(&mut self.router.load.lock(), &decision.request_id);
                 }
             }
         }
@@ -159,7 +160,7 @@ impl Router {
             let entry = queue.pop().expect("peeked");
             if let Err(Ok(decision)) = entry.payload.tx.send(result) {
                 if decision.booked {
-                    let _ = self.load.lock().free(&decision.request_id);
+                    let _ = booking::release(&mut self.load.lock(), &decision.request_id);
                 }
             }
         }

@@ -1,12 +1,14 @@
-//! One scoring attempt, as a sequence of named steps: resolve the pin → filter (eligible, and
-//! excluded with the rule) → fill the candidate columns → score (ask the policy) → pick → book →
-//! explain. A queued request goes through it again each time capacity may have freed.
+//! One scoring attempt, as a sequence of named steps: resolve the pin → place (one step, or two for
+//! a disaggregated request: [`super::disagg`]) → book → answer. A step is: filter (eligible, and
+//! excluded with the rule) → fill the candidate columns → score (ask the policy) → pick → explain.
+//! A queued request goes through it again each time capacity may have freed.
 //!
 //! The hot path: no lock is held across the policy call. The registry is a lock-free snapshot,
-//! the index is read under its read lock only while matching, and the load tracker's mutex is
-//! taken once to filter (loads, eligibility and active prefix depths together) and once to book.
-//! Every buffer a decision fills lives in the per-thread [`Scratch`], so a decision allocates only
-//! what it hands back (and the policy request's few owned fields).
+//! the index is read under its read lock only while matching (once per decision, whatever the
+//! steps), and the load tracker's mutex is taken once per step to filter (loads, eligibility and
+//! active prefix depths together) and once to book. Every buffer a decision fills lives in the
+//! per-thread [`Scratch`], so a decision allocates only what it hands back (and the policy
+//! request's few owned fields).
 
 use std::cell::RefCell;
 use std::sync::atomic::Ordering::Relaxed;
@@ -15,21 +17,25 @@ use std::time::{Duration, Instant};
 
 use rustc_hash::FxHashSet;
 
+use super::booking::{self, Half};
+use super::disagg::Placement;
 use super::explain::{self, Excluded};
 use super::request::Prepared;
-use super::{PolicyLabel, RouteDecision, RouteError, RouteRequest, Router, ScorerOutcome, Timings};
+use super::{
+    ExcludedRow, ExplainRow, Pin, PolicyLabel, RouteDecision, RouteError, Router, ScorerOutcome,
+    Stage, Timings,
+};
 use crate::candidate::{CandidateColumns, CandidateKey, PolicyRequest};
 use crate::cost;
-use crate::eligibility::{self, Constraints, Ineligible, PinError};
+use crate::eligibility::{self, Constraints, Ineligible, PinError, RoleNeed};
 use crate::feeds::DeadFeedRule;
 use crate::indexer::DenseOverlaps;
 use crate::load::{CandidateLoad, LoadError};
-use crate::stage::Stage;
 use crate::workers::{CandidateEntry, RegistrySnapshot};
 
 /// Per-thread buffers reused across decisions.
 #[derive(Default)]
-struct Scratch {
+pub(super) struct Scratch {
     dense: DenseOverlaps,
     cols: CandidateColumns,
     costs: Vec<f64>,
@@ -50,7 +56,7 @@ thread_local! {
 #[derive(Default)]
 struct Exclusions {
     /// Candidates excluded, by `Ineligible` reason.
-    by_reason: [u32; 5],
+    by_reason: [u32; 6],
     /// The first excluded candidate's reason.
     first: Option<Ineligible>,
 }
@@ -63,9 +69,38 @@ struct Pick {
     answer: &'static str,
 }
 
+/// What one step is asked: the stage, the candidates in play, the hard constraints and the soft
+/// ones.
+pub(super) struct StepInput<'a> {
+    pub(super) stage: Stage,
+    pub(super) pool: &'a [CandidateEntry],
+    pub(super) constraints: &'a Constraints,
+    /// The names of the step's required taints (the request's, plus a merged transfer domain).
+    pub(super) required: &'a [String],
+    pub(super) preferred: &'a [(String, f32)],
+    /// The pin the pool came from: its errors are the pin's.
+    pub(super) pinned: Option<Pin>,
+}
+
+/// One step's choice and how it was made.
+pub(super) struct Step {
+    pub(super) candidate: CandidateKey,
+    pub(super) overlap: u32,
+    pub(super) cached_tokens: u32,
+    /// The chosen candidate's load before this request.
+    pub(super) load: CandidateLoad,
+    pub(super) max_num_batched_tokens: u32,
+    pub(super) label: Arc<PolicyLabel>,
+    pub(super) fallback_reason: Option<&'static str>,
+    pub(super) answer: &'static str,
+    pub(super) policy_time: Duration,
+    /// With `explain`: the eligible candidates' rows and the excluded ones.
+    pub(super) explained: Option<(Vec<ExplainRow>, Vec<ExcludedRow>)>,
+}
+
 impl Router {
-    /// One scoring attempt: resolve the pin, match the prompt against the index, filter, fill the
-    /// columns, score, pick, book, explain.
+    /// One scoring attempt: resolve the pin, match the prompt against the index, place (one step
+    /// or two), book, answer.
     pub(super) fn decide(
         &self,
         p: &Prepared,
@@ -73,81 +108,98 @@ impl Router {
     ) -> Result<RouteDecision, RouteError> {
         let t0 = Instant::now();
         let snap = self.registry.snapshot();
-        let constraints = self.resolve_constraints(&p.req, &snap);
-        let pool = self.resolve_pin(p, &snap, &constraints)?;
+        let pool = self.resolve_pin(p, &snap)?;
         SCRATCH.with(|scratch| {
             let s = &mut *scratch.borrow_mut();
             let tm = Instant::now();
             self.indexer.find_matches_dense(&p.local, &mut s.dense);
             let matching = tm.elapsed();
 
-            self.filter(p, pool, &constraints, s)
-                .map_err(|out| nobody_eligible(p, pool, &constraints, &snap, &out))?;
-            s.fill_columns(pool);
-            if self.config.feeds.dead_feed == DeadFeedRule::Unknown {
-                s.forget_dead_overlaps(pool, &self.feeds.dead());
-            }
-            let preq = self.policy_request(p, &snap);
-            cost::fill_base_costs(&preq, &mut s.cols, &self.config.cost);
-
-            let tp = Instant::now();
-            let (label, outcome) = self.score(&preq, &s.cols, &snap);
-            let pick = self.pick(outcome, &preq, p.temperature, &s.cols, &mut s.costs);
-            let policy = tp.elapsed();
-
-            let candidate = s.cols.key(pick.chosen);
-            let overlap = s.cols.device_overlap[pick.chosen];
-            let cached_tokens = overlap
-                .saturating_mul(self.config.block_size)
-                .min(p.prompt_tokens);
+            let placed = self.place(p, &snap, pool, s).inspect_err(|_| {
+                self.counters.rejected.fetch_add(1, Relaxed);
+            })?;
             if p.req.book {
-                self.book(p, candidate, cached_tokens)?;
+                self.book(p, &placed)?;
             }
-            let explained = p.req.explain;
             self.counters.decisions.fetch_add(1, Relaxed);
-            Ok(RouteDecision {
-                request_id: p.request_id.clone(),
-                candidate,
-                overlap_blocks: overlap,
-                cached_tokens,
-                prompt_tokens: p.prompt_tokens,
-                policy: label,
-                fallback: pick.fallback_reason.is_some(),
-                fallback_reason: pick.fallback_reason,
+            let policy = placed.decode.policy_time
+                + placed
+                    .prefill
+                    .as_ref()
+                    .map_or(Duration::ZERO, |s| s.policy_time);
+            Ok(placed.into_decision(
+                p,
                 queued,
-                booked: p.req.book,
-                answer: explained.then_some(pick.answer),
-                candidates: explained
-                    .then(|| explain::candidate_rows(&s.cols, &s.costs, pick.chosen, &snap)),
-                excluded: explained.then(|| {
-                    explain::excluded_rows(
-                        pool,
-                        &s.excluded,
-                        &s.dense,
-                        &p.req.required_taints,
-                        &snap,
-                    )
-                }),
-                timings: Timings {
+                Timings {
                     hash: p.hash_time,
                     matching,
                     policy,
                     total: p.hash_time + t0.elapsed(),
                 },
-            })
+            ))
         })
     }
 
-    /// The request's hard constraints, resolved against the registry's taint names.
-    fn resolve_constraints(&self, req: &RouteRequest, snap: &RegistrySnapshot) -> Constraints {
+    /// One step: filter the pool, fill the columns, compute the stage's native cost, ask the
+    /// policy, pick, explain. Books nothing.
+    pub(super) fn step(
+        &self,
+        p: &Prepared,
+        snap: &RegistrySnapshot,
+        input: &StepInput<'_>,
+        s: &mut Scratch,
+    ) -> Result<Step, RouteError> {
+        self.filter(p, snap, input, s)?;
+        s.fill_columns(input.pool);
+        if self.config.feeds.dead_feed == DeadFeedRule::Unknown {
+            s.forget_dead_overlaps(input.pool, &self.feeds.dead());
+        }
+        let preq = self.policy_request(p, snap, input.preferred);
+        match input.stage {
+            Stage::Decode => cost::fill_decode_costs(&preq, &mut s.cols, &self.config.cost),
+            _ => cost::fill_base_costs(&preq, &mut s.cols, &self.config.cost),
+        }
+        let tp = Instant::now();
+        let (label, outcome) = self.score(&preq, &s.cols, snap, input.stage);
+        let pick = self.pick(outcome, &preq, p.temperature, &s.cols, &mut s.costs);
+        let policy_time = tp.elapsed();
+        let chosen = pick.chosen;
+        let overlap = s.cols.device_overlap[chosen];
+        Ok(Step {
+            candidate: s.cols.key(chosen),
+            overlap,
+            cached_tokens: overlap
+                .saturating_mul(self.config.block_size)
+                .min(p.prompt_tokens),
+            load: s.loads[chosen],
+            max_num_batched_tokens: s.cols.max_num_batched_tokens[chosen],
+            label,
+            fallback_reason: pick.fallback_reason,
+            answer: pick.answer,
+            policy_time,
+            explained: p.req.explain.then(|| {
+                (
+                    explain::candidate_rows(&s.cols, &s.costs, chosen, snap),
+                    explain::excluded_rows(input.pool, &s.excluded, &s.dense, input.required, snap),
+                )
+            }),
+        })
+    }
+
+    /// The hard constraints of a step, resolved against the registry's taint names.
+    pub(super) fn resolve_constraints(
+        &self,
+        required_taints: &[String],
+        allowed: Option<&[crate::candidate::WorkerId]>,
+        role: RoleNeed,
+        snap: &RegistrySnapshot,
+    ) -> Constraints {
         let mut c = Constraints {
-            allowed: req
-                .allowed_worker_ids
-                .as_ref()
-                .map(|ids| ids.iter().copied().collect::<FxHashSet<_>>()),
+            allowed: allowed.map(|ids| ids.iter().copied().collect::<FxHashSet<_>>()),
+            role,
             ..Default::default()
         };
-        for t in &req.required_taints {
+        for t in required_taints {
             match snap.taint_id(t) {
                 Some(id) => c.required_taints.push(id),
                 None => c.unsatisfiable = Some(t.clone()),
@@ -169,7 +221,6 @@ impl Router {
         &self,
         p: &Prepared,
         snap: &'s RegistrySnapshot,
-        constraints: &Constraints,
     ) -> Result<&'s [CandidateEntry], RouteError> {
         // A pin names its worker: with none registered, that worker is unknown
         // (`pinned_worker_not_found`), not merely unavailable.
@@ -180,7 +231,7 @@ impl Router {
         let Some(pin) = p.req.pinned else {
             return Ok(&snap.candidates);
         };
-        if let Some(allowed) = &constraints.allowed {
+        if let Some(allowed) = &p.req.allowed_worker_ids {
             if !allowed.contains(&pin.worker_id) {
                 return Err(PinError::NotAllowed(pin.worker_id).into());
             }
@@ -211,14 +262,15 @@ impl Router {
     /// Filter: the candidates of the pool that pass the hard rules ([`eligibility::check`]), with
     /// their loads, and (with `explain`) the ones that do not and why. Loads, eligibility and the
     /// active prefix depths are read under one short lock of the load tracker. Nobody eligible is
-    /// the request's error, made by [`nobody_eligible`] from what was excluded.
+    /// the request's error.
     fn filter(
         &self,
         p: &Prepared,
-        pool: &[CandidateEntry],
-        constraints: &Constraints,
+        snap: &RegistrySnapshot,
+        input: &StepInput<'_>,
         s: &mut Scratch,
-    ) -> Result<(), Exclusions> {
+    ) -> Result<(), RouteError> {
+        let (pool, constraints) = (input.pool, input.constraints);
         s.eligible.clear();
         s.loads.clear();
         s.excluded.clear();
@@ -245,29 +297,33 @@ impl Router {
                     }
                 }
             }
-            if !s.eligible.is_empty() {
+            // A decode step assumes no reuse (Dynamo's `assume_kv_reuse = false`): the prompt
+            // arrives by transfer, so its blocks already active there count as new.
+            if !s.eligible.is_empty() && input.stage != Stage::Decode {
                 load.active_prefix_depths(&p.seq, &mut s.depths);
             } else {
                 s.depths.clear();
             }
         }
         if s.eligible.is_empty() {
-            self.counters.rejected.fetch_add(1, Relaxed);
-            return Err(out);
+            return Err(nobody_eligible(input, snap, &out));
         }
         Ok(())
     }
 
     /// What the policy is told about the request. Preferred taints no worker has are dropped.
-    fn policy_request(&self, p: &Prepared, snap: &RegistrySnapshot) -> PolicyRequest {
+    fn policy_request(
+        &self,
+        p: &Prepared,
+        snap: &RegistrySnapshot,
+        preferred: &[(String, f32)],
+    ) -> PolicyRequest {
         PolicyRequest {
             request_id: p.request_id.clone(),
             prompt_tokens: p.prompt_tokens,
             request_blocks: p.local.len() as u32,
             block_size: self.config.block_size,
-            preferred_taints: p
-                .req
-                .preferred_taints
+            preferred_taints: preferred
                 .iter()
                 .filter_map(|(name, w)| snap.taint_id(name).map(|id| (id, *w)))
                 .collect(),
@@ -286,10 +342,11 @@ impl Router {
         preq: &PolicyRequest,
         cols: &CandidateColumns,
         snap: &RegistrySnapshot,
+        stage: Stage,
     ) -> (Arc<PolicyLabel>, ScorerOutcome) {
         match self.scorer.load().as_deref() {
             Some(s) => {
-                let d = s.decide(preq, cols, &snap.taints, Stage::Aggregated);
+                let d = s.decide(preq, cols, &snap.taints, stage);
                 (d.label, d.outcome)
             }
             None => (self.native_label.clone(), ScorerOutcome::Native),
@@ -348,32 +405,46 @@ impl Router {
         pick
     }
 
-    /// Book: the load tracker records the request on the chosen candidate (one short lock), and in
-    /// approximate mode the index learns that the candidate now holds the prompt.
-    fn book(
-        &self,
-        p: &Prepared,
-        candidate: CandidateKey,
-        cached_tokens: u32,
-    ) -> Result<(), RouteError> {
-        self.load
-            .lock()
-            .book(
-                &p.request_id,
-                candidate,
-                p.prompt_tokens,
-                cached_tokens,
-                &p.seq,
-                self.config.block_size,
-                Instant::now(),
-            )
-            .map_err(|e| match e {
-                LoadError::DuplicateRequest(id) | LoadError::UnknownRequest(id) => {
-                    RouteError::DuplicateRequest(id)
-                }
-            })?;
+    /// Book: the load tracker records the request on its worker, or its two halves (one short
+    /// lock), and in approximate mode the index learns that each worker now holds the prompt.
+    fn book(&self, p: &Prepared, placed: &Placement) -> Result<(), RouteError> {
+        let d = &placed.decode;
+        let whole_or_decode = Half {
+            candidate: d.candidate,
+            // The decode worker of a split request prefills nothing: the KV cache arrives whole.
+            cached_tokens: if placed.prefill.is_some() {
+                p.prompt_tokens
+            } else {
+                d.cached_tokens
+            },
+            prompt_tokens: p.prompt_tokens,
+            seq: &p.seq,
+        };
+        let prefill = placed.prefill.as_ref().map(|s| Half {
+            candidate: s.candidate,
+            cached_tokens: s.cached_tokens,
+            prompt_tokens: p.prompt_tokens,
+            seq: &p.seq,
+        });
+        let now = Instant::now();
+        booking::book(
+            &mut self.load.lock(),
+            &p.request_id,
+            whole_or_decode,
+            prefill,
+            self.config.block_size,
+            now,
+        )
+        .map_err(|e| match e {
+            LoadError::DuplicateRequest(id) | LoadError::UnknownRequest(id) => {
+                RouteError::DuplicateRequest(id)
+            }
+        })?;
         if let Some(a) = &self.approx {
-            a.record(&self.indexer, candidate, &p.local, Instant::now());
+            a.record(&self.indexer, d.candidate, &p.local, now);
+            if let Some(s) = &placed.prefill {
+                a.record(&self.indexer, s.candidate, &p.local, now);
+            }
         }
         Ok(())
     }
@@ -440,18 +511,11 @@ const NAMED_WORKERS: usize = 8;
 
 /// The error when the filter left nobody. A pinned request gets its pin's own error, with the most
 /// actionable reason (busy, else the first); otherwise anyone merely busy makes it
-/// `all_overloaded` (retryable), and else every reason is named with its count, the required
-/// taints with the ones no worker has and the ones each worker lacks.
-fn nobody_eligible(
-    p: &Prepared,
-    pool: &[CandidateEntry],
-    constraints: &Constraints,
-    snap: &RegistrySnapshot,
-    out: &Exclusions,
-) -> RouteError {
-    let required = &p.req.required_taints;
+/// `all_overloaded` (retryable), and else every reason is named with its count.
+fn nobody_eligible(input: &StepInput<'_>, snap: &RegistrySnapshot, out: &Exclusions) -> RouteError {
+    let (pool, constraints, required) = (input.pool, input.constraints, input.required);
     let busy = out.by_reason[Ineligible::Busy as usize];
-    if let Some(pin) = p.req.pinned {
+    if let Some(pin) = input.pinned {
         let why = if busy > 0 {
             Ineligible::Busy
         } else {
@@ -474,6 +538,7 @@ fn nobody_eligible(
     // Every reason with its count: the first candidate's reason alone can name
     // allowed_worker_ids when the allowed workers were all draining.
     let why: Vec<String> = [
+        (Ineligible::Role, "whose role does not take this step"),
         (Ineligible::NotAllowed, "not in allowed_worker_ids"),
         (Ineligible::MissingTaints, "without the required_taints"),
         (Ineligible::Draining, "draining"),

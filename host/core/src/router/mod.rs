@@ -7,7 +7,10 @@
 //! compute the native base cost ([`crate::cost`]); ask the active policy ([`Scorer`]) for costs or a
 //! pick, falling back to the native cost on any failure; pick; book ([`decide`] has these steps).
 //! When a busy threshold is set and every eligible candidate is busy, the request waits in the
-//! [`crate::queue`] and is scored afresh when capacity frees up ([`admission`]).
+//! [`crate::queue`] and is scored afresh when capacity frees up ([`admission`]). In a
+//! disaggregated fleet a decision is two such steps, a prefill worker then a decode worker, with the
+//! KV transfer's constraint merged in between ([`disagg`]); one request id then holds two bookings
+//! ([`booking`]).
 //!
 //! The router holds no lock across the policy call: the registry is a lock-free snapshot, the index
 //! is read under its read lock only while matching, and the load tracker's mutex is taken once to
@@ -17,7 +20,9 @@
 //! (status, `Retry-After`) is the server's business, not the core's.
 
 mod admission;
+mod booking;
 mod decide;
+pub mod disagg;
 mod explain;
 mod request;
 #[cfg(test)]
@@ -34,8 +39,10 @@ use rand::rngs::SmallRng;
 use rand::{RngCore, SeedableRng};
 use serde::Serialize;
 
+pub use disagg::config::{BypassRule, DisaggConfig, KvTransferEnforcement};
+pub use disagg::rules::TopologyConstraints;
 pub use explain::{ExcludedRow, ExplainRow};
-pub use request::{preferred_taint_weight, Pin, Prompt, RouteRequest};
+pub use request::{preferred_taint_weight, DisaggMode, Pin, Prompt, RouteRequest};
 
 use crate::candidate::{CandidateColumns, CandidateKey, PolicyRequest, WorkerId};
 use crate::cost::CostWeights;
@@ -46,8 +53,10 @@ use crate::indexer::{Applied, ApplyError, Indexer, KvEvent, OverlapScores};
 use crate::load::{Booking, CandidateLoad, LoadConfig, LoadTracker};
 use crate::queue::{PendingQueue, QueueError, QueueLimits, QueueOrder};
 use crate::rng::{SeededRef, SeededRng};
-use crate::stage::Stage;
-use crate::workers::{Registry, RegistryLimits, SpecError, TaintNames, Worker, WorkerSpec};
+pub use crate::stage::Stage;
+use crate::workers::{
+    Registry, RegistryLimits, SpecError, TaintNames, Worker, WorkerPatch, WorkerSpec,
+};
 
 use admission::Waiter;
 
@@ -78,6 +87,8 @@ pub struct RouterConfig {
     pub rng_seed: Option<u64>,
     /// What a dead KV event feed means for routing, and when a feed is dead ([`crate::feeds`]).
     pub feeds: FeedConfig,
+    /// Disaggregated prefill/decode routing (`[disaggregation]`).
+    pub disagg: DisaggConfig,
 }
 
 impl Default for RouterConfig {
@@ -96,6 +107,7 @@ impl Default for RouterConfig {
             registry: RegistryLimits::default(),
             rng_seed: None,
             feeds: FeedConfig::default(),
+            disagg: DisaggConfig::default(),
         }
     }
 }
@@ -142,7 +154,8 @@ pub struct ScorerDecision {
 }
 
 /// Soft scoring: what the router asks of the active policy. The Wasm policy runtime implements it;
-/// tests implement it natively.
+/// tests implement it natively. `stage` says which decision it is: a disaggregated request asks
+/// once for its prefill worker and once for its decode worker.
 pub trait Scorer: Send + Sync {
     /// Ranks `candidates` for `request` at `stage` (which half of the decision is asked about:
     /// [`Stage::Aggregated`] for a one-step decision).
@@ -187,6 +200,32 @@ pub struct RouteDecision {
     /// cost decided (no policy, or a fallback).
     pub answer: Option<&'static str>,
     pub timings: Timings,
+    /// The request was split: `prefill` computes the prompt, `candidate` decodes.
+    pub disaggregated: bool,
+    /// The prefill half, when disaggregated.
+    pub prefill: Option<PrefillPlacement>,
+    /// The bypass rule that kept the prefill on the decode worker (`isl_bounding`,
+    /// `prefill_load`), when one did.
+    pub bypass: Option<&'static str>,
+    /// The decode step's constraints from the KV transfer, as merged (when disaggregated).
+    pub topology_constraints: Option<TopologyConstraints>,
+    /// Disaggregated with a transfer domain configured: whether the decode worker is outside the
+    /// prefill worker's domain (`None`: not disaggregated, or no domain to compare).
+    pub cross_domain: Option<bool>,
+}
+
+/// Where a disaggregated request's prompt is computed, and how that step was decided.
+#[derive(Clone, Debug)]
+pub struct PrefillPlacement {
+    pub candidate: CandidateKey,
+    pub overlap_blocks: u32,
+    pub cached_tokens: u32,
+    pub policy: Arc<PolicyLabel>,
+    pub fallback_reason: Option<&'static str>,
+    /// With `explain`, as for the decode step.
+    pub answer: Option<&'static str>,
+    pub candidates: Option<Vec<ExplainRow>>,
+    pub excluded: Option<Vec<ExcludedRow>>,
 }
 
 /// Why a request was not routed. Each variant has a stable code; the server maps it to an HTTP
@@ -218,6 +257,17 @@ pub enum RouteError {
     Cancelled,
     #[error("the router is shutting down; retry on another instance")]
     ShuttingDown,
+    /// Disaggregation was required (by the request or `[disaggregation] enforce`) and no worker
+    /// may take the prefill step.
+    #[error("no prefill worker is eligible ({0}) and disaggregation is required")]
+    NoPrefillWorker(String),
+    /// The KV transfer requires a domain no eligible decode worker is in. Nothing was booked.
+    #[error("no decode worker is eligible in the prefill worker's domain: none has the required taint {taint:?}")]
+    NoDecodeWorkerInDomain { taint: String },
+    /// The chosen prefill worker has no value for the transfer domain whose enforcement is
+    /// `required`: the decode worker's domain cannot be derived, so the request fails closed.
+    #[error("prefill worker {worker_id} has no topology value for the required kv_transfer_domain {domain:?}")]
+    KvTransferDomainUnknown { worker_id: WorkerId, domain: String },
 }
 
 impl RouteError {
@@ -234,6 +284,7 @@ impl RouteError {
                 PinError::Draining(_) => "pinned_worker_draining",
                 PinError::FeedDead(_) => "pinned_worker_feed_dead",
                 PinError::Overloaded(_) => "pinned_worker_overloaded",
+                PinError::WrongRole(_) => "pinned_worker_wrong_role",
             },
             RouteError::NoWorkers => "no_workers",
             RouteError::AllFiltered { .. } => "all_filtered_by_constraints",
@@ -243,6 +294,9 @@ impl RouteError {
             RouteError::QueueTimeout(_) => "queue_timeout",
             RouteError::Cancelled => "request_cancelled",
             RouteError::ShuttingDown => "shutting_down",
+            RouteError::NoPrefillWorker(_) => "no_prefill_worker",
+            RouteError::NoDecodeWorkerInDomain { .. } => "no_decode_worker_in_domain",
+            RouteError::KvTransferDomainUnknown { .. } => "kv_transfer_domain_unknown",
         }
     }
 
@@ -374,6 +428,10 @@ impl Router {
         if !(config.default_temperature.is_finite() && config.default_temperature >= 0.0) {
             return Err("default_temperature must be finite and >= 0".into());
         }
+        config
+            .disagg
+            .validate()
+            .map_err(|e| format!("disaggregation.{e}"))?;
         Ok(Self {
             busy: BusyRule {
                 threshold_frac: config.busy_threshold,
@@ -458,6 +516,18 @@ impl Router {
         Ok(w)
     }
 
+    /// Applies a [`WorkerPatch`] (taints, draining, role, topology), all or nothing. `Ok(None)`
+    /// for an unknown worker.
+    pub fn patch_worker_with(
+        &self,
+        worker_id: WorkerId,
+        patch: WorkerPatch,
+    ) -> Result<Option<Worker>, SpecError> {
+        let w = self.registry.patch_with(worker_id, patch, &self.indexer)?;
+        self.pump();
+        Ok(w)
+    }
+
     /// Removes a worker everywhere: registry, index (all tiers, all ranks), load, approximate timers.
     pub fn remove_worker(&self, worker_id: WorkerId) -> Option<Worker> {
         let w = self.registry.remove(worker_id, &self.indexer)?;
@@ -505,11 +575,13 @@ impl Router {
 
     // ---- request lifecycle -----------------------------------------------------------------------
 
-    /// The request's first token arrived: its prompt no longer loads the candidate.
+    /// The request's first token arrived: its prompt no longer loads the candidate. A
+    /// disaggregated request's KV cache has reached its decode worker: the prefill worker's half is
+    /// released. Returns where the request decodes.
     pub fn prefill_complete(&self, request_id: &str) -> Result<CandidateKey, LifecycleError> {
         // The load lock is released before `not_booked` takes the queue's.
-        let r = self.load.lock().prefill_complete(request_id);
-        let r = r.map_err(|_| self.not_booked(request_id))?;
+        let r = booking::prefill_complete(&mut self.load.lock(), request_id);
+        let r = r.ok_or_else(|| self.not_booked(request_id))?;
         self.pump();
         Ok(r)
     }
@@ -539,11 +611,8 @@ impl Router {
             let _ = entry.payload.tx.send(Err(RouteError::Cancelled));
             return Ok(None);
         }
-        let b = self
-            .load
-            .lock()
-            .free(request_id)
-            .map_err(|_| LifecycleError::UnknownRequest(request_id.into()))?;
+        let b = booking::release(&mut self.load.lock(), request_id)
+            .ok_or_else(|| LifecycleError::UnknownRequest(request_id.into()))?;
         self.pump();
         Ok(Some(b))
     }
@@ -551,7 +620,8 @@ impl Router {
     /// Periodic maintenance: expires stale bookings and approximate blocks, then serves the queue.
     /// Call every few seconds (the server does).
     pub fn tick(&self, now: Instant) -> (usize, u64) {
-        let expired = self.load.lock().expire(now).len();
+        // A disaggregated request's two halves expire together and count once.
+        let expired = booking::count_requests(&self.load.lock().expire(now));
         let blocks = self
             .approx
             .as_ref()
@@ -577,8 +647,11 @@ impl Router {
         (q.len(), q.queued_tokens())
     }
 
-    /// Bookings live now.
+    /// Requests booked now (a disaggregated request's two halves count once).
     pub fn active_bookings(&self) -> usize {
-        self.load.lock().len()
+        let load = self.load.lock();
+        load.bookings()
+            .filter(|b| !booking::is_prefill_half(&b.request_id))
+            .count()
     }
 }

@@ -25,6 +25,19 @@ pub struct Pin {
     pub dp_rank: Option<DpRank>,
 }
 
+/// Whether a request is split into a prefill and a decode half (API.md `disaggregation`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DisaggMode {
+    /// Disaggregate when the fleet has prefill-role workers (or `[disaggregation] enforce`).
+    #[default]
+    Auto,
+    /// Route aggregated: one worker prefills and decodes.
+    Off,
+    /// Disaggregate, or refuse (`no_prefill_worker`).
+    Required,
+}
+
 /// A routing request (API.md `POST /v1/route`, already parsed).
 #[derive(Clone, Debug, PartialEq)]
 pub struct RouteRequest {
@@ -48,6 +61,7 @@ pub struct RouteRequest {
     pub book: bool,
     /// Include every candidate's figures and cost in the decision.
     pub explain: bool,
+    pub disaggregation: DisaggMode,
 }
 
 impl RouteRequest {
@@ -69,6 +83,7 @@ impl RouteRequest {
             temperature: None,
             book: true,
             explain: false,
+            disaggregation: DisaggMode::Auto,
         }
     }
 }

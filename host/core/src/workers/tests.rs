@@ -221,3 +221,62 @@ fn workers_may_not_share_an_endpoint_and_freed_ones_are_reusable() {
     reg.upsert(9, with_events(1, "tcp://h:7000", None), &idx)
         .unwrap();
 }
+
+#[test]
+fn role_and_topology_derive_taints_and_patch_like_taints() {
+    let idx = Indexer::new();
+    let reg = Registry::new(RegistryLimits::default());
+    let zoned = WorkerSpec {
+        role: Role::Prefill,
+        topology: [("zone".to_string(), "a".to_string())].into(),
+        ..spec(&["gpu"], 2)
+    };
+    let w = reg.upsert(1, zoned, &idx).unwrap().0;
+    assert_eq!(
+        (w.role, w.taints.clone()),
+        (Role::Prefill, vec!["gpu".to_string()])
+    );
+    let s = reg.snapshot();
+    let zone_a = s.taint_id("topology/zone=a").unwrap();
+    assert!(s
+        .candidates
+        .iter()
+        .all(|c| c.has_taint(zone_a) && c.role == Role::Prefill));
+    assert_eq!(s.prefill_role_workers, 1);
+    // A client cannot set a taint in the host's namespace.
+    let e = reg
+        .upsert(2, spec(&["ok", "topology/zone=a"], 1), &idx)
+        .unwrap_err();
+    assert_eq!(e.field, "taints[1]");
+    assert!(e.message.contains("topology/"), "{}", e.message);
+    // PATCH changes role and topology; the derived taint follows.
+    let patch = WorkerPatch {
+        role: Some(Role::Decode),
+        topology: Some([("zone".to_string(), "b".to_string())].into()),
+        ..Default::default()
+    };
+    let w = reg.patch_with(1, patch, &idx).unwrap().unwrap();
+    assert_eq!(w.role, Role::Decode);
+    let s = reg.snapshot();
+    let zone_b = s.taint_id("topology/zone=b").unwrap();
+    assert!(s
+        .candidates
+        .iter()
+        .all(|c| c.has_taint(zone_b) && !c.has_taint(zone_a)));
+    assert!(s
+        .candidates
+        .iter()
+        .all(|c| c.has_taint(s.taint_id("gpu").unwrap())));
+    assert_eq!(s.prefill_role_workers, 0);
+    // A refused patch changes nothing.
+    let bad = WorkerPatch {
+        role: Some(Role::Prefill),
+        topology: Some([("zone".to_string(), String::new())].into()),
+        ..Default::default()
+    };
+    assert_eq!(
+        reg.patch_with(1, bad, &idx).unwrap_err().field,
+        "topology.zone"
+    );
+    assert_eq!(reg.snapshot().workers[&1].role, Role::Decode);
+}

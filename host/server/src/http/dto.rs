@@ -11,9 +11,10 @@ use super::error::ApiError;
 use kvroute_core::candidate::{DpRank, WorkerId};
 use kvroute_core::indexer::{KvEventData, StoredBlock, Tier};
 use kvroute_core::router::{
-    preferred_taint_weight, ExplainRow, Pin, Prompt, RouteDecision, RouteRequest,
+    preferred_taint_weight, DisaggMode, ExplainRow, Pin, PrefillPlacement, Prompt, RouteDecision,
+    RouteRequest, TopologyConstraints,
 };
-use kvroute_core::workers::Worker;
+use kvroute_core::workers::{Role, Topology, Worker};
 
 #[derive(Debug, Deserialize, Default)]
 #[serde(deny_unknown_fields)]
@@ -66,6 +67,9 @@ pub struct RouteBody {
     pub book: Option<bool>,
     #[serde(default)]
     pub explain: Option<bool>,
+    /// `auto` (default), `off` or `required`.
+    #[serde(default)]
+    pub disaggregation: Option<DisaggMode>,
 }
 
 /// Limits the HTTP layer checks before the core sees a request.
@@ -148,6 +152,7 @@ impl RouteBody {
             temperature: self.temperature,
             book: self.book.unwrap_or(true),
             explain: self.explain.unwrap_or(false),
+            disaggregation: self.disaggregation.unwrap_or_default(),
         })
     }
 }
@@ -224,6 +229,80 @@ pub struct RouteResponse {
     /// With `explain`: the candidates a hard rule kept out, each with the rule.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub excluded: Option<Vec<kvroute_core::router::ExcludedRow>>,
+    /// Whether the request was split into a prefill and a decode half.
+    pub disaggregated: bool,
+    /// The prefill half, when split (`worker_id`/`dp_rank` above are where it decodes).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prefill: Option<PrefillOut>,
+    /// The bypass rule that kept the prefill on the decode worker.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bypass: Option<&'static str>,
+    /// The KV transfer's constraints merged into the decode step's, when split.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub topology_constraints: Option<ConstraintsOut>,
+}
+
+/// Constraints in the request's own shape (`routing_constraints`).
+#[derive(Debug, Serialize)]
+pub struct ConstraintsOut {
+    pub required_taints: Vec<String>,
+    pub preferred_taints: BTreeMap<String, f64>,
+}
+
+impl From<TopologyConstraints> for ConstraintsOut {
+    fn from(c: TopologyConstraints) -> Self {
+        Self {
+            required_taints: c.required_taints,
+            preferred_taints: c
+                .preferred_taints
+                .into_iter()
+                // The weight as written (0.9), not as its f32 widens (0.8999999761581421).
+                .map(|(n, w)| (n, w.to_string().parse().unwrap_or(f64::from(w))))
+                .collect(),
+        }
+    }
+}
+
+/// Where a split request's prompt is computed, and (with `explain`) how that step was decided.
+#[derive(Debug, Serialize)]
+pub struct PrefillOut {
+    pub worker_id: WorkerId,
+    pub dp_rank: DpRank,
+    pub overlap_blocks: u32,
+    pub cached_tokens: u32,
+    pub policy: PolicyRef,
+    pub fallback: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fallback_reason: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub answer: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub candidates: Option<Vec<CandidateOut>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub excluded: Option<Vec<kvroute_core::router::ExcludedRow>>,
+}
+
+impl From<PrefillPlacement> for PrefillOut {
+    fn from(p: PrefillPlacement) -> Self {
+        Self {
+            worker_id: p.candidate.worker_id,
+            dp_rank: p.candidate.dp_rank,
+            overlap_blocks: p.overlap_blocks,
+            cached_tokens: p.cached_tokens,
+            policy: PolicyRef {
+                name: p.policy.name.clone(),
+                version: p.policy.version,
+                digest: p.policy.digest.clone(),
+            },
+            fallback: p.fallback_reason.is_some(),
+            fallback_reason: p.fallback_reason,
+            answer: p.answer,
+            candidates: p
+                .candidates
+                .map(|rows| rows.into_iter().map(CandidateOut::from).collect()),
+            excluded: p.excluded,
+        }
+    }
 }
 
 impl From<RouteDecision> for RouteResponse {
@@ -247,6 +326,10 @@ impl From<RouteDecision> for RouteResponse {
                 .candidates
                 .map(|rows| rows.into_iter().map(CandidateOut::from).collect()),
             excluded: d.excluded,
+            disaggregated: d.disaggregated,
+            prefill: d.prefill.map(PrefillOut::from),
+            bypass: d.bypass,
+            topology_constraints: d.topology_constraints.map(ConstraintsOut::from),
         }
     }
 }
@@ -258,6 +341,10 @@ pub struct PatchWorkerBody {
     pub taints: Option<Vec<String>>,
     #[serde(default)]
     pub draining: Option<bool>,
+    #[serde(default)]
+    pub role: Option<Role>,
+    #[serde(default)]
+    pub topology: Option<Topology>,
 }
 
 #[derive(Debug, Serialize)]
@@ -285,6 +372,8 @@ pub struct WorkerOut {
     pub max_num_batched_tokens: u32,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kv_events: Option<kvroute_core::workers::KvEventsSpec>,
+    pub role: Role,
+    pub topology: Topology,
     pub ranks: Vec<RankOut>,
 }
 
@@ -299,6 +388,8 @@ impl WorkerOut {
             total_kv_blocks: w.total_kv_blocks,
             max_num_batched_tokens: w.max_num_batched_tokens,
             kv_events: w.kv_events,
+            role: w.role,
+            topology: w.topology,
             ranks,
         }
     }

@@ -92,6 +92,10 @@ fn route_status(e: &RouteError) -> StatusCode {
         RouteError::QueueFull(_) | RouteError::QueueTimeout(_) => StatusCode::TOO_MANY_REQUESTS,
         RouteError::Cancelled => StatusCode::CONFLICT,
         RouteError::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
+        // The fleet cannot serve the request as configured: no worker is in a state to (API.md).
+        RouteError::NoPrefillWorker(_)
+        | RouteError::NoDecodeWorkerInDomain { .. }
+        | RouteError::KvTransferDomainUnknown { .. } => StatusCode::SERVICE_UNAVAILABLE,
     }
 }
 
@@ -100,9 +104,10 @@ fn pin_status(e: &PinError) -> StatusCode {
     match e {
         PinError::NotAllowed(_) | PinError::UnknownRank { .. } => StatusCode::BAD_REQUEST,
         PinError::UnknownWorker(_) => StatusCode::NOT_FOUND,
-        PinError::MissingTaints(_) | PinError::Draining(_) | PinError::FeedDead(_) => {
-            StatusCode::CONFLICT
-        }
+        PinError::MissingTaints(_)
+        | PinError::Draining(_)
+        | PinError::FeedDead(_)
+        | PinError::WrongRole(_) => StatusCode::CONFLICT,
         PinError::Overloaded(_) => StatusCode::TOO_MANY_REQUESTS,
     }
 }
@@ -579,6 +584,39 @@ mod tests {
                 Some(1),
             ),
             (RouteError::Cancelled, 409, "request_cancelled", None, None),
+            (
+                PinError::WrongRole(1).into(),
+                409,
+                "pinned_worker_wrong_role",
+                Some("pinned_worker"),
+                None,
+            ),
+            (
+                RouteError::NoPrefillWorker("2 draining".into()),
+                503,
+                "no_prefill_worker",
+                None,
+                None,
+            ),
+            (
+                RouteError::NoDecodeWorkerInDomain {
+                    taint: "topology/zone=a".into(),
+                },
+                503,
+                "no_decode_worker_in_domain",
+                None,
+                None,
+            ),
+            (
+                RouteError::KvTransferDomainUnknown {
+                    worker_id: 1,
+                    domain: "zone".into(),
+                },
+                503,
+                "kv_transfer_domain_unknown",
+                None,
+                None,
+            ),
             (
                 RouteError::ShuttingDown,
                 503,

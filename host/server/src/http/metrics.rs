@@ -8,7 +8,8 @@
 use std::fmt::Write;
 
 use prometheus::{
-    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounterVec, Opts, Registry, TextEncoder,
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, Opts, Registry,
+    TextEncoder,
 };
 
 use kvroute_core::router::{RouteDecision, Router};
@@ -27,6 +28,10 @@ pub struct Metrics {
     fallbacks: IntCounterVec,
     queue_wait_seconds: Histogram,
     events: IntCounterVec,
+    /// Decisions by mode (`aggregated`, `disaggregated`, `bypassed`) and bypass rule.
+    by_mode: IntCounterVec,
+    /// Disaggregated decisions whose decode worker is outside the prefill worker's domain.
+    cross_domain: IntCounter,
     /// Sections other components render at scrape time (e.g. the ZMQ event ingestion).
     extra: std::sync::Arc<parking_lot::RwLock<Vec<ExtraRenderer>>>,
 }
@@ -116,8 +121,25 @@ impl Metrics {
             &["outcome"],
         )
         .expect("valid metric");
+        let by_mode = IntCounterVec::new(
+            Opts::new(
+                "kvroute_decisions_by_mode_total",
+                "Routing decisions by mode (aggregated, disaggregated, bypassed) and, for \
+                 bypassed ones, the rule that kept the prefill on the decode worker.",
+            ),
+            &["mode", "rule"],
+        )
+        .expect("valid metric");
+        let cross_domain = IntCounter::with_opts(Opts::new(
+            "kvroute_cross_domain_decode_placements_total",
+            "Disaggregated decisions whose decode worker is outside the prefill worker's \
+             kv_transfer_domain (the KV cache crosses domains).",
+        ))
+        .expect("valid metric");
         for c in [
             Box::new(route_seconds.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(by_mode.clone()),
+            Box::new(cross_domain.clone()),
             Box::new(decisions.clone()),
             Box::new(prompt_tokens.clone()),
             Box::new(cached_tokens.clone()),
@@ -148,6 +170,8 @@ impl Metrics {
             fallbacks,
             queue_wait_seconds,
             events,
+            by_mode,
+            cross_domain,
             extra: Default::default(),
         }
     }
@@ -182,6 +206,15 @@ impl Metrics {
             .inc_by(u64::from(d.cached_tokens));
         if let Some(r) = d.fallback_reason {
             self.fallbacks.with_label_values(&[r]).inc();
+        }
+        let mode = match (d.disaggregated, d.bypass) {
+            (true, _) => ["disaggregated", "none"],
+            (false, Some(rule)) => ["bypassed", rule],
+            (false, None) => ["aggregated", "none"],
+        };
+        self.by_mode.with_label_values(&mode).inc();
+        if d.cross_domain == Some(true) {
+            self.cross_domain.inc();
         }
         if !d.queued.is_zero() {
             self.queue_wait_seconds.observe(d.queued.as_secs_f64());

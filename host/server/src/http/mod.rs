@@ -255,12 +255,15 @@ async fn patch_worker(
     ApiJson(body): ApiJson<PatchWorkerBody>,
 ) -> Result<Json<WorkerOut>, ApiError> {
     let id = parse_worker_id(&raw)?;
-    let w = s
-        .router
-        .patch_worker(id, body.taints, body.draining)?
-        .ok_or_else(|| {
-            ApiError::not_found("unknown_worker", format!("worker {id} is not registered"))
-        })?;
+    let patch = kvroute_core::workers::WorkerPatch {
+        taints: body.taints,
+        draining: body.draining,
+        role: body.role,
+        topology: body.topology,
+    };
+    let w = s.router.patch_worker_with(id, patch)?.ok_or_else(|| {
+        ApiError::not_found("unknown_worker", format!("worker {id} is not registered"))
+    })?;
     tracing::info!(
         worker_id = id,
         draining = w.draining,
@@ -324,10 +327,18 @@ fn passes_admin_rule(state: &AppState, peer: &SocketAddr, headers: &HeaderMap) -
 /// client asking for `explain` would read it; ranks leave it the order of the candidates only
 /// (see docs/POLICIES.md). Native costs are the host's and stay as they are.
 fn rank_policy_costs(resp: &mut RouteResponse) {
-    if resp.answer != Some("costs") {
+    rank_step_costs(resp.answer, resp.candidates.as_mut());
+    if let Some(p) = resp.prefill.as_mut() {
+        rank_step_costs(p.answer, p.candidates.as_mut());
+    }
+}
+
+/// [`rank_policy_costs`] of one step's rows.
+fn rank_step_costs(answer: Option<&str>, rows: Option<&mut Vec<CandidateOut>>) {
+    if answer != Some("costs") {
         return;
     }
-    let Some(rows) = resp.candidates.as_mut() else {
+    let Some(rows) = rows else {
         return;
     };
     let mut costs: Vec<f64> = rows.iter().map(|r| r.cost).collect();

@@ -37,6 +37,7 @@ fn ok(desc: &str, schema: Option<&str>) -> Value {
 /// uniformly.
 pub fn document() -> Value {
     let mut doc = base_document();
+    add_disaggregation(&mut doc);
     if let Some(paths) = doc.get_mut("paths").and_then(Value::as_object_mut) {
         for item in paths.values_mut() {
             let Some(item) = item.as_object_mut() else {
@@ -83,6 +84,75 @@ pub fn document() -> Value {
         }
     }
     doc
+}
+
+/// Disaggregated prefill/decode (API.md): worker roles and topology, the request's
+/// `disaggregation`, the decision's prefill half, bypass and merged constraints, the `role`
+/// exclusion and the 503s. Added to the base document's schemas rather than written into them, so
+/// the feature's part of the contract reads in one place.
+fn add_disaggregation(doc: &mut Value) {
+    let role = json!({"type": "string", "enum": ["prefill", "decode", "both"], "description": "Which half of a disaggregated request the worker takes (default both)."});
+    let topology = json!({"type": "object", "additionalProperties": {"type": "string"}, "description": "Domain -> value (e.g. zone -> us-east-1a); each entry is the host-derived taint topology/<domain>=<value>. Client taints starting with topology/ are refused."});
+    let constraints = json!({"type": "object", "required": ["required_taints", "preferred_taints"], "properties": {
+        "required_taints": {"type": "array", "items": {"type": "string"}},
+        "preferred_taints": {"type": "object", "additionalProperties": {"type": "number"}}}});
+    let schemas = &mut doc["components"]["schemas"];
+    for (schema, fields) in [
+        (
+            "WorkerSpec",
+            vec![("role", role.clone()), ("topology", topology.clone())],
+        ),
+        (
+            "WorkerPatch",
+            vec![("role", role.clone()), ("topology", topology.clone())],
+        ),
+        ("Worker", vec![("role", role), ("topology", topology)]),
+        (
+            "RouteRequest",
+            vec![(
+                "disaggregation",
+                json!({"type": "string", "enum": ["auto", "off", "required"], "description": "auto (default): split into a prefill and a decode step when the fleet has prefill-role workers (or [disaggregation] enforce is on); off: aggregated (400 when enforce is on); required: split or 503 no_prefill_worker."}),
+            )],
+        ),
+        (
+            "RouteDecision",
+            vec![
+                (
+                    "disaggregated",
+                    json!({"type": "boolean", "description": "Split into a prefill and a decode half; worker_id/dp_rank are always where the request decodes."}),
+                ),
+                (
+                    "prefill",
+                    json!({"type": "object", "required": ["worker_id", "dp_rank", "overlap_blocks", "cached_tokens", "policy", "fallback"], "description": "The prefill half, when split; with explain also answer, candidates and excluded of the prefill step.", "properties": {
+                "worker_id": {"type": "integer"}, "dp_rank": {"type": "integer"}, "overlap_blocks": {"type": "integer"}, "cached_tokens": {"type": "integer"},
+                "policy": {"type": "object"}, "fallback": {"type": "boolean"}, "fallback_reason": {"type": "string"},
+                "answer": {"type": "string", "enum": ["costs", "pick", "native"]}, "candidates": {"type": "array"}, "excluded": {"type": "array"}}}),
+                ),
+                (
+                    "bypass",
+                    json!({"type": "string", "enum": ["isl_bounding", "prefill_load"], "description": "The bypass rule that kept the prefill on the decode worker."}),
+                ),
+                (
+                    "topology_constraints",
+                    json!({"description": "The KV transfer's constraints merged into the decode step's, when split.", "allOf": [constraints]}),
+                ),
+            ],
+        ),
+    ] {
+        for (name, value) in fields {
+            schemas[schema]["properties"][name] = value;
+        }
+    }
+    if let Some(reasons) = schemas
+        .pointer_mut("/RouteDecision/properties/excluded/items/properties/reason/enum")
+        .and_then(Value::as_array_mut)
+    {
+        reasons.insert(0, json!("role"));
+    }
+    let route_503 = doc.pointer_mut("/paths/~1v1~1route/post/responses/503/description");
+    if let Some(d) = route_503 {
+        *d = json!("No eligible worker; with disaggregation also `no_prefill_worker`, `no_decode_worker_in_domain` (nothing booked) and `kv_transfer_domain_unknown`.");
+    }
 }
 
 fn base_document() -> Value {
