@@ -25,6 +25,7 @@ mod decide;
 pub mod disagg;
 mod explain;
 mod request;
+mod step;
 #[cfg(test)]
 mod tests;
 

@@ -24,8 +24,8 @@ mod tests;
 
 use std::time::Duration;
 
-use super::decide::{Scratch, Step, StepInput};
 use super::request::{invalid, Prepared};
+use super::step::{Scratch, Step, StepInput};
 use super::{
     DisaggMode, PrefillPlacement, RouteDecision, RouteError, Router, Stage, Timings,
     TopologyConstraints,
