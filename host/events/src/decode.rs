@@ -64,152 +64,41 @@
 //! `blocks × block_size` (Eagle: `+1` allowed), an unknown event type, and any field of the wrong
 //! type.
 
+pub use crate::batch::{Batch, DecodedEvent, DropCounts, DropReason, MAIN_ATTENTION_KINDS};
+use crate::emit::Emitter;
 use crate::nesting::cap_depth;
 pub use crate::nesting::{Malformed, Reader};
-use crate::wire::{self, EventKind, Failure, Fields};
-use kvroute_core::hashing;
-use kvroute_core::indexer::{event_tiers, KvEventData, StoredBlock, Tier};
+pub use crate::wire::MAX_NESTING;
+use crate::wire::{self, Failure};
 
 /// Largest payload decoded; larger ones are dropped (`payload_too_large`). vLLM batches are a few
 /// KiB to a few hundred KiB.
 pub const MAX_PAYLOAD_BYTES: usize = 64 << 20;
 
-/// rmp-serde's depth limit while decoding: at most this many containers nested (a real batch
-/// nests five: batch, events, event, field, Eagle pair).
-pub const MAX_NESTING: usize = 32;
-
 /// A payload over [`MAX_NESTING`] is read again with containers nested deeper than this replaced
 /// by nil (see the module doc).
 pub const CAPPED_NESTING: usize = 16;
-
-/// Why a message or an event was not applied. Stable names: they are metric labels.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum DropReason {
-    /// Not `[topic, seq(8 bytes), payload]`.
-    BadFrames,
-    PayloadTooLarge,
-    /// Not well-formed MessagePack, or not a batch.
-    MalformedPayload,
-    /// A field of the wrong type, or a missing required field.
-    MalformedEvent,
-    UnknownEventType,
-    UnknownMedium,
-    /// `group_idx` other than 0 (a non-main KV cache group).
-    NonMainGroup,
-    /// `kv_cache_spec_kind` other than full / MLA / sink-full attention.
-    NonMainAttention,
-    BlockSizeMismatch,
-    TokenCountMismatch,
-}
-
-impl DropReason {
-    pub const COUNT: usize = 10;
-    pub const ALL: [DropReason; Self::COUNT] = [
-        DropReason::BadFrames,
-        DropReason::PayloadTooLarge,
-        DropReason::MalformedPayload,
-        DropReason::MalformedEvent,
-        DropReason::UnknownEventType,
-        DropReason::UnknownMedium,
-        DropReason::NonMainGroup,
-        DropReason::NonMainAttention,
-        DropReason::BlockSizeMismatch,
-        DropReason::TokenCountMismatch,
-    ];
-
-    pub fn code(self) -> &'static str {
-        match self {
-            DropReason::BadFrames => "bad_frames",
-            DropReason::PayloadTooLarge => "payload_too_large",
-            DropReason::MalformedPayload => "malformed_payload",
-            DropReason::MalformedEvent => "malformed_event",
-            DropReason::UnknownEventType => "unknown_event_type",
-            DropReason::UnknownMedium => "unknown_medium",
-            DropReason::NonMainGroup => "non_main_group",
-            DropReason::NonMainAttention => "non_main_attention",
-            DropReason::BlockSizeMismatch => "block_size_mismatch",
-            DropReason::TokenCountMismatch => "token_count_mismatch",
-        }
-    }
-
-    #[inline]
-    fn index(self) -> usize {
-        self as usize
-    }
-}
-
-/// Drops counted while decoding one payload, by reason.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct DropCounts(pub [u32; DropReason::COUNT]);
-
-impl DropCounts {
-    #[inline]
-    pub fn add(&mut self, r: DropReason) {
-        self.0[r.index()] += 1;
-    }
-
-    pub fn get(&self, r: DropReason) -> u32 {
-        self.0[r.index()]
-    }
-
-    pub fn total(&self) -> u32 {
-        self.0.iter().sum()
-    }
-}
-
-/// One decoded event, before it is given a candidate.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct DecodedEvent {
-    pub tier: Tier,
-    pub data: KvEventData,
-}
-
-/// One decoded payload.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct Batch {
-    pub ts: f64,
-    /// The batch's `data_parallel_rank`, when not nil (overrides the subscription's rank).
-    pub dp_rank: Option<u32>,
-    pub events: Vec<DecodedEvent>,
-    /// Events of this batch that were dropped, by reason.
-    pub dropped: DropCounts,
-    /// Blocks in the stored events kept.
-    pub stored_blocks: u64,
-}
-
-impl Batch {
-    fn reset(&mut self) {
-        self.ts = 0.0;
-        self.dp_rank = None;
-        self.events.clear();
-        self.dropped = DropCounts::default();
-        self.stored_blocks = 0;
-    }
-}
-
-/// The kinds of KV cache spec whose blocks the router indexes.
-pub const MAIN_ATTENTION_KINDS: [&str; 3] =
-    ["full_attention", "mla_attention", "sink_full_attention"];
 
 /// Decodes payloads for one router block size. Keeps a scratch token buffer between calls; one
 /// per subscription (it is not `Sync`).
 #[derive(Debug)]
 pub struct Decoder {
-    block_size: usize,
-    pub(crate) tokens: Vec<u32>,
+    em: Emitter,
 }
 
 impl Decoder {
     /// A decoder for the router's block size (must be at least 1; 0 is treated as 1).
     pub fn new(block_size: u32) -> Self {
         Self {
-            block_size: block_size.max(1) as usize,
-            tokens: Vec::new(),
+            em: Emitter {
+                block_size: block_size.max(1) as usize,
+                tokens: Vec::new(),
+            },
         }
     }
 
     pub fn block_size(&self) -> u32 {
-        self.block_size as u32
+        self.em.block_size as u32
     }
 
     /// Decodes one payload into a new batch. `Err` = the whole payload is dropped for that reason.
@@ -225,13 +114,13 @@ impl Decoder {
         if payload.len() > MAX_PAYLOAD_BYTES {
             return Err(DropReason::PayloadTooLarge);
         }
-        let r = match wire::read_batch(self, payload, out) {
+        let r = match wire::read_batch(&mut self.em, payload, out) {
             Ok(()) => Ok(()),
             Err(Failure::TooDeep) => {
                 // Rare (nothing real nests this deep): read the capped copy instead.
                 out.reset();
                 match cap_depth(payload, CAPPED_NESTING) {
-                    Ok(capped) => wire::read_batch(self, &capped, out)
+                    Ok(capped) => wire::read_batch(&mut self.em, &capped, out)
                         .map_err(|_| DropReason::MalformedPayload),
                     Err(Malformed) => Err(DropReason::MalformedPayload),
                 }
@@ -243,95 +132,5 @@ impl Decoder {
             out.stored_blocks = 0;
         }
         r
-    }
-
-    /// Appends one event read whole to `out`, or returns why it is dropped.
-    pub(crate) fn emit(&mut self, f: Fields<'_>, out: &mut Batch) -> Result<(), DropReason> {
-        match f.kind {
-            EventKind::Cleared => {
-                // The event names no medium; `event_tiers` expands a clear to every tier.
-                for &tier in event_tiers(&KvEventData::Cleared, Tier::Device) {
-                    out.events.push(DecodedEvent {
-                        tier,
-                        data: KvEventData::Cleared,
-                    });
-                }
-                Ok(())
-            }
-            EventKind::Removed => {
-                check_group(&f)?;
-                let tier = tier_of(f.medium)?;
-                let block_hashes = f.hashes.ok_or(DropReason::MalformedEvent)?;
-                if !block_hashes.is_empty() {
-                    out.events.push(DecodedEvent {
-                        tier,
-                        data: KvEventData::Removed { block_hashes },
-                    });
-                }
-                Ok(())
-            }
-            EventKind::Stored => self.emit_stored(f, out),
-            EventKind::Unknown => Err(DropReason::UnknownEventType),
-        }
-    }
-
-    fn emit_stored(&mut self, f: Fields<'_>, out: &mut Batch) -> Result<(), DropReason> {
-        check_group(&f)?;
-        let tier = tier_of(f.medium)?;
-        if let Some(bs) = f.block_size {
-            if bs != self.block_size as u64 {
-                return Err(DropReason::BlockSizeMismatch);
-            }
-        }
-        let hashes = f.hashes.ok_or(DropReason::MalformedEvent)?;
-        if !f.has_tokens {
-            return Err(DropReason::MalformedEvent);
-        }
-        let b = self.block_size;
-        let want = hashes.len() * b;
-        let n_tokens = self.tokens.len();
-        if !(n_tokens == want || (f.eagle && n_tokens == want + 1)) {
-            return Err(DropReason::TokenCountMismatch);
-        }
-        if hashes.is_empty() {
-            return Ok(());
-        }
-        let seed = hashing::request_seed(f.lora_name, f.cache_salt);
-        let blocks: Vec<StoredBlock> = hashes
-            .iter()
-            .zip(self.tokens.chunks_exact(b))
-            .map(|(&block_hash, block)| StoredBlock {
-                block_hash,
-                tokens_hash: hashing::local_hash(block, seed),
-            })
-            .collect();
-        out.stored_blocks += blocks.len() as u64;
-        out.events.push(DecodedEvent {
-            tier,
-            data: KvEventData::Stored {
-                parent_hash: f.parent,
-                blocks,
-            },
-        });
-        Ok(())
-    }
-}
-
-fn check_group(f: &Fields<'_>) -> Result<(), DropReason> {
-    if f.group_idx.is_some_and(|g| g != 0) {
-        return Err(DropReason::NonMainGroup);
-    }
-    if let Some(kind) = f.spec_kind {
-        if !MAIN_ATTENTION_KINDS.contains(&kind) {
-            return Err(DropReason::NonMainAttention);
-        }
-    }
-    Ok(())
-}
-
-fn tier_of(medium: Option<&str>) -> Result<Tier, DropReason> {
-    match medium {
-        None => Ok(Tier::Device),
-        Some(m) => Tier::from_medium(m).ok_or(DropReason::UnknownMedium),
     }
 }

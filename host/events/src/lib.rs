@@ -73,7 +73,9 @@
 //! subscription loop retries that (and any receive error) with exponential backoff
 //! (`IngestConfig::backoff_*`).
 
+mod batch;
 pub mod decode;
+mod emit;
 mod nesting;
 pub mod subscriber;
 mod wire;

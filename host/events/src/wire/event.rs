@@ -13,32 +13,8 @@ use super::value::{
     drain_map, drain_seq, hash_of, opt_str, opt_uint, otherwise, parent_of, token_of, Val,
 };
 use super::Key;
-use crate::decode::{Batch, Decoder, DropReason};
-
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub(crate) enum EventKind {
-    #[default]
-    Unknown,
-    Stored,
-    Removed,
-    Cleared,
-}
-
-/// The fields of one event (tokens go to the decoder's scratch buffer).
-#[derive(Debug, Default)]
-pub(crate) struct Fields<'a> {
-    pub kind: EventKind,
-    pub hashes: Option<Vec<u64>>,
-    pub parent: Option<u64>,
-    pub has_tokens: bool,
-    pub eagle: bool,
-    pub block_size: Option<u64>,
-    pub medium: Option<&'a str>,
-    pub lora_name: Option<&'a str>,
-    pub cache_salt: Option<&'a str>,
-    pub group_idx: Option<u64>,
-    pub spec_kind: Option<&'a str>,
-}
+use crate::batch::{Batch, DropReason};
+use crate::emit::{Emitter, EventKind, Fields};
 
 /// Why reading an event stopped early: the wire failed (the payload is dropped) or the event is
 /// dropped for a reason (the rest of it is consumed, then it is counted).
@@ -66,7 +42,7 @@ macro_rules! next {
 
 /// One event: a tagged array or a tagged map. Its value is `Err(reason)` when it is dropped.
 pub(super) struct EventSeed<'s> {
-    pub(super) dec: &'s mut Decoder,
+    pub(super) dec: &'s mut Emitter,
     pub(super) out: &'s mut Batch,
     pub(super) budget: usize,
 }

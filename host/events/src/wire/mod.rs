@@ -34,10 +34,14 @@ use serde::de::{
     self, Deserialize, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor,
 };
 
-use crate::decode::{Batch, Decoder, MAX_NESTING};
+use crate::batch::Batch;
+use crate::emit::Emitter;
 use event::EventSeed;
-pub(crate) use event::{EventKind, Fields};
 use value::{drain_map, drain_seq, otherwise, rank_of, ts_of, Val};
+
+/// rmp-serde's depth limit while decoding: at most this many containers nested (a real batch
+/// nests five: batch, events, event, field, Eagle pair).
+pub const MAX_NESTING: usize = 32;
 
 /// What went wrong while reading one payload.
 #[derive(Debug)]
@@ -50,7 +54,7 @@ pub(crate) enum Failure {
 
 /// Reads one payload into `out` (which the caller has reset).
 pub(crate) fn read_batch(
-    dec: &mut Decoder,
+    dec: &mut Emitter,
     payload: &[u8],
     out: &mut Batch,
 ) -> Result<(), Failure> {
@@ -79,7 +83,7 @@ pub(crate) fn read_batch(
 /// A batch: `[ts, events, data_parallel_rank?, ...]` or a map with `ts`, `events`,
 /// `data_parallel_rank` / `dp_rank`.
 struct BatchSeed<'s> {
-    dec: &'s mut Decoder,
+    dec: &'s mut Emitter,
     out: &'s mut Batch,
     /// The payload's length: no vector is reserved beyond it.
     budget: usize,
@@ -221,7 +225,7 @@ impl<'de> Deserialize<'de> for Key {
 /// The batch's `events`: an array of events (nil = none). Each event is decoded, filtered and
 /// appended, or dropped and counted.
 struct EventsSeed<'s> {
-    dec: &'s mut Decoder,
+    dec: &'s mut Emitter,
     out: &'s mut Batch,
     budget: usize,
 }

@@ -6,7 +6,7 @@ use std::fmt;
 use serde::de::{self, Deserialize, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use xxhash_rust::xxh3::xxh3_64;
 
-use crate::decode::DropReason;
+use crate::batch::DropReason;
 
 /// One MessagePack value: the scalars the decoder reads, `Array` for any array and `Other` for
 /// anything else (a map, a bool, an extension), each consumed whole.
