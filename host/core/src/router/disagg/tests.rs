@@ -510,3 +510,28 @@ fn a_busy_pool_queues_per_step() {
     r.prefill_complete("a").unwrap();
     assert!(r.route_now(req("b", prompt(64))).unwrap().disaggregated);
 }
+
+#[test]
+fn a_pin_names_the_decode_worker() {
+    let r = fleet(DisaggConfig::default());
+    let pinned = |w, mode| RouteRequest {
+        pinned: Some(Pin {
+            worker_id: w,
+            dp_rank: None,
+        }),
+        disaggregation: mode,
+        book: false,
+        ..RouteRequest::tokens(prompt(64))
+    };
+    // The prefill step is unpinned; the request decodes where it is pinned.
+    for _ in 0..4 {
+        let d = r.route_now(pinned(DECODE_B, DisaggMode::Auto)).unwrap();
+        assert!(d.disaggregated && d.candidate.worker_id == DECODE_B);
+    }
+    // A prefill-only worker never decodes, split or not.
+    for mode in [DisaggMode::Auto, DisaggMode::Off] {
+        let e = r.route_now(pinned(PREFILL_A, mode)).unwrap_err();
+        assert_eq!(e, RouteError::Pin(PinError::WrongRole(PREFILL_A)));
+        assert_eq!(e.code(), "pinned_worker_wrong_role");
+    }
+}
