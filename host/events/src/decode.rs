@@ -48,10 +48,11 @@
 //! - `AllBlocksCleared`: no fields; it clears the candidate in every tier (SPEC §3 "holds nothing").
 //! - Hashes: positive ints as `u64`, negative ints bit-cast from `i64`, and byte strings of 1..=64
 //!   bytes (SGLang/vLLM's 32-byte digests) as `xxh3_64(bytes)` with seed 0 (rmp-serde hands a
-//!   str that is not UTF-8 over as bytes, so such a str reads as a byte string too). The router only uses
-//!   engine hashes as handles (parent links, removals), so any mapping that is stable and applied
-//!   alike to `block_hashes`, `parent_block_hash` and removals is correct; xxh3 keeps collisions
-//!   at 2^-64 per pair.
+//!   str that is not UTF-8 over as bytes, so such a str reads as a byte string too, and as an
+//!   event's tag it is a malformed event, not an unknown type). The router only uses engine
+//!   hashes as handles (parent links, removals), so any mapping that is stable and applied alike
+//!   to `block_hashes`, `parent_block_hash` and removals is correct; xxh3 keeps collisions at
+//!   2^-64 per pair.
 //! - Tokens: ints in `0..=u32::MAX`; Eagle's pairs `[[a, b], ...]` become the firsts plus the last
 //!   second. Block `i`'s local hash is computed here from `token_ids[i*B..(i+1)*B]` with the seed
 //!   of `lora_name`/`cache_salt` ([`hashing::request_seed`]); the engine's own hash is kept only as
@@ -74,8 +75,9 @@ use kvroute_core::indexer::{event_tiers, KvEventData, StoredBlock, Tier};
 /// KiB to a few hundred KiB.
 pub const MAX_PAYLOAD_BYTES: usize = 64 << 20;
 
-/// rmp-serde's depth limit while decoding: at most this many containers nested (a real batch
-/// nests five: batch, events, event, field, Eagle pair).
+/// rmp-serde's depth limit while decoding: it refuses the container (or extension) that would
+/// be the `MAX_NESTING`th nested one. A real batch nests five: batch, events, event, field, Eagle
+/// pair.
 pub const MAX_NESTING: usize = 32;
 
 /// A payload over [`MAX_NESTING`] is read again with containers nested deeper than this replaced
