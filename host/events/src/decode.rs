@@ -48,10 +48,11 @@
 //! - `AllBlocksCleared`: no fields; it clears the candidate in every tier (SPEC §3 "holds nothing").
 //! - Hashes: positive ints as `u64`, negative ints bit-cast from `i64`, and byte strings of 1..=64
 //!   bytes (SGLang/vLLM's 32-byte digests) as `xxh3_64(bytes)` with seed 0 (rmp-serde hands a
-//!   str that is not UTF-8 over as bytes, so such a str reads as a byte string too). The router only uses
-//!   engine hashes as handles (parent links, removals), so any mapping that is stable and applied
-//!   alike to `block_hashes`, `parent_block_hash` and removals is correct; xxh3 keeps collisions
-//!   at 2^-64 per pair.
+//!   str that is not UTF-8 over as bytes, so such a str reads as a byte string too, and as an
+//!   event's tag it is a malformed event, not an unknown type). The router only uses engine
+//!   hashes as handles (parent links, removals), so any mapping that is stable and applied alike
+//!   to `block_hashes`, `parent_block_hash` and removals is correct; xxh3 keeps collisions at
+//!   2^-64 per pair.
 //! - Tokens: ints in `0..=u32::MAX`; Eagle's pairs `[[a, b], ...]` become the firsts plus the last
 //!   second. Block `i`'s local hash is computed here from `token_ids[i*B..(i+1)*B]` with the seed
 //!   of `lora_name`/`cache_salt` ([`hashing::request_seed`]); the engine's own hash is kept only as

@@ -39,8 +39,9 @@ use crate::emit::Emitter;
 use event::EventSeed;
 use value::{drain_map, drain_seq, otherwise, rank_of, ts_of, Val};
 
-/// rmp-serde's depth limit while decoding: at most this many containers nested (a real batch
-/// nests five: batch, events, event, field, Eagle pair).
+/// rmp-serde's depth limit while decoding: it refuses the container (or extension) that would
+/// be the `MAX_NESTING`th nested one. A real batch nests five: batch, events, event, field, Eagle
+/// pair.
 pub const MAX_NESTING: usize = 32;
 
 /// What went wrong while reading one payload.
