@@ -94,8 +94,8 @@ fn add_disaggregation(doc: &mut Value) {
     let role = json!({"type": "string", "enum": ["prefill", "decode", "both"], "description": "Which half of a disaggregated request the worker takes (default both)."});
     let topology = json!({"type": "object", "additionalProperties": {"type": "string"}, "description": "Domain -> value (e.g. zone -> us-east-1a); each entry is the host-derived taint topology/<domain>=<value>. Client taints starting with topology/ are refused."});
     let constraints = json!({"type": "object", "required": ["required_taints", "preferred_taints"], "properties": {
-        "required_taints": {"type": "array", "items": {"type": "string"}},
-        "preferred_taints": {"type": "object", "additionalProperties": {"type": "number"}}}});
+        "required_taints": {"type": "array", "items": {"type": "string"}, "description": "What the KV transfer added to the decode step's required taints: the prefill worker's `topology/<domain>=<value>` under required enforcement; empty otherwise."},
+        "preferred_taints": {"type": "object", "additionalProperties": {"type": "number"}, "description": "What the KV transfer added to the decode step's preferred taints, with weights: the prefill worker's domain at kv_transfer_preferred_weight under preferred enforcement; empty otherwise."}}});
     let schemas = &mut doc["components"]["schemas"];
     for (schema, fields) in [
         (
@@ -124,9 +124,16 @@ fn add_disaggregation(doc: &mut Value) {
                 (
                     "prefill",
                     json!({"type": "object", "required": ["worker_id", "dp_rank", "overlap_blocks", "cached_tokens", "policy", "fallback"], "description": "The prefill half, when split; with explain also answer, candidates and excluded of the prefill step.", "properties": {
-                "worker_id": {"type": "integer"}, "dp_rank": {"type": "integer"}, "overlap_blocks": {"type": "integer"}, "cached_tokens": {"type": "integer"},
-                "policy": {"type": "object"}, "fallback": {"type": "boolean"}, "fallback_reason": {"type": "string"},
-                "answer": {"type": "string", "enum": ["costs", "pick", "native"]}, "candidates": {"type": "array"}, "excluded": {"type": "array"}}}),
+                "worker_id": {"type": "integer", "description": "The prefill worker."},
+                "dp_rank": {"type": "integer", "description": "Its data-parallel rank."},
+                "overlap_blocks": {"type": "integer", "description": "Prompt blocks the prefill worker already holds (device tier)."},
+                "cached_tokens": {"type": "integer", "description": "Prompt tokens it need not compute: overlap_blocks × block size, at most the prompt."},
+                "policy": {"type": "object", "description": "The policy that ranked the prefill step (as the decision's own policy)."},
+                "fallback": {"type": "boolean", "description": "The prefill step fell back to the native cost."},
+                "fallback_reason": {"type": "string", "description": "Why it fell back, when it did."},
+                "answer": {"type": "string", "enum": ["costs", "pick", "native"], "description": "With explain: what the policy answered at the prefill step."},
+                "candidates": {"type": "array", "description": "With explain: the prefill step's eligible candidates, as the decision's candidates."},
+                "excluded": {"type": "array", "description": "With explain: the prefill step's excluded candidates, as the decision's excluded."}}}),
                 ),
                 (
                     "bypass",
