@@ -488,3 +488,48 @@ fn explain_shows_a_policys_raw_costs_to_admins_only() {
     ranks.sort_by(f64::total_cmp);
     assert_eq!(ranks, [0.0, 1.0], "anyone else sees ranks: {ranked:?}");
 }
+
+/// Finding 9: an upload compiles on its own thread, niced below the threads that route, so a
+/// compile gets the CPU only when routing leaves it some. Read from the running server's
+/// `/proc/PID/task`: the thread named `policy-compile` runs at the process's nice + 10 (at most
+/// 19), and every thread that routes keeps the process's own.
+#[test]
+fn uploads_compile_on_a_thread_niced_below_the_routing_threads() {
+    let s = server("");
+    let task = format!("/proc/{}/task", s.pid());
+    // Field 19 of `stat`; the name in parentheses may hold spaces, so count after the last `)`.
+    let nice_of = |tid: &str| -> i64 {
+        let stat = std::fs::read_to_string(format!("{task}/{tid}/stat")).expect("stat");
+        let after = &stat[stat.rfind(')').expect("comm") + 2..];
+        after
+            .split_whitespace()
+            .nth(16)
+            .expect("nice")
+            .parse()
+            .expect("number")
+    };
+    let main_nice = nice_of(&s.pid().to_string());
+    let mut compile = Vec::new();
+    let mut others = Vec::new();
+    for entry in std::fs::read_dir(&task).expect("task dir") {
+        let tid = entry.expect("entry").file_name().into_string().unwrap();
+        let comm = std::fs::read_to_string(format!("{task}/{tid}/comm")).unwrap_or_default();
+        match comm.trim() {
+            "policy-compile" => compile.push(nice_of(&tid)),
+            name => others.push((name.to_string(), nice_of(&tid))),
+        }
+    }
+    assert_eq!(
+        compile,
+        vec![(main_nice + 10).min(19)],
+        "threads: {others:?}"
+    );
+    for (name, nice) in &others {
+        assert_eq!(
+            *nice, main_nice,
+            "thread {name} should keep the process's priority"
+        );
+    }
+    // And uploads still compile there and activate.
+    upload(&s, "late", MISBEHAVE, &json!({})).expect(201);
+}

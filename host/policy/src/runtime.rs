@@ -15,6 +15,12 @@ use super::shared::{engine_config, RuntimeShared};
 use super::ticker::{self, GuestActivity};
 use super::worker::{Worker, COMPILE_NICE};
 
+/// The maintenance thread's name (what `top -H` and `/proc/PID/task/*/comm` show; Linux keeps 15
+/// bytes of a thread name, so both names fit whole).
+pub const MAINTENANCE_THREAD: &str = "policy-maint";
+/// The compile thread's name: it runs at [`COMPILE_NICE`] below the process's priority.
+pub const COMPILE_THREAD: &str = "policy-compile";
+
 /// The engine and its three helper threads: the epoch ticker (deadlines), the maintenance thread
 /// (replacing poisoned instances off the request path) and the compile thread (niced, one compile
 /// at a time). Dropping it stops all three.
@@ -44,7 +50,7 @@ impl PolicyRuntime {
                     PolicyError::Engine(format!("could not start the epoch ticker thread: {e}"))
                 })?
         };
-        let maintenance = Worker::spawn("kvroute-policy-maint", 0).map_err(|e| {
+        let maintenance = Worker::spawn(MAINTENANCE_THREAD, 0).map_err(|e| {
             PolicyError::Engine(format!("could not start the maintenance thread: {e}"))
         })?;
         let shared = Arc::new(RuntimeShared {
@@ -56,7 +62,7 @@ impl PolicyRuntime {
             activity,
             maintenance: maintenance.handle(),
         });
-        let compiler = Worker::spawn("kvroute-policy-compile", COMPILE_NICE)
+        let compiler = Worker::spawn(COMPILE_THREAD, COMPILE_NICE)
             .map_err(|e| PolicyError::Engine(format!("could not start the compile thread: {e}")))?;
         Ok(Self {
             shared,
