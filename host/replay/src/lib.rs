@@ -51,6 +51,7 @@
 //!
 //! The plots' text uses an embedded font (Noto Sans), so no system font or fontconfig is needed.
 
+pub mod engine;
 pub mod plot;
 pub mod report;
 pub mod sim;

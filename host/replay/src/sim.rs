@@ -1,55 +1,44 @@
 //! The worker-fleet simulator: a discrete-event model of vLLM-like engines (SPEC §10) driven by a
 //! trace and routed by the real [`Router`].
 //!
-//! # One worker
-//! - **KV blocks.** `num_gpu_blocks` blocks of `block_size` tokens. A *full* prompt block is
-//!   identified by its chained sequence hash (vLLM's prefix-cache key) and shared between the
-//!   requests that hold it (reference counted). The partial last block of a prompt, blocks of a
-//!   chunk that ends mid-block, and every block of generated tokens are *private* to their request
-//!   and never cached. A block whose last holder finishes becomes *idle*: still cached, evictable.
-//!   Idle blocks sit in an LRU; a request releases its blocks tail first, so the end of a prompt
-//!   is evicted before its beginning (vLLM's free-queue order). Eviction happens only when an
-//!   allocation needs room.
-//! - **Prefix hits.** When a request is admitted, its leading full blocks that the worker holds
-//!   (active or idle) are reused: those tokens are not computed. At most `(len - 1) / block_size`
-//!   blocks hit, so a fully cached prompt still computes its last block (an engine needs the last
-//!   token's logits). A block is cached as soon as the chunk that computes it is scheduled (vLLM
-//!   v1 semantics), so a request admitted in a later step reuses it.
-//! - **Scheduling (one step).** Token budget `max_num_batched_tokens`. Running requests first, in
-//!   admission order: each takes `min(remaining, budget)` tokens (1 when decoding); then waiting
-//!   requests, first come first served, while the budget lasts and fewer than `max_num_seqs` run
-//!   (chunked prefill: a long prompt takes several steps). A waiting request that cannot get its
-//!   blocks stops admission (head of line). A running request that cannot get a block preempts the
-//!   most recently admitted running request (possibly itself), which frees everything and goes back
-//!   to the front of the waiting queue to recompute later (vLLM's recompute preemption).
-//! - **Time.** A step lasts `prefill(T) + decode(u)`, divided by the speed-up: `prefill(T) =
-//!   4.209989e-7·T² + 1.518344e-2·T + 16.50142` ms for the `T` prompt tokens computed in the step
-//!   (only when `T > 0`), `decode(u) = max(1, -25.74·u² + 54.01·u + 5.74)` ms with `u` = blocks in
-//!   use by running requests / `num_gpu_blocks` (only when some request decodes in the step). A
-//!   request whose last prompt token is computed in a step gets its first token at the end of that
-//!   step; each later step gives it one more token.
-//! - **KV events.** Allocation emits `Removed` (evicted blocks, by sequence hash) and `Stored` (one
-//!   per contiguous run of newly cached blocks: engine handle = sequence hash, `tokens_hash` = local
-//!   hash, parent = the previous block's sequence hash). A step's events reach the router at the
-//!   end of the step plus `kv_event_lag_ms`, in order. Reusing a cached block emits nothing, as in
-//!   vLLM's default mode.
+//! One [`Engine`] per worker (its model — KV blocks, prefix cache, scheduling, step times, KV
+//! events — is described in [`crate::engine`]). A step's KV events reach the router at the end of
+//! the step plus `kv_event_lag_ms`, in order.
 //!
 //! # The router side
 //! Each request is routed with [`Router::route_now`] on arrival (booked), `prefill_complete` is
 //! called when its first token is stamped and `free` when its last one is. Nothing here scores
 //! or picks: whatever policy the router has decides.
+//!
+//! # A disaggregated fleet ([`FleetShape::Disaggregated`])
+//! Workers `0..P` have the role `prefill`, `P..P+D` the role `decode`; with `zones = Z` the i-th
+//! prefill worker and the j-th decode worker sit in zones `i % Z` and `j % Z` (topology
+//! `zone = "z<k>"`, so both kinds are spread over every zone). The router (whose
+//! `[disaggregation]` settings the caller chose) answers each request with a prefill and a decode
+//! worker, or with one worker when a bypass rule keeps the prefill on the decode worker.
+//! 1. The prefill engine computes the prompt and its first token (a prefill-only request).
+//! 2. The KV moves to the decode engine. It carries the prompt tokens the decode engine does not
+//!    already cache (its cached prefix when the transfer starts) at `bytes_per_token` bytes each,
+//!    at `gbps_within` inside a zone and `gbps_cross` across, after `latency_ms`. Transfers into
+//!    one decode engine queue behind each other (one link per engine); the prefill engine holds
+//!    the request's blocks until its transfer ends. The router is told `prefill_complete` then.
+//! 3. The decode engine allocates the prompt's blocks without computing them and generates every
+//!    output token, the first in its first (decode) step: the client's time to first token is
+//!    arrival to that token. `free` when the last one is stamped.
+//!
+//! A bypassed request (or one the router routed aggregated) runs whole on its one worker.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
 
-use rustc_hash::FxHashMap;
-
+pub use crate::engine::WorkerStats;
+use crate::engine::{BlockHashes, Engine, Kind, NewRequest, Token};
 use crate::trace::Trace;
 use kvroute_core::candidate::CandidateKey;
 use kvroute_core::hashing;
-use kvroute_core::indexer::{KvEvent, KvEventData, StoredBlock, Tier};
+use kvroute_core::indexer::{KvEvent, KvEventData, Tier};
 use kvroute_core::router::{RouteRequest, Router};
-use kvroute_core::workers::WorkerSpec;
+use kvroute_core::workers::{Role, Topology, WorkerSpec};
 
 /// The simulated engines' settings (SPEC §10 defaults).
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
@@ -165,36 +154,43 @@ impl<'a> PreparedTrace<'a> {
     }
 }
 
+impl BlockHashes for PreparedTrace<'_> {
+    #[inline]
+    fn seq(&self, id: u64) -> &[u64] {
+        PreparedTrace::seq(self, id as usize)
+    }
+    #[inline]
+    fn local(&self, id: u64) -> &[u64] {
+        PreparedTrace::local(self, id as usize)
+    }
+}
+
 /// What happened to one request.
 #[derive(Clone, Debug, PartialEq)]
 pub struct RequestOutcome {
-    /// The worker it was routed to (`None`: the router refused it).
+    /// The worker it was routed to, the decode worker when split (`None`: the router refused it).
     pub worker: Option<u32>,
+    /// The worker that computed its prompt, when the request was split.
+    pub prefill_worker: Option<u32>,
     pub arrival_ms: f64,
     /// NaN when it never got a first token.
     pub first_token_ms: f64,
     /// NaN when it never finished.
     pub done_ms: f64,
     pub prompt_tokens: u32,
-    /// Prompt tokens the worker found in its prefix cache (at the admission that led to the
-    /// first token).
+    /// Prompt tokens the computing worker found in its prefix cache (at the admission that led to
+    /// the first token).
     pub hit_tokens: u32,
     pub output_tokens: u32,
+    /// Split requests: from the prefill's end to the KV's arrival on the decode engine, waiting
+    /// for the link included (ms; NaN otherwise).
+    pub transfer_ms: f64,
+    /// Split requests in a zoned fleet: the KV crossed zones.
+    pub cross_zone: Option<bool>,
+    /// A bypass rule kept the prefill on the decode worker.
+    pub bypassed: bool,
     /// Why it did not run (router error code or `exceeds_kv_capacity`).
     pub error: Option<String>,
-}
-
-/// Per-worker totals.
-#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
-pub struct WorkerStats {
-    pub requests: u64,
-    /// Prompt tokens the worker computed (misses, recomputation after preemption included).
-    pub prefill_tokens: u64,
-    pub hit_tokens: u64,
-    pub steps: u64,
-    pub busy_ms: f64,
-    pub preemptions: u64,
-    pub evicted_blocks: u64,
 }
 
 /// The result of one simulation.
@@ -211,214 +207,143 @@ pub struct SimOutput {
     pub end_ms: f64,
 }
 
-#[derive(Clone, Copy)]
-struct CachedBlock {
-    refs: u32,
-    /// Matches the LRU entry that is current for this block while it is idle.
-    stamp: u64,
+/// The KV transfer of a disaggregated fleet.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct TransferModel {
+    /// Link speed inside a zone, gigabits per second.
+    pub gbps_within: f64,
+    /// Link speed across zones, gigabits per second.
+    pub gbps_cross: f64,
+    /// KV bytes per prompt token (all layers, K and V). The default, 131,072, is an 8B model with
+    /// 32 layers, 8 KV heads of 128 dimensions, 16-bit values.
+    pub bytes_per_token: u64,
+    /// Fixed cost of one transfer (setup, handshake), ms.
+    pub latency_ms: f64,
 }
 
-#[derive(Clone, Copy)]
-struct Scheduled {
-    req: u32,
-    tokens: u32,
-    prefill: bool,
-}
-
-struct Worker {
-    id: u32,
-    total: u32,
-    cache: FxHashMap<u64, CachedBlock>,
-    lru: VecDeque<(u64, u64)>,
-    stamp: u64,
-    /// Cached blocks nobody holds (evictable).
-    idle: u32,
-    /// Cached blocks held by at least one request.
-    active_shared: u32,
-    /// Private blocks held by requests.
-    private: u32,
-    waiting: VecDeque<u32>,
-    running: Vec<u32>,
-    busy: bool,
-    sched: Vec<Scheduled>,
-    /// KV events of the step being scheduled, in order.
-    events: Vec<KvEventData>,
-    removed: Vec<u64>,
-    stats: WorkerStats,
-}
-
-struct Req {
-    worker: u32,
-    prompt: u32,
-    output: u32,
-    generated: u32,
-    computed: u32,
-    shared: u32,
-    private: u32,
-    running: bool,
-    hit_tokens: u32,
-    last_token_ms: f64,
-}
-
-impl Worker {
-    fn new(id: u32, total: u32) -> Self {
+impl Default for TransferModel {
+    fn default() -> Self {
         Self {
-            id,
-            total,
-            cache: FxHashMap::default(),
-            lru: VecDeque::new(),
-            stamp: 0,
-            idle: 0,
-            active_shared: 0,
-            private: 0,
-            waiting: VecDeque::new(),
-            running: Vec::new(),
-            busy: false,
-            sched: Vec::new(),
-            events: Vec::new(),
-            removed: Vec::new(),
-            stats: WorkerStats::default(),
+            gbps_within: 400.0,
+            gbps_cross: 50.0,
+            bytes_per_token: 131_072,
+            latency_ms: 1.0,
+        }
+    }
+}
+
+impl TransferModel {
+    pub fn validate(&self) -> Result<(), String> {
+        for (name, v) in [
+            ("--kv-transfer-gbps", self.gbps_within),
+            ("--kv-transfer-cross-gbps", self.gbps_cross),
+        ] {
+            if !(v.is_finite() && v > 0.0) {
+                return Err(format!("{name} must be a positive number, got {v}"));
+            }
+        }
+        if !(self.latency_ms.is_finite() && self.latency_ms >= 0.0) {
+            return Err("--kv-transfer-latency-ms must be a finite number >= 0".into());
+        }
+        if self.bytes_per_token == 0 {
+            return Err("--kv-bytes-per-token must be at least 1".into());
+        }
+        Ok(())
+    }
+
+    /// Milliseconds to move `tokens` tokens' KV.
+    pub fn ms(&self, tokens: u32, cross: bool) -> f64 {
+        let gbps = if cross {
+            self.gbps_cross
+        } else {
+            self.gbps_within
+        };
+        self.latency_ms + (tokens as f64 * self.bytes_per_token as f64 * 8.0) / (gbps * 1e6)
+    }
+}
+
+/// The simulated fleet.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum FleetShape {
+    /// `workers` engines of role `both`.
+    Aggregated { workers: u32 },
+    /// `prefill` engines of role `prefill`, `decode` of role `decode`, spread over `zones` zones.
+    Disaggregated {
+        prefill: u32,
+        decode: u32,
+        zones: u32,
+        transfer: TransferModel,
+    },
+}
+
+impl FleetShape {
+    pub fn workers(&self) -> u32 {
+        match self {
+            FleetShape::Aggregated { workers } => *workers,
+            FleetShape::Disaggregated {
+                prefill, decode, ..
+            } => prefill + decode,
         }
     }
 
-    #[inline]
-    fn free(&self) -> u32 {
-        self.total - self.idle - self.active_shared - self.private
+    /// `8` or `4P+4D` (plus `, 2 zones`).
+    pub fn label(&self) -> String {
+        match self {
+            FleetShape::Aggregated { workers } => format!("{workers}"),
+            FleetShape::Disaggregated {
+                prefill,
+                decode,
+                zones,
+                ..
+            } => {
+                let mut s = format!("{prefill}P+{decode}D");
+                if *zones > 1 {
+                    s += &format!(", {zones} zones");
+                }
+                s
+            }
+        }
     }
 
-    #[inline]
-    fn used(&self) -> u32 {
-        self.active_shared + self.private
-    }
-
-    /// Leading blocks of `seq` the worker holds.
-    fn cached_prefix(&self, seq: &[u64]) -> usize {
-        seq.iter()
-            .take_while(|h| self.cache.contains_key(h))
-            .count()
-    }
-
-    fn evict_one(&mut self) -> bool {
-        while let Some((h, stamp)) = self.lru.pop_front() {
-            if let Some(e) = self.cache.get(&h) {
-                if e.refs == 0 && e.stamp == stamp {
-                    self.cache.remove(&h);
-                    self.idle -= 1;
-                    self.removed.push(h);
-                    self.stats.evicted_blocks += 1;
-                    return true;
+    /// Worker `w`'s role and zone.
+    fn place(&self, w: u32) -> (Role, Option<u32>) {
+        match self {
+            FleetShape::Aggregated { .. } => (Role::Both, None),
+            FleetShape::Disaggregated { prefill, zones, .. } => {
+                let z = (*zones).max(1);
+                if w < *prefill {
+                    (Role::Prefill, Some(w % z))
+                } else {
+                    (Role::Decode, Some((w - prefill) % z))
                 }
             }
         }
-        false
     }
 
-    /// Grows request `r`'s holding to cover its first `p` tokens (allocating, reusing cached
-    /// blocks, evicting idle ones as needed). `false`, with nothing changed, when the blocks
-    /// cannot be had.
-    fn try_grow(&mut self, r: &mut Req, seq: &[u64], local: &[u64], p: u32, b: u32) -> bool {
-        let shared_t = ((p / b) as usize).min(seq.len());
-        let total_t = p.div_ceil(b) as usize;
-        let private_t = (total_t - shared_t) as u32;
-        let s0 = r.shared as usize;
-        debug_assert!(shared_t >= s0);
-        let mut reuse_idle = 0u32;
-        let mut created = 0u32;
-        for h in &seq[s0..shared_t] {
-            match self.cache.get(h) {
-                Some(e) if e.refs == 0 => reuse_idle += 1,
-                Some(_) => {}
-                None => created += 1,
+    fn validate(&self) -> Result<(), String> {
+        match self {
+            FleetShape::Aggregated { workers } if *workers == 0 => {
+                Err("at least one worker is needed".into())
             }
-        }
-        let need = i64::from(created) + i64::from(private_t) - i64::from(r.private);
-        let free = i64::from(self.free());
-        if need > free + i64::from(self.idle - reuse_idle) {
-            return false;
-        }
-        // Reuse what is cached first, so eviction cannot take it.
-        if created as usize != shared_t - s0 {
-            for h in &seq[s0..shared_t] {
-                if let Some(e) = self.cache.get_mut(h) {
-                    if e.refs == 0 {
-                        self.idle -= 1;
-                        self.active_shared += 1;
-                    }
-                    e.refs += 1;
+            FleetShape::Aggregated { .. } => Ok(()),
+            FleetShape::Disaggregated {
+                prefill,
+                decode,
+                zones,
+                transfer,
+            } => {
+                if *prefill == 0 || *decode == 0 {
+                    return Err(
+                        "a disaggregated fleet needs at least one prefill and one decode worker"
+                            .into(),
+                    );
                 }
-            }
-        }
-        let mut deficit = need - free;
-        while deficit > 0 {
-            let ok = self.evict_one();
-            debug_assert!(ok, "capacity was checked");
-            deficit -= 1;
-        }
-        if !self.removed.is_empty() {
-            self.events.push(KvEventData::Removed {
-                block_hashes: std::mem::take(&mut self.removed),
-            });
-        }
-        if created > 0 {
-            let mut run: Option<usize> = None;
-            for k in s0..shared_t {
-                let fresh = match self.cache.entry(seq[k]) {
-                    std::collections::hash_map::Entry::Occupied(_) => false,
-                    std::collections::hash_map::Entry::Vacant(v) => {
-                        v.insert(CachedBlock { refs: 1, stamp: 0 });
-                        true
-                    }
-                };
-                if fresh {
-                    self.active_shared += 1;
-                    run.get_or_insert(k);
-                } else if let Some(start) = run.take() {
-                    self.push_stored(seq, local, start, k);
+                if *zones == 0 {
+                    return Err("--zones must be at least 1".into());
                 }
+                transfer.validate()
             }
-            if let Some(start) = run {
-                self.push_stored(seq, local, start, shared_t);
-            }
-        }
-        self.private = self.private + private_t - r.private;
-        r.private = private_t;
-        r.shared = shared_t as u32;
-        true
-    }
-
-    fn push_stored(&mut self, seq: &[u64], local: &[u64], start: usize, end: usize) {
-        self.events.push(KvEventData::Stored {
-            parent_hash: start.checked_sub(1).map(|i| seq[i]),
-            blocks: (start..end)
-                .map(|k| StoredBlock {
-                    block_hash: seq[k],
-                    tokens_hash: local[k],
-                })
-                .collect(),
-        });
-    }
-
-    /// Releases everything request `r` holds; its cached blocks go idle, tail first.
-    fn release(&mut self, r: &mut Req, seq: &[u64]) {
-        for h in seq[..r.shared as usize].iter().rev() {
-            let e = self.cache.get_mut(h).expect("held blocks are cached");
-            e.refs -= 1;
-            if e.refs == 0 {
-                self.active_shared -= 1;
-                self.idle += 1;
-                self.stamp += 1;
-                e.stamp = self.stamp;
-                self.lru.push_back((*h, self.stamp));
-            }
-        }
-        self.private -= r.private;
-        r.private = 0;
-        r.shared = 0;
-        // Drop stale LRU entries now and then so the queue stays proportional to the idle set.
-        if self.lru.len() > 4 * self.idle as usize + 4096 {
-            let cache = &self.cache;
-            self.lru
-                .retain(|(h, s)| cache.get(h).is_some_and(|e| e.refs == 0 && e.stamp == *s));
         }
     }
 }
@@ -443,22 +368,48 @@ impl Ord for Time {
     }
 }
 
+/// What happens at a point of simulated time (after arrivals at the same instant).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Due {
+    /// Engine `w`'s step ends.
+    StepEnd(u32),
+    /// Request `i`'s KV has reached its decode engine.
+    TransferDone(u32),
+}
+
 fn request_id(i: usize) -> String {
     format!("replay-{i}")
 }
 
-/// The fleet: workers, requests and the event loop.
+/// Where a split request is.
+#[derive(Clone, Copy)]
+struct Split {
+    prefill: u32,
+    decode: u32,
+    cross: Option<bool>,
+    prefill_done_ms: f64,
+}
+
+/// The fleet: engines, requests and the event loop.
 struct Fleet<'p, 'r> {
     cfg: &'p SimConfig,
+    shape: &'p FleetShape,
     prepared: &'p PreparedTrace<'p>,
     router: &'r Router,
-    workers: Vec<Worker>,
-    reqs: Vec<Req>,
+    engines: Vec<Engine>,
+    zone: Vec<Option<u32>>,
+    /// Per request: `Some` while it is split.
+    split: Vec<Option<Split>>,
+    last_token_ms: Vec<f64>,
+    /// When each engine's inbound KV link is free again.
+    link_free_ms: Vec<f64>,
     out: SimOutput,
     /// (delivery time, worker, event), in delivery order.
     kv_fifo: VecDeque<(f64, u32, KvEventData)>,
     event_ids: Vec<u64>,
-    steps: BinaryHeap<Reverse<(Time, u32)>>,
+    due: BinaryHeap<Reverse<(Time, Due)>>,
+    tokens: Vec<Token>,
+    refused: Vec<u64>,
     done: u64,
 }
 
@@ -481,11 +432,35 @@ impl Fleet<'_, '_> {
         }
     }
 
+    fn refuse(&mut self, i: usize, why: &str) {
+        self.out.requests[i].error = Some(why.into());
+        self.split[i] = None;
+        let _ = self.router.free(&request_id(i));
+        self.done += 1;
+    }
+
+    fn submit(&mut self, w: u32, i: usize, kind: Kind, now: f64) {
+        let tr = &self.prepared.trace.requests[i];
+        let ok = self.engines[w as usize].submit(
+            NewRequest {
+                id: i as u64,
+                prompt_tokens: tr.tokens.len() as u32,
+                output_tokens: tr.output_len.max(1),
+                kind,
+            },
+            self.cfg.block_size,
+        );
+        if !ok {
+            // It could never hold all its tokens at once: an engine would reject it.
+            return self.refuse(i, "exceeds_kv_capacity");
+        }
+        if !self.engines[w as usize].is_busy() {
+            self.start_step(w, now);
+        }
+    }
+
     fn arrive(&mut self, i: usize, now: f64) {
         let tr = &self.prepared.trace.requests[i];
-        let b = self.cfg.block_size;
-        let needed = (tr.tokens.len() as u64 + u64::from(tr.output_len)).div_ceil(u64::from(b));
-        let o = &mut self.out.requests[i];
         // Policies see the trace's time, so state they age (sessions) behaves as it would live.
         self.router.set_clock_ms(Some(now.max(0.0) as u64));
         let decision = self.router.route_now(RouteRequest {
@@ -496,199 +471,131 @@ impl Fleet<'_, '_> {
         let d = match decision {
             Ok(d) => d,
             Err(e) => {
-                o.error = Some(e.code().to_string());
+                self.out.requests[i].error = Some(e.code().to_string());
                 self.done += 1;
                 return;
             }
         };
         let w = d.candidate.worker_id as u32;
+        let o = &mut self.out.requests[i];
         o.worker = Some(w);
-        self.workers[w as usize].stats.requests += 1;
-        if needed > u64::from(self.cfg.num_gpu_blocks) {
-            // It could never hold all its tokens at once: an engine would reject it.
-            o.error = Some("exceeds_kv_capacity".into());
-            let _ = self.router.free(&request_id(i));
-            self.done += 1;
-            return;
-        }
-        self.reqs[i].worker = w;
-        self.workers[w as usize].waiting.push_back(i as u32);
-        if !self.workers[w as usize].busy {
-            self.start_step(w as usize, now);
+        o.bypassed = d.bypass.is_some();
+        match d.prefill.as_ref().filter(|_| d.disaggregated) {
+            Some(p) => {
+                let pw = p.candidate.worker_id as u32;
+                o.prefill_worker = Some(pw);
+                let cross = match (self.zone[pw as usize], self.zone[w as usize]) {
+                    (Some(a), Some(b)) => Some(a != b),
+                    _ => None,
+                };
+                o.cross_zone = cross;
+                self.split[i] = Some(Split {
+                    prefill: pw,
+                    decode: w,
+                    cross,
+                    prefill_done_ms: f64::NAN,
+                });
+                self.submit(pw, i, Kind::PrefillOnly, now);
+            }
+            None => self.submit(w, i, Kind::Full, now),
         }
     }
 
-    /// Schedules the next step of worker `w` (if it has work) and queues its end.
-    fn start_step(&mut self, w: usize, now: f64) {
-        let cfg = self.cfg;
-        let b = cfg.block_size;
-        let prepared = self.prepared;
-        let worker = &mut self.workers[w];
-        let reqs = &mut self.reqs;
-        worker.sched.clear();
-        let mut budget = cfg.max_num_batched_tokens;
-
-        // Running requests, in admission order.
-        let mut preempted = false;
-        let mut i = 0;
-        while i < worker.running.len() && budget > 0 {
-            let idx = worker.running[i] as usize;
-            let (seq, local) = (prepared.seq(idx), prepared.local(idx));
-            let r = &mut reqs[idx];
-            let known = r.prompt + r.generated;
-            let rem = known - r.computed;
-            let n = rem.min(budget);
-            let prefill = rem > 1 || r.generated == 0;
-            let p = r.computed + n;
-            if worker.try_grow(r, seq, local, p, b) {
-                r.computed = p;
-                budget -= n;
-                worker.sched.push(Scheduled {
-                    req: idx as u32,
-                    tokens: n,
-                    prefill,
-                });
-                i += 1;
-                continue;
-            }
-            // Out of blocks: preempt the most recently admitted request (maybe this one).
-            let victim = worker.running.pop().expect("non-empty") as usize;
-            let vr = &mut reqs[victim];
-            worker.release(vr, prepared.seq(victim));
-            vr.computed = 0;
-            vr.running = false;
-            worker.waiting.push_front(victim as u32);
-            worker.stats.preemptions += 1;
-            preempted = true;
-        }
-
-        // Waiting requests, first come first served (none in a step that had to preempt, as in
-        // vLLM).
-        while !preempted && budget > 0 && (worker.running.len() as u32) < cfg.max_num_seqs {
-            let Some(&front) = worker.waiting.front() else {
-                break;
-            };
-            let idx = front as usize;
-            let (seq, local) = (prepared.seq(idx), prepared.local(idx));
-            let r = &mut reqs[idx];
-            let known = r.prompt + r.generated;
-            let cap = (((known - 1) / b) as usize).min(seq.len());
-            let hits = worker.cached_prefix(&seq[..cap]) as u32;
-            let start = hits * b;
-            let n = (known - start).min(budget);
-            if !worker.try_grow(r, seq, local, start + n, b) {
-                break;
-            }
-            worker.waiting.pop_front();
-            r.computed = start + n;
-            r.running = true;
-            if r.generated == 0 {
-                r.hit_tokens = start;
-            }
-            budget -= n;
-            worker.running.push(front);
-            worker.sched.push(Scheduled {
-                req: front,
-                tokens: n,
-                prefill: true,
-            });
-        }
-
-        if worker.sched.is_empty() {
-            worker.busy = false;
-            if preempted {
-                // Everything that ran was preempted: admit afresh.
-                return self.start_step(w, now);
-            }
-            if worker.running.is_empty() {
-                // Nothing runs and the head cannot start: it can never fit. Refuse it.
-                if let Some(idx) = worker.waiting.pop_front() {
-                    let o = &mut self.out.requests[idx as usize];
-                    o.error = Some("exceeds_kv_capacity".into());
-                    let _ = self.router.free(&request_id(idx as usize));
-                    self.done += 1;
-                    if !worker.waiting.is_empty() {
-                        return self.start_step(w, now);
-                    }
+    /// Schedules engine `w`'s next step (if it has work) and queues its end.
+    fn start_step(&mut self, w: u32, now: f64) {
+        let mut refused = std::mem::take(&mut self.refused);
+        let step = self.engines[w as usize].start_step(self.cfg, self.prepared, &mut refused);
+        for id in refused.drain(..) {
+            let i = id as usize;
+            if let Some(s) = self.split[i] {
+                if s.decode == w {
+                    // Its prefill engine still holds the blocks.
+                    self.engines[s.prefill as usize].release(id, self.prepared);
                 }
             }
-            return;
+            self.refuse(i, "exceeds_kv_capacity");
         }
-        let mut prefill_tokens = 0u64;
-        let mut decoding = false;
-        for s in &worker.sched {
-            if s.prefill {
-                prefill_tokens += u64::from(s.tokens);
-            } else {
-                decoding = true;
-            }
+        self.refused = refused;
+        if let Some(ms) = step {
+            self.due.push(Reverse((Time(now + ms), Due::StepEnd(w))));
         }
-        let mut ms = 0.0;
-        if prefill_tokens > 0 {
-            ms += cfg.prefill_ms(prefill_tokens);
-        }
-        if decoding {
-            ms += cfg.decode_ms(f64::from(worker.used()) / f64::from(worker.total));
-        }
-        ms /= cfg.speedup;
-        worker.stats.prefill_tokens += prefill_tokens;
-        worker.stats.steps += 1;
-        worker.stats.busy_ms += ms;
-        worker.busy = true;
-        self.steps.push(Reverse((Time(now + ms), w as u32)));
     }
 
-    fn end_step(&mut self, w: usize, now: f64) {
-        let prepared = self.prepared;
-        let worker = &mut self.workers[w];
-        let mut any_done = false;
-        let sched = std::mem::take(&mut worker.sched);
-        for s in &sched {
-            let idx = s.req as usize;
-            let r = &mut self.reqs[idx];
-            if !r.running || r.computed != r.prompt + r.generated {
-                continue;
-            }
-            r.generated += 1;
-            let o = &mut self.out.requests[idx];
-            if r.generated == 1 {
-                o.first_token_ms = now;
-                o.hit_tokens = r.hit_tokens;
-                worker.stats.hit_tokens += u64::from(r.hit_tokens);
-                let _ = self.router.prefill_complete(&request_id(idx));
-            } else {
-                self.out.itl_ms.push((now - r.last_token_ms) as f32);
-            }
-            r.last_token_ms = now;
-            if r.generated >= r.output {
-                o.done_ms = now;
-                o.output_tokens = r.generated;
-                worker.release(r, prepared.seq(idx));
-                r.running = false;
-                any_done = true;
-                let _ = self.router.free(&request_id(idx));
-                self.done += 1;
+    fn end_step(&mut self, w: u32, now: f64) {
+        let mut tokens = std::mem::take(&mut self.tokens);
+        self.engines[w as usize].end_step(self.prepared, &mut tokens);
+        for t in tokens.drain(..) {
+            let i = t.id as usize;
+            match self.split[i] {
+                Some(s) if s.prefill == w => self.prefill_done(i, s, now),
+                _ => self.token(i, t, now),
             }
         }
-        worker.sched = sched;
-        if any_done {
-            let reqs = &self.reqs;
-            worker.running.retain(|&i| reqs[i as usize].running);
-        }
+        self.tokens = tokens;
         let deliver_at = now + self.cfg.kv_event_lag_ms;
-        for ev in worker.events.drain(..) {
-            self.kv_fifo.push_back((deliver_at, worker.id, ev));
+        for ev in self.engines[w as usize].drain_events() {
+            self.kv_fifo.push_back((deliver_at, w, ev));
         }
-        worker.busy = false;
         self.start_step(w, now);
+    }
+
+    /// A token for the client (a whole request's, or a split request's from its decode engine).
+    fn token(&mut self, i: usize, t: Token, now: f64) {
+        let o = &mut self.out.requests[i];
+        if t.n == 1 {
+            o.first_token_ms = now;
+            if self.split[i].is_none() {
+                o.hit_tokens = t.hit_tokens;
+                let _ = self.router.prefill_complete(&request_id(i));
+            }
+        } else {
+            self.out.itl_ms.push((now - self.last_token_ms[i]) as f32);
+        }
+        self.last_token_ms[i] = now;
+        if t.done {
+            o.done_ms = now;
+            o.output_tokens = t.n;
+            self.split[i] = None;
+            let _ = self.router.free(&request_id(i));
+            self.done += 1;
+        }
+    }
+
+    /// A split request's prompt is computed: its KV starts for the decode engine.
+    fn prefill_done(&mut self, i: usize, mut s: Split, now: f64) {
+        let FleetShape::Disaggregated { transfer, .. } = self.shape else {
+            unreachable!("only a disaggregated fleet splits requests");
+        };
+        let b = self.cfg.block_size;
+        let tr = &self.prepared.trace.requests[i];
+        let prompt = tr.tokens.len() as u32;
+        let cached = self.engines[s.decode as usize].cached_prefix(self.prepared.seq(i)) as u32 * b;
+        let tokens = prompt - cached.min(prompt);
+        let start = now.max(self.link_free_ms[s.decode as usize]);
+        let end = start + transfer.ms(tokens, s.cross == Some(true));
+        self.link_free_ms[s.decode as usize] = end;
+        s.prefill_done_ms = now;
+        self.split[i] = Some(s);
+        // The engine's hit is the prefill engine's.
+        self.due
+            .push(Reverse((Time(end), Due::TransferDone(i as u32))));
+    }
+
+    fn transfer_done(&mut self, i: usize, now: f64) {
+        let Some(s) = self.split[i] else {
+            return; // refused meanwhile
+        };
+        self.engines[s.prefill as usize].release(i as u64, self.prepared);
+        let o = &mut self.out.requests[i];
+        o.transfer_ms = now - s.prefill_done_ms;
+        let _ = self.router.prefill_complete(&request_id(i));
+        // The prefill engine's blocks went idle: nothing to schedule there, but its events wait.
+        self.submit(s.decode, i, Kind::Transferred, now);
     }
 }
 
-/// Replays `prepared` on a fleet of `workers` simulated engines routed by `router`.
-///
-/// Registers workers `0..workers` (one rank each, with the simulated capacity) on the router,
-/// which must be fresh. `progress` is called now and then with the number of requests finished
-/// (completed or refused).
+/// Replays `prepared` on a fleet of `workers` aggregated engines routed by `router`
+/// ([`simulate_fleet`] with [`FleetShape::Aggregated`]).
 pub fn simulate(
     router: &Router,
     prepared: &PreparedTrace<'_>,
@@ -696,10 +603,29 @@ pub fn simulate(
     cfg: &SimConfig,
     progress: &mut dyn FnMut(u64),
 ) -> Result<SimOutput, String> {
+    simulate_fleet(
+        router,
+        prepared,
+        &FleetShape::Aggregated { workers },
+        cfg,
+        progress,
+    )
+}
+
+/// Replays `prepared` on the fleet `shape` routed by `router`.
+///
+/// Registers the fleet's workers (one rank each, with the simulated capacity, roles and zones) on
+/// the router, which must be fresh. `progress` is called now and then with the number of requests
+/// finished (completed or refused).
+pub fn simulate_fleet(
+    router: &Router,
+    prepared: &PreparedTrace<'_>,
+    shape: &FleetShape,
+    cfg: &SimConfig,
+    progress: &mut dyn FnMut(u64),
+) -> Result<SimOutput, String> {
     cfg.validate()?;
-    if workers == 0 {
-        return Err("at least one worker is needed".into());
-    }
+    shape.validate()?;
     if prepared.block_size != cfg.block_size {
         return Err("the trace was prepared for another block size".into());
     }
@@ -710,13 +636,23 @@ pub fn simulate(
             cfg.block_size
         ));
     }
+    let workers = shape.workers();
+    let mut zone = Vec::with_capacity(workers as usize);
     for w in 0..workers {
+        let (role, z) = shape.place(w);
+        zone.push(z);
+        let mut topology = Topology::new();
+        if let Some(z) = z {
+            topology.insert(ZONE_DOMAIN.to_string(), format!("z{z}"));
+        }
         router
             .upsert_worker(
                 u64::from(w),
                 WorkerSpec {
                     total_kv_blocks: u64::from(cfg.num_gpu_blocks),
                     max_num_batched_tokens: cfg.max_num_batched_tokens,
+                    role,
+                    topology,
                     ..Default::default()
                 },
             )
@@ -726,39 +662,32 @@ pub fn simulate(
     let n = trace.requests.len();
     let mut fleet = Fleet {
         cfg,
+        shape,
         prepared,
         router,
-        workers: (0..workers)
-            .map(|w| Worker::new(w, cfg.num_gpu_blocks))
+        engines: (0..workers)
+            .map(|_| Engine::new(cfg.num_gpu_blocks))
             .collect(),
-        reqs: trace
-            .requests
-            .iter()
-            .map(|r| Req {
-                worker: 0,
-                prompt: r.tokens.len() as u32,
-                output: r.output_len.max(1),
-                generated: 0,
-                computed: 0,
-                shared: 0,
-                private: 0,
-                running: false,
-                hit_tokens: 0,
-                last_token_ms: 0.0,
-            })
-            .collect(),
+        zone,
+        split: vec![None; n],
+        last_token_ms: vec![0.0; n],
+        link_free_ms: vec![0.0; workers as usize],
         out: SimOutput {
             requests: trace
                 .requests
                 .iter()
                 .map(|r| RequestOutcome {
                     worker: None,
+                    prefill_worker: None,
                     arrival_ms: r.arrival_ms,
                     first_token_ms: f64::NAN,
                     done_ms: f64::NAN,
                     prompt_tokens: r.tokens.len() as u32,
                     hit_tokens: 0,
                     output_tokens: 0,
+                    transfer_ms: f64::NAN,
+                    cross_zone: None,
+                    bypassed: false,
                     error: None,
                 })
                 .collect(),
@@ -773,26 +702,31 @@ pub fn simulate(
         },
         kv_fifo: VecDeque::new(),
         event_ids: vec![0; workers as usize],
-        steps: BinaryHeap::new(),
+        due: BinaryHeap::new(),
+        tokens: Vec::new(),
+        refused: Vec::new(),
         done: 0,
     };
     let mut next_arrival = 0usize;
     let mut reported = 0u64;
     let mut now = 0.0f64;
     loop {
-        let step_t = fleet.steps.peek().map(|Reverse((t, _))| t.0);
+        let due_t = fleet.due.peek().map(|Reverse((t, _))| t.0);
         let arr_t = trace.requests.get(next_arrival).map(|r| r.arrival_ms);
-        let step_first = match (step_t, arr_t) {
+        let due_first = match (due_t, arr_t) {
             (None, None) => break,
             (Some(s), Some(a)) => s <= a,
             (Some(_), None) => true,
             (None, Some(_)) => false,
         };
-        if step_first {
-            let Reverse((t, w)) = fleet.steps.pop().expect("peeked");
+        if due_first {
+            let Reverse((t, what)) = fleet.due.pop().expect("peeked");
             now = t.0;
             fleet.deliver_until(now);
-            fleet.end_step(w as usize, now);
+            match what {
+                Due::StepEnd(w) => fleet.end_step(w, now),
+                Due::TransferDone(i) => fleet.transfer_done(i as usize, now),
+            }
         } else {
             now = arr_t.expect("some");
             fleet.deliver_until(now);
@@ -808,10 +742,13 @@ pub fn simulate(
     progress(fleet.done);
     debug_assert_eq!(fleet.done as usize, n);
     let mut out = fleet.out;
-    out.workers = fleet.workers.into_iter().map(|w| w.stats).collect();
+    out.workers = fleet.engines.iter().map(Engine::stats).collect();
     out.end_ms = now;
     Ok(out)
 }
+
+/// The topology domain a zoned replay fleet uses.
+pub const ZONE_DOMAIN: &str = "zone";
 
 #[cfg(test)]
 mod tests {
