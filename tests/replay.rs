@@ -28,7 +28,7 @@ fn traces_dir() -> PathBuf {
 
 fn opts(workers: u32, sim: SimConfig) -> ReplayOptions {
     ReplayOptions {
-        workers,
+        fleet: replay::FleetShape::Aggregated { workers },
         sim,
         ..Default::default()
     }
@@ -209,7 +209,7 @@ fn round_robin_loses_to_the_default_cost_on_the_mooncake_trace() {
     let o = opts(8, SimConfig::default());
     let runs = replay::run(
         &trace,
-        &o,
+        std::slice::from_ref(&o),
         &[PolicySpec::RoundRobin, PolicySpec::Default],
         false,
     )
@@ -255,10 +255,14 @@ fn assert_fields_documented(v: &serde_json::Value) {
     add(&v["worker_config"]);
     add(&v["prefix_synthesis"]);
     add(&v["definitions"]);
+    add(&v["kv_transfer"]);
+    add(&v["router_disaggregation"]);
     for p in v["policies"].as_array().unwrap() {
         add(p);
         add(&p["ttft_ms"]);
         add(&p["itl_ms"]);
+        add(&p["disaggregation"]);
+        add(&p["disaggregation"]["transfer_ms"]);
     }
     for k in keys {
         // `key`, or a member of a `{p50, p90, p99, mean}` list.
@@ -300,6 +304,8 @@ fn check_outputs(dir: &std::path::Path, policies: &[&str]) -> serde_json::Value 
     for f in [
         "ttft_cdf.png",
         "ttft_cdf.svg",
+        "itl_cdf.png",
+        "itl_cdf.svg",
         "hit_rate.png",
         "hit_rate.svg",
     ] {
@@ -619,4 +625,157 @@ fn cli_max_index_entries_caps_the_router_index_and_costs_hit_rate() {
         hit_capped < hit_free,
         "forgetting half the blocks should cost hit rate: {hit_capped} vs {hit_free}"
     );
+}
+
+/// A token trace with shared prefixes and enough load that prefill interferes with decoding on an
+/// aggregated fleet: 400 requests, 8 system prompts of 1,536 tokens plus a unique 512-token tail,
+/// 64 output tokens, one every 40 ms.
+fn write_split_trace(dir: &std::path::Path) -> std::path::PathBuf {
+    let path = dir.join("split.jsonl");
+    let mut s = String::new();
+    for i in 0..400u32 {
+        let sys = i % 8;
+        let tokens: Vec<u32> = (0..1536)
+            .map(|k| 10_000 * (sys + 1) + k)
+            .chain((0..512).map(|k| 1_000_000 + 1000 * i + k))
+            .collect();
+        s += &serde_json::json!({
+            "timestamp_ms": f64::from(i) * 40.0,
+            "tokens": tokens,
+            "output_length": 64,
+        })
+        .to_string();
+        s.push('\n');
+    }
+    std::fs::write(&path, s).unwrap();
+    path
+}
+
+#[test]
+fn cli_replays_disaggregated_fleets_beside_the_aggregated_one() {
+    let dir = support::temp_dir("replay-split");
+    let trace = write_split_trace(&dir);
+    let out = dir.join("out");
+    let o = kvroute(&[
+        "replay",
+        "--trace",
+        trace.to_str().unwrap(),
+        "--format",
+        "tokens",
+        "--block-size",
+        "16",
+        "--policy",
+        "round-robin",
+        "--policy",
+        "default",
+        "--prefill-workers",
+        "2",
+        "--decode-workers",
+        "2",
+        "--zones",
+        "2",
+        "--kv-transfer-topology",
+        "none,required",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{stderr}");
+    // The aggregated fleet of the same size (4) and each split under each constraint.
+    let names = [
+        "round-robin @ 4",
+        "default @ 4",
+        "round-robin @ 2P+2D/none",
+        "default @ 2P+2D/none",
+        "round-robin @ 2P+2D/required",
+        "default @ 2P+2D/required",
+    ];
+    let v = check_outputs(&out, &names);
+    assert_eq!(v["workers"], 4);
+    assert_eq!(v["zones"], 2);
+    assert_eq!(v["kv_transfer"]["gbps_within"], 400.0);
+    assert_eq!(v["router_disaggregation"]["kv_transfer_domain"], "zone");
+    let ps = v["policies"].as_array().unwrap();
+    for p in ps {
+        assert_eq!(p["completed"], 400, "{}", p["name"]);
+    }
+    for p in &ps[..2] {
+        assert_eq!(p["fleet"], "4");
+        assert!(p["disaggregation"].is_null());
+    }
+    for p in &ps[2..] {
+        assert_eq!(p["fleet"], "2P+2D");
+        let d = &p["disaggregation"];
+        assert_eq!(d["split_requests"], 400, "{}", p["name"]);
+        assert!(d["transfer_ms"]["p50"].as_f64().unwrap() > 0.0);
+    }
+    let cross = |p: &serde_json::Value| p["disaggregation"]["cross_zone_share"].as_f64().unwrap();
+    // Unconstrained, round robin's decode placement crosses zones about half the time; required
+    // never does.
+    assert!(cross(&ps[2]) > 0.2, "{}", cross(&ps[2]));
+    assert_eq!(cross(&ps[4]), 0.0);
+    assert_eq!(cross(&ps[5]), 0.0);
+    assert_eq!(ps[4]["kv_transfer_topology"], "required");
+    // Decode engines never prefill, so the split fleet's token gaps are steadier than the
+    // aggregated one's, where 2,048-token prefills land in decode steps.
+    let itl99 = |p: &serde_json::Value| p["itl_ms"]["p99"].as_f64().unwrap();
+    assert!(
+        itl99(&ps[3]) < itl99(&ps[1]),
+        "ITL p99: split {} vs aggregated {}",
+        itl99(&ps[3]),
+        itl99(&ps[1])
+    );
+    assert!(
+        stdout.contains("xfer_p50_ms") && stdout.contains("cross_zone"),
+        "{stdout}"
+    );
+
+    // Flags that do not pair up, or name an unknown constraint, are refused by name.
+    for (args, needle) in [
+        (
+            vec!["--prefill-workers", "2"],
+            "--prefill-workers and --decode-workers pair up",
+        ),
+        (
+            vec!["--prefill-workers", "2", "--decode-workers", "0"],
+            "needs at least one of each",
+        ),
+        (
+            vec![
+                "--prefill-workers",
+                "1",
+                "--decode-workers",
+                "1",
+                "--kv-transfer-topology",
+                "strict",
+            ],
+            "--kv-transfer-topology \"strict\"",
+        ),
+        (
+            vec![
+                "--prefill-workers",
+                "1",
+                "--decode-workers",
+                "1",
+                "--kv-transfer-gbps",
+                "0",
+            ],
+            "--kv-transfer-gbps must be a positive number",
+        ),
+        (vec![], "--workers is required"),
+    ] {
+        let mut all = vec![
+            "replay",
+            "--trace",
+            trace.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ];
+        all.extend(args);
+        let o = kvroute(&all);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success(), "{all:?} succeeded");
+        assert!(err.contains(needle), "{all:?}: {err}");
+    }
 }

@@ -374,7 +374,8 @@ impl Engine {
             let cap = (((known - 1) / b) as usize).min(seq.len());
             let hits = self.blocks.cached_prefix(&seq[..cap]) as u32;
             // A transferred request has its prompt's KV (until a preemption loses it): it
-            // allocates the whole prompt and decodes its first token. Anything else computes from
+            // allocates the whole prompt and decodes its first token (a 1-token decode step: the
+            // last prompt token's logits). Anything else computes from
             // its hits on.
             let transferred = r.kind == Kind::Transferred && !r.preempted;
             let (grow_to, n, prefill) = if transferred {
@@ -388,7 +389,7 @@ impl Engine {
                 break;
             }
             self.waiting.pop_front();
-            r.computed = if transferred { known - 1 } else { grow_to };
+            r.computed = grow_to;
             r.running = true;
             if r.generated == 0 {
                 r.hit_tokens = if transferred { 0 } else { hits * b };

@@ -51,6 +51,7 @@
 //!
 //! The plots' text uses an embedded font (Noto Sans), so no system font or fontconfig is needed.
 
+mod cli;
 pub mod engine;
 pub mod plot;
 pub mod report;
@@ -59,7 +60,6 @@ pub mod trace;
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
-use std::process::ExitCode;
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Instant;
@@ -69,14 +69,16 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use kvroute_core::candidate::{CandidateColumns, PolicyRequest};
 use kvroute_core::router::{
-    PolicyLabel, Router, RouterConfig, Scorer, ScorerDecision, ScorerOutcome, Stage,
+    KvTransferEnforcement, PolicyLabel, Router, RouterConfig, Scorer, ScorerDecision,
+    ScorerOutcome, Stage,
 };
 use kvroute_core::workers::TaintNames;
 use kvroute_policy::RegistryScorer;
 use kvroute_policy::{PolicyRegistry, PolicyRuntimeConfig};
 
+pub use cli::{cli_main, plot_label, ReplayArgs};
 pub use report::{PolicyResult, PolicyRun, Results};
-pub use sim::{PreparedTrace, SimConfig, SimOutput};
+pub use sim::{FleetShape, PreparedTrace, SimConfig, SimOutput, TransferModel};
 pub use trace::{LoadOptions, PrefixSynthesis, Trace, TraceFormat, TraceRequest};
 
 /// Makes a fresh scorer for one policy run.
@@ -225,10 +227,11 @@ impl Scorer for RoundRobinScorer {
 /// make the replay unrepeatable.
 pub const REPLAY_POLICY_DEADLINE_US: u64 = 100_000;
 
-/// What every policy run shares.
+/// What every policy run of one configuration shares.
 #[derive(Clone, Debug)]
 pub struct ReplayOptions {
-    pub workers: u32,
+    /// The simulated fleet (aggregated workers, or prefill + decode workers).
+    pub fleet: FleetShape,
     pub sim: SimConfig,
     /// Settings of the router; its block size is forced to the workers'. Its `rng_seed` is
     /// `Some(0)` by default here (repeatable); `None` gives an OS-seeded generator.
@@ -241,7 +244,7 @@ pub struct ReplayOptions {
 impl Default for ReplayOptions {
     fn default() -> Self {
         Self {
-            workers: 8,
+            fleet: FleetShape::Aggregated { workers: 8 },
             sim: SimConfig::default(),
             router: RouterConfig {
                 rng_seed: Some(0),
@@ -290,7 +293,7 @@ pub fn run_policy(
         }
     }
     let t0 = Instant::now();
-    let out = sim::simulate(&router, prepared, opts.workers, &opts.sim, progress)
+    let out = sim::simulate_fleet(&router, prepared, &opts.fleet, &opts.sim, progress)
         .map_err(|e| anyhow!(e))?;
     let wall = t0.elapsed().as_secs_f64();
     let fallbacks = router.counters.fallbacks.load(Relaxed);
@@ -298,6 +301,11 @@ pub fn run_policy(
     let mut run =
         PolicyRun::from_output(name.to_string(), policy.describe(), &out, fallbacks, wall);
     run.result.index_entries = index.held_blocks.iter().sum();
+    run.result.fleet = opts.fleet.label();
+    if let FleetShape::Disaggregated { .. } = opts.fleet {
+        run.result.kv_transfer_topology =
+            Some(enforcement_name(opts.router.disagg.kv_transfer_enforcement).to_string());
+    }
     run.result.index_evicted_entries = index.evicted_entries;
     Ok(run)
 }
@@ -305,252 +313,97 @@ pub fn run_policy(
 /// How long a policy's run goes before its progress bar appears.
 const BAR_AFTER: std::time::Duration = std::time::Duration::from_secs(1);
 
-/// Runs every policy on the same trace and fleet. `show_progress` draws a bar on stderr (only
-/// when stderr is a terminal, and only for a run that has taken [`BAR_AFTER`]).
+fn enforcement_name(e: KvTransferEnforcement) -> &'static str {
+    match e {
+        KvTransferEnforcement::None => "none",
+        KvTransferEnforcement::Preferred => "preferred",
+        KvTransferEnforcement::Required => "required",
+    }
+}
+
+/// What a configuration adds to a run's name when a command replays several: `@ 8` or
+/// `@ 4P+4D/required`.
+fn config_suffix(o: &ReplayOptions) -> String {
+    match o.fleet {
+        FleetShape::Aggregated { .. } => format!(" @ {}", o.fleet.label()),
+        FleetShape::Disaggregated { .. } => format!(
+            " @ {}/{}",
+            o.fleet.label(),
+            enforcement_name(o.router.disagg.kv_transfer_enforcement)
+        ),
+    }
+}
+
+/// Runs every policy on the same trace, once per configuration (fleet shape and router settings).
+/// With several configurations, each run's name says its configuration (`default @ 4P+4D/required`).
+/// `show_progress` draws a bar on stderr (only when stderr is a terminal, and only for a run that
+/// has taken [`BAR_AFTER`]).
 pub fn run(
     trace: &Trace,
-    opts: &ReplayOptions,
+    configs: &[ReplayOptions],
     policies: &[PolicySpec],
     show_progress: bool,
 ) -> Result<Vec<PolicyRun>> {
-    let prepared = PreparedTrace::new(trace, opts.sim.block_size);
+    let Some(first) = configs.first() else {
+        bail!("no configuration to replay");
+    };
+    if configs
+        .iter()
+        .any(|c| c.sim.block_size != first.sim.block_size)
+    {
+        bail!("every configuration of one replay uses the same block size");
+    }
+    let prepared = PreparedTrace::new(trace, first.sim.block_size);
     let mut names: Vec<String> = Vec::new();
-    let mut runs = Vec::with_capacity(policies.len());
-    for p in policies {
-        let mut name = p.name();
-        let mut k = 2;
-        while names.contains(&name) {
-            name = format!("{}-{k}", p.name());
-            k += 1;
-        }
-        names.push(name.clone());
-        // The bar appears only once a run has taken a second: a short replay prints no bar that
-        // flashes and vanishes, a long one shows its progress and time left.
-        let bar = if show_progress && std::io::stderr().is_terminal() {
-            let bar = ProgressBar::with_draw_target(
-                Some(trace.requests.len() as u64),
-                ProgressDrawTarget::hidden(),
-            );
-            bar.set_style(
+    let mut runs = Vec::with_capacity(policies.len() * configs.len());
+    for opts in configs {
+        for p in policies {
+            let base = if configs.len() > 1 {
+                format!("{}{}", p.name(), config_suffix(opts))
+            } else {
+                p.name()
+            };
+            let mut name = base.clone();
+            let mut k = 2;
+            while names.contains(&name) {
+                name = format!("{base}-{k}");
+                k += 1;
+            }
+            names.push(name.clone());
+            // The bar appears only once a run has taken a second: a short replay prints no bar that
+            // flashes and vanishes, a long one shows its progress and time left.
+            let bar = if show_progress && std::io::stderr().is_terminal() {
+                let bar = ProgressBar::with_draw_target(
+                    Some(trace.requests.len() as u64),
+                    ProgressDrawTarget::hidden(),
+                );
+                bar.set_style(
                 ProgressStyle::with_template(
                     "{prefix:>16} [{elapsed_precise}] {wide_bar} {pos}/{len} requests, eta {eta}",
                 )
                 .unwrap_or_else(|_| ProgressStyle::default_bar()),
             );
-            bar.set_prefix(name.clone());
-            Some(bar)
-        } else {
-            None
-        };
-        let started = Instant::now();
-        let mut shown = false;
-        let run = run_policy(&prepared, opts, p, &name, &mut |done| {
-            if let Some(bar) = &bar {
-                if !shown && started.elapsed() >= BAR_AFTER {
-                    bar.set_draw_target(ProgressDrawTarget::stderr());
-                    shown = true;
+                bar.set_prefix(name.clone());
+                Some(bar)
+            } else {
+                None
+            };
+            let started = Instant::now();
+            let mut shown = false;
+            let run = run_policy(&prepared, opts, p, &name, &mut |done| {
+                if let Some(bar) = &bar {
+                    if !shown && started.elapsed() >= BAR_AFTER {
+                        bar.set_draw_target(ProgressDrawTarget::stderr());
+                        shown = true;
+                    }
+                    bar.set_position(done);
                 }
-                bar.set_position(done);
+            })?;
+            if let Some(bar) = bar {
+                bar.finish_and_clear();
             }
-        })?;
-        if let Some(bar) = bar {
-            bar.finish_and_clear();
+            runs.push(run);
         }
-        runs.push(run);
     }
     Ok(runs)
-}
-
-/// `kvroute replay` flags.
-#[derive(clap::Args, Debug, Clone)]
-pub struct ReplayArgs {
-    /// Trace file: Mooncake JSONL, Azure CSV, or token JSONL.
-    #[arg(long)]
-    pub trace: PathBuf,
-    /// Trace format.
-    #[arg(long, value_enum, default_value = "auto")]
-    pub format: TraceFormat,
-    /// Simulated workers (one data-parallel rank each).
-    #[arg(long)]
-    pub workers: u32,
-    /// round-robin | default | FILE.wasm[:CONFIG_JSON]; repeat to compare [default: round-robin
-    /// and default].
-    #[arg(long = "policy")]
-    pub policies: Vec<String>,
-    /// Output directory (created if missing).
-    #[arg(long)]
-    pub out: PathBuf,
-    /// Divide arrival times by this (compress the trace).
-    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
-    pub speedup: f64,
-    /// Keep only the first N requests.
-    #[arg(long)]
-    pub max_requests: Option<usize>,
-    /// Tokens per KV block (engines and router).
-    #[arg(long, default_value_t = 64)]
-    pub block_size: u32,
-    /// Seed of the router's random tie-break and sampling (and, unless --azure-seed is given, of
-    /// the synthesized prefix sharing of Azure traces). Same seed, same results.
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
-    /// Router temperature: 0 picks the lowest cost (random among ties); T > 0 samples with
-    /// `p ∝ exp(-(cost - min) / ((max - min) T))` (docs/SPEC.md §7).
-    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
-    pub temperature: f64,
-    /// Azure traces: seed of the synthesized prefix sharing [default: --seed].
-    #[arg(long)]
-    pub azure_seed: Option<u64>,
-    /// KV blocks per worker.
-    #[arg(long, default_value_t = 16_384)]
-    pub num_gpu_blocks: u32,
-    /// Most requests a worker runs at once.
-    #[arg(long, default_value_t = 256)]
-    pub max_num_seqs: u32,
-    /// Token budget of one engine step.
-    #[arg(long, default_value_t = 8192)]
-    pub max_num_batched_tokens: u32,
-    /// Divide engine step times by this (faster engines).
-    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
-    pub worker_speedup: f64,
-    /// Simulated delay of KV events from an engine to the router, in ms.
-    #[arg(long, default_value_t = 5.0, allow_negative_numbers = true)]
-    pub kv_event_lag_ms: f64,
-    /// Azure traces: number of system prompts to draw from.
-    #[arg(long, default_value_t = 64)]
-    pub azure_prompts: u32,
-    /// Azure traces: Zipf exponent of the system-prompt draw.
-    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
-    pub azure_zipf: f64,
-    /// Azure traces: fraction of each prompt taken from its system prompt.
-    #[arg(long, default_value_t = 0.5, allow_negative_numbers = true)]
-    pub azure_shared_frac: f64,
-    /// Skip the plots.
-    #[arg(long)]
-    pub no_plots: bool,
-    /// Cap the router's index at this many (worker, block) entries, as `limits.max_index_entries`
-    /// does for `kvroute serve` (least recently matched blocks of the largest holders go first).
-    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
-    pub max_index_entries: Option<u64>,
-}
-
-/// The end of the plots' titles: the trace, the fleet and how both were sped up.
-pub fn plot_label(trace: &str, workers: u32, sim: &SimConfig, speedup: f64) -> String {
-    let mut s = format!(
-        "{trace}, {workers} workers × {} KV blocks, arrivals ×{speedup}",
-        sim.num_gpu_blocks
-    );
-    if sim.speedup != 1.0 {
-        s += &format!(", engines ×{}", sim.speedup);
-    }
-    s
-}
-
-/// Entry point of `kvroute replay`.
-pub fn cli_main(args: ReplayArgs) -> ExitCode {
-    match cli_run(args) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e:#}");
-            ExitCode::FAILURE
-        }
-    }
-}
-
-fn cli_run(args: ReplayArgs) -> Result<()> {
-    let policies: Vec<PolicySpec> = if args.policies.is_empty() {
-        vec![PolicySpec::RoundRobin, PolicySpec::Default]
-    } else {
-        args.policies
-            .iter()
-            .map(|s| PolicySpec::parse(s))
-            .collect::<Result<_>>()?
-    };
-    if args.workers == 0 {
-        bail!("--workers must be at least 1");
-    }
-    if args.max_requests == Some(0) {
-        bail!("--max-requests must be at least 1 (leave it out to replay the whole trace)");
-    }
-    if !(args.temperature.is_finite() && args.temperature >= 0.0) {
-        bail!("--temperature must be a finite number >= 0");
-    }
-    let sim = SimConfig {
-        num_gpu_blocks: args.num_gpu_blocks,
-        block_size: args.block_size,
-        max_num_seqs: args.max_num_seqs,
-        max_num_batched_tokens: args.max_num_batched_tokens,
-        speedup: args.worker_speedup,
-        kv_event_lag_ms: args.kv_event_lag_ms,
-        ..SimConfig::default()
-    };
-    sim.validate().map_err(|e| anyhow!(e))?;
-    let load = LoadOptions {
-        format: args.format,
-        max_requests: args.max_requests,
-        speedup: args.speedup,
-        synthesis: PrefixSynthesis {
-            prompts: args.azure_prompts,
-            zipf_s: args.azure_zipf,
-            shared_frac: args.azure_shared_frac,
-            seed: args.azure_seed.unwrap_or(args.seed),
-            ..PrefixSynthesis::default()
-        },
-    };
-    let t0 = Instant::now();
-    let trace = trace::load(&args.trace, &load)?;
-    if trace.format == TraceFormat::Mooncake && 512 % args.block_size != 0 {
-        eprintln!(
-            "warning: --block-size {} does not divide Mooncake's 512-token blocks; blocks straddle hash ids",
-            args.block_size
-        );
-    }
-    eprintln!(
-        "loaded {} ({}): {} requests, {} prompt tokens in {:.2}s",
-        trace.name,
-        trace.format.as_str(),
-        trace.requests.len(),
-        trace.prompt_tokens(),
-        t0.elapsed().as_secs_f64()
-    );
-    std::fs::create_dir_all(&args.out)
-        .with_context(|| format!("cannot create {}", args.out.display()))?;
-    let opts = ReplayOptions {
-        workers: args.workers,
-        sim: sim.clone(),
-        router: RouterConfig {
-            rng_seed: Some(args.seed),
-            default_temperature: args.temperature,
-            ..RouterConfig::default()
-        },
-        max_index_entries: args.max_index_entries,
-    };
-    let runs = run(&trace, &opts, &policies, true)?;
-    for r in &runs {
-        eprintln!(
-            "{}: simulated {:.1}s in {:.2}s wall",
-            r.result.name, r.result.simulated_s, r.result.wall_s
-        );
-    }
-    let mut results = Results::new(
-        &trace,
-        args.workers,
-        &sim,
-        args.speedup,
-        args.max_requests,
-        args.seed,
-        &runs,
-    );
-    results.max_index_entries = args.max_index_entries;
-    let path = args.out.join("results.json");
-    let json = serde_json::to_string_pretty(&results)?;
-    std::fs::write(&path, json + "\n")
-        .with_context(|| format!("cannot write {}", path.display()))?;
-    if !args.no_plots {
-        let label = plot_label(&trace.name, args.workers, &sim, args.speedup);
-        plot::write_plots(&args.out, &runs, &label).map_err(|e| anyhow!("plots: {e}"))?;
-    }
-    print!("{}", report::table(&runs));
-    print!("{}", report::summary(&runs, trace.format.as_str()));
-    eprintln!("wrote {}", args.out.display());
-    Ok(())
 }

@@ -224,15 +224,46 @@ fn cdf_markers(sorted: &[f64], i: usize, n: usize) -> Vec<(f64, f64)> {
         .collect()
 }
 
-fn draw_ttft_cdf<DB: DrawingBackend>(
+/// Which latency a CDF plot draws.
+#[derive(Clone, Copy)]
+enum Series {
+    Ttft,
+    Itl,
+}
+
+impl Series {
+    fn of(self, r: &PolicyRun) -> &[f64] {
+        match self {
+            Series::Ttft => &r.ttft_sorted,
+            Series::Itl => &r.itl_sorted,
+        }
+    }
+
+    fn x_desc(self) -> &'static str {
+        match self {
+            Series::Ttft => "TTFT (ms, log scale)",
+            Series::Itl => "inter-token latency (ms, log scale)",
+        }
+    }
+
+    fn y_desc(self) -> &'static str {
+        match self {
+            Series::Ttft => "fraction of requests",
+            Series::Itl => "fraction of token gaps",
+        }
+    }
+}
+
+fn draw_cdf<DB: DrawingBackend>(
     root: &DrawingArea<DB, Shift>,
     runs: &[PolicyRun],
     title: &str,
+    series: Series,
 ) -> Result<(), String> {
     root.fill(&WHITE).map_err(err)?;
     let root = root.titled(title, (FONT, 20)).map_err(err)?;
     let (left, legend) = root.split_horizontally(SIZE.0 - LEGEND_W);
-    let all = runs.iter().flat_map(|r| r.ttft_sorted.iter().copied());
+    let all = runs.iter().flat_map(|r| series.of(r).iter().copied());
     let (lo, hi) = all
         .filter(|v| *v > 0.0)
         .fold((f64::INFINITY, 0.0f64), |(lo, hi), v| {
@@ -258,8 +289,8 @@ fn draw_ttft_cdf<DB: DrawingBackend>(
         .map_err(err)?;
     chart
         .configure_mesh()
-        .x_desc("TTFT (ms, log scale)")
-        .y_desc("fraction of requests")
+        .x_desc(series.x_desc())
+        .y_desc(series.y_desc())
         .x_label_formatter(&|v| fmt_ms(*v))
         .label_style((FONT, 14))
         .axis_desc_style((FONT, 16))
@@ -270,8 +301,8 @@ fn draw_ttft_cdf<DB: DrawingBackend>(
     let area = chart.plotting_area();
     for (i, r) in runs.iter().enumerate() {
         let l = look(i);
-        draw_line(area, cdf_points(&r.ttft_sorted, 2000), l)?;
-        for p in cdf_markers(&r.ttft_sorted, i, runs.len()) {
+        draw_line(area, cdf_points(series.of(r), 2000), l)?;
+        for p in cdf_markers(series.of(r), i, runs.len()) {
             draw_marker(area, p, l)?;
         }
     }
@@ -328,31 +359,43 @@ fn draw_hit_rate<DB: DrawingBackend>(
 
 /// Writes `ttft_cdf.{png,svg}` and `hit_rate.{png,svg}` into `dir`; returns the paths. `label`
 /// (trace, fleet, speedup) ends both titles.
+fn draw_one<DB: DrawingBackend>(
+    root: &DrawingArea<DB, Shift>,
+    runs: &[PolicyRun],
+    which: usize,
+    title: &str,
+) -> Result<(), String> {
+    match which {
+        0 => draw_cdf(root, runs, title, Series::Ttft),
+        1 => draw_cdf(root, runs, title, Series::Itl),
+        _ => draw_hit_rate(root, runs, title),
+    }
+}
+
 pub fn write_plots(dir: &Path, runs: &[PolicyRun], label: &str) -> Result<Vec<PathBuf>, String> {
     ensure_font()?;
     let mut written = Vec::new();
-    let ttft_title = format!("TTFT CDF — {label}");
-    let hit_title = format!("Token hit rate over time — {label}");
-    for (stem, which) in [("ttft_cdf", 0), ("hit_rate", 1)] {
+    let titles = [
+        format!("TTFT CDF — {label}"),
+        format!("Inter-token latency CDF — {label}"),
+        format!("Token hit rate over time — {label}"),
+    ];
+    for (stem, which) in [("ttft_cdf", 0), ("itl_cdf", 1), ("hit_rate", 2)] {
         let svg = dir.join(format!("{stem}.svg"));
-        {
-            let root = SVGBackend::new(&svg, SIZE).into_drawing_area();
-            if which == 0 {
-                draw_ttft_cdf(&root, runs, &ttft_title)?;
-            } else {
-                draw_hit_rate(&root, runs, &hit_title)?;
-            }
-        }
+        draw_one(
+            &SVGBackend::new(&svg, SIZE).into_drawing_area(),
+            runs,
+            which,
+            &titles[which],
+        )?;
         written.push(svg);
         let png = dir.join(format!("{stem}.png"));
-        {
-            let root = BitMapBackend::new(&png, SIZE).into_drawing_area();
-            if which == 0 {
-                draw_ttft_cdf(&root, runs, &ttft_title)?;
-            } else {
-                draw_hit_rate(&root, runs, &hit_title)?;
-            }
-        }
+        draw_one(
+            &BitMapBackend::new(&png, SIZE).into_drawing_area(),
+            runs,
+            which,
+            &titles[which],
+        )?;
         written.push(png);
     }
     Ok(written)

@@ -56,6 +56,12 @@ pub fn coefficient_of_variation(values: &[f64]) -> f64 {
 #[derive(Clone, Debug, Serialize)]
 pub struct PolicyResult {
     pub name: String,
+    /// The fleet this run simulated: `8` (aggregated workers) or `4P+4D` (prefill + decode
+    /// workers, with `, 2 zones` when zoned).
+    pub fleet: String,
+    /// Disaggregated fleets: how the KV transfer constrained the decode worker (`none`,
+    /// `preferred`, `required`).
+    pub kv_transfer_topology: Option<String>,
     /// What was asked for on the command line (`round-robin`, `default`, a path...).
     pub spec: String,
     /// Requests in the trace.
@@ -93,10 +99,29 @@ pub struct PolicyResult {
     pub index_evicted_entries: u64,
     /// Router or worker refusals by code.
     pub errors: std::collections::BTreeMap<String, u64>,
+    /// Disaggregated fleets: the split requests and their KV transfers.
+    pub disaggregation: Option<DisaggFigures>,
     /// Simulated time from the first arrival to the last event.
     pub simulated_s: f64,
     /// Wall-clock time of this policy's simulation.
     pub wall_s: f64,
+}
+
+/// What the split requests of a disaggregated fleet did.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct DisaggFigures {
+    /// Requests computed on a prefill worker and decoded on another.
+    pub split_requests: usize,
+    /// Requests a bypass rule kept whole on their decode worker.
+    pub bypassed_requests: usize,
+    /// Requests the router routed whole for another reason (no prefill worker eligible).
+    pub aggregated_requests: usize,
+    /// Prefill end to the KV's arrival on the decode engine (waiting for the link included),
+    /// over split requests that got that far.
+    pub transfer_ms: Latency,
+    /// Split requests whose KV crossed zones / split requests.
+    pub cross_zone_share: f64,
+    pub cross_zone_transfers: usize,
 }
 
 /// A policy's result plus the series the plots need.
@@ -105,9 +130,14 @@ pub struct PolicyRun {
     pub result: PolicyResult,
     /// Sorted TTFTs (ms).
     pub ttft_sorted: Vec<f64>,
+    /// Sorted inter-token gaps (ms), thinned to at most [`ITL_SAMPLE`] evenly ranked points.
+    pub itl_sorted: Vec<f64>,
     /// (bucket centre in s, token hit rate of requests arriving in the bucket).
     pub hit_rate_series: Vec<(f64, f64)>,
 }
+
+/// Points kept of the ITL distribution for the plots (results.json has the exact percentiles).
+pub const ITL_SAMPLE: usize = 4001;
 
 /// Buckets of the hit-rate-over-time plot.
 pub const HIT_RATE_BUCKETS: usize = 50;
@@ -169,8 +199,51 @@ impl PolicyRun {
             .map(|(i, (h, p))| ((i as f64 + 0.5) * width / 1000.0, *h as f64 / *p as f64))
             .collect();
 
+        let split = out
+            .requests
+            .iter()
+            .filter(|o| o.prefill_worker.is_some())
+            .count();
+        let mut xfer: Vec<f64> = out
+            .requests
+            .iter()
+            .map(|o| o.transfer_ms)
+            .filter(|t| t.is_finite())
+            .collect();
+        xfer.sort_by(f64::total_cmp);
+        let cross = out
+            .requests
+            .iter()
+            .filter(|o| o.cross_zone == Some(true))
+            .count();
+        let disaggregation = out.disaggregated.then(|| DisaggFigures {
+            split_requests: split,
+            bypassed_requests: out.requests.iter().filter(|o| o.bypassed).count(),
+            aggregated_requests: out
+                .requests
+                .iter()
+                .filter(|o| o.worker.is_some() && o.prefill_worker.is_none() && !o.bypassed)
+                .count(),
+            transfer_ms: latency(&xfer),
+            cross_zone_share: if split == 0 {
+                0.0
+            } else {
+                cross as f64 / split as f64
+            },
+            cross_zone_transfers: cross,
+        });
+        let itl_sorted = if itl.len() <= ITL_SAMPLE {
+            itl.clone()
+        } else {
+            (0..ITL_SAMPLE)
+                .map(|k| itl[k * (itl.len() - 1) / (ITL_SAMPLE - 1)])
+                .collect()
+        };
+
         let result = PolicyResult {
             name,
+            fleet: String::new(),
+            kv_transfer_topology: None,
             spec,
             requests: out.requests.len(),
             completed,
@@ -204,12 +277,14 @@ impl PolicyRun {
             index_entries: 0,
             index_evicted_entries: 0,
             errors,
+            disaggregation,
             simulated_s: span_s,
             wall_s,
         };
         Self {
             result,
             ttft_sorted: ttft,
+            itl_sorted,
             hit_rate_series,
         }
     }
@@ -234,6 +309,13 @@ pub struct Results {
     pub seed: u64,
     /// Prefix-sharing parameters, for traces whose prompts were synthesized (Azure).
     pub prefix_synthesis: Option<PrefixSynthesis>,
+    /// Disaggregated fleets: zones the workers were spread over.
+    pub zones: Option<u32>,
+    /// Disaggregated fleets: the KV transfer model.
+    pub kv_transfer: Option<crate::sim::TransferModel>,
+    /// Disaggregated fleets: the router's `[disaggregation]` settings (the transfer constraint
+    /// varies by run: each run's `kv_transfer_topology`).
+    pub router_disaggregation: Option<kvroute_core::router::DisaggConfig>,
     /// How each figure is defined.
     pub definitions: Definitions,
     pub policies: Vec<PolicyResult>,
@@ -283,13 +365,17 @@ impl Results {
             max_index_entries: None,
             seed,
             prefix_synthesis: trace.synthesis,
+            zones: None,
+            kv_transfer: None,
+            router_disaggregation: None,
             definitions: Definitions::default(),
             policies: runs.iter().map(|r| r.result.clone()).collect(),
         }
     }
 }
 
-/// The results as a fixed-width table; every column says its unit.
+/// The results as a fixed-width table; every column says its unit. Runs on a disaggregated fleet
+/// add the KV transfer's median and the share of transfers that crossed zones.
 pub fn table(runs: &[PolicyRun]) -> String {
     let mut s = String::new();
     let w = runs
@@ -298,7 +384,8 @@ pub fn table(runs: &[PolicyRun]) -> String {
         .max()
         .unwrap_or(0)
         .max(12);
-    let _ = writeln!(
+    let split = runs.iter().any(|r| r.result.disaggregation.is_some());
+    let _ = write!(
         s,
         "{:<w$} {:>9} {:>8} {:>11} {:>11} {:>11} {:>10} {:>10} {:>10} {:>8} {:>7}",
         "policy",
@@ -313,9 +400,13 @@ pub fn table(runs: &[PolicyRun]) -> String {
         "load_cov",
         "wall_s"
     );
+    if split {
+        let _ = write!(s, " {:>11} {:>10}", "xfer_p50_ms", "cross_zone");
+    }
+    s.push('\n');
     for r in runs {
         let r = &r.result;
-        let _ = writeln!(
+        let _ = write!(
             s,
             "{:<w$} {:>9} {:>7.1}% {:>11.1} {:>11.1} {:>11.1} {:>10.2} {:>10.2} {:>10.1} {:>8.3} {:>7.2}",
             r.name,
@@ -330,6 +421,22 @@ pub fn table(runs: &[PolicyRun]) -> String {
             r.load_cov,
             r.wall_s
         );
+        if split {
+            match &r.disaggregation {
+                Some(d) => {
+                    let _ = write!(
+                        s,
+                        " {:>11.1} {:>9.1}%",
+                        d.transfer_ms.p50,
+                        d.cross_zone_share * 100.0
+                    );
+                }
+                None => {
+                    let _ = write!(s, " {:>11} {:>10}", "-", "-");
+                }
+            }
+        }
+        s.push('\n');
     }
     s
 }
@@ -339,13 +446,20 @@ pub fn table(runs: &[PolicyRun]) -> String {
 /// left to be read off the columns. On an Azure trace it recalls that the prefix sharing was
 /// synthesized (the trace has lengths only). Empty without a round-robin run.
 pub fn summary(runs: &[PolicyRun], trace_format: &str) -> String {
-    let Some(rr) = runs.iter().find(|r| r.result.spec == "round-robin") else {
-        return String::new();
-    };
-    let rr = &rr.result;
     let mut s = String::new();
     let mut lost = false;
-    for r in runs.iter().map(|r| &r.result).filter(|r| r.name != rr.name) {
+    // Each run is compared with round robin on the same fleet (and KV transfer constraint).
+    for r in runs.iter().map(|r| &r.result) {
+        let Some(rr) = runs.iter().map(|r| &r.result).find(|x| {
+            x.spec == "round-robin"
+                && x.fleet == r.fleet
+                && x.kv_transfer_topology == r.kv_transfer_topology
+        }) else {
+            continue;
+        };
+        if rr.name == r.name {
+            continue;
+        }
         let pairs = [
             ("p50", rr.ttft_ms.p50, r.ttft_ms.p50),
             ("p90", rr.ttft_ms.p90, r.ttft_ms.p90),

@@ -205,6 +205,8 @@ pub struct SimOutput {
     pub kv_events_applied: u64,
     /// Simulated time of the last event.
     pub end_ms: f64,
+    /// The fleet had prefill and decode workers.
+    pub disaggregated: bool,
 }
 
 /// The KV transfer of a disaggregated fleet.
@@ -287,22 +289,13 @@ impl FleetShape {
         }
     }
 
-    /// `8` or `4P+4D` (plus `, 2 zones`).
+    /// `8` or `4P+4D`.
     pub fn label(&self) -> String {
         match self {
             FleetShape::Aggregated { workers } => format!("{workers}"),
             FleetShape::Disaggregated {
-                prefill,
-                decode,
-                zones,
-                ..
-            } => {
-                let mut s = format!("{prefill}P+{decode}D");
-                if *zones > 1 {
-                    s += &format!(", {zones} zones");
-                }
-                s
-            }
+                prefill, decode, ..
+            } => format!("{prefill}P+{decode}D"),
         }
     }
 
@@ -527,7 +520,10 @@ impl Fleet<'_, '_> {
         for t in tokens.drain(..) {
             let i = t.id as usize;
             match self.split[i] {
-                Some(s) if s.prefill == w => self.prefill_done(i, s, now),
+                Some(s) if s.prefill == w => {
+                    self.out.requests[i].hit_tokens = t.hit_tokens;
+                    self.prefill_done(i, s, now)
+                }
                 _ => self.token(i, t, now),
             }
         }
@@ -576,7 +572,6 @@ impl Fleet<'_, '_> {
         self.link_free_ms[s.decode as usize] = end;
         s.prefill_done_ms = now;
         self.split[i] = Some(s);
-        // The engine's hit is the prefill engine's.
         self.due
             .push(Reverse((Time(end), Due::TransferDone(i as u32))));
     }
@@ -744,6 +739,7 @@ pub fn simulate_fleet(
     let mut out = fleet.out;
     out.workers = fleet.engines.iter().map(Engine::stats).collect();
     out.end_ms = now;
+    out.disaggregated = matches!(shape, FleetShape::Disaggregated { .. });
     Ok(out)
 }
 
@@ -751,120 +747,4 @@ pub fn simulate_fleet(
 pub const ZONE_DOMAIN: &str = "zone";
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::trace::TraceRequest;
-    use kvroute_core::router::RouterConfig;
-
-    fn trace(reqs: Vec<(f64, Vec<u32>, u32)>) -> Trace {
-        Trace::from_requests(
-            "t",
-            reqs.into_iter()
-                .map(|(t, tokens, out)| TraceRequest {
-                    arrival_ms: t,
-                    tokens,
-                    output_len: out,
-                })
-                .collect(),
-        )
-    }
-
-    fn run(t: &Trace, workers: u32, cfg: &SimConfig) -> (SimOutput, Router) {
-        let router = Router::new(RouterConfig {
-            block_size: cfg.block_size,
-            ..Default::default()
-        })
-        .unwrap();
-        let p = PreparedTrace::new(t, cfg.block_size);
-        let out = simulate(&router, &p, workers, cfg, &mut |_| {}).unwrap();
-        (out, router)
-    }
-
-    #[test]
-    fn one_request_timing_matches_the_model() {
-        let cfg = SimConfig {
-            block_size: 16,
-            ..Default::default()
-        };
-        let t = trace(vec![(0.0, (0..100).collect(), 3)]);
-        let (out, router) = run(&t, 1, &cfg);
-        let o = &out.requests[0];
-        let ttft = cfg.prefill_ms(100);
-        assert!((o.first_token_ms - ttft).abs() < 1e-9);
-        // Two decode steps at u = 7 blocks (6 full + 1 private) / 16384.
-        let u = 7.0 / 16384.0;
-        assert!((o.done_ms - ttft - 2.0 * cfg.decode_ms(u)).abs() < 1e-6);
-        assert_eq!(out.itl_ms.len(), 2);
-        assert_eq!(o.output_tokens, 3);
-        // Six full blocks were stored and nothing is booked any more.
-        assert_eq!(out.kv_events_rejected, 0);
-        assert_eq!(router.indexer().stats().held_blocks[0], 6);
-        assert_eq!(router.active_bookings(), 0);
-    }
-
-    #[test]
-    fn chunked_prefill_and_prefix_hits() {
-        let cfg = SimConfig {
-            block_size: 16,
-            max_num_batched_tokens: 64,
-            ..Default::default()
-        };
-        let a: Vec<u32> = (0..200).collect();
-        let mut b = a[..160].to_vec();
-        b.extend(1000..1040);
-        let t = trace(vec![(0.0, a, 1), (10_000.0, b, 1)]);
-        let (out, _) = run(&t, 1, &cfg);
-        // 200 tokens in chunks of 64: 4 steps (64, 64, 64, 8).
-        let ttft = 3.0 * cfg.prefill_ms(64) + cfg.prefill_ms(8);
-        assert!((out.requests[0].first_token_ms - ttft).abs() < 1e-6);
-        assert_eq!(out.requests[0].hit_tokens, 0);
-        assert_eq!(out.requests[1].hit_tokens, 160);
-        assert_eq!(out.workers[0].prefill_tokens, 200 + 40);
-    }
-
-    #[test]
-    fn eviction_is_lru_tail_first_and_reported() {
-        // Room for 8 blocks of 16 tokens.
-        let cfg = SimConfig {
-            block_size: 16,
-            num_gpu_blocks: 8,
-            ..Default::default()
-        };
-        let a: Vec<u32> = (0..65).collect(); // 4 full blocks + tail
-        let b: Vec<u32> = (100..165).collect(); // 4 full blocks + tail
-        let c: Vec<u32> = (200..233).collect(); // 2 full blocks + tail
-        let t = trace(vec![
-            (0.0, a.clone(), 1),
-            (1000.0, b, 1),
-            (2000.0, c, 1),
-            (3000.0, a, 1),
-        ]);
-        let (out, router) = run(&t, 1, &cfg);
-        assert!(out.requests.iter().all(|o| o.error.is_none()));
-        // c needs 3 blocks: a's last 3 (tail first) are evicted, a's first block survives.
-        assert_eq!(out.requests[3].hit_tokens, 16);
-        assert_eq!(out.kv_events_rejected, 0);
-        assert!(out.workers[0].evicted_blocks >= 3);
-        let _ = router;
-    }
-
-    #[test]
-    fn too_long_requests_are_refused() {
-        let cfg = SimConfig {
-            block_size: 16,
-            num_gpu_blocks: 4,
-            ..Default::default()
-        };
-        let t = trace(vec![
-            (0.0, (0..100).collect(), 1),
-            (1.0, (0..10).collect(), 2),
-        ]);
-        let (out, router) = run(&t, 1, &cfg);
-        assert_eq!(
-            out.requests[0].error.as_deref(),
-            Some("exceeds_kv_capacity")
-        );
-        assert!(out.requests[1].error.is_none());
-        assert_eq!(router.active_bookings(), 0);
-    }
-}
+mod tests;

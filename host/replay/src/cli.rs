@@ -1,0 +1,362 @@
+//! `kvroute replay`'s command line: flags, their checks, and the run from trace to `results.json`,
+//! plots and the table. The library ([`crate::run`]) knows nothing of flags.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use anyhow::{anyhow, bail, Context, Result};
+
+use kvroute_core::router::{BypassRule, DisaggConfig, KvTransferEnforcement, RouterConfig};
+
+use crate::sim::ZONE_DOMAIN;
+use crate::{
+    plot, report, run, trace, FleetShape, LoadOptions, PolicySpec, PrefixSynthesis, ReplayOptions,
+    Results, SimConfig, TraceFormat, TransferModel,
+};
+
+/// `kvroute replay` flags.
+#[derive(clap::Args, Debug, Clone)]
+pub struct ReplayArgs {
+    /// Trace file: Mooncake JSONL, Azure CSV, or token JSONL.
+    #[arg(long)]
+    pub trace: PathBuf,
+    /// Trace format.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub format: TraceFormat,
+    /// Simulated workers of the aggregated fleet, one data-parallel rank each [default with
+    /// --prefill-workers: the prefill and decode workers' total, so both fleets compare].
+    #[arg(long)]
+    pub workers: Option<u32>,
+    /// A disaggregated fleet: this many prefill workers (pairs with --decode-workers; repeat
+    /// both to compare several splits, e.g. 4+4 and 2+6).
+    #[arg(long = "prefill-workers")]
+    pub prefill_workers: Vec<u32>,
+    /// A disaggregated fleet: this many decode workers (pairs with --prefill-workers).
+    #[arg(long = "decode-workers")]
+    pub decode_workers: Vec<u32>,
+    /// Disaggregated fleets: how the prefill worker's zone constrains the decode worker, one run
+    /// each: none, preferred, required (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "none")]
+    pub kv_transfer_topology: Vec<String>,
+    /// Disaggregated fleets: zones the workers are spread over (prefill and decode workers each
+    /// round-robin).
+    #[arg(long, default_value_t = 1)]
+    pub zones: u32,
+    /// KV transfer speed inside a zone, gigabits per second.
+    #[arg(long, default_value_t = 400.0, allow_negative_numbers = true)]
+    pub kv_transfer_gbps: f64,
+    /// KV transfer speed across zones, gigabits per second.
+    #[arg(long, default_value_t = 50.0, allow_negative_numbers = true)]
+    pub kv_transfer_cross_gbps: f64,
+    /// KV bytes per prompt token (default: an 8B model, 32 layers x 8 KV heads x 128 x 2 x 2 B).
+    #[arg(long, default_value_t = 131_072)]
+    pub kv_bytes_per_token: u64,
+    /// Fixed cost of one KV transfer, ms.
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
+    pub kv_transfer_latency_ms: f64,
+    /// Disaggregated fleets: the bypass rule that keeps a prefill on its decode worker (never,
+    /// isl_bounding, prefill_load, isl_or_load; Dynamo's thresholds).
+    #[arg(long, default_value = "never")]
+    pub disagg_bypass: String,
+    /// With --prefill-workers: do not replay the aggregated fleet beside the disaggregated ones.
+    #[arg(long)]
+    pub no_aggregated: bool,
+    /// round-robin | default | FILE.wasm[:CONFIG_JSON]; repeat to compare [default: round-robin
+    /// and default].
+    #[arg(long = "policy")]
+    pub policies: Vec<String>,
+    /// Output directory (created if missing).
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Divide arrival times by this (compress the trace).
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
+    pub speedup: f64,
+    /// Keep only the first N requests.
+    #[arg(long)]
+    pub max_requests: Option<usize>,
+    /// Tokens per KV block (engines and router).
+    #[arg(long, default_value_t = 64)]
+    pub block_size: u32,
+    /// Seed of the router's random tie-break and sampling (and, unless --azure-seed is given, of
+    /// the synthesized prefix sharing of Azure traces). Same seed, same results.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Router temperature: 0 picks the lowest cost (random among ties); T > 0 samples with
+    /// `p ∝ exp(-(cost - min) / ((max - min) T))` (docs/SPEC.md §7).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    pub temperature: f64,
+    /// Azure traces: seed of the synthesized prefix sharing [default: --seed].
+    #[arg(long)]
+    pub azure_seed: Option<u64>,
+    /// KV blocks per worker.
+    #[arg(long, default_value_t = 16_384)]
+    pub num_gpu_blocks: u32,
+    /// Most requests a worker runs at once.
+    #[arg(long, default_value_t = 256)]
+    pub max_num_seqs: u32,
+    /// Token budget of one engine step.
+    #[arg(long, default_value_t = 8192)]
+    pub max_num_batched_tokens: u32,
+    /// Divide engine step times by this (faster engines).
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
+    pub worker_speedup: f64,
+    /// Simulated delay of KV events from an engine to the router, in ms.
+    #[arg(long, default_value_t = 5.0, allow_negative_numbers = true)]
+    pub kv_event_lag_ms: f64,
+    /// Azure traces: number of system prompts to draw from.
+    #[arg(long, default_value_t = 64)]
+    pub azure_prompts: u32,
+    /// Azure traces: Zipf exponent of the system-prompt draw.
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
+    pub azure_zipf: f64,
+    /// Azure traces: fraction of each prompt taken from its system prompt.
+    #[arg(long, default_value_t = 0.5, allow_negative_numbers = true)]
+    pub azure_shared_frac: f64,
+    /// Skip the plots.
+    #[arg(long)]
+    pub no_plots: bool,
+    /// Cap the router's index at this many (worker, block) entries, as `limits.max_index_entries`
+    /// does for `kvroute serve` (least recently matched blocks of the largest holders go first).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_index_entries: Option<u64>,
+}
+
+/// The end of the plots' titles: the trace, the fleet and how both were sped up.
+pub fn plot_label(trace: &str, workers: u32, sim: &SimConfig, speedup: f64) -> String {
+    let mut s = format!(
+        "{trace}, {workers} workers × {} KV blocks, arrivals ×{speedup}",
+        sim.num_gpu_blocks
+    );
+    if sim.speedup != 1.0 {
+        s += &format!(", engines ×{}", sim.speedup);
+    }
+    s
+}
+
+/// Entry point of `kvroute replay`.
+pub fn cli_main(args: ReplayArgs) -> ExitCode {
+    match cli_run(args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn cli_run(args: ReplayArgs) -> Result<()> {
+    let policies: Vec<PolicySpec> = if args.policies.is_empty() {
+        vec![PolicySpec::RoundRobin, PolicySpec::Default]
+    } else {
+        args.policies
+            .iter()
+            .map(|s| PolicySpec::parse(s))
+            .collect::<Result<_>>()?
+    };
+    let base_router = RouterConfig {
+        rng_seed: Some(args.seed),
+        default_temperature: args.temperature,
+        ..RouterConfig::default()
+    };
+    let configs = configurations(&args, &base_router)?;
+    let workers = configs.iter().map(|c| c.fleet.workers()).max().unwrap_or(0);
+    if args.max_requests == Some(0) {
+        bail!("--max-requests must be at least 1 (leave it out to replay the whole trace)");
+    }
+    if !(args.temperature.is_finite() && args.temperature >= 0.0) {
+        bail!("--temperature must be a finite number >= 0");
+    }
+    let sim = SimConfig {
+        num_gpu_blocks: args.num_gpu_blocks,
+        block_size: args.block_size,
+        max_num_seqs: args.max_num_seqs,
+        max_num_batched_tokens: args.max_num_batched_tokens,
+        speedup: args.worker_speedup,
+        kv_event_lag_ms: args.kv_event_lag_ms,
+        ..SimConfig::default()
+    };
+    sim.validate().map_err(|e| anyhow!(e))?;
+    let load = LoadOptions {
+        format: args.format,
+        max_requests: args.max_requests,
+        speedup: args.speedup,
+        synthesis: PrefixSynthesis {
+            prompts: args.azure_prompts,
+            zipf_s: args.azure_zipf,
+            shared_frac: args.azure_shared_frac,
+            seed: args.azure_seed.unwrap_or(args.seed),
+            ..PrefixSynthesis::default()
+        },
+    };
+    let t0 = Instant::now();
+    let trace = trace::load(&args.trace, &load)?;
+    if trace.format == TraceFormat::Mooncake && 512 % args.block_size != 0 {
+        eprintln!(
+            "warning: --block-size {} does not divide Mooncake's 512-token blocks; blocks straddle hash ids",
+            args.block_size
+        );
+    }
+    eprintln!(
+        "loaded {} ({}): {} requests, {} prompt tokens in {:.2}s",
+        trace.name,
+        trace.format.as_str(),
+        trace.requests.len(),
+        trace.prompt_tokens(),
+        t0.elapsed().as_secs_f64()
+    );
+    std::fs::create_dir_all(&args.out)
+        .with_context(|| format!("cannot create {}", args.out.display()))?;
+    let configs: Vec<ReplayOptions> = configs
+        .into_iter()
+        .map(|c| ReplayOptions {
+            sim: sim.clone(),
+            max_index_entries: args.max_index_entries,
+            ..c
+        })
+        .collect();
+    let runs = run(&trace, &configs, &policies, true)?;
+    for r in &runs {
+        eprintln!(
+            "{}: simulated {:.1}s in {:.2}s wall",
+            r.result.name, r.result.simulated_s, r.result.wall_s
+        );
+    }
+    let mut results = Results::new(
+        &trace,
+        workers,
+        &sim,
+        args.speedup,
+        args.max_requests,
+        args.seed,
+        &runs,
+    );
+    results.max_index_entries = args.max_index_entries;
+    if let Some(c) = configs
+        .iter()
+        .find(|c| matches!(c.fleet, FleetShape::Disaggregated { .. }))
+    {
+        if let FleetShape::Disaggregated {
+            zones, transfer, ..
+        } = &c.fleet
+        {
+            results.zones = Some(*zones);
+            results.kv_transfer = Some(transfer.clone());
+        }
+        results.router_disaggregation = Some(c.router.disagg.clone());
+    }
+    let path = args.out.join("results.json");
+    let json = serde_json::to_string_pretty(&results)?;
+    std::fs::write(&path, json + "\n")
+        .with_context(|| format!("cannot write {}", path.display()))?;
+    if !args.no_plots {
+        let label = plot_label(&trace.name, workers, &sim, args.speedup);
+        plot::write_plots(&args.out, &runs, &label).map_err(|e| anyhow!("plots: {e}"))?;
+    }
+    print!("{}", report::table(&runs));
+    print!("{}", report::summary(&runs, trace.format.as_str()));
+    eprintln!("wrote {}", args.out.display());
+    Ok(())
+}
+
+/// The fleets and router settings one command replays: the aggregated fleet (unless
+/// `--no-aggregated`), then each prefill/decode split under each KV transfer constraint.
+fn configurations(args: &ReplayArgs, base: &RouterConfig) -> Result<Vec<ReplayOptions>> {
+    if args.prefill_workers.len() != args.decode_workers.len() {
+        bail!(
+            "--prefill-workers and --decode-workers pair up: got {} of the first and {} of the second",
+            args.prefill_workers.len(),
+            args.decode_workers.len()
+        );
+    }
+    let splits: Vec<(u32, u32)> = args
+        .prefill_workers
+        .iter()
+        .copied()
+        .zip(args.decode_workers.iter().copied())
+        .collect();
+    if let Some((p, d)) = splits.iter().find(|(p, d)| *p == 0 || *d == 0) {
+        bail!("--prefill-workers {p} --decode-workers {d}: a disaggregated fleet needs at least one of each");
+    }
+    if args.zones == 0 {
+        bail!("--zones must be at least 1");
+    }
+    let transfer = TransferModel {
+        gbps_within: args.kv_transfer_gbps,
+        gbps_cross: args.kv_transfer_cross_gbps,
+        bytes_per_token: args.kv_bytes_per_token,
+        latency_ms: args.kv_transfer_latency_ms,
+    };
+    let bypass = match args.disagg_bypass.as_str() {
+        "never" => BypassRule::Never,
+        "isl_bounding" => BypassRule::IslBounding,
+        "prefill_load" => BypassRule::PrefillLoad,
+        "isl_or_load" => BypassRule::IslOrLoad,
+        other => bail!(
+            "--disagg-bypass {other:?}: expected never, isl_bounding, prefill_load or isl_or_load"
+        ),
+    };
+    let mut modes = Vec::new();
+    for m in &args.kv_transfer_topology {
+        let m = match m.trim() {
+            "none" => KvTransferEnforcement::None,
+            "preferred" => KvTransferEnforcement::Preferred,
+            "required" => KvTransferEnforcement::Required,
+            other => {
+                bail!("--kv-transfer-topology {other:?}: expected none, preferred or required")
+            }
+        };
+        if !modes.contains(&m) {
+            modes.push(m);
+        }
+    }
+    let mut configs = Vec::new();
+    let aggregated = match (args.workers, splits.first()) {
+        (Some(0), _) => bail!("--workers must be at least 1"),
+        (Some(w), _) => Some(w),
+        (None, Some((p, d))) => Some(p + d),
+        (None, None) => bail!("--workers is required (or --prefill-workers with --decode-workers)"),
+    };
+    if splits.is_empty() || !args.no_aggregated {
+        if let Some(workers) = aggregated {
+            configs.push(ReplayOptions {
+                fleet: FleetShape::Aggregated { workers },
+                router: base.clone(),
+                ..ReplayOptions::default()
+            });
+        }
+    }
+    for (prefill, decode) in splits {
+        for &mode in &modes {
+            let fleet = FleetShape::Disaggregated {
+                prefill,
+                decode,
+                zones: args.zones,
+                transfer: transfer.clone(),
+            };
+            let disagg = DisaggConfig {
+                kv_transfer_domain: Some(ZONE_DOMAIN.to_string()),
+                kv_transfer_enforcement: mode,
+                bypass,
+                ..DisaggConfig::default()
+            };
+            disagg
+                .validate()
+                .map_err(|e| anyhow!("disaggregation settings: {e}"))?;
+            configs.push(ReplayOptions {
+                fleet,
+                router: RouterConfig {
+                    disagg,
+                    ..base.clone()
+                },
+                ..ReplayOptions::default()
+            });
+        }
+    }
+    for c in &configs {
+        if let FleetShape::Disaggregated { transfer, .. } = &c.fleet {
+            transfer.validate().map_err(|e| anyhow!(e))?;
+        }
+    }
+    Ok(configs)
+}
