@@ -50,10 +50,18 @@ fn encode(c: &mut Criterion) {
         std::fs::write(dir.join(format!("prompt_{label}.txt")), &text).unwrap();
         let rendered = model.render_chat(&body).unwrap();
         std::fs::write(dir.join(format!("chat_{label}.txt")), &rendered).unwrap();
-        let tokens = model.encode(&text, true).unwrap().len();
+        let ids = model.encode(&text, true).unwrap();
+        let chat_ids = model.chat_tokens(&body).unwrap();
+        // The ids too, so the Python side checks it computes the same tokens.
+        let write_ids = |name: String, ids: &[u32]| {
+            std::fs::write(dir.join(name), serde_json::to_string(ids).unwrap()).unwrap()
+        };
+        write_ids(format!("prompt_{label}.ids.json"), &ids);
+        write_ids(format!("chat_{label}.ids.json"), &chat_ids);
+        let tokens = ids.len();
         eprintln!(
             "{label}: {tokens} prompt tokens, {} chat tokens, {} bytes",
-            model.chat_tokens(&body).unwrap().len(),
+            chat_ids.len(),
             text.len()
         );
         group.throughput(Throughput::Elements(tokens as u64));
