@@ -182,6 +182,10 @@ struct ServeArgs {
     /// Threads serving HTTP connections; 0 = one per CPU [default: 0].
     #[arg(long, env = "KVROUTE_HTTP_THREADS")]
     http_threads: Option<usize>,
+    /// Serve the OpenAI-compatible proxy (/v1/completions, /v1/chat/completions, /v1/models):
+    /// tokenize, route, book and forward to the chosen worker's `endpoint` (needs [models.NAME]).
+    #[arg(long, env = "KVROUTE_PROXY")]
+    proxy: bool,
 }
 
 impl ServeArgs {
@@ -222,6 +226,9 @@ impl ServeArgs {
         }
         if let Some(v) = self.http_threads {
             c.http_threads = v;
+        }
+        if self.proxy {
+            c.proxy.enabled = true;
         }
         c.validate()?;
         Ok(c)

@@ -53,6 +53,12 @@ pub struct WorkerSpec {
     /// Where the worker sits (domain → value); each entry is the derived taint
     /// `topology/<domain>=<value>`.
     pub topology: Topology,
+    /// The engine's OpenAI-compatible server (`http://HOST:PORT`), where `kvroute serve --proxy`
+    /// forwards the requests routed to this worker. The routing core never reads it.
+    pub endpoint: Option<String>,
+    /// The model the worker serves (a `[models.NAME]` of the proxy); the proxy routes a request
+    /// for model M among the workers serving M.
+    pub model: Option<String>,
 }
 
 impl Default for WorkerSpec {
@@ -66,6 +72,8 @@ impl Default for WorkerSpec {
             kv_events: None,
             role: Role::Both,
             topology: Topology::new(),
+            endpoint: None,
+            model: None,
         }
     }
 }
@@ -109,6 +117,38 @@ fn spec_error(field: impl Into<String>, message: impl Into<String>) -> SpecError
     }
 }
 
+/// Longest model name a worker may declare.
+pub const MAX_MODEL_NAME_LEN: usize = 256;
+
+/// A worker's `endpoint`: `http://HOST:PORT` with an optional path prefix (the proxy appends
+/// `/v1/...`). Plain HTTP only: engines sit on a private network next to the router.
+fn validate_endpoint(endpoint: Option<&str>) -> Result<(), SpecError> {
+    let Some(e) = endpoint else {
+        return Ok(());
+    };
+    let bad = |why: &str| Err(spec_error("endpoint", why.to_string()));
+    if e.len() > 2048 {
+        return bad("at most 2048 bytes");
+    }
+    let Some(rest) = e.strip_prefix("http://") else {
+        return bad("must start with http:// (the proxy speaks plain HTTP/1.1 to engines)");
+    };
+    let authority = rest.split('/').next().unwrap_or("");
+    let Some((host, port)) = authority.rsplit_once(':') else {
+        return bad("must name a port: http://HOST:PORT");
+    };
+    if host.is_empty() || host.chars().any(|c| c.is_whitespace() || c == '@') {
+        return bad("must name a host: http://HOST:PORT");
+    }
+    if port.parse::<u16>().map_or(true, |p| p == 0) {
+        return bad("the port must be a number from 1 to 65535");
+    }
+    if e.chars().any(|c| c.is_control() || c.is_whitespace()) {
+        return bad("cannot contain spaces or control characters");
+    }
+    Ok(())
+}
+
 /// A registered worker.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Worker {
@@ -122,6 +162,8 @@ pub struct Worker {
     pub kv_events: Option<KvEventsSpec>,
     pub role: Role,
     pub topology: Topology,
+    pub endpoint: Option<String>,
+    pub model: Option<String>,
 }
 
 /// A change to a registered worker (`PATCH /v1/workers/{id}`): each field given replaces the
@@ -411,6 +453,15 @@ impl Registry {
             return Err(spec_error("dp_start", "dp_start + dp_size overflows"));
         }
         self.validate_taints(&spec.taints)?;
+        validate_endpoint(spec.endpoint.as_deref())?;
+        if let Some(m) = &spec.model {
+            if m.is_empty() || m.len() > MAX_MODEL_NAME_LEN || m.chars().any(char::is_control) {
+                return Err(spec_error(
+                    "model",
+                    format!("must be 1 to {MAX_MODEL_NAME_LEN} bytes without control characters"),
+                ));
+            }
+        }
         topology::validate_topology(&spec.topology, spec.taints.len(), &self.limits)
     }
 
@@ -454,6 +505,8 @@ impl Registry {
             kv_events: spec.kv_events,
             role: spec.role,
             topology: spec.topology,
+            endpoint: spec.endpoint,
+            model: spec.model,
         };
         let dropped: Vec<CandidateKey> = next
             .workers

@@ -55,6 +55,10 @@ pub struct ServeConfig {
     /// `PUT /v1/workers/{id}` would give it (`kv_events` subscribes at start). The API can
     /// change or remove them later; the file is read once.
     pub workers: std::collections::BTreeMap<String, kvroute_core::workers::WorkerSpec>,
+    /// The models the proxy serves (`[models.NAME]`: tokenizer, chat template, block size).
+    pub models: std::collections::BTreeMap<String, kvroute_tokenize::ModelSpec>,
+    /// `kvroute serve --proxy` (`[proxy]`): the OpenAI-compatible endpoints.
+    pub proxy: crate::proxy::ProxySection,
 }
 
 /// Parses a listen address: `IP:PORT` (`127.0.0.1:8080`, `[::1]:8080`) or `HOST:PORT`
@@ -103,6 +107,8 @@ impl Default for ServeConfig {
             policy_runtime: kvroute_policy::PolicyRuntimeConfig::default(),
             disaggregation: DisaggConfig::default(),
             workers: Default::default(),
+            models: Default::default(),
+            proxy: Default::default(),
         }
     }
 }
@@ -353,6 +359,23 @@ impl ServeConfig {
         self.disaggregation
             .validate()
             .map_err(|e| format!("disaggregation.{e}"))?;
+        self.proxy.validate()?;
+        if self.proxy.enabled && self.models.is_empty() {
+            return Err(
+                "the proxy (--proxy / proxy.enabled) needs at least one [models.NAME] with a tokenizer"
+                    .into(),
+            );
+        }
+        for (name, m) in &self.models {
+            if let Some(b) = m.block_size {
+                if b != self.block_size {
+                    return Err(format!(
+                        "models.{name}.block_size ({b}) differs from block_size ({}): one router indexes one block size",
+                        self.block_size
+                    ));
+                }
+            }
+        }
         if !self.workers.is_empty() {
             self.register_workers(&kvroute_core::router::Router::new(self.router_config())?)?;
         }

@@ -13,5 +13,6 @@
 
 pub mod config;
 pub mod http;
+pub mod proxy;
 pub mod serve;
 pub mod trim;

@@ -117,7 +117,32 @@ pub async fn run(
             ingestion.render_metrics(out)
         }));
     }
+    let proxy = if config.proxy.enabled {
+        let models = kvroute_tokenize::ModelRegistry::load_all(&config.models)
+            .map_err(|e| format!("cannot load the proxy's models: {e}"))?;
+        let proxy = Arc::new(crate::proxy::Proxy::new(
+            router.clone(),
+            models,
+            config.proxy.clone(),
+            crate::http::dto::BodyLimits {
+                max_allowed_worker_ids: config.limits.max_allowed_worker_ids,
+                max_request_taints: config.limits.max_request_taints,
+            },
+            metrics.clone(),
+        ));
+        {
+            let p = proxy.clone();
+            metrics.add_renderer(Arc::new(move |out: &mut String| {
+                p.metrics.render(&p.health, out)
+            }));
+        }
+        Some(proxy)
+    } else {
+        None
+    };
+    let prober = proxy.clone().map(|p| tokio::spawn(p.probe_loop()));
     let state = AppState {
+        proxy,
         router: router.clone(),
         policies: policies.clone(),
         metrics,
@@ -186,6 +211,9 @@ pub async fn run(
     .await
     .map_err(|e| format!("server error: {e}"));
     ticker.abort();
+    if let Some(p) = prober {
+        p.abort();
+    }
     ingestion.shutdown();
     result
 }

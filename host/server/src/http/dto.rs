@@ -33,7 +33,7 @@ pub struct PinnedWorker {
     pub dp_rank: Option<DpRank>,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, Default)]
 #[serde(deny_unknown_fields)]
 pub struct RouteBody {
     #[serde(default)]
@@ -374,6 +374,13 @@ pub struct WorkerOut {
     pub kv_events: Option<kvroute_core::workers::KvEventsSpec>,
     pub role: Role,
     pub topology: Topology,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub endpoint: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    /// With `serve --proxy`: the worker's circuit breaker.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub health: Option<crate::proxy::HealthOut>,
     pub ranks: Vec<RankOut>,
 }
 
@@ -390,6 +397,9 @@ impl WorkerOut {
             kv_events: w.kv_events,
             role: w.role,
             topology: w.topology,
+            endpoint: w.endpoint,
+            model: w.model,
+            health: None,
             ranks,
         }
     }

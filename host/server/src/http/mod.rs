@@ -46,6 +46,8 @@ pub struct AppState {
     pub admin_token: Option<Arc<str>>,
     pub limits: crate::config::LimitsSection,
     pub ready: Arc<AtomicBool>,
+    /// `serve --proxy`: the OpenAI-compatible endpoints and their state.
+    pub proxy: Option<Arc<crate::proxy::Proxy>>,
 }
 
 /// Builds the axum application.
@@ -83,6 +85,14 @@ pub fn app(state: AppState) -> axum::Router {
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics_text))
         .route("/openapi.json", get(openapi_json));
+    let public = if state.proxy.is_some() {
+        public
+            .route("/v1/completions", post(crate::proxy::completions))
+            .route("/v1/chat/completions", post(crate::proxy::chat_completions))
+            .route("/v1/models", get(crate::proxy::models))
+    } else {
+        public
+    };
     let body_limit = state.limits.max_body_bytes;
     admin
         .merge(public)
@@ -172,7 +182,9 @@ fn parse_worker_id(raw: &str) -> Result<u64, ApiError> {
 
 // ---- workers -----------------------------------------------------------------------------------
 
-fn worker_out(router: &Router, w: kvroute_core::workers::Worker) -> WorkerOut {
+fn worker_out(s: &AppState, w: kvroute_core::workers::Worker) -> WorkerOut {
+    let router = &s.router;
+    let health = s.proxy.as_ref().map(|p| p.health.status(w.worker_id));
     let ranks = w
         .ranks()
         .map(|r| {
@@ -191,7 +203,9 @@ fn worker_out(router: &Router, w: kvroute_core::workers::Worker) -> WorkerOut {
             }
         })
         .collect();
-    WorkerOut::new(w, ranks)
+    let mut out = WorkerOut::new(w, ranks);
+    out.health = health;
+    out
 }
 
 async fn put_worker(
@@ -246,7 +260,7 @@ async fn put_worker(
         kv_events = w.kv_events.as_ref().map(|k| k.endpoint.as_str()),
         "worker registered"
     );
-    Ok(Json(worker_out(&s.router, w)))
+    Ok(Json(worker_out(&s, w)))
 }
 
 async fn patch_worker(
@@ -270,7 +284,7 @@ async fn patch_worker(
         taints = w.taints.len(),
         "worker patched"
     );
-    Ok(Json(worker_out(&s.router, w)))
+    Ok(Json(worker_out(&s, w)))
 }
 
 async fn delete_worker(
@@ -292,7 +306,7 @@ async fn list_workers(State(s): State<AppState>) -> Json<serde_json::Value> {
     let workers: Vec<WorkerOut> = snap
         .workers
         .values()
-        .map(|w| worker_out(&s.router, w.clone()))
+        .map(|w| worker_out(&s, w.clone()))
         .collect();
     Json(serde_json::json!({ "workers": workers }))
 }

@@ -1,0 +1,274 @@
+//! The request lifecycle guard: what makes a proxied request's booking impossible to leak.
+//!
+//! [`Lifecycle`] is created when a request is booked and owns the booking from then on: the
+//! first body byte from the engine marks `prefill_complete`, output progress is reported as
+//! tokens stream, and the booking is freed exactly once — when the engine's answer ends, when it
+//! fails, when the deadline passes, or when the guard is dropped because the client went away
+//! (hyper drops the response body of a closed connection, and with it this guard and the engine
+//! connection, which cancels the request on the engine). No path frees by hand: dropping is
+//! enough, which is the point.
+//!
+//! [`GuardedBody`] wraps the engine's body with the guard and the deadline. It is polled only as
+//! fast as the client reads (hyper's back-pressure), so a slow reader slows its own stream and
+//! nothing else.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Instant;
+
+use bytes::Bytes;
+use http_body::{Body, Frame, SizeHint};
+use hyper::body::Incoming;
+use tokio::time::Sleep;
+
+use kvroute_core::candidate::WorkerId;
+use kvroute_core::router::Router;
+
+use super::health::Health;
+use super::metrics::ProxyMetrics;
+
+/// Report output progress to the router every this many tokens.
+const PROGRESS_EVERY: u64 = 16;
+/// Non-streamed answers are scanned for `usage` up to this size.
+const USAGE_SCAN_LIMIT: usize = 4 << 20;
+
+/// Owns one booking until the request ends, however it ends.
+pub struct Lifecycle {
+    router: Arc<Router>,
+    health: Arc<Health>,
+    metrics: ProxyMetrics,
+    pub request_id: String,
+    pub worker: WorkerId,
+    pub dp_rank: u32,
+    endpoint: &'static str,
+    started: Instant,
+    first_byte: Option<Instant>,
+    prompt_tokens: u64,
+    output_tokens: u64,
+    reported: u64,
+    stream: bool,
+    /// Partial SSE line carried between chunks.
+    line: Vec<u8>,
+    /// Non-streamed answer, kept for its `usage`.
+    whole: Vec<u8>,
+    done: bool,
+}
+
+impl Lifecycle {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        router: Arc<Router>,
+        health: Arc<Health>,
+        metrics: ProxyMetrics,
+        request_id: String,
+        worker: WorkerId,
+        dp_rank: u32,
+        endpoint: &'static str,
+        started: Instant,
+        prompt_tokens: u64,
+        stream: bool,
+    ) -> Self {
+        Self {
+            router,
+            health,
+            metrics,
+            request_id,
+            worker,
+            dp_rank,
+            endpoint,
+            started,
+            first_byte: None,
+            prompt_tokens,
+            output_tokens: 0,
+            reported: 0,
+            stream,
+            line: Vec::new(),
+            whole: Vec::new(),
+            done: false,
+        }
+    }
+
+    /// A chunk of the engine's answer reached the proxy.
+    fn on_data(&mut self, data: &Bytes) {
+        if self.first_byte.is_none() {
+            self.first_byte = Some(Instant::now());
+            // Streamed: the first chunk carries the first token. Not streamed: the whole answer
+            // comes at the end, and its first byte is the first sign the prompt is done.
+            let _ = self.router.prefill_complete(&self.request_id);
+            self.metrics
+                .first_token(self.endpoint, self.started.elapsed().as_secs_f64());
+        }
+        if self.stream {
+            self.scan_sse(data);
+            if self.output_tokens >= self.reported + PROGRESS_EVERY {
+                self.reported = self.output_tokens;
+                let tokens = self.output_tokens.min(u64::from(u32::MAX)) as u32;
+                let _ = self.router.output_progress(&self.request_id, tokens);
+            }
+        } else if self.whole.len() + data.len() <= USAGE_SCAN_LIMIT {
+            self.whole.extend_from_slice(data);
+        }
+    }
+
+    /// Counts output tokens in SSE events: `usage.completion_tokens` when an event carries it,
+    /// otherwise one per event with choices.
+    fn scan_sse(&mut self, data: &[u8]) {
+        let mut rest = data;
+        while let Some(i) = rest.iter().position(|&b| b == b'\n') {
+            self.line.extend_from_slice(&rest[..i]);
+            rest = &rest[i + 1..];
+            let line = std::mem::take(&mut self.line);
+            if let Some(json) = line.strip_prefix(b"data:") {
+                let json = json.trim_ascii();
+                if json.first() == Some(&b'{') {
+                    if let Ok(v) = serde_json::from_slice::<serde_json::Value>(json) {
+                        if let Some(n) = v["usage"]["completion_tokens"].as_u64() {
+                            self.output_tokens = n;
+                        } else if v["choices"].as_array().is_some_and(|c| !c.is_empty()) {
+                            self.output_tokens += 1;
+                        }
+                    }
+                }
+            }
+            self.line = line;
+            self.line.clear();
+        }
+        if self.line.len() + rest.len() <= 1 << 20 {
+            self.line.extend_from_slice(rest);
+        }
+    }
+
+    /// Ends the request: frees the booking (once), records the outcome.
+    pub fn finish(&mut self, outcome: &'static str) {
+        if std::mem::replace(&mut self.done, true) {
+            return;
+        }
+        let _ = self.router.free(&self.request_id);
+        if !self.stream && !self.whole.is_empty() {
+            if let Ok(v) = serde_json::from_slice::<serde_json::Value>(&self.whole) {
+                if let Some(n) = v["usage"]["completion_tokens"].as_u64() {
+                    self.output_tokens = n;
+                }
+            }
+        }
+        let secs = self.started.elapsed().as_secs_f64();
+        self.metrics.finished(self.endpoint, outcome, secs);
+        self.metrics.tokens(self.prompt_tokens, self.output_tokens);
+        if outcome == "engine_error" {
+            self.health.failure(self.worker);
+            self.metrics.upstream_failure(self.worker);
+        }
+        tracing::info!(
+            request_id = %self.request_id,
+            worker_id = self.worker,
+            dp_rank = self.dp_rank,
+            endpoint = self.endpoint,
+            outcome,
+            ttft_ms = self.first_byte.map(|t| (t - self.started).as_secs_f64() * 1e3),
+            e2e_ms = secs * 1e3,
+            tokens_in = self.prompt_tokens,
+            tokens_out = self.output_tokens,
+            "proxied"
+        );
+    }
+
+    /// Frees the booking without recording a request outcome (the attempt is retried elsewhere).
+    pub fn abandon(mut self) {
+        self.done = true;
+        let _ = self.router.free(&self.request_id);
+    }
+}
+
+impl Drop for Lifecycle {
+    fn drop(&mut self) {
+        // Dropped before the end: the client went away (or the handler was cancelled with it).
+        self.finish("client_disconnected");
+    }
+}
+
+/// The engine's answer on its way to the client, with the request's guard and deadline.
+pub struct GuardedBody {
+    inner: Incoming,
+    life: Lifecycle,
+    deadline: Pin<Box<Sleep>>,
+    /// What a successful end is recorded as (`ok`, or `engine_refused` for a 4xx answer).
+    end: &'static str,
+}
+
+impl GuardedBody {
+    pub fn new(
+        inner: Incoming,
+        life: Lifecycle,
+        deadline: Pin<Box<Sleep>>,
+        end: &'static str,
+    ) -> Self {
+        Self {
+            inner,
+            life,
+            deadline,
+            end,
+        }
+    }
+}
+
+/// Why a stream was cut.
+#[derive(Debug, thiserror::Error)]
+pub enum StreamError {
+    #[error("the request passed proxy.request_timeout_ms")]
+    Timeout,
+    #[error("the engine's answer broke off: {0}")]
+    Engine(String),
+}
+
+impl Body for GuardedBody {
+    type Data = Bytes;
+    type Error = StreamError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, StreamError>>> {
+        let this = self.get_mut();
+        if this.life.done {
+            return Poll::Ready(None);
+        }
+        match Pin::new(&mut this.inner).poll_frame(cx) {
+            Poll::Ready(Some(Ok(frame))) => {
+                if let Some(d) = frame.data_ref() {
+                    this.life.on_data(d);
+                }
+                // A body of known length is over with its last byte: hyper may not poll again
+                // (and drops the body), so the end is recorded here, not at `None`.
+                if this.inner.is_end_stream() {
+                    this.life.finish(this.end);
+                }
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Poll::Ready(Some(Err(e))) => {
+                this.life.finish("engine_error");
+                Poll::Ready(Some(Err(StreamError::Engine(e.to_string()))))
+            }
+            Poll::Ready(None) => {
+                this.life.finish(this.end);
+                Poll::Ready(None)
+            }
+            Poll::Pending => {
+                if this.deadline.as_mut().poll(cx).is_ready() {
+                    this.life.finish("timeout");
+                    return Poll::Ready(Some(Err(StreamError::Timeout)));
+                }
+                Poll::Pending
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.life.done || self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}

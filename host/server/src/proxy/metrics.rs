@@ -1,0 +1,146 @@
+//! The proxy's Prometheus metrics: per proxied request, as the router saw it.
+//!
+//! Rendered into `/metrics` beside the router's own (a renderer of [`crate::http::Metrics`]), in
+//! a registry of their own so the routing metrics carry no proxy labels.
+
+use std::sync::Arc;
+
+use prometheus::{
+    Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, Opts, Registry, TextEncoder,
+};
+
+use super::health::Health;
+
+/// Seconds: first token and whole request, 1 ms to 10 min.
+const BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+    120.0, 300.0, 600.0,
+];
+
+#[derive(Clone)]
+pub struct ProxyMetrics {
+    registry: Registry,
+    requests: IntCounterVec,
+    ttft: HistogramVec,
+    duration: HistogramVec,
+    tokens: IntCounterVec,
+    retries: IntCounter,
+    upstream_failures: IntCounterVec,
+}
+
+impl Default for ProxyMetrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl ProxyMetrics {
+    pub fn new() -> Self {
+        let registry = Registry::new();
+        let requests = IntCounterVec::new(
+            Opts::new(
+                "kvroute_proxy_requests_total",
+                "Proxied requests by endpoint and outcome (ok, client_disconnected, engine_error, timeout, upstream_unreachable, refused, bad_request).",
+            ),
+            &["endpoint", "outcome"],
+        )
+        .expect("valid metric");
+        let ttft = HistogramVec::new(
+            HistogramOpts::new(
+                "kvroute_proxy_ttft_seconds",
+                "Arrival at the proxy to the engine's first response body byte, by endpoint.",
+            )
+            .buckets(BUCKETS.to_vec()),
+            &["endpoint"],
+        )
+        .expect("valid metric");
+        let duration = HistogramVec::new(
+            HistogramOpts::new(
+                "kvroute_proxy_request_duration_seconds",
+                "Arrival at the proxy to the end of the answer, by endpoint and outcome.",
+            )
+            .buckets(BUCKETS.to_vec()),
+            &["endpoint", "outcome"],
+        )
+        .expect("valid metric");
+        let tokens = IntCounterVec::new(
+            Opts::new(
+                "kvroute_proxy_tokens_total",
+                "Prompt tokens in (as the proxy tokenized them) and output tokens out (the engine's usage, or streamed chunks).",
+            ),
+            &["direction"],
+        )
+        .expect("valid metric");
+        let retries = IntCounter::new(
+            "kvroute_proxy_retries_total",
+            "Requests re-routed to another worker after the first failed before its first byte.",
+        )
+        .expect("valid metric");
+        let upstream_failures = IntCounterVec::new(
+            Opts::new(
+                "kvroute_proxy_upstream_failures_total",
+                "Failures counted against a worker's health (connection, 5xx, stream cut short).",
+            ),
+            &["worker_id"],
+        )
+        .expect("valid metric");
+        for c in [
+            Box::new(requests.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(ttft.clone()),
+            Box::new(duration.clone()),
+            Box::new(tokens.clone()),
+            Box::new(retries.clone()),
+            Box::new(upstream_failures.clone()),
+        ] {
+            registry.register(c).expect("unique metric");
+        }
+        Self {
+            registry,
+            requests,
+            ttft,
+            duration,
+            tokens,
+            retries,
+            upstream_failures,
+        }
+    }
+
+    pub fn finished(&self, endpoint: &str, outcome: &str, secs: f64) {
+        self.requests.with_label_values(&[endpoint, outcome]).inc();
+        self.duration
+            .with_label_values(&[endpoint, outcome])
+            .observe(secs);
+    }
+
+    pub fn first_token(&self, endpoint: &str, secs: f64) {
+        self.ttft.with_label_values(&[endpoint]).observe(secs);
+    }
+
+    pub fn tokens(&self, prompt: u64, output: u64) {
+        self.tokens.with_label_values(&["in"]).inc_by(prompt);
+        self.tokens.with_label_values(&["out"]).inc_by(output);
+    }
+
+    pub fn retry(&self) {
+        self.retries.inc();
+    }
+
+    pub fn upstream_failure(&self, worker: u64) {
+        self.upstream_failures
+            .with_label_values(&[&worker.to_string()])
+            .inc();
+    }
+
+    /// The text of a scrape, with a gauge of the failing workers.
+    pub fn render(&self, health: &Arc<Health>, out: &mut String) {
+        let mut buf = Vec::new();
+        let _ = TextEncoder::new().encode(&self.registry.gather(), &mut buf);
+        out.push_str(&String::from_utf8_lossy(&buf));
+        out.push_str("# HELP kvroute_proxy_worker_failing 1 while the proxy skips the worker (its breaker is open).\n# TYPE kvroute_proxy_worker_failing gauge\n");
+        for w in health.failing() {
+            out.push_str(&format!(
+                "kvroute_proxy_worker_failing{{worker_id=\"{w}\"}} 1\n"
+            ));
+        }
+    }
+}

@@ -1,0 +1,400 @@
+//! `kvroute serve --proxy`: the router in the data path, as an OpenAI-compatible server.
+//!
+//! A request to `/v1/completions` or `/v1/chat/completions` is tokenized with its model's
+//! tokenizer and chat template ([`request`]), routed and booked exactly as `POST /v1/route` with
+//! `book: true` would be (so constraints, sessions, priorities, queueing and disaggregation all
+//! apply), forwarded unchanged (minus the `kvroute` extension object) to the chosen worker's
+//! engine ([`upstream`]), and its answer streamed back chunk by chunk ([`lifecycle`]). The
+//! booking's lifecycle is the proxy's, not the client's: `prefill_complete` at the first byte,
+//! free at the end, on a client that disconnects, an engine that fails, or the deadline.
+//!
+//! Which workers serve a model: those registered with an `endpoint` and that `model` (a worker
+//! without `model` serves the only configured model when there is exactly one), minus the ones
+//! whose circuit breaker is open ([`health`]). A connection that fails before the answer's first
+//! byte frees the booking and re-routes once without that worker.
+//!
+//! A disaggregated decision forwards to the decode worker and names the prefill worker in the
+//! `x-kvroute-prefill-worker` (`ID/RANK`) and `x-kvroute-prefill-endpoint` headers: orchestrating
+//! the KV transfer itself is the engine's (or its sidecar's) business, as with Dynamo's and
+//! llm-d's routers.
+//!
+//! Who calls it: the HTTP app (`http::app`) mounts [`completions`], [`chat_completions`] and
+//! [`models`] when the server runs with `--proxy`; `serve::run` starts the health probe loop.
+
+pub mod config;
+pub mod error;
+pub mod health;
+mod lifecycle;
+mod metrics;
+pub mod request;
+mod upstream;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::extract::State;
+use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use bytes::Bytes;
+
+use kvroute_core::candidate::WorkerId;
+use kvroute_core::router::Router;
+use kvroute_tokenize::ModelRegistry;
+
+pub use config::ProxySection;
+use error::ProxyError;
+pub use health::{Health, HealthOut};
+use lifecycle::{GuardedBody, Lifecycle};
+pub use metrics::ProxyMetrics;
+use request::Endpoint;
+use upstream::{Upstream, HOP_BY_HOP};
+
+use crate::http::dto::BodyLimits;
+use crate::http::{AppState, Metrics};
+
+/// Everything the proxy needs, shared by every serving thread.
+pub struct Proxy {
+    pub router: Arc<Router>,
+    pub models: ModelRegistry,
+    pub health: Arc<Health>,
+    pub metrics: ProxyMetrics,
+    pub config: ProxySection,
+    upstream: Upstream,
+    limits: BodyLimits,
+    router_metrics: Metrics,
+}
+
+impl Proxy {
+    pub fn new(
+        router: Arc<Router>,
+        models: ModelRegistry,
+        config: ProxySection,
+        limits: BodyLimits,
+        router_metrics: Metrics,
+    ) -> Self {
+        Self {
+            health: Arc::new(Health::new(config.failure_threshold)),
+            upstream: Upstream::new(&config),
+            metrics: ProxyMetrics::new(),
+            router,
+            models,
+            config,
+            limits,
+            router_metrics,
+        }
+    }
+
+    /// Probes failing workers every `probe_interval_ms` until the process ends; forgets workers
+    /// that were removed.
+    pub async fn probe_loop(self: Arc<Self>) {
+        let mut every = tokio::time::interval(Duration::from_millis(self.config.probe_interval_ms));
+        every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            every.tick().await;
+            let snap = self.router.registry().snapshot();
+            self.health.retain(|w| snap.workers.contains_key(&w));
+            for w in self.health.failing() {
+                let Some(ep) = snap.workers.get(&w).and_then(|x| x.endpoint.clone()) else {
+                    continue;
+                };
+                if self.upstream.probe(&ep, health::PROBE_TIMEOUT).await && self.health.success(w) {
+                    tracing::info!(worker_id = w, endpoint = %ep, "engine probe succeeded: routing to it again");
+                }
+            }
+        }
+    }
+
+    /// The workers that can take a request for `model` now: with an endpoint, serving the model,
+    /// breaker closed. Errors when there are none.
+    fn serving(&self, model: &str) -> Result<Vec<WorkerId>, ProxyError> {
+        let snap = self.router.registry().snapshot();
+        let only = self.models.len() == 1;
+        let serving: Vec<WorkerId> = snap
+            .workers
+            .values()
+            .filter(|w| w.endpoint.is_some())
+            .filter(|w| match &w.model {
+                Some(m) => m == model,
+                None => only,
+            })
+            .map(|w| w.worker_id)
+            .collect();
+        if serving.is_empty() {
+            return Err(ProxyError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "no_worker_for_model",
+                format!("no registered worker serves model {model:?} with an endpoint"),
+            ));
+        }
+        let healthy: Vec<WorkerId> = serving
+            .into_iter()
+            .filter(|w| !self.health.is_failing(*w))
+            .collect();
+        if healthy.is_empty() {
+            let mut e = ProxyError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "workers_failing",
+                format!(
+                    "every worker serving model {model:?} is failing; each is probed every {} ms",
+                    self.config.probe_interval_ms
+                ),
+            );
+            e.0 = e.0.retry_after(1);
+            return Err(e);
+        }
+        Ok(healthy)
+    }
+
+    async fn serve(
+        &self,
+        endpoint: Endpoint,
+        headers: &HeaderMap,
+        body: Bytes,
+        request_id: &str,
+        started: Instant,
+    ) -> Result<Response, ProxyError> {
+        let inbound = request::prepare(
+            endpoint,
+            &self.models,
+            headers,
+            body,
+            request_id.to_string(),
+            &self.limits,
+        )
+        .await?;
+        let mut allowed = self.serving(inbound.model.name())?;
+        if let Some(asked) = &inbound.route.allowed_worker_ids {
+            allowed.retain(|w| asked.contains(w));
+            if allowed.is_empty() {
+                return Err(ProxyError::field(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "no_eligible_worker",
+                    "kvroute.allowed_worker_ids",
+                    format!(
+                        "none of the allowed workers serves model {:?} and is healthy",
+                        inbound.model.name()
+                    ),
+                ));
+            }
+        }
+        let deadline = started + Duration::from_millis(self.config.request_timeout_ms);
+        let mut route = inbound.route;
+        for attempt in 0..2 {
+            route.allowed_worker_ids = Some(allowed.clone());
+            let d = self
+                .router
+                .route(route.clone())
+                .await
+                .inspect_err(|e| self.router_metrics.record_route_error(e))?;
+            self.router_metrics.record_decision(&d);
+            let (w, rank) = (d.candidate.worker_id, d.candidate.dp_rank);
+            let life = Lifecycle::new(
+                self.router.clone(),
+                self.health.clone(),
+                self.metrics.clone(),
+                request_id.to_string(),
+                w,
+                rank,
+                endpoint.label(),
+                started,
+                inbound.prompt_tokens as u64,
+                inbound.stream,
+            );
+            let snap = self.router.registry().snapshot();
+            let Some(worker) = snap.workers.get(&w) else {
+                // Removed between the decision and now: try again without it.
+                life.abandon();
+                allowed.retain(|x| *x != w);
+                continue;
+            };
+            let ep = worker.endpoint.clone().unwrap_or_default();
+            let dp = (worker.dp_size > 1).then_some(rank);
+            let mut extra = Vec::new();
+            if let Some(p) = d.prefill.as_ref().filter(|_| d.disaggregated) {
+                extra.push((
+                    "x-kvroute-prefill-worker",
+                    format!("{}/{}", p.candidate.worker_id, p.candidate.dp_rank),
+                ));
+                if let Some(pep) = snap
+                    .workers
+                    .get(&p.candidate.worker_id)
+                    .and_then(|x| x.endpoint.clone())
+                {
+                    extra.push(("x-kvroute-prefill-endpoint", pep));
+                }
+            }
+            drop(snap);
+            let sent = tokio::time::timeout_at(
+                deadline.into(),
+                self.upstream.post(
+                    &ep,
+                    endpoint.path(),
+                    headers,
+                    inbound.forward_body.clone(),
+                    request_id,
+                    dp,
+                    &extra,
+                ),
+            )
+            .await;
+            let resp = match sent {
+                Err(_) => {
+                    let mut life = life;
+                    life.finish("timeout");
+                    return Err(ProxyError::new(
+                        StatusCode::GATEWAY_TIMEOUT,
+                        "upstream_timeout",
+                        format!(
+                            "worker {w} did not answer within proxy.request_timeout_ms ({} ms)",
+                            self.config.request_timeout_ms
+                        ),
+                    ));
+                }
+                Ok(Err(e)) => {
+                    self.health.failure(w);
+                    self.metrics.upstream_failure(w);
+                    tracing::warn!(request_id, worker_id = w, endpoint = %ep, error = %e, attempt, "engine unreachable");
+                    if attempt == 0 {
+                        life.abandon();
+                        allowed.retain(|x| *x != w);
+                        if !allowed.is_empty() {
+                            self.metrics.retry();
+                            continue;
+                        }
+                    } else {
+                        life.abandon();
+                    }
+                    self.metrics.finished(
+                        endpoint.label(),
+                        "upstream_unreachable",
+                        started.elapsed().as_secs_f64(),
+                    );
+                    return Err(ProxyError::new(
+                        StatusCode::BAD_GATEWAY,
+                        "upstream_unreachable",
+                        format!("worker {w}'s engine at {ep} could not be reached: {e}"),
+                    ));
+                }
+                Ok(Ok(r)) => r,
+            };
+            let status = resp.status();
+            if status.is_server_error() {
+                self.health.failure(w);
+                self.metrics.upstream_failure(w);
+            } else {
+                self.health.success(w);
+            }
+            let end = match status.as_u16() {
+                200..=299 => "ok",
+                400..=499 => "engine_refused",
+                _ => "engine_error_status",
+            };
+            let (parts, incoming) = resp.into_parts();
+            let mut out = Response::builder().status(parts.status);
+            for (k, v) in &parts.headers {
+                if !HOP_BY_HOP.contains(&k.as_str()) {
+                    out = out.header(k, v);
+                }
+            }
+            out = out
+                .header("x-kvroute-worker", format!("{w}/{rank}"))
+                .header("x-request-id", request_id);
+            let sleep = Box::pin(tokio::time::sleep_until(deadline.into()));
+            let body = GuardedBody::new(incoming, life, sleep, end);
+            return out.body(axum::body::Body::new(body)).map_err(|e| {
+                ProxyError::new(
+                    StatusCode::BAD_GATEWAY,
+                    "upstream_invalid",
+                    format!("the engine's answer cannot be relayed: {e}"),
+                )
+            });
+        }
+        Err(ProxyError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "no_eligible_worker",
+            "no worker serving this model is left to try",
+        ))
+    }
+}
+
+/// The request id of a proxied request: the client's `x-request-id` when it is usable, else a
+/// fresh one.
+fn request_id(headers: &HeaderMap) -> String {
+    headers
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .map(str::trim)
+        .filter(|s| !s.is_empty() && s.len() <= 256)
+        .map(str::to_string)
+        .unwrap_or_else(|| format!("kvr-{:016x}", rand::random::<u64>()))
+}
+
+async fn handle(s: AppState, endpoint: Endpoint, headers: HeaderMap, body: Bytes) -> Response {
+    let Some(p) = s.proxy.clone() else {
+        return ProxyError::new(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            "the proxy is off (serve --proxy)",
+        )
+        .into_response();
+    };
+    let started = Instant::now();
+    let id = request_id(&headers);
+    match p.serve(endpoint, &headers, body, &id, started).await {
+        Ok(r) => r,
+        Err(e) => {
+            let outcome = match e.status() {
+                s if s == StatusCode::TOO_MANY_REQUESTS || s == StatusCode::SERVICE_UNAVAILABLE => {
+                    "refused"
+                }
+                s if s.is_client_error() => "bad_request",
+                _ => "",
+            };
+            if !outcome.is_empty() {
+                p.metrics
+                    .finished(endpoint.label(), outcome, started.elapsed().as_secs_f64());
+                tracing::info!(request_id = %id, endpoint = endpoint.label(), outcome, code = e.code(), "proxied");
+            }
+            let mut r = e.into_response();
+            if let Ok(v) = HeaderValue::from_str(&id) {
+                r.headers_mut()
+                    .insert(HeaderName::from_static("x-request-id"), v);
+            }
+            r
+        }
+    }
+}
+
+/// `POST /v1/completions`.
+pub async fn completions(State(s): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
+    handle(s, Endpoint::Completions, headers, body).await
+}
+
+/// `POST /v1/chat/completions`.
+pub async fn chat_completions(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    handle(s, Endpoint::ChatCompletions, headers, body).await
+}
+
+/// `GET /v1/models`: the configured models, as OpenAI lists them.
+pub async fn models(State(s): State<AppState>) -> Response {
+    let Some(p) = s.proxy.as_ref() else {
+        return ProxyError::new(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            "the proxy is off (serve --proxy)",
+        )
+        .into_response();
+    };
+    let data: Vec<serde_json::Value> = p
+        .models
+        .names()
+        .into_iter()
+        .map(|n| serde_json::json!({"id": n, "object": "model", "created": 0, "owned_by": "kvroute"}))
+        .collect();
+    Json(serde_json::json!({"object": "list", "data": data})).into_response()
+}

@@ -1,0 +1,167 @@
+//! The HTTP/1.1 client to engines: one pooled hyper client (keep-alive connections per engine)
+//! shared by every serving thread.
+
+use std::time::Duration;
+
+use axum::http::{header, HeaderMap, HeaderName, HeaderValue, Method, Request, Response, Uri};
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper::body::Incoming;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+
+use super::config::ProxySection;
+
+/// Client headers passed on to the engine (everything else is the proxy's business or
+/// hop-by-hop).
+const FORWARDED: &[HeaderName] = &[header::ACCEPT, header::AUTHORIZATION, header::USER_AGENT];
+
+/// Response headers that describe one hop, not the answer.
+pub const HOP_BY_HOP: &[&str] = &[
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+];
+
+/// vLLM's header choosing a data-parallel rank of one API server.
+pub const DP_RANK_HEADER: &str = "x-data-parallel-rank";
+
+#[derive(Clone)]
+pub struct Upstream {
+    client: Client<HttpConnector, Full<Bytes>>,
+}
+
+/// Why a request never got an answer's head.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct SendError(pub String);
+
+impl Upstream {
+    pub fn new(cfg: &ProxySection) -> Self {
+        let mut http = HttpConnector::new();
+        http.set_connect_timeout(Some(Duration::from_millis(cfg.connect_timeout_ms)));
+        http.set_nodelay(true);
+        let client = Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(Duration::from_secs(90))
+            .pool_max_idle_per_host(cfg.max_idle_per_engine)
+            .build(http);
+        Self { client }
+    }
+
+    /// The URI of `path` (`/v1/...`) on an engine whose endpoint is `http://HOST:PORT[/prefix]`
+    /// (a prefix ending in `/v1` is not doubled).
+    pub fn uri(endpoint: &str, path: &str) -> Result<Uri, SendError> {
+        let base = endpoint.trim_end_matches('/');
+        let full = match base.strip_suffix("/v1") {
+            Some(b) => format!("{b}{path}"),
+            None => format!("{base}{path}"),
+        };
+        full.parse()
+            .map_err(|e| SendError(format!("bad engine URI {full:?}: {e}")))
+    }
+
+    /// POSTs `body` to `path` on the engine. An error means no answer head arrived (connection
+    /// refused, reset, or closed early): nothing reached the client, so the caller may retry.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn post(
+        &self,
+        endpoint: &str,
+        path: &str,
+        client_headers: &HeaderMap,
+        body: Bytes,
+        request_id: &str,
+        dp_rank: Option<u32>,
+        extra: &[(&'static str, String)],
+    ) -> Result<Response<Incoming>, SendError> {
+        let mut req = Request::builder()
+            .method(Method::POST)
+            .uri(Self::uri(endpoint, path)?)
+            .header(header::CONTENT_TYPE, "application/json");
+        for h in FORWARDED {
+            if let Some(v) = client_headers.get(h) {
+                req = req.header(h, v);
+            }
+        }
+        if let Ok(v) = HeaderValue::from_str(request_id) {
+            req = req.header("x-request-id", v);
+        }
+        if let Some(r) = dp_rank {
+            req = req.header(DP_RANK_HEADER, r);
+        }
+        for (k, v) in extra {
+            if let Ok(v) = HeaderValue::from_str(v) {
+                req = req.header(*k, v);
+            }
+        }
+        let req = req
+            .body(Full::new(body))
+            .map_err(|e| SendError(format!("cannot build the engine request: {e}")))?;
+        self.client
+            .request(req)
+            .await
+            .map_err(|e| SendError(describe(&e)))
+    }
+
+    /// `GET {endpoint}/health`: whether the engine answers 2xx within `timeout`.
+    pub async fn probe(&self, endpoint: &str, timeout: Duration) -> bool {
+        let Ok(uri) = Self::uri(endpoint, "/health") else {
+            return false;
+        };
+        let Ok(req) = Request::builder()
+            .method(Method::GET)
+            .uri(uri)
+            .body(Full::new(Bytes::new()))
+        else {
+            return false;
+        };
+        matches!(
+            tokio::time::timeout(timeout, self.client.request(req)).await,
+            Ok(Ok(r)) if r.status().is_success()
+        )
+    }
+}
+
+/// The error and its causes in one line (hyper's top-level message alone says little).
+fn describe(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(c) = src {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        src = c.source();
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn engine_uris_join_without_doubling_v1() {
+        for (ep, want) in [
+            ("http://a:8000", "http://a:8000/v1/completions"),
+            ("http://a:8000/", "http://a:8000/v1/completions"),
+            ("http://a:8000/v1", "http://a:8000/v1/completions"),
+            (
+                "http://a:8000/engine/v1/",
+                "http://a:8000/engine/v1/completions",
+            ),
+            (
+                "http://a:8000/engine",
+                "http://a:8000/engine/v1/completions",
+            ),
+        ] {
+            assert_eq!(
+                Upstream::uri(ep, "/v1/completions").unwrap().to_string(),
+                want
+            );
+        }
+    }
+}
