@@ -38,6 +38,7 @@ fn ok(desc: &str, schema: Option<&str>) -> Value {
 pub fn document() -> Value {
     let mut doc = base_document();
     add_disaggregation(&mut doc);
+    add_data_path(&mut doc);
     if let Some(paths) = doc.get_mut("paths").and_then(Value::as_object_mut) {
         for item in paths.values_mut() {
             let Some(item) = item.as_object_mut() else {
@@ -160,6 +161,37 @@ fn add_disaggregation(doc: &mut Value) {
     if let Some(d) = route_503 {
         *d = json!("No eligible worker; with disaggregation also `no_prefill_worker`, `no_decode_worker_in_domain` (nothing booked) and `kv_transfer_domain_unknown`.");
     }
+}
+
+/// The data path (API.md, "Data path"): workers' `endpoint` and `model`, their proxy health, and
+/// the OpenAI-compatible endpoints `serve --proxy` adds (their bodies are OpenAI's, passed through).
+fn add_data_path(doc: &mut Value) {
+    let endpoint = json!({"type": "string", "description": "The engine's OpenAI-compatible server, http://HOST:PORT (an optional path prefix; a trailing /v1 is not doubled): where serve --proxy forwards requests routed to this worker."});
+    let model = json!({"type": "string", "description": "The model the worker serves (a [models.NAME] of the proxy). Without it, a worker serves the proxy's only model when exactly one is configured."});
+    let health = json!({"type": "object", "required": ["state", "consecutive_failures"], "description": "With serve --proxy: the worker's circuit breaker.", "properties": {
+        "state": {"type": "string", "enum": ["ok", "failing"], "description": "failing: proxy.failure_threshold failures in a row; the proxy skips the worker until a probe (GET {endpoint}/health) succeeds."},
+        "consecutive_failures": {"type": "integer", "description": "Failures since the last success (connection failures, 5xx answers, streams cut short)."},
+        "last_failure_ms_ago": {"type": ["integer", "null"], "description": "Milliseconds since the last failure (null: none)."}}});
+    let schemas = &mut doc["components"]["schemas"];
+    for schema in ["WorkerSpec", "Worker"] {
+        schemas[schema]["properties"]["endpoint"] = endpoint.clone();
+        schemas[schema]["properties"]["model"] = model.clone();
+    }
+    schemas["Worker"]["properties"]["health"] = health;
+    let openai = |summary: &str| {
+        json!({"post": {"summary": summary, "requestBody": {"required": true, "content": {"application/json": {"schema": {"type": "object", "description": "OpenAI's request body, plus an optional `kvroute` object with the routing fields of RouteRequest (not tokens, block_hashes, book, explain, request_id); x-kvroute-* headers fill fields it leaves out."}}}},
+            "responses": {"200": {"description": "The engine's answer, relayed (streamed when `stream` is true), with x-kvroute-worker: ID/RANK and x-request-id."},
+                "400": {"description": "Bad body or routing field (OpenAI error shape, `param` names the field)."},
+                "404": {"description": "Unknown model (`model_not_found`)."},
+                "429": {"description": "Overloaded or queue full (Retry-After)."},
+                "502": {"description": "The engine could not be reached, after one retry elsewhere (`upstream_unreachable`)."},
+                "503": {"description": "No eligible worker, none serving the model (`no_worker_for_model`), or all failing (`workers_failing`)."},
+                "504": {"description": "No answer within proxy.request_timeout_ms (`upstream_timeout`)."}}}})
+    };
+    let paths = &mut doc["paths"];
+    paths["/v1/completions"] = openai("serve --proxy: an OpenAI completion, tokenized, routed, booked and forwarded.");
+    paths["/v1/chat/completions"] = openai("serve --proxy: an OpenAI chat completion, rendered with the model's chat template, tokenized, routed, booked and forwarded.");
+    paths["/v1/models"] = json!({"get": {"summary": "serve --proxy: the configured models, in OpenAI's list shape.", "responses": {"200": {"description": "{\"object\": \"list\", \"data\": [{\"id\", \"object\", \"created\", \"owned_by\"}]}"}}}});
 }
 
 fn base_document() -> Value {
