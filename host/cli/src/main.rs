@@ -8,6 +8,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+mod demo;
 mod scaffold;
 
 use clap::{Args, Parser, Subcommand};
@@ -33,6 +34,8 @@ enum Command {
     /// Write and check policy components.
     #[command(subcommand)]
     Policy(PolicyCommand),
+    /// Start mock engines and a proxying router in one command (no GPUs needed).
+    Demo(demo::DemoArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -311,6 +314,10 @@ fn main() -> ExitCode {
     match cli.command {
         Command::Replay(args) => kvroute_replay::cli_main(args),
         Command::Policy(cmd) => policy_main(cmd),
+        Command::Demo(args) => {
+            init_logging(LogFormat::Text);
+            demo::main(args)
+        }
         Command::Serve(args) => {
             let config = match args.into_config() {
                 Ok(c) => c,
