@@ -1,0 +1,212 @@
+//! One model: its tokenizer and chat template, loaded from a `[models.NAME]` table, and what a
+//! request body becomes with them.
+
+use std::fmt;
+
+use serde_json::Value as Json;
+use tokenizers::Tokenizer;
+
+use crate::chat::{template_sources, ChatTemplate};
+use crate::config::TokenizerConfig;
+use crate::{completion, ModelSpec, TokenizeError};
+
+/// A loaded model. `Send + Sync`: share it in an `Arc` across request handlers.
+pub struct Model {
+    name: String,
+    tokenizer: Tokenizer,
+    /// Ids at or above this are not tokens (prompts given as ids are checked against it).
+    vocab_size: u32,
+    chat: Option<ChatTemplate>,
+    block_size: Option<u32>,
+}
+
+impl fmt::Debug for Model {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Model")
+            .field("name", &self.name)
+            .field("vocab_size", &self.vocab_size)
+            .field("has_chat_template", &self.chat.is_some())
+            .field("block_size", &self.block_size)
+            .finish()
+    }
+}
+
+impl Model {
+    /// Reads and compiles everything `spec` names. Errors name the configuration field
+    /// (`models.NAME.tokenizer`, `models.NAME.chat_template`) and the reason.
+    pub fn load(name: &str, spec: &ModelSpec) -> Result<Model, TokenizeError> {
+        let field = format!("models.{name}.tokenizer");
+        let path = &spec.tokenizer;
+        let bytes = std::fs::read(path).map_err(|e| {
+            TokenizeError::new(&field, format!("cannot read {}: {e}", path.display()))
+        })?;
+        let mut tokenizer = Tokenizer::from_bytes(&bytes).map_err(|e| {
+            TokenizeError::new(
+                &field,
+                format!(
+                    "{} is not a Hugging Face tokenizer.json: {e}",
+                    path.display()
+                ),
+            )
+        })?;
+        // A tokenizer.json may carry truncation or padding for training; an engine never
+        // truncates or pads a prompt with them.
+        tokenizer
+            .with_truncation(None)
+            .map_err(|e| TokenizeError::new(&field, e.to_string()))?;
+        tokenizer.with_padding(None);
+        if let Some(0) = spec.block_size {
+            return Err(TokenizeError::new(
+                format!("models.{name}.block_size"),
+                "must be at least 1",
+            ));
+        }
+
+        let config = TokenizerConfig::next_to(path, &field)?;
+        let (templates, template_field) = template_sources(name, spec, &config)?;
+        let chat = if templates.is_empty() {
+            None
+        } else {
+            Some(ChatTemplate::new(
+                templates,
+                config.special,
+                &template_field,
+            )?)
+        };
+        let vocab_size = u32::try_from(tokenizer.get_vocab_size(true)).unwrap_or(u32::MAX);
+        Ok(Model {
+            name: name.to_string(),
+            tokenizer,
+            vocab_size,
+            chat,
+            block_size: spec.block_size,
+        })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The model's KV block size, if its `[models.NAME]` table sets one.
+    pub fn block_size(&self) -> Option<u32> {
+        self.block_size
+    }
+
+    /// Token ids below this exist (added tokens included).
+    pub fn vocab_size(&self) -> u32 {
+        self.vocab_size
+    }
+
+    pub fn has_chat_template(&self) -> bool {
+        self.chat.is_some()
+    }
+
+    /// `/v1/completions`: `prompt` is a string, an array of token ids, or an array of one of
+    /// those. A string is encoded with special tokens unless the body says
+    /// `"add_special_tokens": false` (vLLM's default and switch). Batches are refused.
+    pub fn completion_tokens(&self, body: &Json) -> Result<Vec<u32>, TokenizeError> {
+        completion::prompt_tokens(self, body)
+    }
+
+    /// `/v1/chat/completions`: the chat template's rendering of the body, encoded without
+    /// adding special tokens again (the template wrote them), unless the body says
+    /// `"add_special_tokens": true`.
+    pub fn chat_tokens(&self, body: &Json) -> Result<Vec<u32>, TokenizeError> {
+        let text = self.render_chat(body)?;
+        let add_special_tokens = match body.get("add_special_tokens") {
+            None | Some(Json::Null) => false,
+            Some(Json::Bool(b)) => *b,
+            Some(_) => {
+                return Err(TokenizeError::new(
+                    "add_special_tokens",
+                    "expected a boolean",
+                ))
+            }
+        };
+        let ids = self.encode_as(&text, add_special_tokens, "messages")?;
+        if ids.is_empty() {
+            return Err(TokenizeError::new(
+                "messages",
+                "the chat template rendered an empty prompt",
+            ));
+        }
+        Ok(ids)
+    }
+
+    /// The prompt text the chat template makes of a chat body.
+    pub fn render_chat(&self, body: &Json) -> Result<String, TokenizeError> {
+        match &self.chat {
+            Some(chat) => chat.render(body),
+            None => Err(TokenizeError::new(
+                "messages",
+                format!(
+                    "model {:?} has no chat template (set [models.{}] chat_template, or use \
+                     /v1/completions)",
+                    self.name, self.name
+                ),
+            )),
+        }
+    }
+
+    /// `text`'s token ids; `add_special_tokens` applies the tokenizer's post-processor (a
+    /// leading `bos`, for most models).
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizeError> {
+        self.encode_as(text, add_special_tokens, "text")
+    }
+
+    pub(crate) fn encode_as(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+        field: &str,
+    ) -> Result<Vec<u32>, TokenizeError> {
+        // encode_fast: no character offsets, which nothing here needs.
+        self.tokenizer
+            .encode_fast(text, add_special_tokens)
+            .map(|encoding| encoding.get_ids().to_vec())
+            .map_err(|e| TokenizeError::new(field, format!("cannot tokenize: {e}")))
+    }
+
+    /// The text of `ids`, special tokens left out (vLLM's default for generated text).
+    pub fn decode(&self, ids: &[u32]) -> Result<String, TokenizeError> {
+        self.tokenizer
+            .decode(ids, true)
+            .map_err(|e| TokenizeError::new("ids", format!("cannot decode: {e}")))
+    }
+
+    /// One token's text, special tokens included, for the mock engine's stream. A byte-level
+    /// token that is part of a multi-byte character comes out as U+FFFD; [`Model::text_stream`]
+    /// joins such tokens correctly.
+    pub fn token_text(&self, id: u32) -> String {
+        self.tokenizer.decode(&[id], false).unwrap_or_default()
+    }
+
+    /// A decoder for generated tokens one at a time: each step gives the text the token adds,
+    /// once it is whole (a character split across byte-level tokens waits for its last byte).
+    pub fn text_stream(&self) -> TextStream<'_> {
+        TextStream {
+            inner: self.tokenizer.decode_stream(true),
+        }
+    }
+}
+
+/// See [`Model::text_stream`].
+pub struct TextStream<'a> {
+    inner: tokenizers::DecodeStream<
+        'a,
+        tokenizers::ModelWrapper,
+        tokenizers::NormalizerWrapper,
+        tokenizers::PreTokenizerWrapper,
+        tokenizers::PostProcessorWrapper,
+        tokenizers::DecoderWrapper,
+    >,
+}
+
+impl TextStream<'_> {
+    /// The text `id` adds, or `None` while it is an incomplete character.
+    pub fn step(&mut self, id: u32) -> Result<Option<String>, TokenizeError> {
+        self.inner
+            .step(id)
+            .map_err(|e| TokenizeError::new("ids", format!("cannot decode: {e}")))
+    }
+}

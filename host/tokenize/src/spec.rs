@@ -1,0 +1,33 @@
+//! `[models.NAME]`: where a model's tokenizer and chat template are, as the server's
+//! configuration file says.
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+/// One `[models.NAME]` table of the server configuration.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSpec {
+    /// A Hugging Face `tokenizer.json`.
+    pub tokenizer: PathBuf,
+    /// A Jinja chat template file. Default: the `chat_template` of the `tokenizer_config.json`
+    /// next to `tokenizer.json` (a string, or a list of `{name, template}` entries), else a
+    /// `chat_template.jinja` file next to it.
+    #[serde(default)]
+    pub chat_template: Option<PathBuf>,
+    /// KV block size in tokens for this model's workers; `None` means the server's.
+    #[serde(default)]
+    pub block_size: Option<u32>,
+}
+
+impl ModelSpec {
+    /// A spec with only the tokenizer path.
+    pub fn new(tokenizer: impl Into<PathBuf>) -> Self {
+        Self {
+            tokenizer: tokenizer.into(),
+            chat_template: None,
+            block_size: None,
+        }
+    }
+}

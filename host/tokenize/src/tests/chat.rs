@@ -1,0 +1,327 @@
+use serde_json::json;
+
+use super::{assert_error, test_model, TempDir};
+use crate::testing::{write_test_model, BOS};
+use crate::{Model, ModelSpec};
+
+fn conversation() -> serde_json::Value {
+    json!({"model": "test", "messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Have you seen any whales?"},
+    ]})
+}
+
+#[test]
+fn the_test_template_renders_chatml_with_bos_and_a_generation_prompt() {
+    let (model, _dir) = test_model();
+    assert!(model.has_chat_template());
+    assert_eq!(
+        model.render_chat(&conversation()).unwrap(),
+        "<s><|im_start|>system\nBe brief.<|im_end|>\n\
+         <|im_start|>user\nHave you seen any whales?<|im_end|>\n\
+         <|im_start|>assistant\n"
+    );
+    let mut body = conversation();
+    body["add_generation_prompt"] = json!(false);
+    assert_eq!(
+        model.render_chat(&body).unwrap(),
+        "<s><|im_start|>system\nBe brief.<|im_end|>\n\
+         <|im_start|>user\nHave you seen any whales?<|im_end|>\n"
+    );
+}
+
+#[test]
+fn chat_tokens_encode_the_rendering_without_a_second_bos() {
+    let (model, _dir) = test_model();
+    let ids = model.chat_tokens(&conversation()).unwrap();
+    let rendered = model.render_chat(&conversation()).unwrap();
+    assert_eq!(ids, model.encode(&rendered, false).unwrap());
+    let bos = model.encode(BOS, false).unwrap()[0];
+    assert_eq!(ids[0], bos);
+    assert_eq!(ids.iter().filter(|id| **id == bos).count(), 1);
+    // The chat markers are single special tokens.
+    let im_start = model.encode("<|im_start|>", false).unwrap();
+    assert_eq!(im_start.len(), 1);
+    assert_eq!(ids[1], im_start[0]);
+}
+
+#[test]
+fn text_parts_are_joined_and_other_parts_refused() {
+    let (model, _dir) = test_model();
+    let body = json!({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "First part."},
+        {"type": "text", "text": "Second part."},
+    ]}]});
+    assert_eq!(
+        model.render_chat(&body).unwrap(),
+        "<s><|im_start|>user\nFirst part.\nSecond part.<|im_end|>\n<|im_start|>assistant\n"
+    );
+    let image = json!({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What is this?"},
+        {"type": "image_url", "image_url": {"url": "data:,"}},
+    ]}]});
+    assert_error(
+        model.chat_tokens(&image).unwrap_err(),
+        "messages[0].content[1].type",
+        "only \"text\" parts",
+    );
+    let cases = [
+        (json!({"model": "test"}), "messages", "is required"),
+        (json!({"messages": "hi"}), "messages", "expected an array"),
+        (
+            json!({"messages": ["hi"]}),
+            "messages[0]",
+            "expected an object",
+        ),
+        (
+            json!({"messages": [{"content": "hi"}]}),
+            "messages[0].role",
+            "is required",
+        ),
+        (
+            json!({"messages": [{"role": 1, "content": "hi"}]}),
+            "messages[0].role",
+            "expected a string",
+        ),
+        (
+            json!({"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}, {"role": "user", "content": 7}]}),
+            "messages[2].content",
+            "expected a string or an array of text parts",
+        ),
+        (
+            json!({"messages": [{"role": "user", "content": [{"type": "text"}]}]}),
+            "messages[0].content[0].text",
+            "expected a string",
+        ),
+        (
+            json!({"messages": [{"role": "user", "content": [{"text": "no type"}]}]}),
+            "messages[0].content[0]",
+            "expected a {\"type\": \"text\"",
+        ),
+        (
+            json!({"messages": [], "tools": {}}),
+            "tools",
+            "expected an array",
+        ),
+        (
+            json!({"messages": [], "add_generation_prompt": 1}),
+            "add_generation_prompt",
+            "expected a boolean",
+        ),
+        (
+            json!({"messages": [], "continue_final_message": true}),
+            "continue_final_message",
+            "cannot be true together with add_generation_prompt",
+        ),
+        (
+            json!({"messages": [], "chat_template_kwargs": []}),
+            "chat_template_kwargs",
+            "expected an object",
+        ),
+        (
+            json!({"messages": [{"role": "assistant", "content": null, "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}]}),
+            "messages[0].tool_calls[0].function.arguments",
+            "expected a JSON object encoded as a string",
+        ),
+        (json!("text"), "body", "expected a JSON object"),
+    ];
+    for (body, field, reason) in cases {
+        let err = model.chat_tokens(&body).expect_err(&body.to_string());
+        assert_error(err, field, reason);
+    }
+}
+
+#[test]
+fn a_template_that_raises_carries_its_message() {
+    let (model, _dir) = test_model();
+    let body = json!({"messages": [{"role": "robot", "content": "beep"}]});
+    let err = model.chat_tokens(&body).unwrap_err();
+    assert_error(err, "messages", "Unknown role: robot");
+}
+
+#[test]
+fn tools_are_rendered_as_python_json() {
+    let (model, _dir) = test_model();
+    let body = json!({
+        "messages": [{"role": "user", "content": "Weather in Oslo?"}],
+        "tools": [{"type": "function", "function": {
+            "name": "get_weather",
+            "description": "Weather <now> & 'later' in ü",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        }}],
+    });
+    let rendered = model.render_chat(&body).unwrap();
+    // Python's json.dumps(ensure_ascii=False): ", " and ": ", nothing HTML-escaped. (Keys in
+    // name order: serde_json's map is ordered by key.)
+    assert!(
+        rendered.starts_with(
+            "<s><|im_start|>system\nTools: [{\"function\": {\"description\": \
+             \"Weather <now> & 'later' in ü\", \"name\": \"get_weather\", \"parameters\": \
+             {\"properties\": {\"city\": {\"type\": \"string\"}}, \"type\": \"object\"}}, \
+             \"type\": \"function\"}]<|im_end|>\n<|im_start|>user\n"
+        ),
+        "{rendered}"
+    );
+}
+
+/// Writes the test tokenizer with `config` as its tokenizer_config.json (or none).
+fn model_with_config(
+    config: Option<serde_json::Value>,
+    spec: impl Fn(&mut ModelSpec),
+) -> (Result<Model, crate::TokenizeError>, TempDir) {
+    let dir = TempDir::new();
+    let path = write_test_model(dir.path()).unwrap();
+    let config_path = dir.path().join("tokenizer_config.json");
+    match config {
+        Some(config) => std::fs::write(&config_path, config.to_string()).unwrap(),
+        None => std::fs::remove_file(&config_path).unwrap(),
+    }
+    let mut model_spec = ModelSpec::new(path);
+    spec(&mut model_spec);
+    (Model::load("m", &model_spec), dir)
+}
+
+#[test]
+fn the_list_form_picks_default_and_tool_use_for_tools() {
+    let config = json!({
+        "bos_token": {"content": "<s>", "special": true},
+        "chat_template": [
+            {"name": "default", "template": "{{ bos_token }}D:{% for m in messages %}{{ m.content }}{% endfor %}"},
+            {"name": "tool_use", "template": "T:{{ tools | length }}:{% for m in messages %}{{ m.content }}{% endfor %}"},
+        ],
+    });
+    let (model, _dir) = model_with_config(Some(config), |_| {});
+    let model = model.unwrap();
+    let plain = json!({"messages": [{"role": "user", "content": "hi"}]});
+    assert_eq!(model.render_chat(&plain).unwrap(), "<s>D:hi");
+    let tools = json!({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f"}}]});
+    assert_eq!(model.render_chat(&tools).unwrap(), "T:1:hi");
+
+    let (only_tools, _dir) = model_with_config(
+        Some(json!({"chat_template": [{"name": "tool_use", "template": "x"}]})),
+        |_| {},
+    );
+    assert_error(
+        only_tools.unwrap().render_chat(&plain).unwrap_err(),
+        "messages",
+        "none named \"default\"",
+    );
+    let (bad, _dir) = model_with_config(
+        Some(json!({"chat_template": [{"name": "default"}]})),
+        |_| {},
+    );
+    assert_error(
+        bad.unwrap_err(),
+        "models.m.tokenizer",
+        "expected {\"name\": string, \"template\": string}",
+    );
+}
+
+#[test]
+fn a_chat_template_file_overrides_the_tokenizer_config() {
+    let dir = TempDir::new();
+    let file = dir.path().join("override.jinja");
+    std::fs::write(
+        &file,
+        "{% for m in messages %}\n[{{ m.role | upper }}] {{ m.content.strip() }}\n{% endfor %}\n{% if add_generation_prompt %}>{% endif %}",
+    )
+    .unwrap();
+    let (model, _model_dir) =
+        model_with_config(None, |spec| spec.chat_template = Some(file.clone()));
+    let model = model.unwrap();
+    let body = json!({"messages": [{"role": "user", "content": "  hello  "}, {"role": "assistant", "content": "hi"}]});
+    // trim_blocks/lstrip_blocks as in transformers: block lines leave no newline behind.
+    assert_eq!(
+        model.render_chat(&body).unwrap(),
+        "[USER] hello\n[ASSISTANT] hi\n>"
+    );
+
+    std::fs::write(&file, "{% for m in messages %}").unwrap();
+    let (broken, _d) = model_with_config(None, |spec| spec.chat_template = Some(file.clone()));
+    assert_error(
+        broken.unwrap_err(),
+        "models.m.chat_template",
+        "does not compile",
+    );
+    let missing = dir.path().join("missing.jinja");
+    let (missing, _d) = model_with_config(None, |spec| spec.chat_template = Some(missing.clone()));
+    assert_error(
+        missing.unwrap_err(),
+        "models.m.chat_template",
+        "cannot read",
+    );
+}
+
+#[test]
+fn chat_template_jinja_beside_the_tokenizer_is_the_fallback() {
+    let (model, dir) = model_with_config(Some(json!({"bos_token": "<s>"})), |_| {});
+    assert!(!model.unwrap().has_chat_template());
+    std::fs::write(
+        dir.path().join("chat_template.jinja"),
+        "{{ bos_token }}{{ messages[0].content }}",
+    )
+    .unwrap();
+    let model = Model::load("m", &ModelSpec::new(dir.path().join("tokenizer.json"))).unwrap();
+    assert_eq!(
+        model
+            .render_chat(&json!({"messages": [{"role": "user", "content": "x"}]}))
+            .unwrap(),
+        "<s>x"
+    );
+}
+
+#[test]
+fn a_model_without_a_chat_template_refuses_chat_clearly() {
+    let (model, _dir) = model_with_config(None, |_| {});
+    let model = model.unwrap();
+    assert!(!model.has_chat_template());
+    assert_error(
+        model.chat_tokens(&conversation()).unwrap_err(),
+        "messages",
+        "has no chat template",
+    );
+    // Completions still work.
+    assert!(!model
+        .completion_tokens(&json!({"prompt": "hi"}))
+        .unwrap()
+        .is_empty());
+}
+
+#[test]
+fn tool_call_arguments_kwargs_and_continue_final_message_reach_the_template() {
+    let dir = TempDir::new();
+    let file = dir.path().join("t.jinja");
+    std::fs::write(
+        &file,
+        "{% for m in messages %}{{ m.role }}:{{ m.content }}\
+         {% if m.tool_calls %}[{{ m.tool_calls[0].function.arguments.city }}]{% endif %}\
+         {% if m.tool_call_id %}#{{ m.tool_call_id }}{% endif %};{% endfor %}\
+         {% if thinking %}THINK{% endif %}{% if add_generation_prompt %}NEXT{% endif %}",
+    )
+    .unwrap();
+    let (model, _d) = model_with_config(None, |spec| spec.chat_template = Some(file.clone()));
+    let model = model.unwrap();
+    let body = json!({
+        "messages": [
+            {"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": null, "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "w", "arguments": "{\"city\": \"Oslo\"}"}}
+            ]},
+            {"role": "tool", "tool_call_id": "c1", "content": "rain"},
+        ],
+        "chat_template_kwargs": {"thinking": true},
+    });
+    assert_eq!(
+        model.render_chat(&body).unwrap(),
+        "user:Weather?;assistant:[Oslo];tool:rain#c1;THINKNEXT"
+    );
+    let cont = json!({
+        "messages": [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "Hello, "}],
+        "add_generation_prompt": false,
+        "continue_final_message": true,
+    });
+    assert_eq!(
+        model.render_chat(&cont).unwrap(),
+        "user:Say hi;assistant:Hello,"
+    );
+}
