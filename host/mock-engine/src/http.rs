@@ -6,8 +6,9 @@
 //!   (`data: {chunk}\n\n` per token, each sent at the end of the engine step that made it,
 //!   `data: [DONE]` last). Headers are sent with the first token, so a request the engine gives up
 //!   on before it still gets a 400.
-//! - The text of the `n`-th generated token is the tokenizer's text of the prompt's `n`-th token
-//!   (wrapping around): deterministic, so tests can compare, and readable.
+//! - The `n`-th generated token is the prompt's `n`-th token, special tokens left out (wrapping
+//!   around): the answer echoes the prompt's text, deterministic so tests can compare, and
+//!   readable in a demo.
 //! - A client that goes away drops the handler (non-streamed) or the body stream (streamed); both
 //!   own the request's [`ReleaseGuard`](crate::engine_loop::ReleaseGuard), so the engine releases
 //!   it at once.
@@ -132,8 +133,12 @@ async fn chat(
 struct Generation {
     state: Arc<AppState>,
     meta: Meta,
-    prompt: Vec<u32>,
+    prompt_tokens: u32,
+    /// The tokens the answer echoes (see the module doc).
+    echo: Vec<u32>,
     sub: Submission,
+    /// Where the prompt came from (`prompt` or `messages`), for errors.
+    field: &'static str,
     include_usage: bool,
     generated: u32,
     cached: u32,
@@ -142,12 +147,12 @@ struct Generation {
 impl Generation {
     /// The text of generated token `n` (see the module doc).
     fn text(&self, n: u32) -> String {
-        let i = (n.saturating_sub(1) as usize) % self.prompt.len();
-        self.state.tokenizer.token_text(self.prompt[i])
+        let i = (n.saturating_sub(1) as usize) % self.echo.len();
+        self.state.tokenizer.token_text(self.echo[i])
     }
 
     fn usage(&self) -> Value {
-        openai::usage(self.prompt.len() as u32, self.generated, self.cached)
+        openai::usage(self.prompt_tokens, self.generated, self.cached)
     }
 }
 
@@ -186,11 +191,21 @@ async fn generate(
         Some(d @ Delivery::Token { .. }) => d,
         Some(Delivery::Refused) | None => return Err(ApiError::refused(field)),
     };
+    let mut echo: Vec<u32> = prompt
+        .iter()
+        .copied()
+        .filter(|&t| !state.tokenizer.is_special(t))
+        .collect();
+    if echo.is_empty() {
+        echo = prompt.clone();
+    }
     let gen = Generation {
         state,
         meta,
-        prompt,
+        prompt_tokens: prompt.len() as u32,
+        echo,
         sub,
+        field,
         include_usage: params.include_usage,
         generated: 0,
         cached: 0,
@@ -198,12 +213,12 @@ async fn generate(
     if params.stream {
         Ok(stream(gen, first))
     } else {
-        whole(gen, first, field).await
+        whole(gen, first).await
     }
 }
 
 /// Waits for every token, then answers once.
-async fn whole(mut g: Generation, first: Delivery, field: &str) -> Result<Response, ApiError> {
+async fn whole(mut g: Generation, first: Delivery) -> Result<Response, ApiError> {
     let mut text = String::new();
     let mut next = Some(first);
     loop {
@@ -222,7 +237,7 @@ async fn whole(mut g: Generation, first: Delivery, field: &str) -> Result<Respon
                     break;
                 }
             }
-            Some(Delivery::Refused) | None => return Err(ApiError::refused(field)),
+            Some(Delivery::Refused) | None => return Err(ApiError::refused(g.field)),
         }
         next = g.sub.deliveries.recv().await;
     }
@@ -273,7 +288,7 @@ fn stream(g: Generation, first: Delivery) -> Response {
                             (sse(&c), next)
                         }
                         Some(Delivery::Refused) | None => {
-                            let e = ApiError::refused("prompt");
+                            let e = ApiError::refused(g.field);
                             (sse(&e.body()), Phase::Done)
                         }
                     }

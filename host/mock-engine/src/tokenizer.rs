@@ -32,6 +32,10 @@ pub trait PromptTokenizer: Send + Sync + 'static {
     fn chat_tokens(&self, body: &Value) -> Result<Vec<u32>, FieldError>;
     /// One token's text.
     fn token_text(&self, id: u32) -> String;
+    /// A special token (`<s>`, `<|im_start|>`...): generated text leaves these out.
+    fn is_special(&self, _id: u32) -> bool {
+        false
+    }
 }
 
 impl PromptTokenizer for kvroute_tokenize::Model {
@@ -47,6 +51,11 @@ impl PromptTokenizer for kvroute_tokenize::Model {
 
     fn token_text(&self, id: u32) -> String {
         kvroute_tokenize::Model::token_text(self, id)
+    }
+
+    fn is_special(&self, id: u32) -> bool {
+        // Decoding leaves special tokens out (vLLM's default for generated text).
+        self.decode(&[id]).is_ok_and(|t| t.is_empty())
     }
 }
 
