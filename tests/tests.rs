@@ -12,6 +12,7 @@ mod disaggregation;
 mod hostile;
 mod http;
 mod index_memory;
+mod mock_engine;
 mod policies;
 mod policy_deadlines;
 mod policy_runtime;

@@ -1,7 +1,8 @@
 //! `kvroute`: the operator's command line.
 //!
 //! The routing core lives in `kvroute-core`, the Wasm runtime in `kvroute-policy`, the HTTP server in
-//! `kvroute-server` and the simulator in `kvroute-replay`; this binary parses the command line and
+//! `kvroute-server`, the simulator in `kvroute-replay` and the simulated engine in
+//! `kvroute-mock-engine`; this binary parses the command line and
 //! hands each subcommand to its crate (docs/ARCHITECTURE.md).
 
 use std::net::SocketAddr;
@@ -31,6 +32,9 @@ enum Command {
     Serve(ServeArgs),
     /// Replay a request trace on a simulated fleet to compare routing policies.
     Replay(kvroute_replay::ReplayArgs),
+    /// Run a simulated engine: the replay's engine model in real time behind an OpenAI-compatible
+    /// server, publishing vLLM-format KV events over ZMQ (for demos and tests without GPUs).
+    MockEngine(kvroute_mock_engine::MockEngineArgs),
     /// Write and check policy components.
     #[command(subcommand)]
     Policy(PolicyCommand),
@@ -313,6 +317,7 @@ fn main() -> ExitCode {
     let cli = parse_cli();
     match cli.command {
         Command::Replay(args) => kvroute_replay::cli_main(args),
+        Command::MockEngine(args) => kvroute_mock_engine::cli_main(args),
         Command::Policy(cmd) => policy_main(cmd),
         Command::Demo(args) => {
             init_logging(LogFormat::Text);

@@ -11,6 +11,8 @@
 //!   drop counted by reason; nothing in a payload can panic it or make it allocate beyond the
 //!   payload's size. The wire is read by `rmp-serde` through the serde model in `wire/`;
 //!   `nesting.rs` caps payloads nested past rmp-serde's depth limit.
+//! - [`publish`]: the other direction, batches encoded as vLLM publishes them (for `kvroute
+//!   mock-engine`), checked against the decoder.
 //! - [`subscriber`]: one subscription = one SUB socket on one engine rank; sequence tracking per
 //!   (worker, rank); gap replay over a DEALER socket; reconnection with exponential backoff.
 //! - [`EventIngestion`] (here): the manager. It reconciles subscriptions with the registry when a
@@ -77,6 +79,7 @@ mod batch;
 pub mod decode;
 mod emit;
 mod nesting;
+pub mod publish;
 pub mod subscriber;
 mod wire;
 

@@ -1,0 +1,96 @@
+//! What the server needs of a tokenizer, as a small trait: a request body's prompt tokens (as
+//! vLLM computes them, so the KV blocks the mock engine caches and reports are the ones the
+//! router hashes for the same body) and the text of a generated token.
+//!
+//! The real implementation is `kvroute_tokenize::Model` (a Hugging Face `tokenizer.json` and a
+//! chat template); the trait keeps the server and its tests independent of how tokens are made
+//! (the crate's own tests use a byte tokenizer).
+
+use serde_json::Value;
+
+/// A request body's field that could not be read, and why.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FieldError {
+    pub field: String,
+    pub reason: String,
+}
+
+impl FieldError {
+    pub fn new(field: impl Into<String>, reason: impl Into<String>) -> Self {
+        Self {
+            field: field.into(),
+            reason: reason.into(),
+        }
+    }
+}
+
+/// A model's tokenizer, as the mock engine uses it.
+pub trait PromptTokenizer: Send + Sync + 'static {
+    /// `/v1/completions`: the prompt's token ids.
+    fn completion_tokens(&self, body: &Value) -> Result<Vec<u32>, FieldError>;
+    /// `/v1/chat/completions`: the chat template's rendering of the body, tokenized.
+    fn chat_tokens(&self, body: &Value) -> Result<Vec<u32>, FieldError>;
+    /// One token's text.
+    fn token_text(&self, id: u32) -> String;
+    /// A special token (`<s>`, `<|im_start|>`...): generated text leaves these out.
+    fn is_special(&self, _id: u32) -> bool {
+        false
+    }
+}
+
+impl PromptTokenizer for kvroute_tokenize::Model {
+    fn completion_tokens(&self, body: &Value) -> Result<Vec<u32>, FieldError> {
+        kvroute_tokenize::Model::completion_tokens(self, body)
+            .map_err(|e| FieldError::new(e.field, e.reason))
+    }
+
+    fn chat_tokens(&self, body: &Value) -> Result<Vec<u32>, FieldError> {
+        kvroute_tokenize::Model::chat_tokens(self, body)
+            .map_err(|e| FieldError::new(e.field, e.reason))
+    }
+
+    fn token_text(&self, id: u32) -> String {
+        kvroute_tokenize::Model::token_text(self, id)
+    }
+
+    fn is_special(&self, id: u32) -> bool {
+        // Decoding leaves special tokens out (vLLM's default for generated text).
+        self.decode(&[id]).is_ok_and(|t| t.is_empty())
+    }
+}
+
+/// A tokenizer for tests: a completion prompt's (or each chat message's content's) bytes are its
+/// tokens, and token `i`'s text is the byte `i` as a character.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ByteTokenizer;
+
+impl PromptTokenizer for ByteTokenizer {
+    fn completion_tokens(&self, body: &Value) -> Result<Vec<u32>, FieldError> {
+        match body.get("prompt") {
+            Some(Value::String(s)) => Ok(s.bytes().map(u32::from).collect()),
+            Some(_) => Err(FieldError::new("prompt", "must be a string")),
+            None => Err(FieldError::new("prompt", "is required")),
+        }
+    }
+
+    fn chat_tokens(&self, body: &Value) -> Result<Vec<u32>, FieldError> {
+        let Some(Value::Array(msgs)) = body.get("messages") else {
+            return Err(FieldError::new("messages", "must be an array"));
+        };
+        let mut out = Vec::new();
+        for (i, m) in msgs.iter().enumerate() {
+            let Some(Value::String(c)) = m.get("content") else {
+                return Err(FieldError::new(
+                    format!("messages[{i}].content"),
+                    "must be a string",
+                ));
+            };
+            out.extend(c.bytes().map(u32::from));
+        }
+        Ok(out)
+    }
+
+    fn token_text(&self, id: u32) -> String {
+        char::from_u32(id).map(String::from).unwrap_or_default()
+    }
+}
