@@ -325,3 +325,44 @@ fn tool_call_arguments_kwargs_and_continue_final_message_reach_the_template() {
         "user:Say hi;assistant:Hello,"
     );
 }
+
+/// A template in the style of shipped tool-calling templates (testdata/tools_template.jinja);
+/// the expected text is what jinja2 set up as `transformers` does renders for the same body.
+#[test]
+fn a_tool_calling_template_renders_as_jinja2_does() {
+    let file =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("testdata/tools_template.jinja");
+    let (model, _d) = model_with_config(
+        Some(json!({"bos_token": "<s>", "eos_token": "</s>"})),
+        |spec| spec.chat_template = Some(file.clone()),
+    );
+    let model = model.unwrap();
+    let body = json!({"messages": [
+        {"role": "system", "content": "  You check the weather.  "},
+        {"role": "user", "content": "Weather in Oslo and Bergen?"},
+        {"role": "assistant", "content": null, "tool_calls": [
+            {"id": "a", "type": "function", "function": {"name": "weather", "arguments": "{\"city\": \"Oslo\"}"}},
+            {"id": "b", "type": "function", "function": {"name": "weather", "arguments": "{\"city\": \"Bergen\", \"days\": 2}"}}]},
+        {"role": "tool", "tool_call_id": "a", "content": "rain, 4.5 °C"},
+        {"role": "tool", "tool_call_id": "b", "content": "sun"},
+        {"role": "user", "content": "  Thanks!  "}],
+     "tools": [{"type": "function", "function": {"description": "Weather <today>", "name": "weather",
+        "parameters": {"properties": {"city": {"type": "string"}}, "required": ["city"], "type": "object"}}}]});
+    let jinja2 = "<s><|im_start|>system\nYou check the weather.\n\n# Tools\n<tools>\n\
+        {\"description\": \"Weather <today>\", \"name\": \"weather\", \"parameters\": \
+        {\"properties\": {\"city\": {\"type\": \"string\"}}, \"required\": [\"city\"], \"type\": \"object\"}}\n\
+        </tools><|im_end|>\n<|im_start|>user\nWeather in Oslo and Bergen?<|im_end|>\n\
+        <|im_start|>assistant\n<tool_call>\n{\"name\": \"weather\", \"arguments\": {\"city\": \"Oslo\"}}\n</tool_call>\n\
+        <tool_call>\n{\"name\": \"weather\", \"arguments\": {\"city\": \"Bergen\", \"days\": 2}}\n</tool_call><|im_end|>\n\
+        <|im_start|>user\n<tool_response>\nrain, 4.5 °C\n</tool_response>\n<tool_response>\nsun\n</tool_response><|im_end|>\n\
+        <|im_start|>user\nThanks!<|im_end|>\n<|im_start|>assistant\n";
+    assert_eq!(model.render_chat(&body).unwrap(), jinja2);
+
+    let mut bad = body.clone();
+    bad["messages"][1]["role"] = json!("narrator");
+    assert_error(
+        model.render_chat(&bad).unwrap_err(),
+        "messages",
+        "roles must be user, assistant or tool after the system message, not narrator",
+    );
+}
