@@ -218,14 +218,22 @@ impl ServeConfig {
             .map_err(|e| format!("config file {}: {e}", path.display()))
     }
 
-    /// Parses the text of a config file as [`Self::from_file`] does, with relative `policy` and
-    /// `policy_dir` paths taken from `base` (the file's directory). Nothing is validated: that is
+    /// Parses the text of a config file as [`Self::from_file`] does, with relative `policy`,
+    /// `policy_dir` and `models.NAME.tokenizer` / `chat_template` paths taken from `base` (the
+    /// file's directory). Nothing is validated: that is
     /// [`Self::validate`], as `kvroute serve --config` runs it after the overrides.
     pub fn from_toml_str(text: &str, base: &Path) -> Result<Self, String> {
         let mut c: Self = toml::from_str(text).map_err(|e| e.to_string())?;
         for p in [&mut c.policy, &mut c.policy_dir].into_iter().flatten() {
             if p.is_relative() {
                 *p = base.join(&*p);
+            }
+        }
+        for m in c.models.values_mut() {
+            for p in std::iter::once(&mut m.tokenizer).chain(m.chat_template.as_mut()) {
+                if p.is_relative() {
+                    *p = base.join(&*p);
+                }
             }
         }
         Ok(c)
