@@ -17,6 +17,7 @@ mod policies;
 mod policy_deadlines;
 mod policy_runtime;
 mod policy_stages;
+mod proxy;
 mod python_plugin;
 mod refusals;
 mod replay;

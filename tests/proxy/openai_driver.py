@@ -25,7 +25,12 @@ streams = {}
 
 
 def err(e):
-    return {"error": f"{type(e).__name__}: {e}"}
+    out = {"error": f"{type(e).__name__}: {e}"}
+    if isinstance(e, openai.APIStatusError):
+        out["status"] = e.status_code
+        out["code"] = getattr(e, "code", None)
+        out["param"] = getattr(e, "param", None)
+    return out
 
 
 def text_of(chunk):

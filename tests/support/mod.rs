@@ -550,6 +550,7 @@ pub fn engine_hash(seq: u64) -> u64 {
 // ---- plugins -----------------------------------------------------------------------------------
 
 // Building plugin components is shared with the host's own integration tests: one implementation.
+pub mod engines;
 pub mod plugins;
 #[allow(unused_imports)]
 pub use plugins::{build_plugin, plugin_bytes, temp_dir, workspace_root};

@@ -182,7 +182,10 @@ pub fn main(args: DemoArgs) -> ExitCode {
 
 fn run(args: DemoArgs) -> Result<(), String> {
     if !(args.speed.is_finite() && args.speed > 0.0) {
-        return Err(format!("--speed must be a positive number, got {}", args.speed));
+        return Err(format!(
+            "--speed must be a positive number, got {}",
+            args.speed
+        ));
     }
     let dir = std::env::temp_dir().join(format!("kvroute-demo-{}", std::process::id()));
     std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;

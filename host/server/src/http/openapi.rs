@@ -189,7 +189,8 @@ fn add_data_path(doc: &mut Value) {
                 "504": {"description": "No answer within proxy.request_timeout_ms (`upstream_timeout`)."}}}})
     };
     let paths = &mut doc["paths"];
-    paths["/v1/completions"] = openai("serve --proxy: an OpenAI completion, tokenized, routed, booked and forwarded.");
+    paths["/v1/completions"] =
+        openai("serve --proxy: an OpenAI completion, tokenized, routed, booked and forwarded.");
     paths["/v1/chat/completions"] = openai("serve --proxy: an OpenAI chat completion, rendered with the model's chat template, tokenized, routed, booked and forwarded.");
     paths["/v1/models"] = json!({"get": {"summary": "serve --proxy: the configured models, in OpenAI's list shape.", "responses": {"200": {"description": "{\"object\": \"list\", \"data\": [{\"id\", \"object\", \"created\", \"owned_by\"}]}"}}}});
 }

@@ -297,18 +297,24 @@ impl Proxy {
                     out = out.header(k, v);
                 }
             }
-            out = out
-                .header("x-kvroute-worker", format!("{w}/{rank}"))
-                .header("x-request-id", request_id);
             let sleep = Box::pin(tokio::time::sleep_until(deadline.into()));
             let body = GuardedBody::new(incoming, life, sleep, end);
-            return out.body(axum::body::Body::new(body)).map_err(|e| {
+            let mut resp = out.body(axum::body::Body::new(body)).map_err(|e| {
                 ProxyError::new(
                     StatusCode::BAD_GATEWAY,
                     "upstream_invalid",
                     format!("the engine's answer cannot be relayed: {e}"),
                 )
-            });
+            })?;
+            // Ours, whatever the engine said (an engine may echo x-request-id too).
+            let h = resp.headers_mut();
+            if let Ok(v) = HeaderValue::from_str(&format!("{w}/{rank}")) {
+                h.insert(HeaderName::from_static("x-kvroute-worker"), v);
+            }
+            if let Ok(v) = HeaderValue::from_str(request_id) {
+                h.insert(HeaderName::from_static("x-request-id"), v);
+            }
+            return Ok(resp);
         }
         Err(ProxyError::new(
             StatusCode::SERVICE_UNAVAILABLE,

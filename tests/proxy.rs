@@ -1,0 +1,409 @@
+//! End to end: `kvroute serve --proxy` in front of real `kvroute mock-engine` processes, driven by
+//! the official `openai` Python client (tests/proxy/openai_driver.py, one JSON command per line).
+//!
+//! What is proven: the OpenAI client works unchanged against the proxy, streamed and not, chat and
+//! completions; a long shared prefix follows the engine that cached it, because that engine's KV
+//! events reached the router over ZMQ; and no booking outlives its request, however the request
+//! ends: normally, a client that goes away mid-stream, an engine killed mid-stream (the client sees
+//! an error, the worker's breaker opens), the proxy's deadline. 100 concurrent streams complete
+//! while another client has stopped reading its own.
+//!
+//! Requires python3 with `openai` (`.ci/run` installs it); without it these tests fail with the
+//! pip line to run.
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use crate::support::engines::{eventually, model, model_dir, prose, MockEngine, MODEL};
+use crate::support::{self, Server};
+
+const PIP_LINE: &str = "python3 -m pip install openai==3.57.0";
+
+/// The openai driver: a Python child reading commands, answering one JSON line each.
+struct Driver {
+    child: Child,
+    stdin: ChildStdin,
+    out: BufReader<ChildStdout>,
+}
+
+impl Driver {
+    fn start(base_url: &str) -> Driver {
+        let check = Command::new("python3")
+            .args(["-c", "import openai"])
+            .output()
+            .unwrap_or_else(|e| panic!("cannot run python3: {e}"));
+        assert!(
+            check.status.success(),
+            "the proxy tests need python3 with the openai package; run `{PIP_LINE}`\n{}",
+            String::from_utf8_lossy(&check.stderr)
+        );
+        let script = support::plugins::workspace_root().join("tests/proxy/openai_driver.py");
+        let mut child = Command::new("python3")
+            .arg(script)
+            .arg(base_url)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn the openai driver");
+        let stdin = child.stdin.take().unwrap();
+        let out = BufReader::new(child.stdout.take().unwrap());
+        Driver { child, stdin, out }
+    }
+
+    fn call(&mut self, cmd: Value) -> Value {
+        writeln!(self.stdin, "{cmd}").expect("write to the driver");
+        self.stdin.flush().unwrap();
+        let mut line = String::new();
+        self.out.read_line(&mut line).expect("read the driver");
+        assert!(!line.is_empty(), "the driver exited on {cmd}");
+        serde_json::from_str(&line).unwrap_or_else(|e| panic!("driver answered {line:?}: {e}"))
+    }
+
+    /// A command that must succeed.
+    fn ok(&mut self, cmd: Value) -> Value {
+        let r = self.call(cmd.clone());
+        assert!(r.get("error").is_none(), "{cmd} failed: {r}");
+        r
+    }
+}
+
+impl Drop for Driver {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A router proxying to `n` mock engines, with its KV event subscriptions connected.
+struct Fleet {
+    server: Server,
+    engines: Vec<MockEngine>,
+}
+
+impl Fleet {
+    fn start(n: usize, engine_args: &[&str], proxy: &str) -> Fleet {
+        Self::start_with(n, engine_args, proxy, "")
+    }
+
+    /// `extra` is appended to the router's configuration (more workers).
+    fn start_with(n: usize, engine_args: &[&str], proxy: &str, extra: &str) -> Fleet {
+        let engines: Vec<MockEngine> = (0..n).map(|_| MockEngine::start(engine_args)).collect();
+        let mut toml = format!(
+            "block_size = 16\n\n[proxy]\nenabled = true\n{proxy}\n\n[models.{MODEL}]\ntokenizer = {:?}\n",
+            model_dir().join("tokenizer.json")
+        );
+        for (i, e) in engines.iter().enumerate() {
+            toml += &format!(
+                "\n[workers.{i}]\nendpoint = {:?}\nmodel = {MODEL:?}\ntotal_kv_blocks = 16384\nmax_num_batched_tokens = 8192\nkv_events = {{ endpoint = {:?}, replay_endpoint = {:?} }}\n",
+                e.base, e.kv_events, e.replay
+            );
+        }
+        toml += extra;
+        let path = support::temp_file("proxy.toml", &toml);
+        let server = Server::start(&["--config", path.to_str().unwrap()]);
+        eventually("every engine's KV events subscribed", || {
+            let m = server.metrics();
+            (support::metric(&m, "kvroute_kv_subscriptions")? >= n as f64
+                && support::metric(&m, "kvroute_kv_connections_total{outcome=\"connected\"}")?
+                    >= n as f64)
+                .then_some(())
+        });
+        Fleet { server, engines }
+    }
+
+    fn driver(&self) -> Driver {
+        Driver::start(&self.server.url("/v1"))
+    }
+
+    fn bookings(&self) -> f64 {
+        support::metric(&self.server.metrics(), "kvroute_active_bookings").expect("bookings")
+    }
+
+    /// Waits until nothing is booked (a freed booking may trail the client's last byte a moment).
+    fn no_bookings(&self, after: &str) {
+        eventually(&format!("no booking left after {after}"), || {
+            (self.bookings() == 0.0).then_some(())
+        });
+    }
+
+    fn proxied(&self, outcome: &str) -> f64 {
+        support::metric(
+            &self.server.metrics(),
+            &format!(
+                "kvroute_proxy_requests_total{{endpoint=\"chat_completions\",outcome=\"{outcome}\"}}"
+            ),
+        )
+        .unwrap_or(0.0)
+    }
+
+    fn worker(&self, id: usize) -> Value {
+        self.server.workers()[&(id as u64)].clone()
+    }
+}
+
+/// `"2/0"` -> 2.
+fn worker_of(r: &Value) -> usize {
+    let w = r["worker"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no x-kvroute-worker: {r}"));
+    w.split('/').next().unwrap().parse().unwrap()
+}
+
+fn chat(content: &str) -> Value {
+    json!([{"role": "user", "content": content}])
+}
+
+#[test]
+fn the_openai_client_streams_and_not_through_the_proxy() {
+    let fleet = Fleet::start(2, &["--speed", "20"], "");
+    let mut d = fleet.driver();
+    let messages = chat("Tell me about the sea.");
+    let body = json!({"model": MODEL, "messages": messages});
+    let prompt_tokens = model().chat_tokens(&body).unwrap().len() as u64;
+    for stream in [false, true] {
+        let r = d.ok(json!({"op": "chat", "model": MODEL, "messages": messages, "max_tokens": 5, "stream": stream}));
+        assert!(!r["text"].as_str().unwrap().is_empty(), "{r}");
+        assert_eq!(r["usage"]["prompt_tokens"], prompt_tokens, "{r}");
+        assert_eq!(r["usage"]["completion_tokens"], 5, "{r}");
+        assert!(worker_of(&r) < 2);
+        assert!(r["request_id"].as_str().unwrap().starts_with("kvr-"), "{r}");
+        fleet.no_bookings("a chat");
+    }
+    let prompt = "Once upon a time";
+    let c_tokens = model()
+        .completion_tokens(&json!({"model": MODEL, "prompt": prompt}))
+        .unwrap()
+        .len() as u64;
+    for stream in [false, true] {
+        let r = d.ok(json!({"op": "completion", "model": MODEL, "prompt": prompt, "max_tokens": 4, "stream": stream}));
+        assert!(!r["text"].as_str().unwrap().is_empty(), "{r}");
+        assert_eq!(r["usage"]["prompt_tokens"], c_tokens, "{r}");
+        assert_eq!(r["usage"]["completion_tokens"], 4, "{r}");
+        fleet.no_bookings("a completion");
+    }
+    // The client's request id reaches the answer; routing fields ride in the `kvroute` object or
+    // in headers (a pin here), and a bad one is an OpenAI-style 400 naming it.
+    let r = d.ok(json!({"op": "chat", "model": MODEL, "messages": messages,
+        "headers": {"x-request-id": "mine-1", "x-kvroute-pinned-worker": "1"}}));
+    assert_eq!(r["request_id"], "mine-1");
+    assert_eq!(worker_of(&r), 1);
+    let r = d.ok(json!({"op": "chat", "model": MODEL, "messages": messages,
+        "kvroute": {"pinned_worker": {"worker_id": 0}}}));
+    assert_eq!(worker_of(&r), 0);
+    let r = d.call(json!({"op": "chat", "model": MODEL, "messages": messages,
+        "kvroute": {"priority": "high"}}));
+    assert!(
+        r["error"].as_str().unwrap().starts_with("BadRequestError"),
+        "{r}"
+    );
+    assert_eq!(
+        (&r["status"], &r["param"]),
+        (&json!(400), &json!("kvroute.priority")),
+        "{r}"
+    );
+    let r = d.call(json!({"op": "chat", "model": "nope", "messages": messages}));
+    assert!(
+        r["error"].as_str().unwrap().starts_with("NotFoundError"),
+        "{r}"
+    );
+    assert_eq!(
+        (&r["code"], &r["param"]),
+        (&json!("model_not_found"), &json!("model")),
+        "{r}"
+    );
+    let models = fleet.server.get("/v1/models");
+    assert_eq!(models.body()["data"][0]["id"], MODEL);
+    assert_eq!(fleet.proxied("ok"), 4.0);
+    fleet.no_bookings("everything");
+}
+
+#[test]
+fn a_long_shared_prefix_follows_the_engine_that_cached_it() {
+    let fleet = Fleet::start(4, &["--speed", "20"], "");
+    let mut d = fleet.driver();
+    let system = prose(0, 300);
+    let ask = |d: &mut Driver, q: &str| {
+        d.ok(
+            json!({"op": "chat", "model": MODEL, "max_tokens": 2, "messages": [
+            {"role": "system", "content": system}, {"role": "user", "content": q}]}),
+        )
+    };
+    let first = worker_of(&ask(&mut d, "First question?"));
+    // The engine's KV events reach the router over ZMQ: its index now holds the prompt's blocks.
+    eventually("the first prompt's blocks indexed on its engine", || {
+        (fleet.worker(first)["ranks"][0]["cached_blocks"].as_u64()? >= 10).then_some(())
+    });
+    for (i, q) in [
+        "Second question?",
+        "A third one, longer than the others?",
+        "Last.",
+    ]
+    .iter()
+    .enumerate()
+    {
+        let r = ask(&mut d, q);
+        assert_eq!(
+            worker_of(&r),
+            first,
+            "request {} went elsewhere: {r}",
+            i + 2
+        );
+    }
+    // A different prompt is free to go anywhere; the cached one was not just the only choice.
+    for w in 0..4 {
+        assert_eq!(fleet.worker(w)["health"]["state"], "ok");
+    }
+    fleet.no_bookings("the shared-prefix requests");
+}
+
+#[test]
+fn no_booking_outlives_its_request() {
+    // Slow engines (0.1x: ~60 ms per decode step) so streams are long enough to interrupt; one
+    // failure opens a breaker.
+    let mut fleet = Fleet::start(3, &["--speed", "0.1"], "failure_threshold = 1");
+    let mut d = fleet.driver();
+
+    // A client that goes away mid-stream: the booking is freed and the engine drops the request.
+    let s = d.ok(json!({"op": "open", "id": "a", "model": MODEL, "messages": chat("Talk for a while."), "max_tokens": 500, "read": 2}));
+    let w = worker_of(&s);
+    assert_eq!(fleet.bookings(), 1.0);
+    d.ok(json!({"op": "close", "id": "a"}));
+    fleet.no_bookings("a client that disconnected");
+    eventually("the engine dropped the abandoned request", || {
+        (fleet.engines[w].metric("requests_running") == 0.0).then_some(())
+    });
+    assert_eq!(fleet.proxied("client_disconnected"), 1.0);
+
+    // An engine killed mid-stream: the client gets an error, nothing stays booked, and the
+    // worker is failing (skipped) until a probe reaches it again.
+    let s = d.ok(json!({"op": "open", "id": "b", "model": MODEL, "messages": chat("Another long story."), "max_tokens": 500, "read": 2}));
+    let killed = worker_of(&s);
+    fleet.engines[killed].kill();
+    let r = d.call(json!({"op": "finish", "id": "b"}));
+    assert!(
+        r.get("error").is_some(),
+        "a stream cut by a dead engine ended cleanly: {r}"
+    );
+    fleet.no_bookings("an engine killed mid-stream");
+    assert_eq!(fleet.worker(killed)["health"]["state"], "failing");
+    assert_eq!(fleet.proxied("engine_error"), 1.0);
+    // The next requests go to the live engines, pinned or not.
+    for i in 0..4 {
+        let r = d.ok(json!({"op": "chat", "model": MODEL, "messages": chat(&format!("after {i}")), "max_tokens": 1}));
+        assert_ne!(worker_of(&r), killed);
+    }
+    fleet.no_bookings("requests after the kill");
+}
+
+#[test]
+fn the_deadline_ends_a_request_and_frees_it() {
+    // 0.05x engines: a 500-token answer would take ~60 s; the proxy allows 1.5 s.
+    let fleet = Fleet::start(1, &["--speed", "0.05"], "request_timeout_ms = 1500");
+    let mut d = fleet.driver();
+    let s = d.ok(json!({"op": "open", "id": "t", "model": MODEL, "messages": chat("Never ending."), "max_tokens": 500, "read": 1}));
+    assert_eq!(worker_of(&s), 0);
+    let r = d.call(json!({"op": "finish", "id": "t"}));
+    assert!(
+        r.get("error").is_some(),
+        "the stream outlived the deadline: {r}"
+    );
+    fleet.no_bookings("a request past its deadline");
+    eventually("the engine dropped the request", || {
+        (fleet.engines[0].metric("requests_running") == 0.0).then_some(())
+    });
+    assert_eq!(fleet.proxied("timeout"), 1.0);
+    // Not streamed: nothing was sent yet, so the client gets a 504.
+    let r = d.call(json!({"op": "chat", "model": MODEL, "messages": chat("Still never ending."), "max_tokens": 500}));
+    assert_eq!(
+        (&r["status"], &r["code"]),
+        (&json!(504), &json!("upstream_timeout")),
+        "{r}"
+    );
+    fleet.no_bookings("a whole answer past its deadline");
+}
+
+#[test]
+fn a_hundred_concurrent_streams_complete_beside_a_stalled_reader() {
+    let fleet = Fleet::start(3, &["--speed", "20"], "");
+    let mut d = fleet.driver();
+    // One client opens a long stream and stops reading: its engine keeps producing until the
+    // socket buffers fill, then the proxy waits on that client alone.
+    d.ok(json!({"op": "open", "id": "slow", "model": MODEL, "messages": chat("Recite everything."), "max_tokens": 4000, "read": 1}));
+    std::thread::sleep(Duration::from_millis(500));
+    let r = d.ok(json!({"op": "concurrent", "n": 100, "model": MODEL, "prompt": "Count to ten", "max_tokens": 16}));
+    assert_eq!(r["completed"], 100, "{r}");
+    assert!(
+        r["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|t| t.as_u64().unwrap() >= 1),
+        "{r}"
+    );
+    // The stalled stream is still open, and still booked: it is the only booking.
+    assert_eq!(fleet.bookings(), 1.0);
+    d.ok(json!({"op": "close", "id": "slow"}));
+    fleet.no_bookings("the concurrent streams and the stalled one");
+}
+
+#[test]
+fn a_dead_engine_is_retried_around_then_probed_back() {
+    // Worker 9's engine is not there yet: the port is free. Requests prefer its taint, so the
+    // router picks it first.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let dead = format!("\n[workers.9]\nendpoint = \"http://127.0.0.1:{port}\"\nmodel = {MODEL:?}\ntaints = [\"fast\"]\n");
+    let fleet = Fleet::start_with(
+        1,
+        &["--speed", "20"],
+        "failure_threshold = 2\nprobe_interval_ms = 100",
+        &dead,
+    );
+    let mut d = fleet.driver();
+    let prefer = json!({"routing_constraints": {"preferred_taints": {"fast": 0.9}}});
+    // The connection is refused before any byte: the booking is freed and the request re-routed
+    // once, to the live engine; the client never knows.
+    for i in 1..=2 {
+        let r = d.ok(json!({"op": "chat", "model": MODEL, "messages": chat("Hello?"), "max_tokens": 2, "kvroute": prefer}));
+        assert_eq!(worker_of(&r), 0, "{r}");
+        let retries = support::metric(&fleet.server.metrics(), "kvroute_proxy_retries_total");
+        assert_eq!(retries, Some(f64::from(i)));
+    }
+    fleet.no_bookings("retried requests");
+    // Two failures in a row: worker 9 is failing and no longer tried (no more retries).
+    let w9 = fleet.server.workers()[&9].clone();
+    assert_eq!(w9["health"]["state"], "failing", "{w9}");
+    assert_eq!(w9["health"]["consecutive_failures"], 2, "{w9}");
+    assert!(fleet
+        .server
+        .metrics()
+        .contains("kvroute_proxy_worker_failing{worker_id=\"9\"} 1"));
+    let r = d.ok(json!({"op": "chat", "model": MODEL, "messages": chat("Again?"), "max_tokens": 2, "kvroute": prefer}));
+    assert_eq!(worker_of(&r), 0);
+    assert_eq!(
+        support::metric(&fleet.server.metrics(), "kvroute_proxy_retries_total"),
+        Some(2.0)
+    );
+    // The engine comes up: a probe finds it and the preferred worker takes requests again.
+    let _engine = MockEngine::start_on(&format!("127.0.0.1:{port}"), &["--speed", "20"]);
+    eventually("a probe brought worker 9 back", || {
+        (fleet.server.workers()[&9]["health"]["state"] == "ok").then_some(())
+    });
+    let r = d.ok(json!({"op": "chat", "model": MODEL, "messages": chat("Back?"), "max_tokens": 2, "kvroute": prefer}));
+    assert_eq!(worker_of(&r), 9, "{r}");
+    // Pinned to nothing that serves the model: a clean 503, nothing booked.
+    let r = d.call(json!({"op": "chat", "model": MODEL, "messages": chat("x"), "kvroute": {"allowed_worker_ids": [42]}}));
+    assert_eq!(
+        (&r["status"], &r["code"]),
+        (&json!(503), &json!("no_eligible_worker")),
+        "{r}"
+    );
+    fleet.no_bookings("everything");
+}
