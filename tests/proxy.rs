@@ -407,3 +407,80 @@ fn a_dead_engine_is_retried_around_then_probed_back() {
     );
     fleet.no_bookings("everything");
 }
+
+#[test]
+fn kvroute_demo_serves_the_openai_api_and_takes_its_engines_down_with_it() {
+    let mut child = support::command(
+        &[
+            "demo",
+            "--engines",
+            "2",
+            "--listen",
+            "127.0.0.1:0",
+            "--speed",
+            "20",
+        ],
+        &[("KVROUTE_LOG", "warn")],
+    )
+    .stdin(Stdio::null())
+    .stdout(Stdio::piped())
+    .stderr(Stdio::inherit())
+    .spawn()
+    .expect("spawn kvroute demo");
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let first = lines.next().expect("a line").expect("utf-8");
+    let base = first
+        .strip_prefix("kvroute listening on ")
+        .unwrap_or_else(|| panic!("{first:?}"))
+        .to_string();
+    let mut printed = Vec::new();
+    for line in lines.by_ref() {
+        let line = line.unwrap();
+        let done = line.contains("Ctrl-C");
+        printed.push(line);
+        if done {
+            break;
+        }
+    }
+    let text = printed.join("\n");
+    assert!(
+        text.contains(&format!("OpenAI base URL: {base}/v1")),
+        "{text}"
+    );
+    let engines: Vec<String> = printed
+        .iter()
+        .filter_map(|l| {
+            l.trim()
+                .strip_prefix("engine ")?
+                .split_once(": ")
+                .map(|(_, u)| u.to_string())
+        })
+        .collect();
+    assert_eq!(engines.len(), 2, "{text}");
+    let agent = support::client();
+    let body = json!({"model": "demo", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 3});
+    let r = support::send(
+        &agent,
+        &format!("{base}/v1/chat/completions"),
+        "POST",
+        &[("content-type", "application/json")],
+        body.to_string().as_bytes(),
+    )
+    .expect("chat through the demo");
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert!(r.header("x-kvroute-worker").is_some());
+    assert_eq!(r.body()["usage"]["completion_tokens"], 3);
+    // SIGTERM: the router stops and the engines go with it.
+    unsafe {
+        libc::kill(child.id() as i32, libc::SIGTERM);
+    }
+    let status = child.wait().unwrap();
+    assert!(status.success(), "{status:?}");
+    for e in &engines {
+        eventually(&format!("engine {e} stopped"), || {
+            support::send(&agent, &format!("{e}/health"), "GET", &[], b"")
+                .is_err()
+                .then_some(())
+        });
+    }
+}
