@@ -309,3 +309,6 @@ fn stream(g: Generation, first: Delivery) -> Response {
     h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
     resp
 }
+
+#[cfg(test)]
+mod tests;
