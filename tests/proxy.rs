@@ -484,3 +484,47 @@ fn kvroute_demo_serves_the_openai_api_and_takes_its_engines_down_with_it() {
         });
     }
 }
+
+#[test]
+fn a_busy_fleet_answers_429_in_openai_shape() {
+    // One slow engine (0.02x: a 2k-token prefill takes ~2.5 s); any prompt in prefill makes it
+    // busy, and a request waits at most 200 ms in the queue.
+    let fleet = Fleet::start(
+        1,
+        &["--speed", "0.02"],
+        "\n[routing]\nbusy_threshold = 0.0001\nqueue_timeout_ms = 200",
+    );
+    let long = prose(0, 1600);
+    // Both clients start first (importing openai takes a while).
+    let mut d = fleet.driver();
+    let warm = d.call(json!({"op": "chat", "model": "warm-up", "messages": chat("x")}));
+    assert_eq!(warm["code"], "model_not_found", "{warm}");
+    // The first request, from a client of its own: its prompt keeps the engine busy.
+    let first = {
+        let mut d = fleet.driver();
+        let long = long.clone();
+        std::thread::spawn(move || {
+            d.ok(json!({"op": "chat", "model": MODEL, "messages": chat(&long), "max_tokens": 2}))
+        })
+    };
+    eventually("the first prompt in prefill", || {
+        (fleet.bookings() == 1.0).then_some(())
+    });
+    let r =
+        d.call(json!({"op": "chat", "model": MODEL, "messages": chat("Me too?"), "max_tokens": 1}));
+    assert!(
+        r["error"]
+            .as_str()
+            .unwrap_or("")
+            .starts_with("RateLimitError"),
+        "{r}"
+    );
+    assert_eq!(
+        (&r["status"], &r["code"]),
+        (&json!(429), &json!("queue_timeout")),
+        "{r}"
+    );
+    assert_eq!(worker_of(&first.join().unwrap()), 0);
+    fleet.no_bookings("a refused request and a finished one");
+    assert_eq!(fleet.proxied("refused"), 1.0);
+}

@@ -102,6 +102,8 @@ fn sdk_tutorial_runs_as_written() {
         status.success(),
         "the tutorial failed ({status}):\n{output}"
     );
+    // The tutorial's crate and its build (~400 MB) go; a failed run keeps them for a look.
+    let _ = std::fs::remove_dir_all(&dir);
 
     // What each step should have shown.
     assert!(
@@ -208,4 +210,58 @@ fn readme_quick_start_runs_as_written() {
         Some(2),
         "{stdout}"
     );
+}
+
+/// The README's data-path quick start (the ```sh block that talks to `kvroute demo` with curl and
+/// the openai package), run as written against `kvroute demo` on a free port.
+#[test]
+fn readme_demo_quick_start_runs_as_written() {
+    let readme = std::fs::read_to_string(workspace_root().join("README.md")).unwrap();
+    let block = sh_blocks(&readme)
+        .into_iter()
+        .find(|b| b.contains("/v1/chat/completions") && b.contains("import openai"))
+        .expect("the README has a demo quick start");
+    let mut demo = support::command(
+        &[
+            "demo",
+            "--engines",
+            "2",
+            "--listen",
+            "127.0.0.1:0",
+            "--speed",
+            "20",
+        ],
+        &[("KVROUTE_LOG", "warn")],
+    )
+    .stdin(Stdio::null())
+    .stdout(Stdio::piped())
+    .stderr(Stdio::inherit())
+    .spawn()
+    .expect("kvroute demo");
+    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(demo.stdout.take().unwrap()));
+    let first = lines.next().expect("a line").expect("utf-8");
+    let host_port = first
+        .strip_prefix("kvroute listening on http://")
+        .unwrap_or_else(|| panic!("{first:?}"))
+        .trim()
+        .to_string();
+    std::thread::spawn(move || for _ in lines {});
+    let script = block
+        .replace("localhost:8080", &host_port)
+        .replace("curl -s ", "curl -sf ");
+    let out = Command::new("bash")
+        .args(["-euo", "pipefail", "-c", &script])
+        .output()
+        .expect("bash");
+    let _ = demo.kill();
+    let _ = demo.wait();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "the demo quick start failed:\n{script}\nstdout:\n{stdout}\nstderr:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // The streamed curl answer, then the Python client's printed completion.
+    assert!(stdout.contains("data: [DONE]"), "{stdout}");
+    assert!(stdout.contains("ChatCompletion("), "{stdout}");
 }

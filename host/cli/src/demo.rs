@@ -83,7 +83,12 @@ fn start_engine(args: &DemoArgs, tokenizer: &std::path::Path, i: u32) -> Result<
     .arg(tokenizer)
     .stdin(Stdio::null())
     .stdout(Stdio::piped())
-    .stderr(Stdio::inherit());
+    .stderr(Stdio::inherit())
+    // The engines say only what goes wrong (KVROUTE_LOG still sets the level).
+    .env(
+        "RUST_LOG",
+        std::env::var("KVROUTE_LOG").unwrap_or_else(|_| "warn".into()),
+    );
     if let Some(t) = &args.chat_template {
         cmd.arg("--chat-template").arg(t);
     }

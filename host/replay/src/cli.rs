@@ -62,7 +62,7 @@ pub struct ReplayArgs {
     /// With --prefill-workers: do not replay the aggregated fleet beside the disaggregated ones.
     #[arg(long)]
     pub no_aggregated: bool,
-    /// round-robin | default | FILE.wasm[:CONFIG_JSON]; repeat to compare [default: round-robin
+    /// round-robin | default | dynamo | FILE.wasm[:CONFIG_JSON]; repeat to compare [default: round-robin
     /// and default].
     #[arg(long = "policy")]
     pub policies: Vec<String>,
@@ -101,6 +101,10 @@ pub struct ReplayArgs {
     /// Divide engine step times by this (faster engines).
     #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     pub worker_speedup: f64,
+    /// A heterogeneous fleet: each worker's own speed factor, comma-separated, repeated over the
+    /// workers (`1,0.5` = every other worker twice as slow; step times are divided by it).
+    #[arg(long, value_delimiter = ',', allow_negative_numbers = true)]
+    pub worker_speed: Vec<f64>,
     /// Simulated delay of KV events from an engine to the router, in ms.
     #[arg(long, default_value_t = 5.0, allow_negative_numbers = true)]
     pub kv_event_lag_ms: f64,
@@ -130,6 +134,10 @@ pub fn plot_label(trace: &str, workers: u32, sim: &SimConfig, speedup: f64) -> S
     );
     if sim.speedup != 1.0 {
         s += &format!(", engines ×{}", sim.speedup);
+    }
+    if !sim.worker_speeds.is_empty() {
+        let speeds: Vec<String> = sim.worker_speeds.iter().map(|v| v.to_string()).collect();
+        s += &format!(", worker speeds {}", speeds.join("/"));
     }
     s
 }
@@ -173,6 +181,7 @@ fn cli_run(args: ReplayArgs) -> Result<()> {
         max_num_seqs: args.max_num_seqs,
         max_num_batched_tokens: args.max_num_batched_tokens,
         speedup: args.worker_speedup,
+        worker_speeds: args.worker_speed.clone(),
         kv_event_lag_ms: args.kv_event_lag_ms,
         ..SimConfig::default()
     };

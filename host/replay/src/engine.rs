@@ -168,9 +168,16 @@ pub struct Engine {
     busy: bool,
     sched: Vec<Scheduled>,
     stats: WorkerStats,
+    /// This engine's speed factor (a heterogeneous fleet): step times are divided by it.
+    speed: f64,
 }
 
 impl Engine {
+    /// Makes this engine `speed` times as fast as the model (0.5: twice as slow).
+    pub fn set_speed(&mut self, speed: f64) {
+        self.speed = speed;
+    }
+
     /// An empty engine with `num_gpu_blocks` KV blocks.
     pub fn new(num_gpu_blocks: u32) -> Self {
         Self {
@@ -192,6 +199,7 @@ impl Engine {
             busy: false,
             sched: Vec::new(),
             stats: WorkerStats::default(),
+            speed: 1.0,
         }
     }
 
@@ -441,7 +449,7 @@ impl Engine {
         if decoding {
             ms += cfg.decode_ms(f64::from(self.blocks.used()) / f64::from(self.blocks.total));
         }
-        ms /= cfg.speedup;
+        ms /= cfg.speedup * self.speed;
         self.stats.prefill_tokens += prefill_tokens;
         self.stats.steps += 1;
         self.stats.busy_ms += ms;

@@ -10,6 +10,7 @@
 //! |---|---|
 //! | `round-robin` | a trivial [`Scorer`] that picks candidates in turn (eligibility and booking still go through the router) |
 //! | `default` | the router's native cost (SPEC §7), no scorer |
+//! | `dynamo` | Dynamo 1.6's default cost, bit-exact (today the same as `default`) |
 //! | `FILE.wasm[:CONFIG_JSON]` | the Wasm policy runtime: [`PolicyRegistry::load`] + [`RegistryScorer`], exactly as `serve --policy` |
 //!
 //! Every policy sees the same trace and fleet. A replay is repeatable: the router's random
@@ -91,6 +92,9 @@ pub enum PolicySpec {
     RoundRobin,
     /// The router's native cost.
     Default,
+    /// Dynamo 1.6's default cost, bit-exact, whatever `default` becomes: the reference every
+    /// comparison can name.
+    Dynamo,
     /// A Wasm policy component and its optional JSON configuration.
     Wasm {
         path: PathBuf,
@@ -105,6 +109,7 @@ impl std::fmt::Debug for PolicySpec {
         match self {
             PolicySpec::RoundRobin => f.write_str("RoundRobin"),
             PolicySpec::Default => f.write_str("Default"),
+            PolicySpec::Dynamo => f.write_str("Dynamo"),
             PolicySpec::Wasm { path, config } => f
                 .debug_struct("Wasm")
                 .field("path", path)
@@ -123,6 +128,7 @@ impl PolicySpec {
         match s {
             "round-robin" | "round_robin" | "rr" => return Ok(PolicySpec::RoundRobin),
             "default" | "native" => return Ok(PolicySpec::Default),
+            "dynamo" => return Ok(PolicySpec::Dynamo),
             _ => {}
         }
         if let Some(i) = s.find(".wasm:") {
@@ -141,7 +147,7 @@ impl PolicySpec {
                 config: None,
             });
         }
-        bail!("unknown policy {s:?}: expected round-robin, default or FILE.wasm[:CONFIG_JSON]")
+        bail!("unknown policy {s:?}: expected round-robin, default, dynamo or FILE.wasm[:CONFIG_JSON]")
     }
 
     /// The name results are reported under.
@@ -149,6 +155,7 @@ impl PolicySpec {
         match self {
             PolicySpec::RoundRobin => "round-robin".into(),
             PolicySpec::Default => "default".into(),
+            PolicySpec::Dynamo => "dynamo".into(),
             PolicySpec::Wasm { path, .. } => {
                 let stem = path
                     .file_stem()
@@ -273,7 +280,8 @@ pub fn run_policy(
     let mut _registry: Option<Arc<PolicyRegistry>> = None;
     match policy {
         PolicySpec::RoundRobin => router.set_scorer(Some(Box::new(RoundRobinScorer::default()))),
-        PolicySpec::Default => router.set_scorer(None),
+        // Today's default is Dynamo 1.6's cost, the router's native one.
+        PolicySpec::Default | PolicySpec::Dynamo => router.set_scorer(None),
         PolicySpec::Custom { make, .. } => router.set_scorer(Some(make())),
         PolicySpec::Wasm { path, config } => {
             let bytes =

@@ -387,10 +387,11 @@ pub fn table(runs: &[PolicyRun]) -> String {
     let split = runs.iter().any(|r| r.result.disaggregation.is_some());
     let _ = write!(
         s,
-        "{:<w$} {:>9} {:>8} {:>11} {:>11} {:>11} {:>10} {:>10} {:>10} {:>8} {:>7}",
+        "{:<w$} {:>9} {:>8} {:>12} {:>11} {:>11} {:>11} {:>10} {:>10} {:>10} {:>8} {:>7}",
         "policy",
         "completed",
         "hit_rate",
+        "ttft_mean_ms",
         "ttft_p50_ms",
         "ttft_p90_ms",
         "ttft_p99_ms",
@@ -408,10 +409,11 @@ pub fn table(runs: &[PolicyRun]) -> String {
         let r = &r.result;
         let _ = write!(
             s,
-            "{:<w$} {:>9} {:>7.1}% {:>11.1} {:>11.1} {:>11.1} {:>10.2} {:>10.2} {:>10.1} {:>8.3} {:>7.2}",
+            "{:<w$} {:>9} {:>7.1}% {:>12.1} {:>11.1} {:>11.1} {:>11.1} {:>10.2} {:>10.2} {:>10.1} {:>8.3} {:>7.2}",
             r.name,
             r.completed,
             r.token_hit_rate * 100.0,
+            r.ttft_ms.mean,
             r.ttft_ms.p50,
             r.ttft_ms.p90,
             r.ttft_ms.p99,

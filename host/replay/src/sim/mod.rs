@@ -49,6 +49,9 @@ pub struct SimConfig {
     pub max_num_batched_tokens: u32,
     /// Step times are divided by this (2.0 = engines twice as fast).
     pub speedup: f64,
+    /// A heterogeneous fleet: worker `w`'s step times are further divided by
+    /// `worker_speeds[w % len]` (0.5 = twice as slow). Empty: every worker at 1.
+    pub worker_speeds: Vec<f64>,
     /// Simulated delay between a step's end and its KV events reaching the router.
     pub kv_event_lag_ms: f64,
     /// `prefill(T) = c0 + c1·T + c2·T²` ms.
@@ -65,6 +68,7 @@ impl Default for SimConfig {
             max_num_seqs: 256,
             max_num_batched_tokens: 8192,
             speedup: 1.0,
+            worker_speeds: Vec::new(),
             kv_event_lag_ms: 5.0,
             prefill_poly: [16.50142, 1.518344e-2, 4.209989e-7],
             decode_poly: [5.74, 54.01, -25.74],
@@ -86,10 +90,27 @@ impl SimConfig {
                 self.speedup
             ));
         }
+        if let Some(v) = self
+            .worker_speeds
+            .iter()
+            .find(|v| !(v.is_finite() && **v > 0.0))
+        {
+            return Err(format!(
+                "every worker speed must be a positive number, got {v}"
+            ));
+        }
         if !(self.kv_event_lag_ms.is_finite() && self.kv_event_lag_ms >= 0.0) {
             return Err("the KV event lag must be a finite number >= 0".into());
         }
         Ok(())
+    }
+
+    /// Worker `w`'s own speed factor (1 unless `worker_speeds` says otherwise).
+    pub fn worker_speed(&self, w: u32) -> f64 {
+        match self.worker_speeds.len() {
+            0 => 1.0,
+            n => self.worker_speeds[w as usize % n],
+        }
     }
 
     /// Milliseconds to compute `t` new prompt tokens in one step.

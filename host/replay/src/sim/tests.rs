@@ -337,3 +337,35 @@ fn transfer_model_checks_its_figures() {
     .unwrap_err();
     assert!(err.contains("at least one prefill"), "{err}");
 }
+
+#[test]
+fn a_slower_worker_takes_proportionally_longer() {
+    let cfg = SimConfig {
+        block_size: 16,
+        worker_speeds: vec![1.0, 0.5],
+        ..Default::default()
+    };
+    // Two requests far apart, each on an idle fleet: whichever worker the router picks, its
+    // speed alone sets the time.
+    let t = trace(vec![
+        (0.0, (0..100).collect(), 1),
+        (60_000.0, (500..600).collect(), 1),
+    ]);
+    let (out, _) = run(&t, 2, &cfg);
+    for o in &out.requests {
+        let w = o.worker.unwrap();
+        let want = cfg.prefill_ms(100) / cfg.worker_speed(w);
+        assert!(
+            (o.first_token_ms - o.arrival_ms - want).abs() < 1e-6,
+            "worker {w}: {} vs {want}",
+            o.first_token_ms - o.arrival_ms
+        );
+    }
+    assert_eq!(cfg.worker_speed(3), 0.5);
+    assert!(SimConfig {
+        worker_speeds: vec![1.0, 0.0],
+        ..Default::default()
+    }
+    .validate()
+    .is_err());
+}

@@ -182,7 +182,7 @@ fn add_data_path(doc: &mut Value) {
         json!({"post": {"summary": summary, "requestBody": {"required": true, "content": {"application/json": {"schema": {"type": "object", "description": "OpenAI's request body, plus an optional `kvroute` object with the routing fields of RouteRequest (not tokens, block_hashes, book, explain, request_id); x-kvroute-* headers fill fields it leaves out."}}}},
             "responses": {"200": {"description": "The engine's answer, relayed (streamed when `stream` is true), with x-kvroute-worker: ID/RANK and x-request-id."},
                 "400": {"description": "Bad body or routing field (OpenAI error shape, `param` names the field)."},
-                "404": {"description": "Unknown model (`model_not_found`)."},
+                "404": {"description": "Unknown model (`model_not_found`), or the server runs without --proxy (`not_found`)."},
                 "429": {"description": "Overloaded or queue full (Retry-After)."},
                 "502": {"description": "The engine could not be reached, after one retry elsewhere (`upstream_unreachable`)."},
                 "503": {"description": "No eligible worker, none serving the model (`no_worker_for_model`), or all failing (`workers_failing`)."},
@@ -192,7 +192,7 @@ fn add_data_path(doc: &mut Value) {
     paths["/v1/completions"] =
         openai("serve --proxy: an OpenAI completion, tokenized, routed, booked and forwarded.");
     paths["/v1/chat/completions"] = openai("serve --proxy: an OpenAI chat completion, rendered with the model's chat template, tokenized, routed, booked and forwarded.");
-    paths["/v1/models"] = json!({"get": {"summary": "serve --proxy: the configured models, in OpenAI's list shape.", "responses": {"200": {"description": "{\"object\": \"list\", \"data\": [{\"id\", \"object\", \"created\", \"owned_by\"}]}"}}}});
+    paths["/v1/models"] = json!({"get": {"summary": "serve --proxy: the configured models, in OpenAI's list shape.", "responses": {"200": {"description": "{\"object\": \"list\", \"data\": [{\"id\", \"object\", \"created\", \"owned_by\"}]}"}, "404": {"description": "The server runs without --proxy (`not_found`)."}}}});
 }
 
 fn base_document() -> Value {
