@@ -682,7 +682,11 @@ pub fn simulate_fleet(
         prepared,
         router,
         engines: (0..workers)
-            .map(|_| Engine::new(cfg.num_gpu_blocks))
+            .map(|w| {
+                let mut e = Engine::new(cfg.num_gpu_blocks);
+                e.set_speed(cfg.worker_speed(w));
+                e
+            })
             .collect(),
         zone,
         split: vec![None; n],
