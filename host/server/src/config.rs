@@ -58,7 +58,7 @@ pub struct ServeConfig {
     /// The models the proxy serves (`[models.NAME]`: tokenizer, chat template, block size).
     pub models: std::collections::BTreeMap<String, kvroute_tokenize::ModelSpec>,
     /// `kvroute serve --proxy` (`[proxy]`): the OpenAI-compatible endpoints.
-    pub proxy: crate::proxy::ProxySection,
+    pub proxy: crate::proxy::config::ProxySection,
 }
 
 /// Parses a listen address: `IP:PORT` (`127.0.0.1:8080`, `[::1]:8080`) or `HOST:PORT`

@@ -31,103 +31,14 @@
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
 
-pub use crate::engine::WorkerStats;
 use crate::engine::{BlockHashes, Engine, Kind, NewRequest, Token};
+pub use crate::engine::{SimConfig, WorkerStats};
 use crate::trace::Trace;
 use kvroute_core::candidate::CandidateKey;
 use kvroute_core::hashing;
 use kvroute_core::indexer::{KvEvent, KvEventData, Tier};
 use kvroute_core::router::{RouteRequest, Router};
 use kvroute_core::workers::{Role, Topology, WorkerSpec};
-
-/// The simulated engines' settings (SPEC §10 defaults).
-#[derive(Clone, Debug, PartialEq, serde::Serialize)]
-pub struct SimConfig {
-    pub num_gpu_blocks: u32,
-    pub block_size: u32,
-    pub max_num_seqs: u32,
-    pub max_num_batched_tokens: u32,
-    /// Step times are divided by this (2.0 = engines twice as fast).
-    pub speedup: f64,
-    /// A heterogeneous fleet: worker `w`'s step times are further divided by
-    /// `worker_speeds[w % len]` (0.5 = twice as slow). Empty: every worker at 1.
-    pub worker_speeds: Vec<f64>,
-    /// Simulated delay between a step's end and its KV events reaching the router.
-    pub kv_event_lag_ms: f64,
-    /// `prefill(T) = c0 + c1·T + c2·T²` ms.
-    pub prefill_poly: [f64; 3],
-    /// `decode(u) = max(1, c0 + c1·u + c2·u²)` ms.
-    pub decode_poly: [f64; 3],
-}
-
-impl Default for SimConfig {
-    fn default() -> Self {
-        Self {
-            num_gpu_blocks: 16_384,
-            block_size: 64,
-            max_num_seqs: 256,
-            max_num_batched_tokens: 8192,
-            speedup: 1.0,
-            worker_speeds: Vec::new(),
-            kv_event_lag_ms: 5.0,
-            prefill_poly: [16.50142, 1.518344e-2, 4.209989e-7],
-            decode_poly: [5.74, 54.01, -25.74],
-        }
-    }
-}
-
-impl SimConfig {
-    pub fn validate(&self) -> Result<(), String> {
-        if self.num_gpu_blocks == 0 || self.block_size == 0 {
-            return Err("num_gpu_blocks and block_size must be at least 1".into());
-        }
-        if self.max_num_seqs == 0 || self.max_num_batched_tokens == 0 {
-            return Err("max_num_seqs and max_num_batched_tokens must be at least 1".into());
-        }
-        if !(self.speedup.is_finite() && self.speedup > 0.0) {
-            return Err(format!(
-                "the worker speed-up must be positive, got {}",
-                self.speedup
-            ));
-        }
-        if let Some(v) = self
-            .worker_speeds
-            .iter()
-            .find(|v| !(v.is_finite() && **v > 0.0))
-        {
-            return Err(format!(
-                "every worker speed must be a positive number, got {v}"
-            ));
-        }
-        if !(self.kv_event_lag_ms.is_finite() && self.kv_event_lag_ms >= 0.0) {
-            return Err("the KV event lag must be a finite number >= 0".into());
-        }
-        Ok(())
-    }
-
-    /// Worker `w`'s own speed factor (1 unless `worker_speeds` says otherwise).
-    pub fn worker_speed(&self, w: u32) -> f64 {
-        match self.worker_speeds.len() {
-            0 => 1.0,
-            n => self.worker_speeds[w as usize % n],
-        }
-    }
-
-    /// Milliseconds to compute `t` new prompt tokens in one step.
-    #[inline]
-    pub fn prefill_ms(&self, t: u64) -> f64 {
-        let t = t as f64;
-        let [c0, c1, c2] = self.prefill_poly;
-        c0 + c1 * t + c2 * t * t
-    }
-
-    /// Milliseconds of a decode step at KV utilisation `u`.
-    #[inline]
-    pub fn decode_ms(&self, u: f64) -> f64 {
-        let [c0, c1, c2] = self.decode_poly;
-        (c0 + c1 * u + c2 * u * u).max(1.0)
-    }
-}
 
 /// A trace's block hashes at one block size, computed once and shared by every policy's run.
 pub struct PreparedTrace<'a> {

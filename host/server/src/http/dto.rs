@@ -361,6 +361,16 @@ pub struct RankOut {
     pub kv_feed: Option<kvroute_core::feeds::FeedStatus>,
 }
 
+/// What `GET /v1/workers` shows of a worker's health.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct HealthOut {
+    /// `ok` or `failing` (skipped by the proxy until a probe succeeds).
+    pub state: &'static str,
+    pub consecutive_failures: u32,
+    /// Milliseconds since the last failure (null: none).
+    pub last_failure_ms_ago: Option<u64>,
+}
+
 #[derive(Debug, Serialize)]
 pub struct WorkerOut {
     pub worker_id: WorkerId,
@@ -380,7 +390,7 @@ pub struct WorkerOut {
     pub model: Option<String>,
     /// With `serve --proxy`: the worker's circuit breaker.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub health: Option<crate::proxy::HealthOut>,
+    pub health: Option<HealthOut>,
     pub ranks: Vec<RankOut>,
 }
 

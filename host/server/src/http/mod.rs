@@ -87,10 +87,7 @@ pub fn app(state: AppState) -> axum::Router {
         .route("/openapi.json", get(openapi_json));
     // Always routed, so other methods are 405 like every documented path; without `--proxy` the
     // handlers answer 404 `not_found`.
-    let public = public
-        .route("/v1/completions", post(crate::proxy::completions))
-        .route("/v1/chat/completions", post(crate::proxy::chat_completions))
-        .route("/v1/models", get(crate::proxy::models));
+    let public = public.merge(crate::proxy::routes(state.proxy.clone()));
     let body_limit = state.limits.max_body_bytes;
     admin
         .merge(public)

@@ -14,9 +14,10 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
-use serde::Serialize;
 
 use kvroute_core::candidate::WorkerId;
+
+use crate::http::dto::HealthOut;
 
 /// One worker's breaker.
 #[derive(Clone, Copy, Debug, Default)]
@@ -24,16 +25,6 @@ struct Breaker {
     consecutive_failures: u32,
     failing_since: Option<Instant>,
     last_failure: Option<Instant>,
-}
-
-/// What `GET /v1/workers` shows of a worker's health.
-#[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct HealthOut {
-    /// `ok` or `failing` (skipped by the proxy until a probe succeeds).
-    pub state: &'static str,
-    pub consecutive_failures: u32,
-    /// Milliseconds since the last failure (null: none).
-    pub last_failure_ms_ago: Option<u64>,
 }
 
 /// The breakers of every worker the proxy has talked to.

@@ -18,8 +18,8 @@
 //! the KV transfer itself is the engine's (or its sidecar's) business, as with Dynamo's and
 //! llm-d's routers.
 //!
-//! Who calls it: the HTTP app (`http::app`) mounts [`completions`], [`chat_completions`] and
-//! [`models`] when the server runs with `--proxy`; `serve::run` starts the health probe loop.
+//! Who calls it: the HTTP app (`http::app`) merges [`routes`] (this module knows nothing of the
+//! app's state); `serve::run` builds the [`Proxy`] and starts its health probe loop.
 
 pub mod config;
 pub mod error;
@@ -44,14 +44,28 @@ use kvroute_tokenize::ModelRegistry;
 
 pub use config::ProxySection;
 use error::ProxyError;
-pub use health::{Health, HealthOut};
+pub use health::Health;
 use lifecycle::{GuardedBody, Lifecycle};
 pub use metrics::ProxyMetrics;
 use request::Endpoint;
 use upstream::{Upstream, HOP_BY_HOP};
 
 use crate::http::dto::BodyLimits;
-use crate::http::{AppState, Metrics};
+use crate::http::metrics::Metrics;
+
+/// The proxy routes' state: `None` when the server runs without `--proxy` (they answer 404).
+pub type ProxyState = Option<Arc<Proxy>>;
+
+/// The proxy's routes, for the HTTP app to merge (mounted with or without `--proxy`, so every
+/// documented path answers; without it the handlers say 404).
+pub fn routes<S>(proxy: ProxyState) -> axum::Router<S> {
+    use axum::routing::{get, post};
+    axum::Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .with_state(proxy)
+}
 
 /// Everything the proxy needs, shared by every serving thread.
 pub struct Proxy {
@@ -336,8 +350,8 @@ fn request_id(headers: &HeaderMap) -> String {
         .unwrap_or_else(|| format!("kvr-{:016x}", rand::random::<u64>()))
 }
 
-async fn handle(s: AppState, endpoint: Endpoint, headers: HeaderMap, body: Bytes) -> Response {
-    let Some(p) = s.proxy.clone() else {
+async fn handle(s: ProxyState, endpoint: Endpoint, headers: HeaderMap, body: Bytes) -> Response {
+    let Some(p) = s else {
         return ProxyError::new(
             StatusCode::NOT_FOUND,
             "not_found",
@@ -373,13 +387,13 @@ async fn handle(s: AppState, endpoint: Endpoint, headers: HeaderMap, body: Bytes
 }
 
 /// `POST /v1/completions`.
-pub async fn completions(State(s): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
+pub async fn completions(State(s): State<ProxyState>, headers: HeaderMap, body: Bytes) -> Response {
     handle(s, Endpoint::Completions, headers, body).await
 }
 
 /// `POST /v1/chat/completions`.
 pub async fn chat_completions(
-    State(s): State<AppState>,
+    State(s): State<ProxyState>,
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
@@ -387,8 +401,8 @@ pub async fn chat_completions(
 }
 
 /// `GET /v1/models`: the configured models, as OpenAI lists them.
-pub async fn models(State(s): State<AppState>) -> Response {
-    let Some(p) = s.proxy.as_ref() else {
+pub async fn models(State(s): State<ProxyState>) -> Response {
+    let Some(p) = s.as_ref() else {
         return ProxyError::new(
             StatusCode::NOT_FOUND,
             "not_found",
