@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 
-use crate::support::engines::{eventually, model, model_dir, prose, MockEngine, MODEL};
+use crate::support::engines::{eventually, model, model_dir, prose, Demo, MockEngine, MODEL};
 use crate::support::{self, Server};
 
 const PIP_LINE: &str = "python3 -m pip install openai==3.57.0";
@@ -410,38 +410,8 @@ fn a_dead_engine_is_retried_around_then_probed_back() {
 
 #[test]
 fn kvroute_demo_serves_the_openai_api_and_takes_its_engines_down_with_it() {
-    let mut child = support::command(
-        &[
-            "demo",
-            "--engines",
-            "2",
-            "--listen",
-            "127.0.0.1:0",
-            "--speed",
-            "20",
-        ],
-        &[("KVROUTE_LOG", "warn")],
-    )
-    .stdin(Stdio::null())
-    .stdout(Stdio::piped())
-    .stderr(Stdio::inherit())
-    .spawn()
-    .expect("spawn kvroute demo");
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    let first = lines.next().expect("a line").expect("utf-8");
-    let base = first
-        .strip_prefix("kvroute listening on ")
-        .unwrap_or_else(|| panic!("{first:?}"))
-        .to_string();
-    let mut printed = Vec::new();
-    for line in lines.by_ref() {
-        let line = line.unwrap();
-        let done = line.contains("Ctrl-C");
-        printed.push(line);
-        if done {
-            break;
-        }
-    }
+    let mut demo = Demo::start();
+    let (base, printed) = (demo.base.clone(), demo.printed.clone());
     let text = printed.join("\n");
     assert!(
         text.contains(&format!("OpenAI base URL: {base}/v1")),
@@ -472,9 +442,9 @@ fn kvroute_demo_serves_the_openai_api_and_takes_its_engines_down_with_it() {
     assert_eq!(r.body()["usage"]["completion_tokens"], 3);
     // SIGTERM: the router stops and the engines go with it.
     unsafe {
-        libc::kill(child.id() as i32, libc::SIGTERM);
+        libc::kill(demo.child.id() as i32, libc::SIGTERM);
     }
-    let status = child.wait().unwrap();
+    let status = demo.child.wait().unwrap();
     assert!(status.success(), "{status:?}");
     for e in &engines {
         eventually(&format!("engine {e} stopped"), || {

@@ -221,31 +221,8 @@ fn readme_demo_quick_start_runs_as_written() {
         .into_iter()
         .find(|b| b.contains("/v1/chat/completions") && b.contains("import openai"))
         .expect("the README has a demo quick start");
-    let mut demo = support::command(
-        &[
-            "demo",
-            "--engines",
-            "2",
-            "--listen",
-            "127.0.0.1:0",
-            "--speed",
-            "20",
-        ],
-        &[("KVROUTE_LOG", "warn")],
-    )
-    .stdin(Stdio::null())
-    .stdout(Stdio::piped())
-    .stderr(Stdio::inherit())
-    .spawn()
-    .expect("kvroute demo");
-    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(demo.stdout.take().unwrap()));
-    let first = lines.next().expect("a line").expect("utf-8");
-    let host_port = first
-        .strip_prefix("kvroute listening on http://")
-        .unwrap_or_else(|| panic!("{first:?}"))
-        .trim()
-        .to_string();
-    std::thread::spawn(move || for _ in lines {});
+    let demo = crate::support::engines::Demo::start();
+    let host_port = demo.base.trim_start_matches("http://").to_string();
     let script = block
         .replace("localhost:8080", &host_port)
         .replace("curl -s ", "curl -sf ");
@@ -253,8 +230,7 @@ fn readme_demo_quick_start_runs_as_written() {
         .args(["-euo", "pipefail", "-c", &script])
         .output()
         .expect("bash");
-    let _ = demo.kill();
-    let _ = demo.wait();
+    drop(demo);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),

@@ -178,3 +178,63 @@ impl MockEngine {
         let _ = self.child.wait();
     }
 }
+
+/// A running `kvroute demo` (2 engines at 20x on a free port): the child, its base URL and the
+/// lines it printed after the address, up to "Ctrl-C ...". Killed when dropped.
+pub struct Demo {
+    pub child: Child,
+    pub base: String,
+    pub printed: Vec<String>,
+}
+
+impl Demo {
+    pub fn start() -> Demo {
+        let mut child = support::command(
+            &[
+                "demo",
+                "--engines",
+                "2",
+                "--listen",
+                "127.0.0.1:0",
+                "--speed",
+                "20",
+            ],
+            &[("KVROUTE_LOG", "warn")],
+        )
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn kvroute demo");
+        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        let first = lines.next().expect("a line").expect("utf-8");
+        let base = first
+            .strip_prefix("kvroute listening on ")
+            .unwrap_or_else(|| panic!("{first:?}"))
+            .trim()
+            .to_string();
+        let mut printed = Vec::new();
+        for line in lines.by_ref() {
+            let line = line.expect("utf-8");
+            let done = line.contains("Ctrl-C");
+            printed.push(line);
+            if done {
+                break;
+            }
+        }
+        // Keep draining so the demo never blocks on a full pipe.
+        std::thread::spawn(move || for _ in lines {});
+        Demo {
+            child,
+            base,
+            printed,
+        }
+    }
+}
+
+impl Drop for Demo {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
