@@ -151,14 +151,14 @@ fn tools_are_rendered_as_python_json() {
         }}],
     });
     let rendered = model.render_chat(&body).unwrap();
-    // Python's json.dumps(ensure_ascii=False): ", " and ": ", nothing HTML-escaped. (Keys in
-    // name order: serde_json's map is ordered by key.)
+    // Python's json.dumps(ensure_ascii=False): ", " and ": ", nothing HTML-escaped, keys in the
+    // order the request sent them (as vLLM's parsed request keeps them).
     assert!(
         rendered.starts_with(
-            "<s><|im_start|>system\nTools: [{\"function\": {\"description\": \
-             \"Weather <now> & 'later' in ü\", \"name\": \"get_weather\", \"parameters\": \
-             {\"properties\": {\"city\": {\"type\": \"string\"}}, \"type\": \"object\"}}, \
-             \"type\": \"function\"}]<|im_end|>\n<|im_start|>user\n"
+            "<s><|im_start|>system\nTools: [{\"type\": \"function\", \"function\": {\"name\": \
+             \"get_weather\", \"description\": \"Weather <now> & 'later' in ü\", \"parameters\": \
+             {\"type\": \"object\", \"properties\": {\"city\": {\"type\": \"string\"}}}}}]<|im_end|>\n\
+             <|im_start|>user\n"
         ),
         "{rendered}"
     );

@@ -32,8 +32,9 @@ fn tojson_is_pythons_json_dumps() {
     })));
     assert_eq!(
         to_python_json(&value).unwrap(),
-        "{\"a\": \"quote \\\" backslash \\\\ newline \\n <tag> & ü\", \
-         \"b\": [1, 2.0, 0.5, 1e+20, 1.5e-07, -3], \"c\": {}, \"d\": [], \"e\": null, \"f\": true}"
+        // Keys in insertion order, as Python's dicts keep them.
+        "{\"b\": [1, 2.0, 0.5, 1e+20, 1.5e-07, -3], \
+         \"a\": \"quote \\\" backslash \\\\ newline \\n <tag> & ü\", \"c\": {}, \"d\": [], \"e\": null, \"f\": true}"
     );
 }
 
