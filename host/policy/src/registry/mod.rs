@@ -21,10 +21,12 @@ use super::runtime::PolicyRuntime;
 use super::wire::with_wit_decision;
 use super::{DecisionContext, TaintTable};
 
+mod image;
 mod load;
 mod version;
 
 use version::Source;
+pub use image::{Checkpoint, RegistryImage, VersionImage};
 pub use version::{ActivePolicy, Outcome, PolicyDecision, PolicyInfo, PolicyVersion, StageInfo};
 
 /// Why a policy was taken out.
