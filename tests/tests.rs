@@ -21,6 +21,8 @@ mod proxy;
 mod python_plugin;
 mod refusals;
 mod replay;
+mod remote_indexer;
 mod sandbox;
+mod state;
 mod tutorial;
 mod zmq_ingestion;
