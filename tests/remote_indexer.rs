@@ -24,7 +24,10 @@ fn explained(d: &Value) -> BTreeMap<(u64, u64), [u64; 3]> {
         .iter()
         .map(|c| {
             (
-                (c["worker_id"].as_u64().unwrap(), c["dp_rank"].as_u64().unwrap()),
+                (
+                    c["worker_id"].as_u64().unwrap(),
+                    c["dp_rank"].as_u64().unwrap(),
+                ),
                 [
                     c["overlap_blocks"].as_u64().unwrap(),
                     c["host_overlap_blocks"].as_u64().unwrap(),
@@ -44,7 +47,12 @@ fn lowest_cost(d: &Value) -> Vec<(u64, u64)> {
         .fold(f64::INFINITY, f64::min);
     rows.iter()
         .filter(|c| c["cost"].as_f64().unwrap() == min)
-        .map(|c| (c["worker_id"].as_u64().unwrap(), c["dp_rank"].as_u64().unwrap()))
+        .map(|c| {
+            (
+                c["worker_id"].as_u64().unwrap(),
+                c["dp_rank"].as_u64().unwrap(),
+            )
+        })
         .collect()
 }
 
@@ -114,7 +122,10 @@ fn a_remote_indexer_router_decides_as_a_local_index_one_on_the_same_events() {
         }
     }
     assert_eq!(compared, 60);
-    assert!(unique >= 20, "only {unique} decisions had one best candidate");
+    assert!(
+        unique >= 20,
+        "only {unique} decisions had one best candidate"
+    );
     // Precomputed block hashes are asked about the same way.
     let hashes = local_hashes(&prompt(8, 3), 16, BASE_SEED);
     let body = json!({"block_hashes": hashes, "book": false});
@@ -122,11 +133,22 @@ fn a_remote_indexer_router_decides_as_a_local_index_one_on_the_same_events() {
         local.route_ok(&body)["worker_id"],
         remote.route_ok(&body)["worker_id"]
     );
+    // Events posted to the remote router would feed an index no decision reads: refused.
+    remote
+        .post("/v1/events", &json!(events))
+        .expect_error(409, "no_local_index");
     // The remote router subscribes to no engine and counted no failure.
     let text = remote.metrics();
-    assert_eq!(metric(&text, "kvroute_kv_subscriptions"), None, "no ingestion");
     assert_eq!(
-        metric(&text, "kvroute_remote_indexer_failures_total{reason=\"timeout\"}"),
+        metric(&text, "kvroute_kv_subscriptions"),
+        None,
+        "no ingestion"
+    );
+    assert_eq!(
+        metric(
+            &text,
+            "kvroute_remote_indexer_failures_total{reason=\"timeout\"}"
+        ),
         Some(0.0)
     );
     assert!(metric(&text, "kvroute_remote_indexer_duration_seconds_count").unwrap() >= 61.0);
@@ -145,7 +167,10 @@ fn with_the_indexer_down_or_slow_decisions_are_answered_with_zero_overlap_and_co
         .post("/v1/events", &json!([stored_event(3, 0, 1, &full)]))
         .expect(200);
     let d = remote.route_ok(&json!({"tokens": p, "book": false}));
-    assert_eq!((d["overlap_source"].as_str(), d["worker_id"].as_u64()), (Some("remote"), Some(3)));
+    assert_eq!(
+        (d["overlap_source"].as_str(), d["worker_id"].as_u64()),
+        (Some("remote"), Some(3))
+    );
     assert_eq!(d["overlap_blocks"], 6);
     drop(indexer);
     for i in 0..5 {
@@ -155,7 +180,10 @@ fn with_the_indexer_down_or_slow_decisions_are_answered_with_zero_overlap_and_co
     }
     let text = remote.metrics();
     assert_eq!(
-        metric(&text, "kvroute_remote_indexer_failures_total{reason=\"connect\"}"),
+        metric(
+            &text,
+            "kvroute_remote_indexer_failures_total{reason=\"connect\"}"
+        ),
         Some(5.0),
         "{text}"
     );
@@ -193,8 +221,7 @@ fn remote_indexer_settings_are_checked_at_start() {
     ] {
         let mut all = vec!["serve", "--listen", "127.0.0.1:0"];
         all.extend(args);
-        let (status, _, err) =
-            support::run_to_exit(&all, &[], std::time::Duration::from_secs(20));
+        let (status, _, err) = support::run_to_exit(&all, &[], std::time::Duration::from_secs(20));
         assert_eq!(status.code(), Some(2), "{err}");
         assert!(err.contains(needle), "{needle}: {err}");
     }

@@ -66,9 +66,17 @@ fn populate(s: &Server) {
     );
     s.put_worker(3, &json!({}));
     s.delete("/v1/workers/3").expect(204);
-    s.patch("/v1/workers/2", &json!({"draining": true, "taints": ["spare"]}))
-        .expect(200);
-    upload(s, "tuned", "?activate=true&config=%7B%22preference_floor%22%3A2%7D").expect(201);
+    s.patch(
+        "/v1/workers/2",
+        &json!({"draining": true, "taints": ["spare"]}),
+    )
+    .expect(200);
+    upload(
+        s,
+        "tuned",
+        "?activate=true&config=%7B%22preference_floor%22%3A2%7D",
+    )
+    .expect(201);
     s.req(
         "PUT",
         "/v1/policies/tuned/config",
@@ -107,7 +115,10 @@ fn a_restart_keeps_workers_policy_versions_the_active_one_and_its_config() {
     assert_eq!(v2["active"], true, "{detail}");
     assert!(v2["config"].as_str().unwrap().contains("3"), "{detail}");
     let again = s.route_ok(&json!({"tokens": vec![1u32; 32], "book": false}));
-    assert_eq!(again["policy"], routed["policy"], "the same version decides");
+    assert_eq!(
+        again["policy"], routed["policy"],
+        "the same version decides"
+    );
     assert_eq!(s.get("/readyz").body()["policy"]["version"], 2);
     // The history came back too: a rollback restores the target named before the restart.
     let target = &before_policies["rollback_target"];
@@ -188,7 +199,11 @@ fn a_state_directory_with_a_corrupt_or_unknown_file_refuses_to_start_naming_it()
         let a: Vec<&str> = a.iter().map(String::as_str).collect();
         run_to_exit(&a, &[], Duration::from_secs(20))
     };
-    std::fs::write(dir.join("workers.json"), b"{\"format\": 1, \"workers\": {\"1\": [}").unwrap();
+    std::fs::write(
+        dir.join("workers.json"),
+        b"{\"format\": 1, \"workers\": {\"1\": [}",
+    )
+    .unwrap();
     let (status, _, err) = run(&dir);
     assert!(!status.success());
     assert!(

@@ -332,14 +332,18 @@ impl ServeConfig {
             crate::remote_indexer::parse_base_url(url)
                 .map_err(|e| format!("remote_indexer: {e}"))?;
             if self.serve_indexer {
-                return Err("remote_indexer: a router with a remote indexer has no index to \
+                return Err(
+                    "remote_indexer: a router with a remote indexer has no index to \
                             serve; drop serve_indexer (--serve-indexer)"
-                    .into());
+                        .into(),
+                );
             }
             if self.routing.approximate {
-                return Err("remote_indexer: routing.approximate indexes this router's own \
+                return Err(
+                    "remote_indexer: routing.approximate indexes this router's own \
                             decisions, and a router with a remote indexer keeps no index"
-                    .into());
+                        .into(),
+                );
             }
         }
         if !(1..=60_000).contains(&self.remote_indexer_timeout_ms) {

@@ -95,7 +95,10 @@ pub fn build_with_state(
             .map_err(|e| format!("state_dir (--state-dir): a stored policy is refused: {e}"))?;
         tracing::info!(
             versions = image.versions().len(),
-            active = image.active.as_ref().map(|a| format!("{} v{}", a.name, a.version)),
+            active = image
+                .active
+                .as_ref()
+                .map(|a| format!("{} v{}", a.name, a.version)),
             "policies restored from the state directory"
         );
     }

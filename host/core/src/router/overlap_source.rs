@@ -112,3 +112,88 @@ impl Router {
         );
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::router::{RouteRequest, RouterConfig};
+    use crate::workers::WorkerSpec;
+
+    /// Answers fixed overlaps (or fails), and records the hashes it was asked about.
+    struct Fixed {
+        answer: Result<Vec<CandidateOverlap>, OverlapSourceError>,
+        asked: AtomicUsize,
+        hashes: parking_lot::Mutex<Vec<u64>>,
+    }
+
+    impl OverlapSource for Fixed {
+        fn overlaps<'a>(&'a self, local_hashes: &'a [u64]) -> OverlapFuture<'a> {
+            self.asked.fetch_add(1, Ordering::Relaxed);
+            *self.hashes.lock() = local_hashes.to_vec();
+            Box::pin(async move { self.answer.clone() })
+        }
+    }
+
+    fn fleet(answer: Result<Vec<CandidateOverlap>, OverlapSourceError>) -> (Router, Arc<Fixed>) {
+        let r = Router::new(RouterConfig::default()).unwrap();
+        for id in 1..=3 {
+            r.upsert_worker(id, WorkerSpec::default()).unwrap();
+        }
+        let source = Arc::new(Fixed {
+            answer,
+            asked: AtomicUsize::new(0),
+            hashes: Default::default(),
+        });
+        r.set_overlap_source(Some(source.clone()));
+        (r, source)
+    }
+
+    fn ask() -> RouteRequest {
+        RouteRequest {
+            book: false,
+            ..RouteRequest::tokens((0..64).collect())
+        }
+    }
+
+    #[tokio::test]
+    async fn route_scores_with_the_sources_overlaps_and_says_so() {
+        let (r, source) = fleet(Ok(vec![
+            (CandidateKey::new(2, 0), [3, 1, 0]),
+            // Not a candidate: skipped.
+            (CandidateKey::new(9, 0), [4, 0, 0]),
+        ]));
+        let d = r.route(ask()).await.unwrap();
+        assert_eq!(d.candidate, CandidateKey::new(2, 0));
+        assert_eq!(d.overlap_blocks, 3);
+        assert_eq!(d.overlap_source, OverlapOrigin::Remote);
+        assert_eq!(source.asked.load(Ordering::Relaxed), 1);
+        assert_eq!(source.hashes.lock().len(), 4, "the prompt's 4 block hashes");
+        // The synchronous path cannot wait for a source: it reads the (empty) local index.
+        let d = r.route_now(ask()).unwrap();
+        assert_eq!(
+            (d.overlap_blocks, d.overlap_source),
+            (0, OverlapOrigin::Local)
+        );
+        assert_eq!(source.asked.load(Ordering::Relaxed), 1);
+    }
+
+    #[tokio::test]
+    async fn a_failed_source_routes_with_zero_overlap() {
+        let (r, _) = fleet(Err(OverlapSourceError {
+            reason: "timeout",
+            message: "slow".into(),
+        }));
+        let d = r.route(ask()).await.unwrap();
+        assert_eq!(
+            (d.overlap_blocks, d.overlap_source),
+            (0, OverlapOrigin::None)
+        );
+        r.set_overlap_source(None);
+        assert!(!r.has_overlap_source());
+        let d = r.route(ask()).await.unwrap();
+        assert_eq!(d.overlap_source, OverlapOrigin::Local);
+    }
+}

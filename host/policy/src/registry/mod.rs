@@ -25,8 +25,8 @@ mod image;
 mod load;
 mod version;
 
-use version::Source;
 pub use image::{Checkpoint, RegistryImage, VersionImage};
+use version::Source;
 pub use version::{ActivePolicy, Outcome, PolicyDecision, PolicyInfo, PolicyVersion, StageInfo};
 
 /// Why a policy was taken out.

@@ -50,12 +50,22 @@ impl Persisted {
         op: impl FnOnce() -> Result<T, E>,
     ) -> Result<Result<T, E>, StateError> {
         let _w = self.written.lock();
-        let before = router.registry().snapshot().workers.get(&worker_id).cloned();
+        let before = router
+            .registry()
+            .snapshot()
+            .workers
+            .get(&worker_id)
+            .cloned();
         let out = match op() {
             Ok(v) => v,
             Err(e) => return Ok(Err(e)),
         };
-        let after = router.registry().snapshot().workers.get(&worker_id).cloned();
+        let after = router
+            .registry()
+            .snapshot()
+            .workers
+            .get(&worker_id)
+            .cloned();
         let persisted = match &after {
             Some(w) => self.store.put_worker(worker_id, &StoredWorker::of(w)),
             None => self.store.delete_worker(worker_id),

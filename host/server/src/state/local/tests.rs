@@ -73,7 +73,9 @@ fn workers_and_policies_survive_reopening() {
 fn a_second_store_on_the_same_directory_is_refused() {
     let dir = TempDir::new("lock");
     let _first = LocalDirStore::open(&dir.0).unwrap();
-    let err = LocalDirStore::open(&dir.0).err().expect("second open refused");
+    let err = LocalDirStore::open(&dir.0)
+        .err()
+        .expect("second open refused");
     assert!(err.to_string().contains("another kvroute"), "{err}");
 }
 
@@ -102,7 +104,11 @@ fn unknown_corrupt_or_mismatched_files_refuse_the_start_naming_the_file() {
     assert!(err.to_string().contains("notes.txt"), "{err}");
     fs::remove_file(dir.0.join("notes.txt")).unwrap();
 
-    fs::write(dir.0.join(WORKERS), b"{\"format\": 1, \"workers\": {\"1\": 5}}").unwrap();
+    fs::write(
+        dir.0.join(WORKERS),
+        b"{\"format\": 1, \"workers\": {\"1\": 5}}",
+    )
+    .unwrap();
     let err = LocalDirStore::open(&dir.0).unwrap().load().unwrap_err();
     assert!(
         matches!(&err, StateError::Corrupt { path, .. } if path.ends_with(WORKERS)),
@@ -154,5 +160,8 @@ fn a_failed_write_keeps_the_previous_file_and_the_store_consistent() {
     store.put_worker(3, &worker("c")).unwrap();
     drop(store);
     let loaded = LocalDirStore::open(&dir.0).unwrap().load().unwrap();
-    assert_eq!(loaded.workers.keys().copied().collect::<Vec<_>>(), vec![1, 3]);
+    assert_eq!(
+        loaded.workers.keys().copied().collect::<Vec<_>>(),
+        vec![1, 3]
+    );
 }
