@@ -166,8 +166,10 @@ pub async fn run(
         Some(dir) => Some(
             policies
                 .load_and_watch_directory(
-                    kvroute_policy::DirectoryScanner::new(dir.clone())
-                        .keep_active_at_start(config.policy.is_some()),
+                    kvroute_policy::DirectoryScanner::new(dir.clone()).keep_active_at_start(
+                        config.policy.is_some()
+                            || persisted.as_ref().is_some_and(|p| p.restored_policies()),
+                    ),
                     Duration::from_millis(500),
                 )
                 .map_err(|e| {
@@ -179,6 +181,9 @@ pub async fn run(
         ),
         None => None,
     };
+    if config.serve_indexer {
+        tracing::info!("serving this router's index to remote routers: POST /v1/overlap");
+    }
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .map_err(|e| format!("cannot listen on {}: {e}", config.listen))?;

@@ -19,6 +19,9 @@ pub struct Persisted {
     store: Box<dyn StateStore>,
     /// Serialises writes; holds the policy image last written (to skip unchanged ones).
     written: Mutex<Option<RegistryImage>>,
+    /// The store held policies when it was loaded (they are restored: a policy directory's files
+    /// then do not replace the restored active policy at start).
+    restored_policies: std::sync::atomic::AtomicBool,
 }
 
 impl Persisted {
@@ -26,6 +29,7 @@ impl Persisted {
         Arc::new(Self {
             store,
             written: Mutex::new(None),
+            restored_policies: Default::default(),
         })
     }
 
@@ -37,7 +41,17 @@ impl Persisted {
     pub fn load(&self) -> Result<StoredState, StateError> {
         let state = self.store.load()?;
         *self.written.lock() = state.policies.clone();
+        self.restored_policies.store(
+            state.policies.is_some(),
+            std::sync::atomic::Ordering::Relaxed,
+        );
         Ok(state)
+    }
+
+    /// Whether the store held policies when it was loaded.
+    pub fn restored_policies(&self) -> bool {
+        self.restored_policies
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Runs a change to worker `worker_id` (`op`, which applies it to the router) and persists
