@@ -193,6 +193,17 @@ struct ServeArgs {
     /// tokenize, route, book and forward to the chosen worker's `endpoint` (needs [models.NAME]).
     #[arg(long, env = "KVROUTE_PROXY")]
     proxy: bool,
+    /// Keep the worker registry and the policy store in DIR across restarts (loaded at start,
+    /// written through on every change).
+    #[arg(long, env = "KVROUTE_STATE_DIR")]
+    state_dir: Option<PathBuf>,
+    /// Serve this router's index to routers started with --remote-indexer (POST /v1/overlap).
+    #[arg(long, env = "KVROUTE_SERVE_INDEXER")]
+    serve_indexer: bool,
+    /// Keep no index and subscribe to no engine: ask this served indexer (http://HOST:PORT) for
+    /// each request's overlaps.
+    #[arg(long, env = "KVROUTE_REMOTE_INDEXER")]
+    remote_indexer: Option<String>,
 }
 
 impl ServeArgs {
@@ -236,6 +247,15 @@ impl ServeArgs {
         }
         if self.proxy {
             c.proxy.enabled = true;
+        }
+        if let Some(v) = self.state_dir {
+            c.state_dir = Some(v);
+        }
+        if self.serve_indexer {
+            c.serve_indexer = true;
+        }
+        if let Some(v) = self.remote_indexer {
+            c.remote_indexer = Some(v);
         }
         c.validate()?;
         Ok(c)

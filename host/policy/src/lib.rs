@@ -82,8 +82,8 @@ pub use error::{FallbackReason, PolicyError};
 pub use pipeline::{PipelineSpec, SelectorSpec, StageSpec};
 pub use plugin::{sha256_hex, PluginDescription, PluginKind};
 pub use registry::{
-    validate_name, ActivePolicy, Outcome, PolicyDecision, PolicyInfo, PolicyRegistry,
-    PolicyVersion, RegistryCounters, StageInfo,
+    validate_name, ActivePolicy, Checkpoint, Outcome, PolicyDecision, PolicyInfo, PolicyRegistry,
+    PolicyVersion, RegistryCounters, RegistryImage, StageInfo, VersionImage,
 };
 pub use scorer::RegistryScorer;
 pub use shared::engine_config;

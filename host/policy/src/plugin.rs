@@ -142,6 +142,9 @@ pub struct CompiledPlugin {
     pub info: PluginDescription,
     /// Imports other than `host-log` (WASI and the like): linked, but trap when called.
     pub trapping_imports: Vec<String>,
+    /// The component's bytes, kept so a state store can persist what was loaded whatever loaded
+    /// it (an upload, the policy directory, the command line); one copy per distinct component.
+    pub(crate) bytes: Arc<[u8]>,
     pub(crate) pre: PolicyPluginPre<HostState>,
 }
 
@@ -289,6 +292,7 @@ pub(crate) fn compile(
         size: bytes.len(),
         info,
         trapping_imports,
+        bytes: Arc::from(bytes),
         pre,
     }))
 }

@@ -59,6 +59,17 @@ pub struct ServeConfig {
     pub models: std::collections::BTreeMap<String, kvroute_tokenize::ModelSpec>,
     /// `kvroute serve --proxy` (`[proxy]`): the OpenAI-compatible endpoints.
     pub proxy: crate::proxy::config::ProxySection,
+    /// Where the worker registry and the policy store are kept across restarts (`--state-dir`);
+    /// none: they live in memory only.
+    pub state_dir: Option<PathBuf>,
+    /// This server's index is served to other routers (`--serve-indexer`): `POST /v1/overlap`.
+    pub serve_indexer: bool,
+    /// A served indexer's base URL (`--remote-indexer`): this router keeps no index, subscribes
+    /// to no engine, and asks the URL's `POST /v1/overlap` for each request.
+    pub remote_indexer: Option<String>,
+    /// How long a remote indexer may take to answer before the request is routed with zero
+    /// overlap (`overlap_source: none`).
+    pub remote_indexer_timeout_ms: u64,
 }
 
 /// Parses a listen address: `IP:PORT` (`127.0.0.1:8080`, `[::1]:8080`) or `HOST:PORT`
@@ -109,6 +120,10 @@ impl Default for ServeConfig {
             workers: Default::default(),
             models: Default::default(),
             proxy: Default::default(),
+            state_dir: None,
+            serve_indexer: false,
+            remote_indexer: None,
+            remote_indexer_timeout_ms: 50,
         }
     }
 }
@@ -208,8 +223,8 @@ impl Default for LimitsSection {
 pub const MAX_BLOCK_SIZE: u32 = 65_536;
 
 impl ServeConfig {
-    /// Reads a TOML file. Errors name the file and the offending key. Relative `policy` and
-    /// `policy_dir` paths are taken from the file's directory, not from wherever `kvroute` was
+    /// Reads a TOML file. Errors name the file and the offending key. Relative `policy`,
+    /// `policy_dir` and `state_dir` paths are taken from the file's directory, not from wherever `kvroute` was
     /// started, so a config file and the components next to it move together.
     pub fn from_file(path: &Path) -> Result<Self, String> {
         let text = std::fs::read_to_string(path)
@@ -224,7 +239,10 @@ impl ServeConfig {
     /// [`Self::validate`], as `kvroute serve --config` runs it after the overrides.
     pub fn from_toml_str(text: &str, base: &Path) -> Result<Self, String> {
         let mut c: Self = toml::from_str(text).map_err(|e| e.to_string())?;
-        for p in [&mut c.policy, &mut c.policy_dir].into_iter().flatten() {
+        for p in [&mut c.policy, &mut c.policy_dir, &mut c.state_dir]
+            .into_iter()
+            .flatten()
+        {
             if p.is_relative() {
                 *p = base.join(&*p);
             }
@@ -308,6 +326,30 @@ impl ServeConfig {
             return Err(format!(
                 "http_threads must be at most 1024 (0 = one per CPU), got {}",
                 self.http_threads
+            ));
+        }
+        if let Some(url) = &self.remote_indexer {
+            crate::remote_indexer::parse_base_url(url)
+                .map_err(|e| format!("remote_indexer: {e}"))?;
+            if self.serve_indexer {
+                return Err(
+                    "remote_indexer: a router with a remote indexer has no index to \
+                            serve; drop serve_indexer (--serve-indexer)"
+                        .into(),
+                );
+            }
+            if self.routing.approximate {
+                return Err(
+                    "remote_indexer: routing.approximate indexes this router's own \
+                            decisions, and a router with a remote indexer keeps no index"
+                        .into(),
+                );
+            }
+        }
+        if !(1..=60_000).contains(&self.remote_indexer_timeout_ms) {
+            return Err(format!(
+                "remote_indexer_timeout_ms must be between 1 and 60000, got {}",
+                self.remote_indexer_timeout_ms
             ));
         }
         if let Some(t) = &self.admin_token {

@@ -14,5 +14,7 @@
 pub mod config;
 pub mod http;
 pub mod proxy;
+pub mod remote_indexer;
 pub mod serve;
+pub mod state;
 pub mod trim;

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use crate::config::ServeConfig;
 use crate::http::{self, AppState, Metrics};
+use crate::state::Persisted;
 use kvroute_core::router::Router;
 use kvroute_events::{EventIngestion, IngestConfig};
 use kvroute_policy::PolicyRegistry;
@@ -26,11 +27,49 @@ pub use kvroute_policy::DEFAULT_POLICY_WASM;
 /// Builds the core from a configuration and loads the start-up policy: `--policy` when given,
 /// else the embedded default.
 pub fn build(config: &ServeConfig) -> Result<(Arc<Router>, Arc<PolicyRegistry>), String> {
+    build_with_state(config, None)
+}
+
+/// [`build`] with a state store (`--state-dir`): what it holds is restored first — its workers
+/// registered, its policy versions loaded (validated as uploads are) with their numbers, the
+/// history and the active one — then the configuration file's `[workers.ID]` and `--policy` are
+/// applied on top (they win), and the result is written back.
+pub fn build_with_state(
+    config: &ServeConfig,
+    state: Option<&Persisted>,
+) -> Result<(Arc<Router>, Arc<PolicyRegistry>), String> {
     config.validate()?;
     let router = Arc::new(Router::new(config.router_config())?);
     router
         .indexer()
         .set_max_entries(config.limits.max_index_entries);
+    let stored = match state {
+        Some(p) => Some(
+            p.load()
+                .map_err(|e| format!("state_dir (--state-dir): {e}"))?,
+        ),
+        None => None,
+    };
+    if let Some(stored) = &stored {
+        for (&id, w) in &stored.workers {
+            router.upsert_worker(id, w.spec.clone()).map_err(|e| {
+                format!("state_dir (--state-dir): stored worker {id} is refused: {e}")
+            })?;
+            if w.draining {
+                let _ = router.patch_worker_with(
+                    id,
+                    kvroute_core::workers::WorkerPatch {
+                        draining: Some(true),
+                        ..Default::default()
+                    },
+                );
+            }
+        }
+        tracing::info!(
+            workers = stored.workers.len(),
+            "workers restored from the state directory"
+        );
+    }
     for w in config.register_workers(&router)? {
         tracing::info!(
             worker_id = w.worker_id,
@@ -42,6 +81,27 @@ pub fn build(config: &ServeConfig) -> Result<(Arc<Router>, Arc<PolicyRegistry>),
     }
     let policies =
         Arc::new(PolicyRegistry::new(config.policy_runtime.clone()).map_err(|e| e.to_string())?);
+    let image = stored.as_ref().and_then(|s| s.policies.as_ref());
+    if let (Some(image), Some(p)) = (image, state) {
+        policies
+            .restore(image, |digest| {
+                p.store()
+                    .policy_bytes(digest)
+                    .map_err(|e| kvroute_policy::PolicyError::Io {
+                        path: format!("component {digest}"),
+                        message: e.to_string(),
+                    })
+            })
+            .map_err(|e| format!("state_dir (--state-dir): a stored policy is refused: {e}"))?;
+        tracing::info!(
+            versions = image.versions().len(),
+            active = image
+                .active
+                .as_ref()
+                .map(|a| format!("{} v{}", a.name, a.version)),
+            "policies restored from the state directory"
+        );
+    }
     if let Some(path) = &config.policy {
         let bytes = std::fs::read(path)
             .map_err(|e| format!("cannot read the policy component {}: {e}", path.display()))?;
@@ -49,7 +109,7 @@ pub fn build(config: &ServeConfig) -> Result<(Arc<Router>, Arc<PolicyRegistry>),
         policies
             .load(&name, &bytes, config.policy_config.as_deref(), true)
             .map_err(|e| format!("--policy {}: {e}", path.display()))?;
-    } else {
+    } else if image.is_none() {
         policies
             .load(
                 "default",
@@ -60,6 +120,13 @@ pub fn build(config: &ServeConfig) -> Result<(Arc<Router>, Arc<PolicyRegistry>),
             .map_err(|e| format!("the embedded default policy: {e}"))?;
     }
     router.set_scorer(Some(Box::new(RegistryScorer::new(policies.clone()))));
+    if let Some(p) = state {
+        let persist = |e: crate::state::StateError| format!("state_dir (--state-dir): {e}");
+        p.put_all_workers(&router).map_err(persist)?;
+        p.policy_write(&policies, || Ok::<(), ()>(()))
+            .map_err(persist)?
+            .ok();
+    }
     Ok((router, policies))
 }
 
@@ -71,15 +138,38 @@ pub async fn run(
     on_listening: impl FnOnce(SocketAddr),
 ) -> Result<(), String> {
     crate::trim::configure();
-    let (router, policies) = build(&config)?;
+    let persisted = match &config.state_dir {
+        Some(dir) => {
+            let store = crate::state::local::LocalDirStore::open(dir)
+                .map_err(|e| format!("state_dir (--state-dir): {e}"))?;
+            Some(Persisted::new(Box::new(store)))
+        }
+        None => None,
+    };
+    let (router, policies) = build_with_state(&config, persisted.as_deref())?;
+    let remote = match &config.remote_indexer {
+        Some(url) => {
+            let r = Arc::new(crate::remote_indexer::RemoteIndexer::new(
+                url,
+                Duration::from_millis(config.remote_indexer_timeout_ms),
+                config.block_size,
+            )?);
+            router.set_overlap_source(Some(r.clone()));
+            tracing::info!(url = %url, "remote indexer: this router keeps no index and subscribes to no engine");
+            Some(r)
+        }
+        None => None,
+    };
     let _watcher = match &config.policy_dir {
         // What the directory holds is loaded before the server listens, so /readyz never
         // reports ready with a policy the directory is about to replace.
         Some(dir) => Some(
             policies
                 .load_and_watch_directory(
-                    kvroute_policy::DirectoryScanner::new(dir.clone())
-                        .keep_active_at_start(config.policy.is_some()),
+                    kvroute_policy::DirectoryScanner::new(dir.clone()).keep_active_at_start(
+                        config.policy.is_some()
+                            || persisted.as_ref().is_some_and(|p| p.restored_policies()),
+                    ),
                     Duration::from_millis(500),
                 )
                 .map_err(|e| {
@@ -91,6 +181,9 @@ pub async fn run(
         ),
         None => None,
     };
+    if config.serve_indexer {
+        tracing::info!("serving this router's index to remote routers: POST /v1/overlap");
+    }
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .map_err(|e| format!("cannot listen on {}: {e}", config.listen))?;
@@ -104,19 +197,29 @@ pub async fn run(
         );
     }
     let ready = Arc::new(AtomicBool::new(true));
-    // ZMQ KV event ingestion: subscribes workers registered with `kv_events` (on its own thread).
-    let ingestion = EventIngestion::start(router.clone(), IngestConfig::default())
-        .map_err(|e| format!("cannot start the KV event ingestion thread: {e}"))?;
-    // Follow first, then subscribe what is already registered: no change falls between.
-    ingestion.follow_registry();
-    ingestion.sync_all();
     let metrics = Metrics::new();
-    {
-        let ingestion = ingestion.clone();
-        metrics.add_renderer(Arc::new(move |out: &mut String| {
-            ingestion.render_metrics(out)
-        }));
-    }
+    // ZMQ KV event ingestion: subscribes workers registered with `kv_events` (on its own thread).
+    // A router with a remote indexer keeps no index: it subscribes to no engine.
+    let ingestion = match &remote {
+        Some(r) => {
+            metrics.add_renderer(r.renderer());
+            None
+        }
+        None => {
+            let ingestion = EventIngestion::start(router.clone(), IngestConfig::default())
+                .map_err(|e| format!("cannot start the KV event ingestion thread: {e}"))?;
+            // Follow first, then subscribe what is already registered: no change falls between.
+            ingestion.follow_registry();
+            ingestion.sync_all();
+            {
+                let ingestion = ingestion.clone();
+                metrics.add_renderer(Arc::new(move |out: &mut String| {
+                    ingestion.render_metrics(out)
+                }));
+            }
+            Some(ingestion)
+        }
+    };
     let proxy = if config.proxy.enabled {
         let models = kvroute_tokenize::ModelRegistry::load_all(&config.models)
             .map_err(|e| format!("cannot load the proxy's models: {e}"))?;
@@ -149,9 +252,12 @@ pub async fn run(
         admin_token: config.admin_token.as_deref().map(Arc::from),
         limits: config.limits.clone(),
         ready: ready.clone(),
+        state: persisted.clone(),
     };
     let ticker = {
         let router = router.clone();
+        let policies = policies.clone();
+        let persisted = persisted.clone();
         tokio::spawn(async move {
             let mut every = tokio::time::interval(Duration::from_secs(1));
             let mut trimmer = crate::trim::Trimmer::default();
@@ -164,6 +270,11 @@ pub async fn run(
                 let entries: u64 = router.indexer().stats().held_blocks.iter().sum();
                 if trimmer.tick(entries) {
                     let _ = tokio::task::spawn_blocking(crate::trim::trim).await;
+                }
+                // Policy changes made outside the API (automatic restore, policy_dir).
+                if let Some(p) = &persisted {
+                    let (p, policies) = (p.clone(), policies.clone());
+                    let _ = tokio::task::spawn_blocking(move || p.sync_policies(&policies)).await;
                 }
             }
         })
@@ -214,7 +325,9 @@ pub async fn run(
     if let Some(p) = prober {
         p.abort();
     }
-    ingestion.shutdown();
+    if let Some(i) = ingestion {
+        i.shutdown();
+    }
     result
 }
 

@@ -209,6 +209,19 @@ impl DenseOverlaps {
         self.values.get(slot as usize).copied().unwrap_or([0; 3])
     }
 
+    /// Replaces the overlaps with `values` (`[device, host, disk]` by slot): what another
+    /// source (a served indexer) said, in the layout the router's steps read.
+    pub fn fill(&mut self, values: impl IntoIterator<Item = (Slot, [u32; 3])>) {
+        self.reset();
+        for (slot, v) in values {
+            for (tier, &depth) in v.iter().enumerate() {
+                if depth > 0 {
+                    self.record(slot, tier, depth);
+                }
+            }
+        }
+    }
+
     /// Slots with a non-zero overlap in some tier.
     pub fn touched(&self) -> &[Slot] {
         &self.touched

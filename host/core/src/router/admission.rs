@@ -56,7 +56,11 @@ impl Router {
     /// Routes a request. With queueing on, waits (asynchronously) while every eligible candidate
     /// is busy, up to the queue timeout.
     pub async fn route(&self, req: RouteRequest) -> Result<RouteDecision, RouteError> {
-        let prepared = Arc::new(self.prepare(req)?);
+        let mut prepared = self.prepare(req)?;
+        if self.overlap_source.load().is_some() {
+            prepared.external = self.external_overlaps(&prepared.local).await;
+        }
+        let prepared = Arc::new(prepared);
         if self.busy.threshold_frac.is_none() || !prepared.req.book {
             return self.decide(&prepared, Duration::ZERO);
         }

@@ -41,7 +41,10 @@ impl Router {
         SCRATCH.with(|scratch| {
             let s = &mut *scratch.borrow_mut();
             let tm = Instant::now();
-            self.indexer.find_matches_dense(&p.local, &mut s.dense);
+            match &p.external {
+                None => self.indexer.find_matches_dense(&p.local, &mut s.dense),
+                Some(ext) => self.fill_external(ext, &mut s.dense),
+            }
             let matching = tm.elapsed();
 
             let placed = self.place(p, &snap, pool, s).inspect_err(|_| {

@@ -24,6 +24,7 @@ mod booking;
 mod decide;
 pub mod disagg;
 mod explain;
+pub mod overlap_source;
 mod request;
 mod step;
 #[cfg(test)]
@@ -43,6 +44,9 @@ use serde::Serialize;
 pub use disagg::config::{BypassRule, DisaggConfig, KvTransferEnforcement};
 pub use disagg::rules::TopologyConstraints;
 pub use explain::{ExcludedRow, ExplainRow};
+pub use overlap_source::{
+    CandidateOverlap, OverlapFuture, OverlapOrigin, OverlapSource, OverlapSourceError,
+};
 pub use request::{preferred_taint_weight, DisaggMode, Pin, Prompt, RouteRequest};
 
 use crate::candidate::{CandidateColumns, CandidateKey, PolicyRequest, WorkerId};
@@ -185,6 +189,9 @@ pub struct RouteDecision {
     pub candidate: CandidateKey,
     /// Device blocks of the prompt the chosen candidate holds.
     pub overlap_blocks: u32,
+    /// Where the overlaps came from: the router's own index, a remote one, or nowhere (the
+    /// remote indexer failed; every candidate had zero overlap).
+    pub overlap_source: OverlapOrigin,
     pub cached_tokens: u32,
     /// The prompt's length in tokens (`cached_tokens` of it are cached on the candidate).
     pub prompt_tokens: u32,
@@ -387,6 +394,8 @@ pub struct Router {
     /// time set by [`Router::set_clock_ms`] (the replay simulator's time).
     clock_ms: AtomicU64,
     feeds: Feeds,
+    /// Where `route` reads overlaps when not from `indexer` (`kvroute serve --remote-indexer`).
+    overlap_source: ArcSwapOption<Arc<dyn OverlapSource>>,
     pub counters: RouterCounters,
 }
 
@@ -448,6 +457,7 @@ impl Router {
             epoch: Instant::now(),
             clock_ms: AtomicU64::new(u64::MAX),
             feeds: Feeds::new(config.feeds),
+            overlap_source: ArcSwapOption::empty(),
             config,
             counters: RouterCounters::default(),
         })

@@ -134,6 +134,8 @@ pub(super) struct Prepared {
     pub(super) req: RouteRequest,
     pub(super) temperature: f64,
     pub(super) hash_time: Duration,
+    /// Overlaps an [`super::OverlapSource`] gave (`None`: the router's own index serves).
+    pub(super) external: Option<super::overlap_source::External>,
 }
 
 impl Router {
@@ -252,6 +254,7 @@ impl Router {
             req,
             temperature,
             hash_time: t0.elapsed(),
+            external: None,
         })
     }
 }

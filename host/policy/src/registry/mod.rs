@@ -21,9 +21,11 @@ use super::runtime::PolicyRuntime;
 use super::wire::with_wit_decision;
 use super::{DecisionContext, TaintTable};
 
+mod image;
 mod load;
 mod version;
 
+pub use image::{Checkpoint, RegistryImage, VersionImage};
 use version::Source;
 pub use version::{ActivePolicy, Outcome, PolicyDecision, PolicyInfo, PolicyVersion, StageInfo};
 

@@ -215,6 +215,9 @@ pub struct RouteResponse {
     pub worker_id: WorkerId,
     pub dp_rank: DpRank,
     pub overlap_blocks: u32,
+    /// Where the overlaps came from: `local` (this router's index), `remote` (the remote
+    /// indexer), `none` (the remote indexer failed: every candidate had zero overlap).
+    pub overlap_source: &'static str,
     pub cached_tokens: u32,
     pub policy: PolicyRef,
     pub fallback: bool,
@@ -312,6 +315,7 @@ impl From<RouteDecision> for RouteResponse {
             worker_id: d.candidate.worker_id,
             dp_rank: d.candidate.dp_rank,
             overlap_blocks: d.overlap_blocks,
+            overlap_source: d.overlap_source.as_str(),
             cached_tokens: d.cached_tokens,
             policy: PolicyRef {
                 name: d.policy.name.clone(),

@@ -149,6 +149,18 @@ impl From<LifecycleError> for ApiError {
 }
 
 /// A worker spec the registry refused: a 400 naming the field.
+/// The state store (`--state-dir`) refused a write: the change was undone, so retrying once the
+/// store is writable again is safe.
+impl From<crate::state::StateError> for ApiError {
+    fn from(e: crate::state::StateError) -> Self {
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "state_unavailable",
+            format!("the change could not be persisted and was undone: {e}"),
+        )
+    }
+}
+
 impl From<SpecError> for ApiError {
     fn from(e: SpecError) -> Self {
         ApiError::invalid_field(e.field, e.message)

@@ -33,6 +33,13 @@ pub(super) async fn post_events(
     RawBody(body): RawBody,
 ) -> Result<Json<EventsResponse>, ApiError> {
     error::require_json(&headers)?;
+    if s.router.has_overlap_source() {
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "no_local_index",
+            "this router keeps no index (serve --remote-indexer): post KV events to the indexer",
+        ));
+    }
     let items: Vec<&RawValue> = error::parse_json(&body)?;
     if items.len() > s.limits.max_events_per_request {
         return Err(ApiError::new(

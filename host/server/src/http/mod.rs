@@ -48,6 +48,8 @@ pub struct AppState {
     pub ready: Arc<AtomicBool>,
     /// `serve --proxy`: the OpenAI-compatible endpoints and their state.
     pub proxy: Option<Arc<crate::proxy::Proxy>>,
+    /// `serve --state-dir`: where worker and policy changes are written through.
+    pub state: Option<Arc<crate::state::Persisted>>,
 }
 
 /// Builds the axum application.
@@ -241,7 +243,11 @@ async fn put_worker(
         .get(&id)
         .map(|w| w.ranks().collect())
         .unwrap_or_default();
-    let w = s.router.upsert_worker(id, spec)?;
+    let upsert = || s.router.upsert_worker(id, spec);
+    let w = match &s.state {
+        Some(p) => p.worker_write(&s.router, id, upsert)??,
+        None => upsert()?,
+    };
     // Ranks a re-registration dropped take their decision series with them.
     s.metrics.forget_ranks(
         id,
@@ -270,9 +276,15 @@ async fn patch_worker(
         role: body.role,
         topology: body.topology,
     };
-    let w = s.router.patch_worker_with(id, patch)?.ok_or_else(|| {
-        ApiError::not_found("unknown_worker", format!("worker {id} is not registered"))
-    })?;
+    let apply = || -> Result<_, ApiError> {
+        s.router.patch_worker_with(id, patch)?.ok_or_else(|| {
+            ApiError::not_found("unknown_worker", format!("worker {id} is not registered"))
+        })
+    };
+    let w = match &s.state {
+        Some(p) => p.worker_write(&s.router, id, apply)??,
+        None => apply()?,
+    };
     tracing::info!(
         worker_id = id,
         draining = w.draining,
@@ -288,9 +300,15 @@ async fn delete_worker(
     _: NoBody,
 ) -> Result<StatusCode, ApiError> {
     let id = parse_worker_id(&raw)?;
-    let removed = s.router.remove_worker(id).ok_or_else(|| {
-        ApiError::not_found("unknown_worker", format!("worker {id} is not registered"))
-    })?;
+    let remove = || {
+        s.router.remove_worker(id).ok_or_else(|| {
+            ApiError::not_found("unknown_worker", format!("worker {id} is not registered"))
+        })
+    };
+    let removed = match &s.state {
+        Some(p) => p.worker_write(&s.router, id, remove)??,
+        None => remove()?,
+    };
     s.metrics.forget_ranks(id, removed.ranks());
     tracing::info!(worker_id = id, "worker removed");
     Ok(StatusCode::NO_CONTENT)
@@ -547,16 +565,22 @@ async fn put_policy(
 
 /// Runs a policy-registry operation on the blocking pool. Compiling holds the registry's admin
 /// lock, and every write waits for it: a serving thread that waited in place would stall every
-/// connection it serves (`serving`), routes included, for the length of someone's upload.
+/// connection it serves (`serving`), routes included, for the length of someone's upload. With a
+/// state store, the change is persisted there too (and undone if it cannot be).
 async fn off_thread<T: Send + 'static>(
     s: &AppState,
     op: impl FnOnce(&PolicyRegistry) -> Result<T, PolicyError> + Send + 'static,
 ) -> Result<T, ApiError> {
     let registry = s.policies.clone();
-    tokio::task::spawn_blocking(move || op(&registry))
-        .await
-        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()))?
-        .map_err(ApiError::from)
+    let state = s.state.clone();
+    tokio::task::spawn_blocking(move || -> Result<T, ApiError> {
+        match state {
+            Some(p) => Ok(p.policy_write(&registry, || op(&registry))??),
+            None => Ok(op(&registry)?),
+        }
+    })
+    .await
+    .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()))?
 }
 
 async fn put_policy_config(

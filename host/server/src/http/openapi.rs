@@ -40,7 +40,8 @@ pub fn document() -> Value {
     add_disaggregation(&mut doc);
     add_data_path(&mut doc);
     if let Some(paths) = doc.get_mut("paths").and_then(Value::as_object_mut) {
-        for item in paths.values_mut() {
+        for (path, item) in paths.iter_mut() {
+            let persisted = path.starts_with("/v1/workers") || path.starts_with("/v1/policies");
             let Some(item) = item.as_object_mut() else {
                 continue;
             };
@@ -62,6 +63,14 @@ pub fn document() -> Value {
                         .entry(code)
                         .or_insert_with(|| error_response(desc));
                 };
+                // Worker and policy writes are persisted with `--state-dir`.
+                if admin && persisted && method != "get" {
+                    add(
+                        "503",
+                        "With --state-dir: the change could not be persisted \
+                         (`state_unavailable`) and was undone; nothing changed.",
+                    );
+                }
                 if admin {
                     add("401", "No bearer token (with `WWW-Authenticate: Bearer`).");
                     add("403", "Wrong admin token, or no token configured and the client is not on loopback.");
@@ -220,7 +229,7 @@ fn base_document() -> Value {
             },
             "/v1/events": {"post": {"summary": "Apply KV events (SPEC §3 shape).", "security": admin,
                 "requestBody": {"required": true, "content": {"application/json": {"schema": {"type": "array", "items": {"$ref": "#/components/schemas/Event"}}}}},
-                "responses": {"200": ok("Per-event outcome.", Some("EventsResult")), "400": error_response("Not a JSON array."), "413": error_response("Too many events.")}}},
+                "responses": {"200": ok("Per-event outcome.", Some("EventsResult")), "400": error_response("Not a JSON array."), "409": error_response("This router keeps no index (`no_local_index`, serve --remote-indexer): post events to its indexer."), "413": error_response("Too many events.")}}},
             "/v1/route": {"post": {"summary": "Choose a worker for a request.", "requestBody": json_body("RouteRequest"),
                 "responses": {"200": ok("The decision.", Some("RouteDecision")), "400": error_response("Bad input."), "404": error_response("Pinned worker unknown."),
                               "409": error_response("Pinned worker lacks required taints (`pinned_worker_missing_taints`), is draining (`pinned_worker_draining`) or has a dead KV event feed under routing.dead_feed = drain (`pinned_worker_feed_dead`), duplicate request id (`duplicate_request_id`), or the request was cancelled while queued (`request_cancelled`)."), "429": retryable("Overloaded or queue full."),

@@ -85,6 +85,10 @@ impl Placement {
             request_id: p.request_id.clone(),
             candidate: d.candidate,
             overlap_blocks: d.overlap,
+            overlap_source: p
+                .external
+                .as_ref()
+                .map_or(super::OverlapOrigin::Local, |e| e.origin),
             cached_tokens: d.cached_tokens,
             prompt_tokens: p.prompt_tokens,
             policy: d.label,

@@ -270,11 +270,12 @@ pub fn schemas() -> Value {
             "book": boolean("false = ask only: nothing is booked, nothing queues (default true)."),
             "explain": boolean("Add every candidate's figures and the excluded ones to the answer."),
         }))),
-        "RouteDecision": object(&["request_id", "worker_id", "dp_rank", "overlap_blocks", "cached_tokens", "policy", "fallback", "queued_ms"], json!({
+        "RouteDecision": object(&["request_id", "worker_id", "dp_rank", "overlap_blocks", "overlap_source", "cached_tokens", "policy", "fallback", "queued_ms"], json!({
             "request_id": string("Given or generated."),
             "worker_id": u64_int("The chosen worker."),
             "dp_rank": int("The chosen rank."),
             "overlap_blocks": int("Prompt blocks the chosen candidate holds on device (SPEC §5)."),
+            "overlap_source": d(json!({"type": "string", "enum": ["local", "remote", "none"]}), "Where the overlaps came from: this router's index (local), the remote indexer of serve --remote-indexer (remote), or nowhere because the remote indexer failed or timed out (none: every candidate was scored with zero overlap)."),
             "cached_tokens": int("min(overlap_blocks × block size, prompt tokens)."),
             "policy": policy_ref,
             "fallback": boolean("Whether the native cost answered because the policy failed."),

@@ -1,0 +1,182 @@
+//! [`Persisted`]: write-through of the registry and policy changes to a [`StateStore`], with undo.
+//!
+//! Writes are serialised (one lock): an API change is applied in memory, persisted, and reverted
+//! in memory if the store refuses it, before anyone else may write. Changes not made through the
+//! API (a policy taken out by the automatic restore, a file of `policy_dir`) are persisted by
+//! [`Persisted::sync_policies`], which the maintenance ticker calls every second.
+
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use super::{StateError, StateStore, StoredState, StoredWorker};
+use kvroute_core::router::Router;
+use kvroute_core::workers::{Worker, WorkerPatch};
+use kvroute_policy::{PolicyRegistry, RegistryImage};
+
+/// A store and the write lock around it.
+pub struct Persisted {
+    store: Box<dyn StateStore>,
+    /// Serialises writes; holds the policy image last written (to skip unchanged ones).
+    written: Mutex<Option<RegistryImage>>,
+    /// The store held policies when it was loaded (they are restored: a policy directory's files
+    /// then do not replace the restored active policy at start).
+    restored_policies: std::sync::atomic::AtomicBool,
+}
+
+impl Persisted {
+    pub fn new(store: Box<dyn StateStore>) -> Arc<Self> {
+        Arc::new(Self {
+            store,
+            written: Mutex::new(None),
+            restored_policies: Default::default(),
+        })
+    }
+
+    pub fn store(&self) -> &dyn StateStore {
+        &*self.store
+    }
+
+    /// Loads the store (at start).
+    pub fn load(&self) -> Result<StoredState, StateError> {
+        let state = self.store.load()?;
+        *self.written.lock() = state.policies.clone();
+        self.restored_policies.store(
+            state.policies.is_some(),
+            std::sync::atomic::Ordering::Relaxed,
+        );
+        Ok(state)
+    }
+
+    /// Whether the store held policies when it was loaded.
+    pub fn restored_policies(&self) -> bool {
+        self.restored_policies
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Runs a change to worker `worker_id` (`op`, which applies it to the router) and persists
+    /// the worker as it then is. If the store fails, the worker is put back as it was and the
+    /// store's error is returned; `op`'s own error changes nothing and is returned as is.
+    pub fn worker_write<T, E>(
+        &self,
+        router: &Router,
+        worker_id: u64,
+        op: impl FnOnce() -> Result<T, E>,
+    ) -> Result<Result<T, E>, StateError> {
+        let _w = self.written.lock();
+        let before = router
+            .registry()
+            .snapshot()
+            .workers
+            .get(&worker_id)
+            .cloned();
+        let out = match op() {
+            Ok(v) => v,
+            Err(e) => return Ok(Err(e)),
+        };
+        let after = router
+            .registry()
+            .snapshot()
+            .workers
+            .get(&worker_id)
+            .cloned();
+        let persisted = match &after {
+            Some(w) => self.store.put_worker(worker_id, &StoredWorker::of(w)),
+            None => self.store.delete_worker(worker_id),
+        };
+        if let Err(e) = persisted {
+            restore_worker(router, worker_id, before.as_ref());
+            tracing::error!(worker_id, error = %e, "worker change not persisted: undone");
+            return Err(e);
+        }
+        Ok(Ok(out))
+    }
+
+    /// Runs a policy registry operation and persists the registry's image. If the store fails,
+    /// the registry is reverted to what it was before `op` and the store's error is returned.
+    pub fn policy_write<T, E>(
+        &self,
+        registry: &PolicyRegistry,
+        op: impl FnOnce() -> Result<T, E>,
+    ) -> Result<Result<T, E>, StateError> {
+        let mut written = self.written.lock();
+        let checkpoint = registry.checkpoint();
+        let out = match op() {
+            Ok(v) => v,
+            Err(e) => return Ok(Err(e)),
+        };
+        if let Err(e) = self.write_image(registry, &mut written) {
+            registry.revert(checkpoint);
+            tracing::error!(error = %e, "policy change not persisted: undone");
+            return Err(e);
+        }
+        Ok(Ok(out))
+    }
+
+    /// Persists the policy registry's image if it changed since the last write (changes made
+    /// outside the API). A failure is logged and retried on the next call.
+    pub fn sync_policies(&self, registry: &PolicyRegistry) {
+        let mut written = self.written.lock();
+        if let Err(e) = self.write_image(registry, &mut written) {
+            tracing::warn!(error = %e, "policy state not persisted; retrying in a second");
+        }
+    }
+
+    /// Persists every registered worker (at start, after the configuration file's are applied).
+    pub fn put_all_workers(&self, router: &Router) -> Result<(), StateError> {
+        let _w = self.written.lock();
+        for w in router.registry().snapshot().workers.values() {
+            self.store.put_worker(w.worker_id, &StoredWorker::of(w))?;
+        }
+        Ok(())
+    }
+
+    fn write_image(
+        &self,
+        registry: &PolicyRegistry,
+        written: &mut Option<RegistryImage>,
+    ) -> Result<(), StateError> {
+        let image = registry.image();
+        if written.as_ref() == Some(&image) {
+            return Ok(());
+        }
+        for digest in image.digests() {
+            if !self.store.has_policy_bytes(digest) {
+                let bytes = registry
+                    .component_bytes(digest)
+                    .ok_or_else(|| StateError::Io {
+                        path: self.store.describe(),
+                        message: format!("the bytes of component {digest} are not loaded"),
+                    })?;
+                self.store.put_policy_bytes(digest, &bytes)?;
+            }
+        }
+        self.store.put_policies(&image)?;
+        let _ = self.store.retain_policy_bytes(&image.digests());
+        *written = Some(image);
+        Ok(())
+    }
+}
+
+/// Puts a worker back as it was (`None`: not registered).
+fn restore_worker(router: &Router, worker_id: u64, before: Option<&Worker>) {
+    match before {
+        None => {
+            router.remove_worker(worker_id);
+        }
+        Some(w) => {
+            let stored = StoredWorker::of(w);
+            if let Err(e) = router.upsert_worker(worker_id, stored.spec) {
+                tracing::error!(worker_id, error = %e, "cannot put the worker back");
+                return;
+            }
+            let _ = router.patch_worker_with(
+                worker_id,
+                WorkerPatch {
+                    draining: Some(stored.draining),
+                    ..Default::default()
+                },
+            );
+        }
+    }
+}
