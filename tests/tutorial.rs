@@ -119,8 +119,13 @@ fn sdk_tutorial_runs_as_written() {
         "the policy list shows it:\n{output}"
     );
     // The curl answers (no trailing newlines): readyz, upload, reconfigure, list, rollback.
-    let start = output
-        .find("{\"policy\"")
+    // The first JSON document after the server's start line, whatever its key order.
+    let listening = output
+        .find("kvroute listening on")
+        .unwrap_or_else(|| panic!("the server never started:\n{output}"));
+    let start = output[listening..]
+        .find('{')
+        .map(|i| listening + i)
         .unwrap_or_else(|| panic!("no readyz answer in the output:\n{output}"));
     let answers: Vec<serde_json::Value> = serde_json::Deserializer::from_str(&output[start..])
         .into_iter::<serde_json::Value>()
