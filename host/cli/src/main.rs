@@ -193,6 +193,11 @@ struct ServeArgs {
     /// tokenize, route, book and forward to the chosen worker's `endpoint` (needs [models.NAME]).
     #[arg(long, env = "KVROUTE_PROXY")]
     proxy: bool,
+    /// Serve Envoy's external processor (the Gateway API Inference Extension's endpoint picker)
+    /// over gRPC on HOST:PORT: pick the worker from the request body, answer
+    /// x-gateway-destination-endpoint (needs [models.NAME]).
+    #[arg(long, env = "KVROUTE_EXT_PROC", value_name = "HOST:PORT", value_parser = kvroute_server::config::parse_listen)]
+    ext_proc: Option<SocketAddr>,
 }
 
 impl ServeArgs {
@@ -236,6 +241,9 @@ impl ServeArgs {
         }
         if self.proxy {
             c.proxy.enabled = true;
+        }
+        if let Some(v) = self.ext_proc {
+            c.ext_proc.listen = Some(v);
         }
         c.validate()?;
         Ok(c)

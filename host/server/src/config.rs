@@ -59,6 +59,8 @@ pub struct ServeConfig {
     pub models: std::collections::BTreeMap<String, kvroute_tokenize::ModelSpec>,
     /// `kvroute serve --proxy` (`[proxy]`): the OpenAI-compatible endpoints.
     pub proxy: crate::proxy::ProxySection,
+    /// `kvroute serve --ext-proc` (`[ext_proc]`): Envoy's endpoint picker over gRPC.
+    pub ext_proc: crate::extproc::ExtProcSection,
 }
 
 /// Parses a listen address: `IP:PORT` (`127.0.0.1:8080`, `[::1]:8080`) or `HOST:PORT`
@@ -109,6 +111,7 @@ impl Default for ServeConfig {
             workers: Default::default(),
             models: Default::default(),
             proxy: Default::default(),
+            ext_proc: Default::default(),
         }
     }
 }
@@ -373,6 +376,19 @@ impl ServeConfig {
                 "the proxy (--proxy / proxy.enabled) needs at least one [models.NAME] with a tokenizer"
                     .into(),
             );
+        }
+        if let Some(addr) = self.ext_proc.listen {
+            if self.models.is_empty() {
+                return Err(
+                    "the endpoint picker (--ext-proc / ext_proc.listen) needs at least one [models.NAME] with a tokenizer"
+                        .into(),
+                );
+            }
+            if addr == self.listen && addr.port() != 0 {
+                return Err(format!(
+                    "ext_proc.listen ({addr}) is the HTTP listen address: give the gRPC server its own port"
+                ));
+            }
         }
         for (name, m) in &self.models {
             if let Some(b) = m.block_size {
