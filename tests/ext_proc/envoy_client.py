@@ -13,7 +13,8 @@ Reads one JSON command per line on stdin and answers one JSON line each on stdou
       "headers", "details"}}
   {"op": "respond", "id": ID, "status": 200, "chunks": [TEXT, ...], "end": true}
       sends the engine's response as Envoy reports it (headers, then body chunks, the last with
-      end_of_stream when "end"), answering {"echoed": [TEXT, ...]} (full duplex echoes chunks)
+      end_of_stream when "end", then the stream's end), answering {"echoed": [TEXT, ...]} (full
+      duplex echoes chunks)
   {"op": "reset", "id": ID}     cancels the stream (RST_STREAM), as Envoy does on a client abort
   {"op": "close", "id": ID}     closes Envoy's side of the stream before the response ended
   {"op": "drop", "id": ID}      closes the connection under the stream (no end, no reset frame)
@@ -155,6 +156,11 @@ def respond(s, cmd):
             sr = r.response_body.response.body_mutation.streamed_response
             echoed.append(sr.body.decode())
             assert sr.end_of_stream == eos, r
+    if cmd.get("end", True):
+        # The HTTP exchange is over: Envoy ends the stream, and so does the picker.
+        s.send(None)
+        for _ in s.call:
+            pass
     return {"echoed": echoed}
 
 

@@ -170,9 +170,13 @@ pub async fn run(
             }
             tracing::info!(ext_proc = %bound, "kvroute ext_proc listening (Envoy endpoint picker, gRPC)");
             let mut stopped = ext_proc_stopped.clone();
-            Some(tokio::spawn(crate::extproc::serve(ext, listener, async move {
-                let _ = stopped.wait_for(|s| *s).await;
-            })))
+            Some(tokio::spawn(crate::extproc::serve(
+                ext,
+                listener,
+                async move {
+                    let _ = stopped.wait_for(|s| *s).await;
+                },
+            )))
         }
         _ => None,
     };

@@ -49,9 +49,10 @@ impl Headers {
                 ":status" => out.status = std::str::from_utf8(v).ok().and_then(|s| s.parse().ok()),
                 k if k.starts_with(':') => {}
                 k => {
-                    if let (Ok(name), Ok(value)) =
-                        (HeaderName::from_bytes(k.as_bytes()), HttpValue::from_bytes(v))
-                    {
+                    if let (Ok(name), Ok(value)) = (
+                        HeaderName::from_bytes(k.as_bytes()),
+                        HttpValue::from_bytes(v),
+                    ) {
                         out.map.append(name, value);
                     }
                 }
@@ -187,13 +188,31 @@ mod tests {
 
     #[test]
     fn an_endpoint_becomes_the_address_envoy_connects_to() {
-        assert_eq!(address_of("http://10.0.0.7:8000").as_deref(), Some("10.0.0.7:8000"));
-        assert_eq!(address_of("http://10.0.0.7:8000/v1/").as_deref(), Some("10.0.0.7:8000"));
-        assert_eq!(address_of("https://10.0.0.7").as_deref(), Some("10.0.0.7:443"));
-        assert_eq!(address_of("http://10.0.0.7").as_deref(), Some("10.0.0.7:80"));
-        assert_eq!(address_of("http://[::1]:9000/x").as_deref(), Some("[::1]:9000"));
+        assert_eq!(
+            address_of("http://10.0.0.7:8000").as_deref(),
+            Some("10.0.0.7:8000")
+        );
+        assert_eq!(
+            address_of("http://10.0.0.7:8000/v1/").as_deref(),
+            Some("10.0.0.7:8000")
+        );
+        assert_eq!(
+            address_of("https://10.0.0.7").as_deref(),
+            Some("10.0.0.7:443")
+        );
+        assert_eq!(
+            address_of("http://10.0.0.7").as_deref(),
+            Some("10.0.0.7:80")
+        );
+        assert_eq!(
+            address_of("http://[::1]:9000/x").as_deref(),
+            Some("[::1]:9000")
+        );
         assert_eq!(address_of("http://[::1]").as_deref(), Some("[::1]:80"));
-        assert_eq!(address_of("10.0.0.7:8000").as_deref(), Some("10.0.0.7:8000"));
+        assert_eq!(
+            address_of("10.0.0.7:8000").as_deref(),
+            Some("10.0.0.7:8000")
+        );
         assert_eq!(address_of("http://"), None);
     }
 

@@ -128,7 +128,9 @@ impl Exchange {
                 if self.mode != Mode::Buffered && !self.decided && self.endpoint.is_some() {
                     return match self.decide().await {
                         Step::Reply(mut v) => {
-                            v.push(reply(Response::RequestTrailers(TrailersResponse::default())));
+                            v.push(reply(
+                                Response::RequestTrailers(TrailersResponse::default()),
+                            ));
                             Step::Reply(v)
                         }
                         s => s,
@@ -224,7 +226,9 @@ impl Exchange {
         }
         match self.mode {
             // Envoy in streamed (not full-duplex) mode waits for an answer to each chunk.
-            Mode::Buffered => Step::Reply(vec![reply(Response::RequestBody(BodyResponse::default()))]),
+            Mode::Buffered => {
+                Step::Reply(vec![reply(Response::RequestBody(BodyResponse::default()))])
+            }
             Mode::Duplex | Mode::StreamedEarly => Step::Reply(Vec::new()),
         }
     }
@@ -292,7 +296,8 @@ impl Exchange {
                 let body = &pick.forward_body;
                 let n = body.len().div_ceil(CHUNK).max(1);
                 for i in 0..n {
-                    let part = &body[(i * CHUNK).min(body.len())..((i + 1) * CHUNK).min(body.len())];
+                    let part =
+                        &body[(i * CHUNK).min(body.len())..((i + 1) * CHUNK).min(body.len())];
                     out.push(reply(Response::RequestBody(BodyResponse {
                         response: Some(CommonResponse {
                             body_mutation: Some(BodyMutation {
