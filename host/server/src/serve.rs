@@ -136,7 +136,7 @@ pub async fn run(
                 router.clone(),
                 models.clone(),
                 config.proxy.clone(),
-                limits.clone(),
+                limits,
                 metrics.clone(),
             ));
             let p = proxy.clone();
@@ -160,7 +160,7 @@ pub async fn run(
             let ext = Arc::new(crate::extproc::ExtProc::new(
                 router.clone(),
                 models.clone(),
-                limits.clone(),
+                limits,
                 config.limits.max_body_bytes,
                 metrics.clone(),
             ));
