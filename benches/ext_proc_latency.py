@@ -15,7 +15,8 @@ HTTP, one keep-alive `POST /v1/route` with `tokens` and `book: true`. Each booki
 the timed part (the response's end of stream; `DELETE /v1/requests/ID`). Client-observed
 figures include this Python client's own cost (grpcio's more than http.client's); the picker's
 own latency, from the server's `kvroute_ext_proc_decision_seconds` histogram, is printed beside
-them (its mean). Needs `pip install grpcio xds-protos`.
+them (its mean), and the core's routing time (`kvroute_route_duration_seconds{phase="total"}`, the
+same for both paths) below. Needs `pip install grpcio xds-protos`.
 """
 import http.client
 import json
@@ -114,12 +115,15 @@ def route_once(conn, template, i):
     return dt
 
 
-def histogram(conn, endpoint):
+def histograms(conn):
+    """(sum, count) of the picker's decision histogram and of the core's route time (both paths)."""
     conn.request("GET", "/metrics")
     text = conn.getresponse().read().decode()
     get = lambda s: float(re.search(r"^%s (\S+)$" % re.escape(s), text, re.M).group(1))
-    return (get('kvroute_ext_proc_decision_seconds_sum{endpoint="%s"}' % endpoint),
-            get('kvroute_ext_proc_decision_seconds_count{endpoint="%s"}' % endpoint))
+    return (get('kvroute_ext_proc_decision_seconds_sum{endpoint="completions"}'),
+            get('kvroute_ext_proc_decision_seconds_count{endpoint="completions"}'),
+            get('kvroute_route_duration_seconds_sum{phase="total"}'),
+            get('kvroute_route_duration_seconds_count{phase="total"}'))
 
 
 def pct(xs, q):
@@ -145,17 +149,19 @@ def main():
             for i in range(100):
                 ext_proc_once(stub, body, i)
                 route_once(conn, template, i)
-            s0, c0 = histogram(conn, "completions")
+            before = histograms(conn)
             g, h = [], []
             for i in range(100, 100 + n):
                 g.append(ext_proc_once(stub, body, i))
                 h.append(route_once(conn, template, i))
-            s1, c1 = histogram(conn, "completions")
-            server = (s1 - s0) / (c1 - c0) * 1e6
+            after = histograms(conn)
+            delta = [a - b for a, b in zip(after, before)]
+            server, core = delta[0] / delta[1] * 1e6, delta[2] / delta[3] * 1e6
             print("%-6s %-28s %10.0f %10.0f %11.0f us" % (size + " (%d)" % len(ids), "ext_proc gRPC (tokenizes)",
                                                         pct(g, 0.5) * 1e6, pct(g, 0.99) * 1e6, server))
             print("%-6s %-28s %10.0f %10.0f %14s" % ("", "POST /v1/route (tokens)",
                                                    pct(h, 0.5) * 1e6, pct(h, 0.99) * 1e6, "-"))
+            print("%-6s %-28s %10s %10s %11.0f us" % ("", "core route(), either path", "", "", core))
     finally:
         p.terminate()
         p.wait()

@@ -25,6 +25,8 @@ pub mod headers;
 mod metrics;
 mod service;
 mod stream;
+#[cfg(test)]
+mod tests;
 
 use std::sync::Arc;
 use std::time::Instant;
