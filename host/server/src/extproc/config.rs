@@ -38,4 +38,22 @@ mod tests {
         let e = toml::from_str::<ExtProcSection>("port = 1").unwrap_err();
         assert!(e.to_string().contains("unknown field"), "{e}");
     }
+
+    #[test]
+    fn the_picker_needs_a_model_and_a_port_of_its_own() {
+        let mut c = crate::config::ServeConfig::default();
+        c.ext_proc.listen = Some(SocketAddr::from(([127, 0, 0, 1], 9002)));
+        let e = c.validate().unwrap_err();
+        assert!(
+            e.contains("ext_proc.listen") && e.contains("[models.NAME]"),
+            "{e}"
+        );
+        c.models.insert(
+            "m".into(),
+            kvroute_tokenize::ModelSpec::new(std::path::PathBuf::from("tokenizer.json")),
+        );
+        c.ext_proc.listen = Some(c.listen);
+        let e = c.validate().unwrap_err();
+        assert!(e.contains("its own port"), "{e}");
+    }
 }
