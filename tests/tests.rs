@@ -9,6 +9,7 @@ mod support;
 
 mod cli;
 mod disaggregation;
+mod ext_proc;
 mod hostile;
 mod http;
 mod index_memory;

@@ -204,6 +204,11 @@ struct ServeArgs {
     /// each request's overlaps.
     #[arg(long, env = "KVROUTE_REMOTE_INDEXER")]
     remote_indexer: Option<String>,
+    /// Serve Envoy's external processor (the Gateway API Inference Extension's endpoint picker)
+    /// over gRPC on HOST:PORT: pick the worker from the request body, answer
+    /// x-gateway-destination-endpoint (needs [models.NAME]).
+    #[arg(long, env = "KVROUTE_EXT_PROC", value_name = "HOST:PORT", value_parser = kvroute_server::config::parse_listen)]
+    ext_proc: Option<SocketAddr>,
 }
 
 impl ServeArgs {
@@ -256,6 +261,9 @@ impl ServeArgs {
         }
         if let Some(v) = self.remote_indexer {
             c.remote_indexer = Some(v);
+        }
+        if let Some(v) = self.ext_proc {
+            c.ext_proc.listen = Some(v);
         }
         c.validate()?;
         Ok(c)

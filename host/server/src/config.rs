@@ -70,6 +70,8 @@ pub struct ServeConfig {
     /// How long a remote indexer may take to answer before the request is routed with zero
     /// overlap (`overlap_source: none`).
     pub remote_indexer_timeout_ms: u64,
+    /// `kvroute serve --ext-proc` (`[ext_proc]`): Envoy's endpoint picker over gRPC.
+    pub ext_proc: crate::extproc::ExtProcSection,
 }
 
 /// Parses a listen address: `IP:PORT` (`127.0.0.1:8080`, `[::1]:8080`) or `HOST:PORT`
@@ -124,6 +126,7 @@ impl Default for ServeConfig {
             serve_indexer: false,
             remote_indexer: None,
             remote_indexer_timeout_ms: 50,
+            ext_proc: Default::default(),
         }
     }
 }
@@ -415,6 +418,19 @@ impl ServeConfig {
                 "the proxy (--proxy / proxy.enabled) needs at least one [models.NAME] with a tokenizer"
                     .into(),
             );
+        }
+        if let Some(addr) = self.ext_proc.listen {
+            if self.models.is_empty() {
+                return Err(
+                    "the endpoint picker (--ext-proc / ext_proc.listen) needs at least one [models.NAME] with a tokenizer"
+                        .into(),
+                );
+            }
+            if addr == self.listen && addr.port() != 0 {
+                return Err(format!(
+                    "ext_proc.listen ({addr}) is the HTTP listen address: give the gRPC server its own port"
+                ));
+            }
         }
         for (name, m) in &self.models {
             if let Some(b) = m.block_size {

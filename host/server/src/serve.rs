@@ -220,28 +220,68 @@ pub async fn run(
             Some(ingestion)
         }
     };
-    let proxy = if config.proxy.enabled {
-        let models = kvroute_tokenize::ModelRegistry::load_all(&config.models)
-            .map_err(|e| format!("cannot load the proxy's models: {e}"))?;
-        let proxy = Arc::new(crate::proxy::Proxy::new(
-            router.clone(),
-            models,
-            config.proxy.clone(),
-            crate::http::dto::BodyLimits {
-                max_allowed_worker_ids: config.limits.max_allowed_worker_ids,
-                max_request_taints: config.limits.max_request_taints,
-            },
-            metrics.clone(),
-        ));
-        {
+    let limits = crate::http::dto::BodyLimits {
+        max_allowed_worker_ids: config.limits.max_allowed_worker_ids,
+        max_request_taints: config.limits.max_request_taints,
+    };
+    // The proxy and the endpoint picker share the loaded tokenizers.
+    let models = if config.proxy.enabled || config.ext_proc.listen.is_some() {
+        Some(
+            kvroute_tokenize::ModelRegistry::load_all(&config.models)
+                .map_err(|e| format!("cannot load the models ([models.NAME]): {e}"))?,
+        )
+    } else {
+        None
+    };
+    let proxy = match (&models, config.proxy.enabled) {
+        (Some(models), true) => {
+            let proxy = Arc::new(crate::proxy::Proxy::new(
+                router.clone(),
+                models.clone(),
+                config.proxy.clone(),
+                limits,
+                metrics.clone(),
+            ));
             let p = proxy.clone();
             metrics.add_renderer(Arc::new(move |out: &mut String| {
                 p.metrics.render(&p.health, out)
             }));
+            Some(proxy)
         }
-        Some(proxy)
-    } else {
-        None
+        _ => None,
+    };
+    // Envoy's endpoint picker: its own gRPC server on this (the main) runtime.
+    let (stop_ext_proc, ext_proc_stopped) = tokio::sync::watch::channel(false);
+    let ext_proc = match (&models, config.ext_proc.listen) {
+        (Some(models), Some(addr)) => {
+            let listener = tokio::net::TcpListener::bind(addr)
+                .await
+                .map_err(|e| format!("cannot listen on {addr} (ext_proc.listen): {e}"))?;
+            let bound = listener
+                .local_addr()
+                .map_err(|e| format!("cannot read the ext_proc address: {e}"))?;
+            let ext = Arc::new(crate::extproc::ExtProc::new(
+                router.clone(),
+                models.clone(),
+                limits,
+                config.limits.max_body_bytes,
+                metrics.clone(),
+            ));
+            {
+                let e = ext.clone();
+                metrics.add_renderer(Arc::new(move |out: &mut String| e.metrics.render(out)));
+            }
+            tracing::info!(ext_proc = %bound, "kvroute ext_proc listening (Envoy endpoint picker, gRPC)");
+            let mut stopped = ext_proc_stopped.clone();
+            Some(tokio::spawn(crate::extproc::serve(
+                ext,
+                listener,
+                async move {
+                    let _ = stopped.wait_for(|s| *s).await;
+                },
+            )))
+        }
+        _ => None,
     };
     let prober = proxy.clone().map(|p| tokio::spawn(p.probe_loop()));
     let state = AppState {
@@ -310,6 +350,7 @@ pub async fn run(
         async move {
             shutdown.await;
             ready_flag.store(false, Ordering::Release);
+            let _ = stop_ext_proc.send(true);
             let queued = draining_router.shutdown_queue();
             tracing::info!(
                 queued_refused = queued,
@@ -322,6 +363,15 @@ pub async fn run(
     .await
     .map_err(|e| format!("server error: {e}"));
     ticker.abort();
+    if let Some(task) = ext_proc {
+        // Open streams (requests Envoy is still processing) get what is left of the grace.
+        let abort = task.abort_handle();
+        match tokio::time::timeout(grace, task).await {
+            Ok(Ok(Err(e))) => tracing::warn!(error = %e, "ext_proc server"),
+            Err(_) => abort.abort(),
+            _ => {}
+        }
+    }
     if let Some(p) = prober {
         p.abort();
     }

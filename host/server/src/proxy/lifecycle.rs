@@ -8,6 +8,11 @@
 //! connection, which cancels the request on the engine). No path frees by hand: dropping is
 //! enough, which is the point.
 //!
+//! The same guard serves Envoy's external processor (`crate::extproc`), where the answer passes
+//! through Envoy rather than through us: there the ext_proc stream owns it, hands it the response
+//! body chunks Envoy reports, and drops it when the stream ends or resets. Where the outcomes go
+//! (the proxy's metrics and breakers, or the ext_proc service's metrics) is a [`Recorder`].
+//!
 //! [`GuardedBody`] wraps the engine's body with the guard and the deadline. It is polled only as
 //! fast as the client reads (hyper's back-pressure), so a slow reader slows its own stream and
 //! nothing else.
@@ -29,6 +34,49 @@ use kvroute_core::router::Router;
 use super::health::Health;
 use super::metrics::ProxyMetrics;
 
+/// Where a [`Lifecycle`] reports how its request went.
+pub trait Recorder: Send + Sync {
+    /// Which data path this is, for the log line (`proxy`, `ext_proc`).
+    fn via(&self) -> &'static str;
+    /// The answer's first byte, `secs` after arrival.
+    fn first_byte(&self, endpoint: &'static str, secs: f64);
+    /// The request ended with `outcome`, `secs` after arrival.
+    fn finished(&self, endpoint: &'static str, outcome: &'static str, secs: f64);
+    /// Prompt tokens in, output tokens out.
+    fn tokens(&self, prompt: u64, output: u64);
+    /// The engine's answer broke off: counts against the worker's health where there is one.
+    fn engine_failed(&self, _worker: WorkerId) {}
+}
+
+/// The proxy's recorder: its metrics and its circuit breakers.
+pub struct ProxyRecorder {
+    pub metrics: ProxyMetrics,
+    pub health: Arc<Health>,
+}
+
+impl Recorder for ProxyRecorder {
+    fn via(&self) -> &'static str {
+        "proxy"
+    }
+
+    fn first_byte(&self, endpoint: &'static str, secs: f64) {
+        self.metrics.first_token(endpoint, secs);
+    }
+
+    fn finished(&self, endpoint: &'static str, outcome: &'static str, secs: f64) {
+        self.metrics.finished(endpoint, outcome, secs);
+    }
+
+    fn tokens(&self, prompt: u64, output: u64) {
+        self.metrics.tokens(prompt, output);
+    }
+
+    fn engine_failed(&self, worker: WorkerId) {
+        self.health.failure(worker);
+        self.metrics.upstream_failure(worker);
+    }
+}
+
 /// Report output progress to the router every this many tokens.
 const PROGRESS_EVERY: u64 = 16;
 /// Non-streamed answers are scanned for `usage` up to this size.
@@ -37,8 +85,7 @@ const USAGE_SCAN_LIMIT: usize = 4 << 20;
 /// Owns one booking until the request ends, however it ends.
 pub struct Lifecycle {
     router: Arc<Router>,
-    health: Arc<Health>,
-    metrics: ProxyMetrics,
+    recorder: Arc<dyn Recorder>,
     pub request_id: String,
     pub worker: WorkerId,
     pub dp_rank: u32,
@@ -60,8 +107,7 @@ impl Lifecycle {
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         router: Arc<Router>,
-        health: Arc<Health>,
-        metrics: ProxyMetrics,
+        recorder: Arc<dyn Recorder>,
         request_id: String,
         worker: WorkerId,
         dp_rank: u32,
@@ -72,8 +118,7 @@ impl Lifecycle {
     ) -> Self {
         Self {
             router,
-            health,
-            metrics,
+            recorder,
             request_id,
             worker,
             dp_rank,
@@ -90,15 +135,15 @@ impl Lifecycle {
         }
     }
 
-    /// A chunk of the engine's answer reached the proxy.
-    fn on_data(&mut self, data: &Bytes) {
+    /// A chunk of the engine's answer reached the proxy (or passed Envoy).
+    pub fn on_data(&mut self, data: &Bytes) {
         if self.first_byte.is_none() {
             self.first_byte = Some(Instant::now());
             // Streamed: the first chunk carries the first token. Not streamed: the whole answer
             // comes at the end, and its first byte is the first sign the prompt is done.
             let _ = self.router.prefill_complete(&self.request_id);
-            self.metrics
-                .first_token(self.endpoint, self.started.elapsed().as_secs_f64());
+            self.recorder
+                .first_byte(self.endpoint, self.started.elapsed().as_secs_f64());
         }
         if self.stream {
             self.scan_sse(data);
@@ -140,6 +185,11 @@ impl Lifecycle {
         }
     }
 
+    /// Whether the request has ended (its booking is freed).
+    pub fn is_done(&self) -> bool {
+        self.done
+    }
+
     /// Ends the request: frees the booking (once), records the outcome.
     pub fn finish(&mut self, outcome: &'static str) {
         if std::mem::replace(&mut self.done, true) {
@@ -154,13 +204,13 @@ impl Lifecycle {
             }
         }
         let secs = self.started.elapsed().as_secs_f64();
-        self.metrics.finished(self.endpoint, outcome, secs);
-        self.metrics.tokens(self.prompt_tokens, self.output_tokens);
+        self.recorder.finished(self.endpoint, outcome, secs);
+        self.recorder.tokens(self.prompt_tokens, self.output_tokens);
         if outcome == "engine_error" {
-            self.health.failure(self.worker);
-            self.metrics.upstream_failure(self.worker);
+            self.recorder.engine_failed(self.worker);
         }
         tracing::info!(
+            via = self.recorder.via(),
             request_id = %self.request_id,
             worker_id = self.worker,
             dp_rank = self.dp_rank,

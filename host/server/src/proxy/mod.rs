@@ -24,10 +24,10 @@
 pub mod config;
 pub mod error;
 pub mod health;
-mod lifecycle;
+pub(crate) mod lifecycle;
 mod metrics;
 pub mod request;
-mod upstream;
+pub(crate) mod upstream;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -45,7 +45,7 @@ use kvroute_tokenize::ModelRegistry;
 pub use config::ProxySection;
 use error::ProxyError;
 pub use health::Health;
-use lifecycle::{GuardedBody, Lifecycle};
+use lifecycle::{GuardedBody, Lifecycle, ProxyRecorder, Recorder};
 pub use metrics::ProxyMetrics;
 use request::Endpoint;
 use upstream::{Upstream, HOP_BY_HOP};
@@ -75,6 +75,7 @@ pub struct Proxy {
     pub metrics: ProxyMetrics,
     pub config: ProxySection,
     upstream: Upstream,
+    recorder: Arc<dyn Recorder>,
     limits: BodyLimits,
     router_metrics: Metrics,
 }
@@ -87,10 +88,16 @@ impl Proxy {
         limits: BodyLimits,
         router_metrics: Metrics,
     ) -> Self {
+        let health = Arc::new(Health::new(config.failure_threshold));
+        let metrics = ProxyMetrics::new();
         Self {
-            health: Arc::new(Health::new(config.failure_threshold)),
+            recorder: Arc::new(ProxyRecorder {
+                metrics: metrics.clone(),
+                health: health.clone(),
+            }),
+            health,
             upstream: Upstream::new(&config),
-            metrics: ProxyMetrics::new(),
+            metrics,
             router,
             models,
             config,
@@ -122,42 +129,12 @@ impl Proxy {
     /// The workers that can take a request for `model` now: with an endpoint, serving the model,
     /// breaker closed. Errors when there are none.
     fn serving(&self, model: &str) -> Result<Vec<WorkerId>, ProxyError> {
-        let snap = self.router.registry().snapshot();
-        let only = self.models.len() == 1;
-        let serving: Vec<WorkerId> = snap
-            .workers
-            .values()
-            .filter(|w| w.endpoint.is_some())
-            .filter(|w| match &w.model {
-                Some(m) => m == model,
-                None => only,
-            })
-            .map(|w| w.worker_id)
-            .collect();
-        if serving.is_empty() {
-            return Err(ProxyError::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "no_worker_for_model",
-                format!("no registered worker serves model {model:?} with an endpoint"),
-            ));
-        }
-        let healthy: Vec<WorkerId> = serving
-            .into_iter()
-            .filter(|w| !self.health.is_failing(*w))
-            .collect();
-        if healthy.is_empty() {
-            let mut e = ProxyError::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "workers_failing",
-                format!(
-                    "every worker serving model {model:?} is failing; each is probed every {} ms",
-                    self.config.probe_interval_ms
-                ),
-            );
-            e.0 = e.0.retry_after(1);
-            return Err(e);
-        }
-        Ok(healthy)
+        serving(
+            &self.router,
+            &self.models,
+            model,
+            Some((&self.health, self.config.probe_interval_ms)),
+        )
     }
 
     async fn serve(
@@ -205,8 +182,7 @@ impl Proxy {
             let (w, rank) = (d.candidate.worker_id, d.candidate.dp_rank);
             let life = Lifecycle::new(
                 self.router.clone(),
-                self.health.clone(),
-                self.metrics.clone(),
+                self.recorder.clone(),
                 request_id.to_string(),
                 w,
                 rank,
@@ -338,9 +314,59 @@ impl Proxy {
     }
 }
 
+/// The workers that can take a request for `model` now: registered with an `endpoint` and that
+/// `model` (a worker without `model` serves the only configured model), minus those whose breaker
+/// is open when there are breakers (`health`, with the probe interval the error message names).
+/// Errors (503) when there are none. Shared by the proxy and Envoy's external processor.
+pub(crate) fn serving(
+    router: &Router,
+    models: &ModelRegistry,
+    model: &str,
+    health: Option<(&Health, u64)>,
+) -> Result<Vec<WorkerId>, ProxyError> {
+    let snap = router.registry().snapshot();
+    let only = models.len() == 1;
+    let serving: Vec<WorkerId> = snap
+        .workers
+        .values()
+        .filter(|w| w.endpoint.is_some())
+        .filter(|w| match &w.model {
+            Some(m) => m == model,
+            None => only,
+        })
+        .map(|w| w.worker_id)
+        .collect();
+    if serving.is_empty() {
+        return Err(ProxyError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "no_worker_for_model",
+            format!("no registered worker serves model {model:?} with an endpoint"),
+        ));
+    }
+    let Some((health, probe_interval_ms)) = health else {
+        return Ok(serving);
+    };
+    let healthy: Vec<WorkerId> = serving
+        .into_iter()
+        .filter(|w| !health.is_failing(*w))
+        .collect();
+    if healthy.is_empty() {
+        let mut e = ProxyError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "workers_failing",
+            format!(
+                "every worker serving model {model:?} is failing; each is probed every {probe_interval_ms} ms"
+            ),
+        );
+        e.0 = e.0.retry_after(1);
+        return Err(e);
+    }
+    Ok(healthy)
+}
+
 /// The request id of a proxied request: the client's `x-request-id` when it is usable, else a
 /// fresh one.
-fn request_id(headers: &HeaderMap) -> String {
+pub(crate) fn request_id(headers: &HeaderMap) -> String {
     headers
         .get("x-request-id")
         .and_then(|v| v.to_str().ok())
