@@ -71,35 +71,11 @@ pub struct ServeConfig {
     /// overlap (`overlap_source: none`).
     pub remote_indexer_timeout_ms: u64,
     /// `kvroute serve --ext-proc` (`[ext_proc]`): Envoy's endpoint picker over gRPC.
-    pub ext_proc: crate::extproc::ExtProcSection,
+    pub ext_proc: crate::extproc::config::ExtProcSection,
 }
 
-/// Parses a listen address: `IP:PORT` (`127.0.0.1:8080`, `[::1]:8080`) or `HOST:PORT`
-/// (`localhost:8080`), resolved now; a name takes the first address it resolves to.
-pub fn parse_listen(s: &str) -> Result<SocketAddr, String> {
-    use std::net::ToSocketAddrs;
-    if let Ok(a) = s.parse::<SocketAddr>() {
-        return Ok(a);
-    }
-    if s.rsplit_once(':')
-        .is_none_or(|(h, p)| h.is_empty() || p.parse::<u16>().is_err())
-    {
-        return Err(format!(
-            "{s:?} is not an address to listen on: use IP:PORT or HOST:PORT, e.g. 127.0.0.1:8080"
-        ));
-    }
-    match s.to_socket_addrs() {
-        Ok(mut addrs) => addrs
-            .next()
-            .ok_or_else(|| format!("{s:?} resolves to no address")),
-        Err(e) => Err(format!("cannot resolve {s:?}: {e}")),
-    }
-}
-
-fn deserialize_listen<'de, D: serde::Deserializer<'de>>(d: D) -> Result<SocketAddr, D::Error> {
-    let s = String::deserialize(d)?;
-    parse_listen(&s).map_err(serde::de::Error::custom)
-}
+use crate::listen::deserialize_listen;
+pub use crate::listen::parse_listen;
 
 impl Default for ServeConfig {
     fn default() -> Self {
@@ -745,5 +721,23 @@ mod tests {
                 Err(e) => proptest::prop_assert!(!e.is_empty(), "{}", text),
             }
         }
+    }
+
+    #[test]
+    fn the_picker_needs_a_model_and_a_port_of_its_own() {
+        let mut c = crate::config::ServeConfig::default();
+        c.ext_proc.listen = Some(SocketAddr::from(([127, 0, 0, 1], 9002)));
+        let e = c.validate().unwrap_err();
+        assert!(
+            e.contains("ext_proc.listen") && e.contains("[models.NAME]"),
+            "{e}"
+        );
+        c.models.insert(
+            "m".into(),
+            kvroute_tokenize::ModelSpec::new(std::path::PathBuf::from("tokenizer.json")),
+        );
+        c.ext_proc.listen = Some(c.listen);
+        let e = c.validate().unwrap_err();
+        assert!(e.contains("its own port"), "{e}");
     }
 }

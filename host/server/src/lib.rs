@@ -15,6 +15,7 @@
 pub mod config;
 pub mod extproc;
 pub mod http;
+mod listen;
 pub mod proxy;
 pub mod remote_indexer;
 pub mod serve;

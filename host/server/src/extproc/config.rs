@@ -17,7 +17,7 @@ pub struct ExtProcSection {
 fn listen_opt<'de, D: Deserializer<'de>>(d: D) -> Result<Option<SocketAddr>, D::Error> {
     match Option::<String>::deserialize(d)? {
         None => Ok(None),
-        Some(s) => crate::config::parse_listen(&s)
+        Some(s) => crate::listen::parse_listen(&s)
             .map(Some)
             .map_err(serde::de::Error::custom),
     }
@@ -37,23 +37,5 @@ mod tests {
         assert!(e.to_string().contains("not an address to listen on"), "{e}");
         let e = toml::from_str::<ExtProcSection>("port = 1").unwrap_err();
         assert!(e.to_string().contains("unknown field"), "{e}");
-    }
-
-    #[test]
-    fn the_picker_needs_a_model_and_a_port_of_its_own() {
-        let mut c = crate::config::ServeConfig::default();
-        c.ext_proc.listen = Some(SocketAddr::from(([127, 0, 0, 1], 9002)));
-        let e = c.validate().unwrap_err();
-        assert!(
-            e.contains("ext_proc.listen") && e.contains("[models.NAME]"),
-            "{e}"
-        );
-        c.models.insert(
-            "m".into(),
-            kvroute_tokenize::ModelSpec::new(std::path::PathBuf::from("tokenizer.json")),
-        );
-        c.ext_proc.listen = Some(c.listen);
-        let e = c.validate().unwrap_err();
-        assert!(e.contains("its own port"), "{e}");
     }
 }

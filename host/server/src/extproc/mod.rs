@@ -42,7 +42,7 @@ pub use metrics::ExtProcMetrics;
 pub use service::serve;
 
 use crate::http::dto::BodyLimits;
-use crate::http::Metrics;
+use crate::http::metrics::Metrics;
 use crate::proxy::error::ProxyError;
 use crate::proxy::lifecycle::{Lifecycle, Recorder};
 use crate::proxy::request::{self, Endpoint};

@@ -14,7 +14,7 @@ use super::stream::{Exchange, Step};
 use super::ExtProc;
 use crate::config::ServeConfig;
 use crate::http::dto::BodyLimits;
-use crate::http::Metrics;
+use crate::http::metrics::Metrics;
 
 fn ext() -> Arc<ExtProc> {
     let dir = std::env::temp_dir().join(format!("kvroute-extproc-unit-{}", std::process::id()));
