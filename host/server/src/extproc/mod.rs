@@ -44,7 +44,7 @@ pub use service::serve;
 use crate::http::dto::BodyLimits;
 use crate::http::metrics::Metrics;
 use crate::proxy::error::ProxyError;
-use crate::proxy::lifecycle::{Lifecycle, Recorder};
+use crate::proxy::lifecycle::{route_and_guard, Lifecycle, Recorder};
 use crate::proxy::request::{self, Endpoint};
 use headers::address_of;
 
@@ -153,24 +153,19 @@ impl ExtProc {
         }
         let mut route = inbound.route;
         route.allowed_worker_ids = Some(allowed);
-        let d = self
-            .router
-            .route(route)
-            .await
-            .inspect_err(|e| self.router_metrics.record_route_error(e))?;
-        self.router_metrics.record_decision(&d);
-        let (w, rank) = (d.candidate.worker_id, d.candidate.dp_rank);
-        let life = Lifecycle::new(
-            self.router.clone(),
-            self.recorder.clone(),
-            request_id.to_string(),
-            w,
-            rank,
+        let (d, life) = route_and_guard(
+            &self.router,
+            &self.router_metrics,
+            &self.recorder,
+            route,
+            request_id,
             endpoint.label(),
             started,
             inbound.prompt_tokens as u64,
             inbound.stream,
-        );
+        )
+        .await?;
+        let (w, rank) = (d.candidate.worker_id, d.candidate.dp_rank);
         let snap = self.router.registry().snapshot();
         let worker = snap.workers.get(&w);
         let Some(address) = worker

@@ -103,6 +103,40 @@ pub struct Lifecycle {
     done: bool,
 }
 
+/// Routes and books `route` (recording the decision, or the refusal, in the router's metrics) and
+/// hands back the guard that owns the booking from then on: how the proxy and the endpoint picker
+/// both start a request.
+#[allow(clippy::too_many_arguments)]
+pub async fn route_and_guard(
+    router: &Arc<Router>,
+    router_metrics: &crate::http::metrics::Metrics,
+    recorder: &Arc<dyn Recorder>,
+    route: kvroute_core::router::RouteRequest,
+    request_id: &str,
+    endpoint: &'static str,
+    started: Instant,
+    prompt_tokens: u64,
+    stream: bool,
+) -> Result<(kvroute_core::router::RouteDecision, Lifecycle), super::error::ProxyError> {
+    let d = router
+        .route(route)
+        .await
+        .inspect_err(|e| router_metrics.record_route_error(e))?;
+    router_metrics.record_decision(&d);
+    let life = Lifecycle::new(
+        router.clone(),
+        recorder.clone(),
+        request_id.to_string(),
+        d.candidate.worker_id,
+        d.candidate.dp_rank,
+        endpoint,
+        started,
+        prompt_tokens,
+        stream,
+    );
+    Ok((d, life))
+}
+
 impl Lifecycle {
     #[allow(clippy::too_many_arguments)]
     pub fn new(

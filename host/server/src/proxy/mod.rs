@@ -45,7 +45,7 @@ use kvroute_tokenize::ModelRegistry;
 pub use config::ProxySection;
 use error::ProxyError;
 pub use health::Health;
-use lifecycle::{GuardedBody, Lifecycle, ProxyRecorder, Recorder};
+use lifecycle::{GuardedBody, ProxyRecorder, Recorder};
 pub use metrics::ProxyMetrics;
 use request::Endpoint;
 use upstream::{Upstream, HOP_BY_HOP};
@@ -173,24 +173,19 @@ impl Proxy {
         let mut route = inbound.route;
         for attempt in 0..2 {
             route.allowed_worker_ids = Some(allowed.clone());
-            let d = self
-                .router
-                .route(route.clone())
-                .await
-                .inspect_err(|e| self.router_metrics.record_route_error(e))?;
-            self.router_metrics.record_decision(&d);
-            let (w, rank) = (d.candidate.worker_id, d.candidate.dp_rank);
-            let life = Lifecycle::new(
-                self.router.clone(),
-                self.recorder.clone(),
-                request_id.to_string(),
-                w,
-                rank,
+            let (d, life) = lifecycle::route_and_guard(
+                &self.router,
+                &self.router_metrics,
+                &self.recorder,
+                route.clone(),
+                request_id,
                 endpoint.label(),
                 started,
                 inbound.prompt_tokens as u64,
                 inbound.stream,
-            );
+            )
+            .await?;
+            let (w, rank) = (d.candidate.worker_id, d.candidate.dp_rank);
             let snap = self.router.registry().snapshot();
             let Some(worker) = snap.workers.get(&w) else {
                 // Removed between the decision and now: try again without it.
