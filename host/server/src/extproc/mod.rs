@@ -188,19 +188,7 @@ impl ExtProc {
         if worker.is_some_and(|x| x.dp_size > 1) {
             set.push((crate::proxy::upstream::DP_RANK_HEADER, rank.to_string()));
         }
-        if let Some(p) = d.prefill.as_ref().filter(|_| d.disaggregated) {
-            set.push((
-                "x-kvroute-prefill-worker",
-                format!("{}/{}", p.candidate.worker_id, p.candidate.dp_rank),
-            ));
-            if let Some(pep) = snap
-                .workers
-                .get(&p.candidate.worker_id)
-                .and_then(|x| x.endpoint.clone())
-            {
-                set.push(("x-kvroute-prefill-endpoint", pep));
-            }
-        }
+        set.extend(crate::proxy::prefill_headers(&d, &snap));
         let body_changed = inbound.forward_body != original;
         Ok(Pick {
             life,

@@ -195,20 +195,7 @@ impl Proxy {
             };
             let ep = worker.endpoint.clone().unwrap_or_default();
             let dp = (worker.dp_size > 1).then_some(rank);
-            let mut extra = Vec::new();
-            if let Some(p) = d.prefill.as_ref().filter(|_| d.disaggregated) {
-                extra.push((
-                    "x-kvroute-prefill-worker",
-                    format!("{}/{}", p.candidate.worker_id, p.candidate.dp_rank),
-                ));
-                if let Some(pep) = snap
-                    .workers
-                    .get(&p.candidate.worker_id)
-                    .and_then(|x| x.endpoint.clone())
-                {
-                    extra.push(("x-kvroute-prefill-endpoint", pep));
-                }
-            }
+            let extra = prefill_headers(&d, &snap);
             drop(snap);
             let sent = tokio::time::timeout_at(
                 deadline.into(),
@@ -357,6 +344,30 @@ pub(crate) fn serving(
         return Err(e);
     }
     Ok(healthy)
+}
+
+/// A disaggregated decision's prefill half, for whoever orchestrates the KV transfer:
+/// `x-kvroute-prefill-worker: ID/RANK` and, when it has one, `x-kvroute-prefill-endpoint`.
+/// Empty for an aggregated decision. The proxy and the endpoint picker both send them.
+pub(crate) fn prefill_headers(
+    d: &kvroute_core::router::RouteDecision,
+    snap: &kvroute_core::workers::RegistrySnapshot,
+) -> Vec<(&'static str, String)> {
+    let mut out = Vec::new();
+    if let Some(p) = d.prefill.as_ref().filter(|_| d.disaggregated) {
+        out.push((
+            "x-kvroute-prefill-worker",
+            format!("{}/{}", p.candidate.worker_id, p.candidate.dp_rank),
+        ));
+        if let Some(pep) = snap
+            .workers
+            .get(&p.candidate.worker_id)
+            .and_then(|x| x.endpoint.clone())
+        {
+            out.push(("x-kvroute-prefill-endpoint", pep));
+        }
+    }
+    out
 }
 
 /// The request id of a proxied request: the client's `x-request-id` when it is usable, else a
