@@ -8,6 +8,7 @@
 mod support;
 
 mod cli;
+mod cluster;
 mod disaggregation;
 mod hostile;
 mod http;

@@ -204,6 +204,13 @@ struct ServeArgs {
     /// each request's overlaps.
     #[arg(long, env = "KVROUTE_REMOTE_INDEXER")]
     remote_indexer: Option<String>,
+    /// Join a cluster of replicas through this NATS server (nats://HOST:PORT): workers and
+    /// policies are kept in its JetStream buckets and shared by every replica.
+    #[arg(long, env = "KVROUTE_CLUSTER")]
+    cluster: Option<String>,
+    /// The cluster's name: replicas of one name share their state (default kvroute).
+    #[arg(long, env = "KVROUTE_CLUSTER_NAME")]
+    cluster_name: Option<String>,
 }
 
 impl ServeArgs {
@@ -256,6 +263,12 @@ impl ServeArgs {
         }
         if let Some(v) = self.remote_indexer {
             c.remote_indexer = Some(v);
+        }
+        if let Some(v) = self.cluster {
+            c.cluster = Some(v);
+        }
+        if let Some(v) = self.cluster_name {
+            c.cluster_name = v;
         }
         c.validate()?;
         Ok(c)

@@ -70,6 +70,13 @@ pub struct ServeConfig {
     /// How long a remote indexer may take to answer before the request is routed with zero
     /// overlap (`overlap_source: none`).
     pub remote_indexer_timeout_ms: u64,
+    /// The NATS server of a cluster of replicas (`--cluster nats://HOST:PORT`): the worker
+    /// registry and the policy store are kept in its JetStream buckets and shared by every
+    /// replica of `cluster_name`; none: this server is alone.
+    pub cluster: Option<String>,
+    /// The cluster's name (`--cluster-name`): replicas of one name share their state; the name
+    /// is part of the JetStream bucket names.
+    pub cluster_name: String,
 }
 
 /// Parses a listen address: `IP:PORT` (`127.0.0.1:8080`, `[::1]:8080`) or `HOST:PORT`
@@ -124,6 +131,8 @@ impl Default for ServeConfig {
             serve_indexer: false,
             remote_indexer: None,
             remote_indexer_timeout_ms: 50,
+            cluster: None,
+            cluster_name: "kvroute".into(),
         }
     }
 }
@@ -346,6 +355,18 @@ impl ServeConfig {
                 );
             }
         }
+        if let Some(url) = &self.cluster {
+            crate::cluster::parse_url(url).map_err(|e| format!("cluster: {e}"))?;
+            if self.state_dir.is_some() {
+                return Err(
+                    "cluster: a cluster keeps its state in NATS; drop state_dir \
+                            (--state-dir)"
+                        .into(),
+                );
+            }
+        }
+        crate::cluster::validate_name(&self.cluster_name)
+            .map_err(|e| format!("cluster_name: {e}"))?;
         if !(1..=60_000).contains(&self.remote_indexer_timeout_ms) {
             return Err(format!(
                 "remote_indexer_timeout_ms must be between 1 and 60000, got {}",

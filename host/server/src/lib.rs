@@ -11,6 +11,7 @@
 
 #![recursion_limit = "512"]
 
+pub mod cluster;
 pub mod config;
 pub mod http;
 pub mod proxy;
