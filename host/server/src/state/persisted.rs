@@ -69,7 +69,7 @@ impl Persisted {
             .snapshot()
             .workers
             .get(&worker_id)
-            .map(|w| StoredWorker::of(w));
+            .map(StoredWorker::of);
         let out = match op() {
             Ok(v) => v,
             Err(e) => return Ok(Err(e)),
@@ -146,7 +146,7 @@ impl Persisted {
             .snapshot()
             .workers
             .get(&worker_id)
-            .map(|w| StoredWorker::of(w));
+            .map(StoredWorker::of);
         if now.as_ref() == worker {
             return false;
         }
