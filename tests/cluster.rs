@@ -65,6 +65,10 @@ fn a_worker_registered_on_one_replica_routes_on_the_others_within_a_second() {
         assert_eq!(s.workers()[&7]["taints"], json!(["zone=a"]));
     }
     eprintln!("registration seen elsewhere after {waited:?}");
+    assert_eq!(
+        support::metric(&b.metrics(), "kvroute_cluster_nats_connected"),
+        Some(1.0)
+    );
     // A patch through B and a removal through C reach every replica too.
     b.patch("/v1/workers/7", &json!({"taints": ["zone=b"]}))
         .expect(200);

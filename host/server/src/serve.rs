@@ -223,6 +223,9 @@ pub async fn run(
     }
     let ready = Arc::new(AtomicBool::new(true));
     let metrics = Metrics::new();
+    if let Some(c) = &cluster {
+        metrics.add_renderer(c.renderer());
+    }
     // ZMQ KV event ingestion: subscribes workers registered with `kv_events` (on its own thread).
     // A router with a remote indexer keeps no index: it subscribes to no engine.
     let ingestion = match &remote {

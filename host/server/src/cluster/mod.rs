@@ -132,6 +132,22 @@ impl Cluster {
         format!("NATS cluster {}", self.name)
     }
 
+    /// The cluster's metrics: `kvroute_cluster_nats_connected`, read at each scrape.
+    pub fn renderer(self: &std::sync::Arc<Self>) -> crate::http::metrics::ExtraRenderer {
+        let c = self.clone();
+        std::sync::Arc::new(move |out: &mut String| {
+            out.push_str(
+                "# HELP kvroute_cluster_nats_connected 1 while this replica is connected to the \
+                 cluster's NATS server, 0 while it is reconnecting\n\
+                 # TYPE kvroute_cluster_nats_connected gauge\n",
+            );
+            out.push_str(&format!(
+                "kvroute_cluster_nats_connected {}\n",
+                u8::from(c.connected())
+            ));
+        })
+    }
+
     /// Whether the client is connected to NATS now.
     pub fn connected(&self) -> bool {
         matches!(
