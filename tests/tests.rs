@@ -8,6 +8,7 @@
 mod support;
 
 mod cli;
+mod cluster;
 mod disaggregation;
 mod ext_proc;
 mod hostile;

@@ -551,6 +551,7 @@ pub fn engine_hash(seq: u64) -> u64 {
 
 // Building plugin components is shared with the host's own integration tests: one implementation.
 pub mod engines;
+pub mod nats;
 pub mod plugins;
 #[allow(unused_imports)]
 pub use plugins::{build_plugin, plugin_bytes, temp_dir, workspace_root};

@@ -209,6 +209,13 @@ struct ServeArgs {
     /// x-gateway-destination-endpoint (needs [models.NAME]).
     #[arg(long, env = "KVROUTE_EXT_PROC", value_name = "HOST:PORT", value_parser = kvroute_server::config::parse_listen)]
     ext_proc: Option<SocketAddr>,
+    /// Join a cluster of replicas through this NATS server (nats://HOST:PORT): workers and
+    /// policies are kept in its JetStream buckets and shared by every replica.
+    #[arg(long, env = "KVROUTE_CLUSTER")]
+    cluster: Option<String>,
+    /// The cluster's name: replicas of one name share their state (default kvroute).
+    #[arg(long, env = "KVROUTE_CLUSTER_NAME")]
+    cluster_name: Option<String>,
 }
 
 impl ServeArgs {
@@ -264,6 +271,12 @@ impl ServeArgs {
         }
         if let Some(v) = self.ext_proc {
             c.ext_proc.listen = Some(v);
+        }
+        if let Some(v) = self.cluster {
+            c.cluster = Some(v);
+        }
+        if let Some(v) = self.cluster_name {
+            c.cluster_name = v;
         }
         c.validate()?;
         Ok(c)

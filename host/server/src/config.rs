@@ -72,6 +72,13 @@ pub struct ServeConfig {
     pub remote_indexer_timeout_ms: u64,
     /// `kvroute serve --ext-proc` (`[ext_proc]`): Envoy's endpoint picker over gRPC.
     pub ext_proc: crate::extproc::config::ExtProcSection,
+    /// The NATS server of a cluster of replicas (`--cluster nats://HOST:PORT`): the worker
+    /// registry and the policy store are kept in its JetStream buckets and shared by every
+    /// replica of `cluster_name`; none: this server is alone.
+    pub cluster: Option<String>,
+    /// The cluster's name (`--cluster-name`): replicas of one name share their state; the name
+    /// is part of the JetStream bucket names.
+    pub cluster_name: String,
 }
 
 use crate::listen::deserialize_listen;
@@ -103,6 +110,8 @@ impl Default for ServeConfig {
             remote_indexer: None,
             remote_indexer_timeout_ms: 50,
             ext_proc: Default::default(),
+            cluster: None,
+            cluster_name: "kvroute".into(),
         }
     }
 }
@@ -325,6 +334,18 @@ impl ServeConfig {
                 );
             }
         }
+        if let Some(url) = &self.cluster {
+            crate::cluster::parse_url(url).map_err(|e| format!("cluster: {e}"))?;
+            if self.state_dir.is_some() {
+                return Err(
+                    "cluster: a cluster keeps its state in NATS; drop state_dir \
+                            (--state-dir)"
+                        .into(),
+                );
+            }
+        }
+        crate::cluster::validate_name(&self.cluster_name)
+            .map_err(|e| format!("cluster_name: {e}"))?;
         if !(1..=60_000).contains(&self.remote_indexer_timeout_ms) {
             return Err(format!(
                 "remote_indexer_timeout_ms must be between 1 and 60000, got {}",

@@ -12,6 +12,7 @@
 
 #![recursion_limit = "512"]
 
+pub mod cluster;
 pub mod config;
 pub mod extproc;
 pub mod http;

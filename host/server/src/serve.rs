@@ -43,18 +43,20 @@ pub fn build_with_state(
     router
         .indexer()
         .set_max_entries(config.limits.max_index_entries);
+    let what = if config.cluster.is_some() {
+        "cluster (--cluster)"
+    } else {
+        "state_dir (--state-dir)"
+    };
     let stored = match state {
-        Some(p) => Some(
-            p.load()
-                .map_err(|e| format!("state_dir (--state-dir): {e}"))?,
-        ),
+        Some(p) => Some(p.load().map_err(|e| format!("{what}: {e}"))?),
         None => None,
     };
     if let Some(stored) = &stored {
         for (&id, w) in &stored.workers {
-            router.upsert_worker(id, w.spec.clone()).map_err(|e| {
-                format!("state_dir (--state-dir): stored worker {id} is refused: {e}")
-            })?;
+            router
+                .upsert_worker(id, w.spec.clone())
+                .map_err(|e| format!("{what}: stored worker {id} is refused: {e}"))?;
             if w.draining {
                 let _ = router.patch_worker_with(
                     id,
@@ -67,7 +69,8 @@ pub fn build_with_state(
         }
         tracing::info!(
             workers = stored.workers.len(),
-            "workers restored from the state directory"
+            from = what,
+            "workers restored"
         );
     }
     for w in config.register_workers(&router)? {
@@ -92,14 +95,15 @@ pub fn build_with_state(
                         message: e.to_string(),
                     })
             })
-            .map_err(|e| format!("state_dir (--state-dir): a stored policy is refused: {e}"))?;
+            .map_err(|e| format!("{what}: a stored policy is refused: {e}"))?;
         tracing::info!(
             versions = image.versions().len(),
             active = image
                 .active
                 .as_ref()
                 .map(|a| format!("{} v{}", a.name, a.version)),
-            "policies restored from the state directory"
+            from = what,
+            "policies restored"
         );
     }
     if let Some(path) = &config.policy {
@@ -121,7 +125,7 @@ pub fn build_with_state(
     }
     router.set_scorer(Some(Box::new(RegistryScorer::new(policies.clone()))));
     if let Some(p) = state {
-        let persist = |e: crate::state::StateError| format!("state_dir (--state-dir): {e}");
+        let persist = |e: crate::state::StateError| format!("{what}: {e}");
         p.put_all_workers(&router).map_err(persist)?;
         p.policy_write(&policies, || Ok::<(), ()>(()))
             .map_err(persist)?
@@ -138,15 +142,36 @@ pub async fn run(
     on_listening: impl FnOnce(SocketAddr),
 ) -> Result<(), String> {
     crate::trim::configure();
-    let persisted = match &config.state_dir {
-        Some(dir) => {
+    let cluster = match &config.cluster {
+        Some(url) => {
+            let c = crate::cluster::Cluster::connect(url, &config.cluster_name)
+                .map_err(|e| format!("cluster (--cluster): {e}"))?;
+            tracing::info!(
+                cluster = %config.cluster_name,
+                replica_id = %c.replica_id,
+                url = %url,
+                "joined the cluster"
+            );
+            Some(Arc::new(c))
+        }
+        None => None,
+    };
+    let persisted = match (&cluster, &config.state_dir) {
+        (Some(c), _) => Some(Persisted::new(Box::new(
+            crate::cluster::store::ClusterStore::new(c.clone()),
+        ))),
+        (None, Some(dir)) => {
             let store = crate::state::local::LocalDirStore::open(dir)
                 .map_err(|e| format!("state_dir (--state-dir): {e}"))?;
             Some(Persisted::new(Box::new(store)))
         }
-        None => None,
+        (None, None) => None,
     };
     let (router, policies) = build_with_state(&config, persisted.as_deref())?;
+    // Other replicas' changes, from the state just loaded on (before /readyz turns ready).
+    if let (Some(c), Some(p)) = (&cluster, &persisted) {
+        crate::cluster::watch::start(c.clone(), p.clone(), router.clone(), policies.clone());
+    }
     let remote = match &config.remote_indexer {
         Some(url) => {
             let r = Arc::new(crate::remote_indexer::RemoteIndexer::new(
@@ -198,6 +223,9 @@ pub async fn run(
     }
     let ready = Arc::new(AtomicBool::new(true));
     let metrics = Metrics::new();
+    if let Some(c) = &cluster {
+        metrics.add_renderer(c.renderer());
+    }
     // ZMQ KV event ingestion: subscribes workers registered with `kv_events` (on its own thread).
     // A router with a remote indexer keeps no index: it subscribes to no engine.
     let ingestion = match &remote {

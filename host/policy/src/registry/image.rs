@@ -134,6 +134,7 @@ impl PolicyRegistry {
     /// self-tested and warmed as a load would, keeping its stored number and load time; then the
     /// current versions, the history and the active pointer are set. `bytes` gives a component by
     /// digest; bytes whose sha256 is not their digest are refused. On any error nothing changes.
+    /// Versions the registry already holds unchanged are kept as they are (not compiled again).
     pub fn restore(
         &self,
         image: &RegistryImage,
@@ -141,8 +142,15 @@ impl PolicyRegistry {
     ) -> Result<(), PolicyError> {
         let _admin = self.admin.lock();
         let mut built: HashMap<(String, u64), Arc<PolicyVersion>> = HashMap::new();
+        let held = self.held_versions();
         for v in image.versions() {
             super::validate_name(&v.name)?;
+            // A version this registry already runs (same name, number, bytes and configuration:
+            // a cluster replica applying another's change) is kept, not built again.
+            if let Some(same) = held.iter().find(|h| image_of(h).as_ref() == Some(v)) {
+                built.insert((v.name.clone(), v.version), same.clone());
+                continue;
+            }
             let component = bytes(&v.digest)?;
             let actual = sha256_hex(&component);
             if actual != v.digest {
@@ -179,6 +187,19 @@ impl PolicyRegistry {
         let active = image.active.as_ref().map(get);
         self.set_active(&mut state, active, false);
         Ok(())
+    }
+
+    /// Every version the registry holds now (current, history, active).
+    fn held_versions(&self) -> Vec<Arc<PolicyVersion>> {
+        let state = self.state.lock();
+        let active = self.active.load_full();
+        state
+            .policies
+            .values()
+            .chain(state.history.iter())
+            .chain(active.as_ref().map(|a| &a.policy))
+            .cloned()
+            .collect()
     }
 
     /// The registry's state now, for [`Self::revert`].

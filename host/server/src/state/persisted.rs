@@ -11,7 +11,7 @@ use parking_lot::Mutex;
 
 use super::{StateError, StateStore, StoredState, StoredWorker};
 use kvroute_core::router::Router;
-use kvroute_core::workers::{Worker, WorkerPatch};
+use kvroute_core::workers::WorkerPatch;
 use kvroute_policy::{PolicyRegistry, RegistryImage};
 
 /// A store and the write lock around it.
@@ -69,7 +69,7 @@ impl Persisted {
             .snapshot()
             .workers
             .get(&worker_id)
-            .cloned();
+            .map(StoredWorker::of);
         let out = match op() {
             Ok(v) => v,
             Err(e) => return Ok(Err(e)),
@@ -131,6 +131,58 @@ impl Persisted {
         Ok(())
     }
 
+    /// Applies a worker change another replica made (`None`: removed) under the write lock, so
+    /// it never falls inside a local write's undo window. Nothing is written back. Returns
+    /// whether the worker changed here.
+    pub fn apply_remote_worker(
+        &self,
+        router: &Router,
+        worker_id: u64,
+        worker: Option<&StoredWorker>,
+    ) -> bool {
+        let _w = self.written.lock();
+        let now = router
+            .registry()
+            .snapshot()
+            .workers
+            .get(&worker_id)
+            .map(StoredWorker::of);
+        if now.as_ref() == worker {
+            return false;
+        }
+        restore_worker(router, worker_id, worker);
+        true
+    }
+
+    /// Makes the policy registry what `image` (another replica's write) says, loading the
+    /// components it does not hold from the store; versions it holds unchanged are kept. The
+    /// image is then the one written, so it is not written back. A version this replica's
+    /// runtime refuses leaves the registry as it was and returns the error. Returns whether the
+    /// registry changed.
+    pub fn apply_remote_policies(
+        &self,
+        registry: &PolicyRegistry,
+        image: &RegistryImage,
+    ) -> Result<bool, kvroute_policy::PolicyError> {
+        let mut written = self.written.lock();
+        if &registry.image() == image {
+            *written = Some(image.clone());
+            return Ok(false);
+        }
+        registry.restore(image, |digest| match registry.component_bytes(digest) {
+            Some(b) => Ok(b.to_vec()),
+            None => self
+                .store
+                .policy_bytes(digest)
+                .map_err(|e| kvroute_policy::PolicyError::Io {
+                    path: format!("component {digest}"),
+                    message: e.to_string(),
+                }),
+        })?;
+        *written = Some(registry.image());
+        Ok(true)
+    }
+
     fn write_image(
         &self,
         registry: &PolicyRegistry,
@@ -159,14 +211,13 @@ impl Persisted {
 }
 
 /// Puts a worker back as it was (`None`: not registered).
-fn restore_worker(router: &Router, worker_id: u64, before: Option<&Worker>) {
+fn restore_worker(router: &Router, worker_id: u64, before: Option<&StoredWorker>) {
     match before {
         None => {
             router.remove_worker(worker_id);
         }
-        Some(w) => {
-            let stored = StoredWorker::of(w);
-            if let Err(e) = router.upsert_worker(worker_id, stored.spec) {
+        Some(stored) => {
+            if let Err(e) = router.upsert_worker(worker_id, stored.spec.clone()) {
                 tracing::error!(worker_id, error = %e, "cannot put the worker back");
                 return;
             }

@@ -1,0 +1,201 @@
+//! [`ClusterStore`]: the [`StateStore`] of a cluster replica, in the cluster's JetStream buckets.
+//!
+//! Every record carries the replica that wrote it (`origin`), so [`super::watch`] can tell its
+//! own writes from the other replicas' and never applies (or writes back) its own.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use futures_util::StreamExt;
+use serde::{Deserialize, Serialize};
+use tokio::io::AsyncReadExt;
+
+use super::Cluster;
+use crate::state::{StateError, StateStore, StoredState, StoredWorker};
+use kvroute_policy::{sha256_hex, RegistryImage};
+
+/// The key of the policy registry's image in the policies bucket.
+pub(crate) const IMAGE_KEY: &str = "image";
+
+/// A worker record in the workers bucket. A removed worker stays as a tombstone (`worker`
+/// null) rather than a KV delete, so the removal carries its origin too (a replica that removes
+/// and registers a worker again must not apply its own removal when the watch delivers it).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct WorkerRecord {
+    pub origin: String,
+    pub worker: Option<StoredWorker>,
+}
+
+/// The policy image record in the policies bucket.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct ImageRecord {
+    pub origin: String,
+    pub image: RegistryImage,
+}
+
+/// The cluster's state store (cheap to clone: the connection is shared).
+#[derive(Clone)]
+pub struct ClusterStore {
+    pub(crate) cluster: Arc<Cluster>,
+}
+
+impl ClusterStore {
+    pub fn new(cluster: Arc<Cluster>) -> Self {
+        Self { cluster }
+    }
+
+    fn write_worker(&self, worker_id: u64, worker: Option<StoredWorker>) -> Result<(), StateError> {
+        let record = WorkerRecord {
+            origin: self.cluster.replica_id.clone(),
+            worker,
+        };
+        let bytes = serde_json::to_vec(&record).map_err(|e| self.io(e))?;
+        let kv = self.cluster.workers.clone();
+        self.cluster
+            .run(async move { kv.put(worker_id.to_string(), bytes.into()).await })?
+            .map(|_| ())
+            .map_err(|e| self.io(e))
+    }
+
+    fn io(&self, e: impl std::fmt::Display) -> StateError {
+        StateError::Io {
+            path: self.cluster.describe(),
+            message: e.to_string(),
+        }
+    }
+
+    fn corrupt(&self, what: &str, e: impl std::fmt::Display) -> StateError {
+        StateError::Corrupt {
+            path: format!("{} {what}", self.cluster.describe()),
+            message: e.to_string(),
+        }
+    }
+}
+
+impl StateStore for ClusterStore {
+    fn load(&self) -> Result<StoredState, StateError> {
+        let (workers, policies) = (self.cluster.workers.clone(), self.cluster.policies.clone());
+        let (raw_workers, raw_image) = self
+            .cluster
+            .run(async move {
+                let mut out = Vec::new();
+                let mut keys = workers.keys().await.map_err(|e| e.to_string())?;
+                let mut names = Vec::new();
+                while let Some(k) = keys.next().await {
+                    names.push(k.map_err(|e| e.to_string())?);
+                }
+                for k in names {
+                    if let Some(v) = workers.get(k.as_str()).await.map_err(|e| e.to_string())? {
+                        out.push((k, v));
+                    }
+                }
+                let image = policies.get(IMAGE_KEY).await.map_err(|e| e.to_string())?;
+                Ok::<_, String>((out, image))
+            })?
+            .map_err(|e| self.io(e))?;
+        let mut workers = BTreeMap::new();
+        for (key, value) in raw_workers {
+            let id: u64 = key
+                .parse()
+                .map_err(|_| self.corrupt(&format!("workers key {key:?}"), "not a worker id"))?;
+            let record: WorkerRecord = serde_json::from_slice(&value)
+                .map_err(|e| self.corrupt(&format!("worker {id}"), e))?;
+            if let Some(w) = record.worker {
+                workers.insert(id, w);
+            }
+        }
+        let policies = match raw_image {
+            None => None,
+            Some(v) => Some(
+                serde_json::from_slice::<ImageRecord>(&v)
+                    .map_err(|e| self.corrupt("policy image", e))?
+                    .image,
+            ),
+        };
+        Ok(StoredState { workers, policies })
+    }
+
+    fn put_worker(&self, worker_id: u64, worker: &StoredWorker) -> Result<(), StateError> {
+        self.write_worker(worker_id, Some(worker.clone()))
+    }
+
+    fn delete_worker(&self, worker_id: u64) -> Result<(), StateError> {
+        self.write_worker(worker_id, None)
+    }
+
+    fn has_policy_bytes(&self, digest: &str) -> bool {
+        let (store, digest) = (self.cluster.components.clone(), digest.to_string());
+        matches!(
+            self.cluster
+                .run(async move { store.info(digest.as_str()).await.map(|i| !i.deleted) }),
+            Ok(Ok(true))
+        )
+    }
+
+    fn put_policy_bytes(&self, digest: &str, bytes: &[u8]) -> Result<(), StateError> {
+        if sha256_hex(bytes) != digest {
+            return Err(self.corrupt(
+                &format!("component {digest}"),
+                "the bytes do not match the digest",
+            ));
+        }
+        let (store, digest, bytes) = (
+            self.cluster.components.clone(),
+            digest.to_string(),
+            bytes.to_vec(),
+        );
+        self.cluster
+            .run(async move { store.put(digest.as_str(), &mut bytes.as_slice()).await })?
+            .map(|_| ())
+            .map_err(|e| self.io(e))
+    }
+
+    fn policy_bytes(&self, digest: &str) -> Result<Vec<u8>, StateError> {
+        let (store, name) = (self.cluster.components.clone(), digest.to_string());
+        let bytes = self
+            .cluster
+            .run(async move {
+                let mut object = store.get(name.as_str()).await.map_err(|e| e.to_string())?;
+                let mut out = Vec::new();
+                object
+                    .read_to_end(&mut out)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                Ok::<_, String>(out)
+            })?
+            .map_err(|e| self.io(format!("component {digest}: {e}")))?;
+        if sha256_hex(&bytes) != digest {
+            return Err(self.corrupt(
+                &format!("component {digest}"),
+                "its bytes do not match its digest",
+            ));
+        }
+        Ok(bytes)
+    }
+
+    fn put_policies(&self, image: &RegistryImage) -> Result<(), StateError> {
+        let record = ImageRecord {
+            origin: self.cluster.replica_id.clone(),
+            image: image.clone(),
+        };
+        let bytes = serde_json::to_vec(&record).map_err(|e| self.io(e))?;
+        let kv = self.cluster.policies.clone();
+        self.cluster
+            .run(async move { kv.put(IMAGE_KEY, bytes.into()).await })?
+            .map(|_| ())
+            .map_err(|e| self.io(e))
+    }
+
+    fn retain_policy_bytes(&self, _keep: &[&str]) -> Result<(), StateError> {
+        // Another replica may be about to use a component this one no longer needs (an upload
+        // in flight): components are kept; they are addressed by digest, so a kept one is
+        // never wrong.
+        Ok(())
+    }
+
+    fn describe(&self) -> String {
+        self.cluster.describe()
+    }
+}

@@ -1,0 +1,74 @@
+//! A real `nats-server` with JetStream for cluster tests: started on a free port with a
+//! temporary store, killed (and its store removed) when dropped.
+
+use std::net::{TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+pub struct Nats {
+    child: Child,
+    pub port: u16,
+    dir: PathBuf,
+}
+
+/// The `nats-server` binary: `$NATS_SERVER`, else `nats-server` on the PATH, else Debian's
+/// `/usr/sbin/nats-server` (`.ci/run` installs it).
+fn binary() -> String {
+    if let Ok(b) = std::env::var("NATS_SERVER") {
+        return b;
+    }
+    let on_path = std::env::var_os("PATH")
+        .map(|p| std::env::split_paths(&p).any(|d| d.join("nats-server").is_file()))
+        .unwrap_or(false);
+    if on_path {
+        "nats-server".into()
+    } else {
+        "/usr/sbin/nats-server".into()
+    }
+}
+
+impl Nats {
+    /// Starts a JetStream server on a free loopback port and waits until it accepts connections.
+    pub fn start() -> Nats {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+            .port();
+        let dir = super::temp_dir("nats");
+        let child = Command::new(binary())
+            .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
+            .arg(&dir)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| {
+                panic!(
+                    "cannot start {} (apt-get install nats-server): {e}",
+                    binary()
+                )
+            });
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(
+                Instant::now() < deadline,
+                "nats-server did not listen on {port}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Nats { child, port, dir }
+    }
+
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+}
+
+impl Drop for Nats {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
