@@ -216,6 +216,9 @@ struct ServeArgs {
     /// The cluster's name: replicas of one name share their state (default kvroute).
     #[arg(long, env = "KVROUTE_CLUSTER_NAME")]
     cluster_name: Option<String>,
+    /// With --cluster: drop the bookings of a replica not heard from for this long (default 3000).
+    #[arg(long, env = "KVROUTE_REPLICA_TIMEOUT_MS")]
+    replica_timeout_ms: Option<u64>,
 }
 
 impl ServeArgs {
@@ -277,6 +280,9 @@ impl ServeArgs {
         }
         if let Some(v) = self.cluster_name {
             c.cluster_name = v;
+        }
+        if let Some(v) = self.replica_timeout_ms {
+            c.replica_timeout_ms = v;
         }
         c.validate()?;
         Ok(c)

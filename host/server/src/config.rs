@@ -79,6 +79,9 @@ pub struct ServeConfig {
     /// The cluster's name (`--cluster-name`): replicas of one name share their state; the name
     /// is part of the JetStream bucket names.
     pub cluster_name: String,
+    /// With `cluster`: a replica not heard from for this long (no heartbeat, no booking message)
+    /// is forgotten and its bookings are dropped by the others.
+    pub replica_timeout_ms: u64,
 }
 
 use crate::listen::deserialize_listen;
@@ -112,6 +115,7 @@ impl Default for ServeConfig {
             ext_proc: Default::default(),
             cluster: None,
             cluster_name: "kvroute".into(),
+            replica_timeout_ms: 3000,
         }
     }
 }
@@ -346,6 +350,13 @@ impl ServeConfig {
         }
         crate::cluster::validate_name(&self.cluster_name)
             .map_err(|e| format!("cluster_name: {e}"))?;
+        if !(500..=600_000).contains(&self.replica_timeout_ms) {
+            return Err(format!(
+                "replica_timeout_ms must be between 500 and 600000 (heartbeats go every 200 ms), \
+                 got {}",
+                self.replica_timeout_ms
+            ));
+        }
         if !(1..=60_000).contains(&self.remote_indexer_timeout_ms) {
             return Err(format!(
                 "remote_indexer_timeout_ms must be between 1 and 60000, got {}",

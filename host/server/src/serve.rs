@@ -223,8 +223,19 @@ pub async fn run(
     }
     let ready = Arc::new(AtomicBool::new(true));
     let metrics = Metrics::new();
+    // Bookings shared with the other replicas, from before the server listens.
+    let sync = cluster.as_ref().map(|c| {
+        crate::cluster::sync::BookingSync::start(
+            c.clone(),
+            router.clone(),
+            Duration::from_millis(config.replica_timeout_ms),
+        )
+    });
     if let Some(c) = &cluster {
         metrics.add_renderer(c.renderer());
+    }
+    if let Some(s) = &sync {
+        metrics.add_renderer(s.renderer());
     }
     // ZMQ KV event ingestion: subscribes workers registered with `kv_events` (on its own thread).
     // A router with a remote indexer keeps no index: it subscribes to no engine.
@@ -321,6 +332,7 @@ pub async fn run(
         limits: config.limits.clone(),
         ready: ready.clone(),
         state: persisted.clone(),
+        cluster: sync.clone(),
     };
     let ticker = {
         let router = router.clone();

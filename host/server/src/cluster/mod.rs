@@ -18,7 +18,10 @@
 //! objects    kvroute-NAME-components  name: sha256 hex of a component, its bytes
 //! ```
 
+pub mod bookings;
+pub mod heartbeat;
 pub mod store;
+pub mod sync;
 pub mod watch;
 
 use std::future::Future;

@@ -5,6 +5,7 @@
 //! [`AppState`]; nothing is global. Admin endpoints (worker writes, events, policy writes) require
 //! the bearer token when one is configured, and answer loopback clients only when none is.
 
+mod cluster;
 pub mod drain;
 pub mod dto;
 pub mod error;
@@ -50,6 +51,8 @@ pub struct AppState {
     pub proxy: Option<Arc<crate::proxy::Proxy>>,
     /// `serve --state-dir`: where worker and policy changes are written through.
     pub state: Option<Arc<crate::state::Persisted>>,
+    /// `serve --cluster`: the booking sync with the other replicas (`GET /v1/cluster`).
+    pub cluster: Option<Arc<crate::cluster::sync::BookingSync>>,
 }
 
 /// Builds the axum application.
@@ -81,6 +84,7 @@ pub fn app(state: AppState) -> axum::Router {
         .route("/v1/requests/{request_id}", delete(free_request))
         .route("/v1/overlap", post(overlap))
         .route("/v1/hash", post(hash::hash))
+        .route("/v1/cluster", get(cluster::get_cluster))
         .route("/v1/policies", get(policies::list_policies))
         .route("/v1/policies/{name}", get(policies::policy_detail))
         .route("/healthz", get(healthz))

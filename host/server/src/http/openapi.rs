@@ -264,6 +264,8 @@ fn base_document() -> Value {
                 "responses": {"200": ok("Active.", Some("Policy")), "404": error_response("Unknown policy.")}}},
             "/v1/policies/rollback": {"post": {"summary": "Go back to the previously active policy.", "security": admin,
                 "responses": {"200": ok("Active.", Some("Policy")), "409": error_response("Nothing to roll back to.")}}},
+            "/v1/cluster": {"get": {"summary": "This replica's view of its cluster (serve --cluster): its id, its NATS connection, and every replica heard from within replica_timeout_ms with its bookings.",
+                "responses": {"200": ok("The cluster.", Some("Cluster")), "404": error_response("Not a cluster replica (`not_in_cluster`).")}}},
             "/healthz": {"get": {"summary": "Process up.", "responses": {"200": ok("Up.", Some("Health"))}}},
             "/readyz": {"get": {"summary": "A policy is active and the server listens.", "responses": {"200": ok("Ready.", Some("Ready")), "503": error_response("Not ready.")}}},
             "/metrics": {"get": {"summary": "Prometheus metrics.", "responses": {"200": {"description": "Text format.", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},

@@ -356,6 +356,17 @@ pub fn schemas() -> Value {
             "name": string("The policy's name."),
             "versions": array_of(object(POLICY_REQUIRED, merge(policy_fields(true), version_marks())), "Every loaded version of the name in full, by version."),
         })),
+        "Cluster": object(&["cluster_name", "replica_id", "nats", "replica_timeout_ms", "replicas"], json!({
+            "cluster_name": string("The cluster's name (`cluster_name`)."),
+            "replica_id": string("This replica's id, random at each start: the origin tag of its writes and booking messages."),
+            "nats": d(json!({"type": "string", "enum": ["connected", "reconnecting"]}), "This replica's connection to the NATS server."),
+            "replica_timeout_ms": u64_int("A replica not heard from for this long is forgotten and its bookings dropped."),
+            "replicas": array_of(object(&["replica_id", "last_seen_ms", "bookings"], json!({
+                "replica_id": string("The replica's id."),
+                "last_seen_ms": u64_int("Milliseconds since this replica last heard from it (0 for itself)."),
+                "bookings": u64_int("Requests that replica booked itself and still holds, as its last heartbeat said."),
+            })), "This replica and every other one heard from within replica_timeout_ms, sorted by replica_id."),
+        })),
         "Health": object(&["status"], json!({"status": d(json!({"type": "string", "enum": ["ok"]}), "Always ok while the process serves.")})),
         "Ready": object(&["status", "policy"], json!({
             "status": d(json!({"type": "string", "enum": ["ready"]}), "Ready to route."),
