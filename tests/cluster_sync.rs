@@ -211,9 +211,11 @@ fn a_lifecycle_call_on_any_replica_applies_everywhere() {
     let want = loads(&b);
     assert_eq!(want[0].1 .0, 0, "{want:?}");
     for s in [&a, &c] {
-        within(Duration::from_secs(1), "B's lifecycle calls elsewhere", || {
-            loads(s) == want
-        });
+        within(
+            Duration::from_secs(1),
+            "B's lifecycle calls elsewhere",
+            || loads(s) == want,
+        );
     }
     // Free on C releases it on A (the origin), B and C.
     c.delete("/v1/requests/req-1").expect(200);

@@ -230,8 +230,9 @@ mod tests {
                 request_id: "x".into()
             }
         );
-        assert!(serde_json::from_str::<SyncMessage>(r#"{"origin":"b","seq":1,"op":"book"}"#)
-            .is_err());
+        assert!(
+            serde_json::from_str::<SyncMessage>(r#"{"origin":"b","seq":1,"op":"book"}"#).is_err()
+        );
     }
 
     #[test]

@@ -19,6 +19,7 @@
 //! ```
 
 pub mod bookings;
+pub mod early_frees;
 pub mod heartbeat;
 pub mod store;
 pub mod sync;

@@ -21,6 +21,7 @@ use prometheus::{
 use serde::Serialize;
 
 use super::bookings::{self, Outbox, SyncMessage, SyncOp};
+use super::early_frees::EarlyFrees;
 use super::heartbeat::{Heartbeat, PeerStatus, Peers, SeqCheck, HEARTBEAT_EVERY};
 use super::Cluster;
 use kvroute_core::router::{RemoteBookingError, Router};
@@ -92,8 +93,12 @@ impl SyncMetrics {
             registry.register(Box::new(c.clone())).expect("unique");
         }
         registry.register(Box::new(lag.clone())).expect("unique");
-        registry.register(Box::new(dropped.clone())).expect("unique");
-        registry.register(Box::new(replicas.clone())).expect("unique");
+        registry
+            .register(Box::new(dropped.clone()))
+            .expect("unique");
+        registry
+            .register(Box::new(replicas.clone()))
+            .expect("unique");
         // Every reason is present from the start, at 0.
         for r in DROP_REASONS {
             dropped.with_label_values(&[r]);
@@ -113,8 +118,9 @@ impl SyncMetrics {
 }
 
 /// Why a message from another replica was not applied (the `reason` label).
-const DROP_REASONS: [&str; 5] = [
+const DROP_REASONS: [&str; 6] = [
     "gap",
+    "freed_before_booked",
     "malformed",
     "unknown_candidate",
     "duplicate_request",
@@ -138,6 +144,7 @@ pub struct BookingSync {
     cluster: Arc<Cluster>,
     router: Arc<Router>,
     peers: Peers,
+    early_frees: EarlyFrees,
     timeout: Duration,
     metrics: SyncMetrics,
 }
@@ -149,6 +156,7 @@ impl BookingSync {
             cluster: cluster.clone(),
             router: router.clone(),
             peers: Peers::default(),
+            early_frees: EarlyFrees::default(),
             timeout,
             metrics: SyncMetrics::new(),
         });
@@ -183,17 +191,15 @@ impl BookingSync {
         }
         let s = sync.clone();
         let subject = format!("{prefix}.heartbeats");
-        cluster.runtime.spawn(async move { s.beat_forever(subject).await });
+        cluster
+            .runtime
+            .spawn(async move { s.beat_forever(subject).await });
         sync
     }
 
     /// Subscribes to `subject` and hands every message to `on`; subscribes again if the
     /// subscription ends (the client resubscribes by itself across reconnects).
-    async fn subscribe_forever(
-        self: Arc<Self>,
-        subject: String,
-        on: impl Fn(&Self, &[u8]),
-    ) {
+    async fn subscribe_forever(self: Arc<Self>, subject: String, on: impl Fn(&Self, &[u8])) {
         loop {
             match self.cluster.client.subscribe(subject.clone()).await {
                 Ok(mut sub) => {
@@ -245,23 +251,18 @@ impl BookingSync {
 
     fn on_heartbeat(&self, payload: &[u8]) {
         let Ok(hb) = serde_json::from_slice::<Heartbeat>(payload) else {
-            self.metrics
-                .dropped
-                .with_label_values(&["malformed"])
-                .inc();
+            self.metrics.dropped.with_label_values(&["malformed"]).inc();
             return;
         };
         if hb.origin != self.cluster.replica_id {
-            self.peers.heard(&hb.origin, Instant::now(), Some(hb.bookings));
+            self.peers
+                .heard(&hb.origin, Instant::now(), Some(hb.bookings));
         }
     }
 
     fn on_booking_message(&self, payload: &[u8]) {
         let Ok(msg) = serde_json::from_slice::<SyncMessage>(payload) else {
-            self.metrics
-                .dropped
-                .with_label_values(&["malformed"])
-                .inc();
+            self.metrics.dropped.with_label_values(&["malformed"]).inc();
             return;
         };
         if msg.origin == self.cluster.replica_id {
@@ -276,10 +277,7 @@ impl BookingSync {
                 return;
             }
             SeqCheck::Gap(n) => {
-                self.metrics
-                    .dropped
-                    .with_label_values(&["gap"])
-                    .inc_by(n);
+                self.metrics.dropped.with_label_values(&["gap"]).inc_by(n);
             }
         }
         let failed = self.apply(&msg, now);
@@ -302,6 +300,9 @@ impl BookingSync {
                 prefill,
                 block_hashes,
             } => {
+                if self.early_frees.take(request_id, now) {
+                    return Some("freed_before_booked");
+                }
                 let rec = SyncOp::record(request_id, *whole_or_decode, *prefill, block_hashes);
                 match r.apply_remote_book(&msg.origin, &rec, now) {
                     Ok(()) => None,
@@ -315,7 +316,13 @@ impl BookingSync {
             SyncOp::Output { request_id, tokens } => {
                 unknown(r.apply_remote_output(request_id, *tokens).is_ok())
             }
-            SyncOp::Free { request_id } => unknown(r.apply_remote_free(request_id).is_ok()),
+            SyncOp::Free { request_id } => {
+                let freed = r.apply_remote_free(request_id).is_ok();
+                if !freed {
+                    self.early_frees.note(request_id, now);
+                }
+                unknown(freed)
+            }
         }
     }
 

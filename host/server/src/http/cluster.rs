@@ -8,7 +8,9 @@ use super::error::ApiError;
 use super::AppState;
 use crate::cluster::sync::ClusterStatus;
 
-pub(super) async fn get_cluster(State(s): State<AppState>) -> Result<Json<ClusterStatus>, ApiError> {
+pub(super) async fn get_cluster(
+    State(s): State<AppState>,
+) -> Result<Json<ClusterStatus>, ApiError> {
     match &s.cluster {
         Some(sync) => Ok(Json(sync.status())),
         None => Err(ApiError::not_found(
