@@ -35,8 +35,11 @@ fn within(limit: Duration, what: &str, mut probe: impl FnMut() -> bool) -> Durat
     }
 }
 
-/// Per rank of every worker: (worker, rank) -> (prefill tokens, decode blocks, requests).
-fn loads(s: &Server) -> Vec<((u64, u64), (u64, u64, u64))> {
+/// One rank's load: ((worker, rank), (prefill tokens, decode blocks, requests)).
+type RankLoad = ((u64, u64), (u64, u64, u64));
+
+/// Every rank's load, by worker and rank.
+fn loads(s: &Server) -> Vec<RankLoad> {
     let mut out = Vec::new();
     let mut workers: Vec<_> = s.workers().into_iter().collect();
     workers.sort_by_key(|(id, _)| *id);
