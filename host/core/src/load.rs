@@ -198,6 +198,10 @@ pub struct LoadTracker {
     /// Live bookings by age, for expiry. Entries are removed when a booking is released.
     by_age: BTreeMap<(Instant, u64), Arc<str>>,
     next_seq: u64,
+    /// Bookings made by another router replica (cluster mode): request id -> origin replica.
+    origin_of: FxHashMap<Arc<str>, Arc<str>>,
+    /// Origin replica -> its live bookings here. Present only while it has some.
+    by_origin: FxHashMap<Arc<str>, FxHashSet<Arc<str>>>,
 }
 
 impl Default for LoadTracker {
@@ -215,6 +219,8 @@ impl LoadTracker {
             blocks: FxHashMap::default(),
             by_age: BTreeMap::new(),
             next_seq: 0,
+            origin_of: FxHashMap::default(),
+            by_origin: FxHashMap::default(),
         }
     }
 
@@ -450,6 +456,61 @@ impl LoadTracker {
         self.bookings.values().map(|l| &l.booking)
     }
 
+    /// Marks a live booking as made by another router replica, `origin` (cluster mode), so that
+    /// [`remove_origin`](Self::remove_origin) can drop it with the rest of that replica's. Its load
+    /// counts like any other booking. Re-tagging moves it to the new origin.
+    pub fn set_origin(&mut self, request_id: &str, origin: &str) -> Result<(), LoadError> {
+        let Some((id, _)) = self.bookings.get_key_value(request_id) else {
+            return Err(LoadError::UnknownRequest(request_id.to_owned()));
+        };
+        let id = Arc::clone(id);
+        self.untag(&id);
+        let origin: Arc<str> = match self.by_origin.get_key_value(origin) {
+            Some((o, _)) => Arc::clone(o),
+            None => Arc::from(origin),
+        };
+        self.by_origin
+            .entry(Arc::clone(&origin))
+            .or_default()
+            .insert(Arc::clone(&id));
+        self.origin_of.insert(id, origin);
+        Ok(())
+    }
+
+    /// The replica that made the booking, when another one did (`None`: booked here, or unknown).
+    pub fn origin(&self, request_id: &str) -> Option<&str> {
+        self.origin_of.get(request_id).map(|o| &**o)
+    }
+
+    /// Frees every booking made by replica `origin`; returns them in booking order.
+    pub fn remove_origin(&mut self, origin: &str) -> Vec<Booking> {
+        let ids: Vec<Arc<str>> = match self.by_origin.get(origin) {
+            Some(set) => set.iter().cloned().collect(),
+            None => return Vec::new(),
+        };
+        self.release_all(ids)
+    }
+
+    /// Every origin replica with live bookings here, with its bookings' keys, in no particular
+    /// order.
+    pub fn origins(&self) -> impl Iterator<Item = (&str, impl Iterator<Item = &str>)> + '_ {
+        self.by_origin
+            .iter()
+            .map(|(o, ids)| (&**o, ids.iter().map(|i| &**i)))
+    }
+
+    /// Forgets the origin of `id` (it is released, or re-tagged).
+    fn untag(&mut self, id: &str) {
+        if let Some(o) = self.origin_of.remove(id) {
+            if let Some(set) = self.by_origin.get_mut(&o) {
+                set.remove(id);
+                if set.is_empty() {
+                    self.by_origin.remove(&o);
+                }
+            }
+        }
+    }
+
     fn release_all(&mut self, ids: Vec<Arc<str>>) -> Vec<Booking> {
         let mut freed: Vec<(u64, Booking)> = ids
             .iter()
@@ -465,6 +526,7 @@ impl LoadTracker {
     /// Removes a booking and undoes everything it added. `None` if it is not live.
     fn release(&mut self, request_id: &str) -> Option<Booking> {
         let Live { booking, seq } = self.bookings.remove(request_id)?;
+        self.untag(request_id);
         let c = booking.candidate;
         self.by_age.remove(&(booking.booked_at, seq));
         let cand = self
@@ -781,6 +843,53 @@ mod tests {
         // a clock before the booking (non-monotonic caller) expires nothing
         t.book("x", A, 1, 0, &[], 4, t0 + s(50)).unwrap();
         assert!(t.expire(t0).is_empty());
+    }
+
+    #[test]
+    fn origins_tag_bookings_and_remove_origin_frees_only_theirs() {
+        let mut t = tracker();
+        let now = Instant::now();
+        t.book("local", A, 10, 0, &[1], 4, now).unwrap();
+        t.book("r1", A, 10, 0, &[1, 2], 4, now).unwrap();
+        t.book("r2", B, 10, 0, &[1], 4, now).unwrap();
+        t.book("s1", B, 10, 0, &[3], 4, now).unwrap();
+        t.set_origin("r1", "rep-a").unwrap();
+        t.set_origin("r2", "rep-a").unwrap();
+        t.set_origin("s1", "rep-b").unwrap();
+        assert_eq!(
+            t.set_origin("nope", "rep-a"),
+            Err(LoadError::UnknownRequest("nope".into()))
+        );
+        assert_eq!(t.origin("r1"), Some("rep-a"));
+        assert_eq!(t.origin("local"), None);
+        // A remote booking freed by id leaves its origin's set.
+        t.free("s1").unwrap();
+        assert_eq!(t.origin("s1"), None);
+        assert!(t.remove_origin("rep-b").is_empty());
+        let mut origins: Vec<_> = t
+            .origins()
+            .map(|(o, ids)| (o.to_owned(), ids.count()))
+            .collect();
+        origins.sort();
+        assert_eq!(origins, [("rep-a".to_owned(), 2)]);
+        // Dropping an origin frees its bookings, in booking order, and nothing else.
+        let gone = t.remove_origin("rep-a");
+        assert_eq!(
+            gone.iter()
+                .map(|b| b.request_id.as_str())
+                .collect::<Vec<_>>(),
+            ["r1", "r2"]
+        );
+        assert_eq!(t.load(A), load(10, 3, 1));
+        assert!(t.load(B).is_zero());
+        assert_eq!(t.origins().count(), 0);
+        // Expiry untags too: a later booking under the same id is local.
+        t.book("r3", B, 10, 0, &[], 4, now).unwrap();
+        t.set_origin("r3", "rep-c").unwrap();
+        t.expire(now + LoadConfig::DEFAULT_EXPIRY + Duration::from_secs(1));
+        assert!(t.is_empty() && t.origins().count() == 0);
+        t.book("r3", B, 10, 0, &[], 4, now).unwrap();
+        assert_eq!(t.origin("r3"), None);
     }
 
     #[test]

@@ -9,7 +9,6 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::booking;
 use super::request::Prepared;
 use super::{RouteDecision, RouteError, RouteRequest, Router};
 use crate::queue::{QueueEntry, QueueOrder};
@@ -38,7 +37,7 @@ impl Drop for Waiting<'_> {
         if removed.is_none() {
             if let Ok(Ok(decision)) = self.rx.try_recv() {
                 if decision.booked {
-                    let _ = booking::release(&mut self.router.load.lock(), &decision.request_id);
+                    let _ = self.router.release_booking(&decision.request_id);
                 }
             }
         }
@@ -164,7 +163,7 @@ impl Router {
             let entry = queue.pop().expect("peeked");
             if let Err(Ok(decision)) = entry.payload.tx.send(result) {
                 if decision.booked {
-                    let _ = booking::release(&mut self.load.lock(), &decision.request_id);
+                    let _ = self.release_booking(&decision.request_id);
                 }
             }
         }

@@ -34,6 +34,7 @@ pub(super) fn is_prefill_half(key: &str) -> bool {
 }
 
 /// What one half books.
+#[derive(Clone, Copy)]
 pub(super) struct Half<'a> {
     pub(super) candidate: CandidateKey,
     pub(super) cached_tokens: u32,

@@ -12,10 +12,12 @@
 
 use std::cell::RefCell;
 use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::booking::{self, Half};
 use super::disagg::Placement;
+use super::replicas::{BookedHalf, BookingEvent, BookingRecord};
 use super::request::Prepared;
 use super::step::Scratch;
 use super::{RouteDecision, RouteError, Router, Timings};
@@ -152,6 +154,19 @@ impl Router {
                 RouteError::DuplicateRequest(id)
             }
         })?;
+        self.announce(|| {
+            let half = |h: &Half<'_>| BookedHalf {
+                candidate: h.candidate,
+                prompt_tokens: h.prompt_tokens,
+                cached_tokens: h.cached_tokens,
+            };
+            BookingEvent::Booked(BookingRecord {
+                request_id: p.request_id.clone(),
+                whole_or_decode: half(&whole_or_decode),
+                prefill: prefill.as_ref().map(half),
+                block_hashes: Arc::from(&p.seq[..]),
+            })
+        });
         if let Some(a) = &self.approx {
             a.record(&self.indexer, d.candidate, &p.local, now);
             if let Some(s) = &placed.prefill {

@@ -25,6 +25,7 @@ mod decide;
 pub mod disagg;
 mod explain;
 pub mod overlap_source;
+pub mod replicas;
 mod request;
 mod step;
 #[cfg(test)]
@@ -46,6 +47,9 @@ pub use disagg::rules::TopologyConstraints;
 pub use explain::{ExcludedRow, ExplainRow};
 pub use overlap_source::{
     CandidateOverlap, OverlapFuture, OverlapOrigin, OverlapSource, OverlapSourceError,
+};
+pub use replicas::{
+    BookedHalf, BookingEvent, BookingObserver, BookingRecord, OriginBookings, RemoteBookingError,
 };
 pub use request::{preferred_taint_weight, DisaggMode, Pin, Prompt, RouteRequest};
 
@@ -396,6 +400,8 @@ pub struct Router {
     feeds: Feeds,
     /// Where `route` reads overlaps when not from `indexer` (`kvroute serve --remote-indexer`).
     overlap_source: ArcSwapOption<Arc<dyn OverlapSource>>,
+    /// Told of every change to this router's own bookings (cluster mode: [`replicas`]).
+    booking_observer: ArcSwapOption<Box<dyn BookingObserver>>,
     pub counters: RouterCounters,
 }
 
@@ -458,6 +464,7 @@ impl Router {
             clock_ms: AtomicU64::new(u64::MAX),
             feeds: Feeds::new(config.feeds),
             overlap_source: ArcSwapOption::empty(),
+            booking_observer: ArcSwapOption::empty(),
             config,
             counters: RouterCounters::default(),
         })
@@ -593,6 +600,9 @@ impl Router {
         // The load lock is released before `not_booked` takes the queue's.
         let r = booking::prefill_complete(&mut self.load.lock(), request_id);
         let r = r.ok_or_else(|| self.not_booked(request_id))?;
+        self.announce(|| BookingEvent::PrefillComplete {
+            request_id: request_id.to_owned(),
+        });
         self.pump();
         Ok(r)
     }
@@ -604,7 +614,12 @@ impl Router {
         tokens: u32,
     ) -> Result<CandidateKey, LifecycleError> {
         let r = self.load.lock().output_progress(request_id, tokens);
-        r.map_err(|_| self.not_booked(request_id))
+        let r = r.map_err(|_| self.not_booked(request_id))?;
+        self.announce(|| BookingEvent::Output {
+            request_id: request_id.to_owned(),
+            tokens,
+        });
+        Ok(r)
     }
 
     /// Why a lifecycle call found no booking for `request_id`: queued, or unknown.
@@ -622,7 +637,8 @@ impl Router {
             let _ = entry.payload.tx.send(Err(RouteError::Cancelled));
             return Ok(None);
         }
-        let b = booking::release(&mut self.load.lock(), request_id)
+        let b = self
+            .release_booking(request_id)
             .ok_or_else(|| LifecycleError::UnknownRequest(request_id.into()))?;
         self.pump();
         Ok(Some(b))
