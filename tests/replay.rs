@@ -779,3 +779,83 @@ fn cli_replays_disaggregated_fleets_beside_the_aggregated_one() {
         assert!(err.contains(needle), "{all:?}: {err}");
     }
 }
+
+#[test]
+fn cli_replays_router_replicas_with_a_booking_sync_lag() {
+    let dir = support::temp_dir("replay-replicas");
+    let trace = write_split_trace(&dir);
+    let out = dir.join("out");
+    let o = kvroute(&[
+        "replay",
+        "--trace",
+        trace.to_str().unwrap(),
+        "--format",
+        "tokens",
+        "--block-size",
+        "16",
+        "--workers",
+        "4",
+        "--policy",
+        "default",
+        "--replicas",
+        "1,2,4",
+        "--sync-lag-ms",
+        "0,200",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{stderr}");
+    // One router once (a lag means nothing there), then each replica count under each lag.
+    let names = [
+        "default @ 4",
+        "default @ 4 x2r+0ms",
+        "default @ 4 x2r+200ms",
+        "default @ 4 x4r+0ms",
+        "default @ 4 x4r+200ms",
+    ];
+    let v = check_outputs(&out, &names);
+    let ps = v["policies"].as_array().unwrap();
+    for (p, (replicas, lag)) in
+        ps.iter()
+            .zip([(1, 0.0), (2, 0.0), (2, 200.0), (4, 0.0), (4, 200.0)])
+    {
+        assert_eq!(p["completed"], 400, "{}", p["name"]);
+        assert_eq!(p["replicas"], replicas, "{}", p["name"]);
+        assert_eq!(p["sync_lag_ms"], lag, "{}", p["name"]);
+        // Each request's booking, prefill_complete and free reach every other replica, and
+        // every one of them applies (they arrive in order).
+        assert_eq!(
+            p["sync_messages"],
+            400 * 3 * (replicas - 1),
+            "{}",
+            p["name"]
+        );
+        assert_eq!(p["sync_refused"], 0, "{}", p["name"]);
+    }
+    for (args, needle) in [
+        (
+            vec!["--replicas", "0"],
+            "--replicas 0: at least one router replica",
+        ),
+        (
+            vec!["--replicas", "2", "--sync-lag-ms", "-1"],
+            "--sync-lag-ms -1",
+        ),
+    ] {
+        let mut all = vec![
+            "replay",
+            "--trace",
+            trace.to_str().unwrap(),
+            "--workers",
+            "4",
+            "--out",
+            out.to_str().unwrap(),
+        ];
+        all.extend(args);
+        let o = kvroute(&all);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success(), "{all:?} succeeded");
+        assert!(err.contains(needle), "{all:?}: {err}");
+    }
+}

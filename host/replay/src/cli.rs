@@ -59,6 +59,20 @@ pub struct ReplayArgs {
     /// isl_bounding, prefill_load, isl_or_load; Dynamo's thresholds).
     #[arg(long, default_value = "never")]
     pub disagg_bypass: String,
+    /// Router replicas sharing the fleet, as `kvroute serve --cluster` runs them (requests arrive
+    /// at them in turn; each books its own and learns the others' bookings --sync-lag-ms later).
+    /// Comma-separated to compare, e.g. 1,2,4: one run per count and lag.
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    pub replicas: Vec<u32>,
+    /// With --replicas above 1: how long a booking change takes to reach the other replicas, ms
+    /// (comma-separated to compare).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "0",
+        allow_negative_numbers = true
+    )]
+    pub sync_lag_ms: Vec<f64>,
     /// With --prefill-workers: do not replay the aggregated fleet beside the disaggregated ones.
     #[arg(long)]
     pub no_aggregated: bool,
@@ -367,5 +381,42 @@ fn configurations(args: &ReplayArgs, base: &RouterConfig) -> Result<Vec<ReplayOp
             transfer.validate().map_err(|e| anyhow!(e))?;
         }
     }
-    Ok(configs)
+    with_replicas(configs, &args.replicas, &args.sync_lag_ms)
+}
+
+/// Each configuration once per replica count and sync lag (one router: once, lag 0).
+fn with_replicas(
+    configs: Vec<ReplayOptions>,
+    replicas: &[u32],
+    lags: &[f64],
+) -> Result<Vec<ReplayOptions>> {
+    if let Some(r) = replicas.iter().find(|&&r| r == 0) {
+        bail!("--replicas {r}: at least one router replica");
+    }
+    if let Some(l) = lags.iter().find(|l| !(l.is_finite() && **l >= 0.0)) {
+        bail!("--sync-lag-ms {l}: a lag is a finite number of milliseconds, 0 or more");
+    }
+    let mut out = Vec::new();
+    for c in configs {
+        for &r in replicas {
+            let lags: &[f64] = if r == 1 { &[0.0] } else { lags };
+            for &sync_lag_ms in lags {
+                let run = ReplayOptions {
+                    replicas: r,
+                    sync_lag_ms,
+                    ..c.clone()
+                };
+                if !out.iter().any(|o: &ReplayOptions| {
+                    o.fleet == run.fleet
+                        && o.router.disagg.kv_transfer_enforcement
+                            == run.router.disagg.kv_transfer_enforcement
+                        && o.replicas == r
+                        && o.sync_lag_ms == sync_lag_ms
+                }) {
+                    out.push(run);
+                }
+            }
+        }
+    }
+    Ok(out)
 }

@@ -246,6 +246,11 @@ pub struct ReplayOptions {
     /// A cap on the router's index entries (`limits.max_index_entries` of `kvroute serve`): what
     /// routing quality a cap below the working set costs.
     pub max_index_entries: Option<u64>,
+    /// Router replicas sharing the fleet (`kvroute serve --cluster`); requests arrive at them in
+    /// turn (sim module doc, "Router replicas").
+    pub replicas: u32,
+    /// How long one replica's booking change takes to reach the others, ms.
+    pub sync_lag_ms: f64,
 }
 
 impl Default for ReplayOptions {
@@ -258,6 +263,8 @@ impl Default for ReplayOptions {
                 ..RouterConfig::default()
             },
             max_index_entries: None,
+            replicas: 1,
+            sync_lag_ms: 0.0,
         }
     }
 }
@@ -270,46 +277,77 @@ pub fn run_policy(
     name: &str,
     progress: &mut dyn FnMut(u64),
 ) -> Result<PolicyRun> {
-    let router = Router::new(RouterConfig {
-        block_size: opts.sim.block_size,
-        ..opts.router.clone()
-    })
-    .map_err(|e| anyhow!("router: {e}"))?;
-    router.indexer().set_max_entries(opts.max_index_entries);
+    if opts.replicas == 0 {
+        bail!("at least one router replica");
+    }
+    // Replica r tie-breaks with its own generator (seed + r): replicas of one cluster do not share
+    // their random draws. Replica 0 is the single router of a run without replicas.
+    let routers = (0..u64::from(opts.replicas))
+        .map(|r| {
+            Router::new(RouterConfig {
+                block_size: opts.sim.block_size,
+                rng_seed: opts.router.rng_seed.map(|s| s.wrapping_add(r)),
+                ..opts.router.clone()
+            })
+            .map_err(|e| anyhow!("router: {e}"))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let router = &routers[0];
     // Keep the registry alive for the whole run (its maintenance thread serves the scorer).
     let mut _registry: Option<Arc<PolicyRegistry>> = None;
-    match policy {
-        PolicySpec::RoundRobin => router.set_scorer(Some(Box::new(RoundRobinScorer::default()))),
-        // Today's default is Dynamo 1.6's cost, the router's native one.
-        PolicySpec::Default | PolicySpec::Dynamo => router.set_scorer(None),
-        PolicySpec::Custom { make, .. } => router.set_scorer(Some(make())),
-        PolicySpec::Wasm { path, config } => {
-            let bytes =
-                std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
-            let registry = Arc::new(
-                PolicyRegistry::new(PolicyRuntimeConfig {
-                    deadline_us: REPLAY_POLICY_DEADLINE_US,
-                    ..PolicyRuntimeConfig::default()
-                })
-                .map_err(|e| anyhow!("policy runtime: {e}"))?,
-            );
-            registry
-                .load(name, &bytes, config.as_deref(), true)
-                .map_err(|e| anyhow!("{}: {e}", path.display()))?;
-            router.set_scorer(Some(Box::new(RegistryScorer::new(registry.clone()))));
-            _registry = Some(registry);
+    if let PolicySpec::Wasm { path, config } = policy {
+        let bytes =
+            std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+        let registry = Arc::new(
+            PolicyRegistry::new(PolicyRuntimeConfig {
+                deadline_us: REPLAY_POLICY_DEADLINE_US,
+                ..PolicyRuntimeConfig::default()
+            })
+            .map_err(|e| anyhow!("policy runtime: {e}"))?,
+        );
+        registry
+            .load(name, &bytes, config.as_deref(), true)
+            .map_err(|e| anyhow!("{}: {e}", path.display()))?;
+        _registry = Some(registry);
+    }
+    for router in &routers {
+        router.indexer().set_max_entries(opts.max_index_entries);
+        match policy {
+            PolicySpec::RoundRobin => {
+                router.set_scorer(Some(Box::new(RoundRobinScorer::default())))
+            }
+            // Today's default is Dynamo 1.6's cost, the router's native one.
+            PolicySpec::Default | PolicySpec::Dynamo => router.set_scorer(None),
+            PolicySpec::Custom { make, .. } => router.set_scorer(Some(make())),
+            PolicySpec::Wasm { .. } => {
+                let registry = _registry.as_ref().expect("loaded above");
+                router.set_scorer(Some(Box::new(RegistryScorer::new(registry.clone()))));
+            }
         }
     }
     let t0 = Instant::now();
-    let out = sim::simulate_fleet(&router, prepared, &opts.fleet, &opts.sim, progress)
-        .map_err(|e| anyhow!(e))?;
+    let replicas: Vec<&Router> = routers.iter().collect();
+    let out = sim::simulate_replicated(
+        &replicas,
+        opts.sync_lag_ms,
+        prepared,
+        &opts.fleet,
+        &opts.sim,
+        progress,
+    )
+    .map_err(|e| anyhow!(e))?;
     let wall = t0.elapsed().as_secs_f64();
-    let fallbacks = router.counters.fallbacks.load(Relaxed);
+    let fallbacks = routers
+        .iter()
+        .map(|r| r.counters.fallbacks.load(Relaxed))
+        .sum();
     let index = router.indexer().stats();
     let mut run =
         PolicyRun::from_output(name.to_string(), policy.describe(), &out, fallbacks, wall);
     run.result.index_entries = index.held_blocks.iter().sum();
     run.result.fleet = opts.fleet.label();
+    run.result.replicas = opts.replicas;
+    run.result.sync_lag_ms = opts.sync_lag_ms;
     if let FleetShape::Disaggregated { .. } = opts.fleet {
         run.result.kv_transfer_topology =
             Some(enforcement_name(opts.router.disagg.kv_transfer_enforcement).to_string());
@@ -332,18 +370,24 @@ fn enforcement_name(e: KvTransferEnforcement) -> &'static str {
 /// What a configuration adds to a run's name when a command replays several: `@ 8` or
 /// `@ 4P+4D/required`.
 fn config_suffix(o: &ReplayOptions) -> String {
-    match o.fleet {
+    let fleet = match o.fleet {
         FleetShape::Aggregated { .. } => format!(" @ {}", o.fleet.label()),
         FleetShape::Disaggregated { .. } => format!(
             " @ {}/{}",
             o.fleet.label(),
             enforcement_name(o.router.disagg.kv_transfer_enforcement)
         ),
+    };
+    if o.replicas > 1 {
+        format!("{fleet} x{}r+{}ms", o.replicas, o.sync_lag_ms)
+    } else {
+        fleet
     }
 }
 
 /// Runs every policy on the same trace, once per configuration (fleet shape and router settings).
-/// With several configurations, each run's name says its configuration (`default @ 4P+4D/required`).
+/// With several configurations, each run's name says its configuration (`default @ 4P+4D/required`,
+/// `default @ 8 x4r+5ms`: four router replicas with a 5 ms sync lag).
 /// `show_progress` draws a bar on stderr (only when stderr is a terminal, and only for a run that
 /// has taken [`BAR_AFTER`]).
 pub fn run(

@@ -62,6 +62,14 @@ pub struct PolicyResult {
     /// Disaggregated fleets: how the KV transfer constrained the decode worker (`none`,
     /// `preferred`, `required`).
     pub kv_transfer_topology: Option<String>,
+    /// Router replicas that shared the fleet (`--replicas`; 1: one router).
+    pub replicas: u32,
+    /// With several replicas: the simulated booking sync lag between them, ms.
+    pub sync_lag_ms: f64,
+    /// Booking sync messages delivered between the replicas, and the ones a replica could not
+    /// apply (0 with one replica).
+    pub sync_messages: u64,
+    pub sync_refused: u64,
     /// What was asked for on the command line (`round-robin`, `default`, a path...).
     pub spec: String,
     /// Requests in the trace.
@@ -244,6 +252,10 @@ impl PolicyRun {
             name,
             fleet: String::new(),
             kv_transfer_topology: None,
+            replicas: 1,
+            sync_lag_ms: 0.0,
+            sync_messages: out.sync_messages,
+            sync_refused: out.sync_refused,
             spec,
             requests: out.requests.len(),
             completed,
@@ -456,6 +468,8 @@ pub fn summary(runs: &[PolicyRun], trace_format: &str) -> String {
             x.spec == "round-robin"
                 && x.fleet == r.fleet
                 && x.kv_transfer_topology == r.kv_transfer_topology
+                && x.replicas == r.replicas
+                && x.sync_lag_ms == r.sync_lag_ms
         }) else {
             continue;
         };

@@ -27,9 +27,24 @@
 //!    arrival to that token. `free` when the last one is stamped.
 //!
 //! A bypassed request (or one the router routed aggregated) runs whole on its one worker.
+//!
+//! # Router replicas ([`simulate_replicated`])
+//! `R` routers in front of one fleet, as `kvroute serve --cluster` runs them: request `i` arrives at
+//! replica `i % R`, which routes and books it and makes its lifecycle calls (`prefill_complete`,
+//! `free`), as a proxy in front of that replica would. Every replica applies every engine's KV events
+//! (each subscribes to the engines itself), at the same time. Each replica announces the changes to
+//! its own bookings ([`BookingObserver`]) and the others apply them `sync_lag_ms` later
+//! (`apply_remote_*`), in order: until then a replica does not count the others' latest bookings
+//! in its load. That lag is what a real cluster's booking sync costs (typically under a
+//! millisecond on one host over NATS; more across hosts or under load), and the replay shows how
+//! much hit rate and time to first token it costs. Replica `r` tie-breaks with its own random
+//! generator (the router's seed plus `r`). With `R = 1` nothing is announced: the run is exactly
+//! [`simulate_fleet`]'s.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use crate::engine::{BlockHashes, Engine, Kind, NewRequest, Token};
 pub use crate::engine::{SimConfig, WorkerStats};
@@ -37,6 +52,7 @@ use crate::trace::Trace;
 use kvroute_core::candidate::CandidateKey;
 use kvroute_core::hashing;
 use kvroute_core::indexer::{KvEvent, KvEventData, Tier};
+use kvroute_core::router::replicas::{BookingEvent, BookingObserver};
 use kvroute_core::router::{RouteRequest, Router};
 use kvroute_core::workers::{Role, Topology, WorkerSpec};
 
@@ -139,6 +155,25 @@ pub struct SimOutput {
     pub end_ms: f64,
     /// The fleet had prefill and decode workers.
     pub disaggregated: bool,
+    /// Booking sync messages delivered between router replicas (0 with one replica).
+    pub sync_messages: u64,
+    /// Of those, the ones a replica could not apply (a lifecycle call for a booking it never held).
+    pub sync_refused: u64,
+}
+
+/// The booking events one replica announced, waiting to be sent to the others.
+#[derive(Clone, Default)]
+struct Outbox(Arc<Mutex<Vec<BookingEvent>>>);
+
+impl BookingObserver for Outbox {
+    fn on_booking(&self, event: BookingEvent) {
+        self.0.lock().expect("outbox lock").push(event);
+    }
+}
+
+/// The origin name replica `r`'s bookings carry on the others.
+fn replica_name(r: u32) -> String {
+    format!("replica-{r}")
 }
 
 /// The KV transfer of a disaggregated fleet.
@@ -300,6 +335,8 @@ enum Due {
     StepEnd(u32),
     /// Request `i`'s KV has reached its decode engine.
     TransferDone(u32),
+    /// Sync message `k` reaches its replica.
+    Sync(u32),
 }
 
 fn request_id(i: usize) -> String {
@@ -320,7 +357,13 @@ struct Fleet<'p, 'r> {
     cfg: &'p SimConfig,
     shape: &'p FleetShape,
     prepared: &'p PreparedTrace<'p>,
-    router: &'r Router,
+    /// The router replicas; request `i` belongs to replica `i % len`.
+    routers: &'r [&'r Router],
+    /// Per replica: the booking events it announced, not yet sent to the others.
+    outboxes: Vec<Outbox>,
+    sync_lag_ms: f64,
+    /// Sync messages: (to replica, from replica, event); `None` once delivered.
+    syncs: Vec<Option<(u32, u32, BookingEvent)>>,
     engines: Vec<Engine>,
     zone: Vec<Option<u32>>,
     /// Per request: `Some` while it is split.
@@ -338,7 +381,7 @@ struct Fleet<'p, 'r> {
     done: u64,
 }
 
-impl Fleet<'_, '_> {
+impl<'r> Fleet<'_, 'r> {
     fn deliver_until(&mut self, now: f64) {
         while self.kv_fifo.front().is_some_and(|(t, _, _)| *t <= now) {
             let (_, w, data) = self.kv_fifo.pop_front().expect("peeked");
@@ -350,18 +393,74 @@ impl Fleet<'_, '_> {
                 event_id: *id,
                 data,
             };
-            match self.router.apply_event(&ev) {
+            // Every replica subscribes to every engine; the first one's answer is counted.
+            match self.routers[0].apply_event(&ev) {
                 Ok(Some(_)) => self.out.kv_events_applied += 1,
                 Ok(None) | Err(_) => self.out.kv_events_rejected += 1,
+            }
+            for r in &self.routers[1..] {
+                let _ = r.apply_event(&ev);
             }
         }
     }
 
-    fn refuse(&mut self, i: usize, why: &str) {
+    fn refuse(&mut self, i: usize, why: &str, now: f64) {
         self.out.requests[i].error = Some(why.into());
         self.split[i] = None;
-        let _ = self.router.free(&request_id(i));
+        let _ = self.router(i).free(&request_id(i));
+        self.flush(i, now);
         self.done += 1;
+    }
+
+    /// The replica request `i` arrives at.
+    fn replica(&self, i: usize) -> usize {
+        i % self.routers.len()
+    }
+
+    fn router(&self, i: usize) -> &'r Router {
+        self.routers[self.replica(i)]
+    }
+
+    /// Sends what request `i`'s replica announced to every other replica, due `sync_lag_ms` from
+    /// `now`.
+    fn flush(&mut self, i: usize, now: f64) {
+        let from = self.replica(i);
+        let Some(outbox) = self.outboxes.get(from) else {
+            return;
+        };
+        let events = std::mem::take(&mut *outbox.0.lock().expect("outbox lock"));
+        for ev in events {
+            for to in (0..self.routers.len()).filter(|&to| to != from) {
+                let k = self.syncs.len() as u32;
+                self.syncs.push(Some((to as u32, from as u32, ev.clone())));
+                self.due
+                    .push(Reverse((Time(now + self.sync_lag_ms), Due::Sync(k))));
+            }
+        }
+    }
+
+    /// Applies sync message `k` on its replica. What a replica refuses (a free for a booking it
+    /// never saw) changes nothing, as in the server.
+    fn sync(&mut self, k: u32) {
+        let Some((to, from, ev)) = self.syncs[k as usize].take() else {
+            return;
+        };
+        let r = self.routers[to as usize];
+        let origin = replica_name(from);
+        self.out.sync_messages += 1;
+        let applied = match &ev {
+            BookingEvent::Booked(rec) => r.apply_remote_book(&origin, rec, Instant::now()).is_ok(),
+            BookingEvent::PrefillComplete { request_id } => {
+                r.apply_remote_prefill_complete(request_id).is_ok()
+            }
+            BookingEvent::Output { request_id, tokens } => {
+                r.apply_remote_output(request_id, *tokens).is_ok()
+            }
+            BookingEvent::Freed { request_id } => r.apply_remote_free(request_id).is_ok(),
+        };
+        if !applied {
+            self.out.sync_refused += 1;
+        }
     }
 
     fn submit(&mut self, w: u32, i: usize, kind: Kind, now: f64) {
@@ -377,7 +476,7 @@ impl Fleet<'_, '_> {
         );
         if !ok {
             // It could never hold all its tokens at once: an engine would reject it.
-            return self.refuse(i, "exceeds_kv_capacity");
+            return self.refuse(i, "exceeds_kv_capacity", now);
         }
         if !self.engines[w as usize].is_busy() {
             self.start_step(w, now);
@@ -386,13 +485,15 @@ impl Fleet<'_, '_> {
 
     fn arrive(&mut self, i: usize, now: f64) {
         let tr = &self.prepared.trace.requests[i];
+        let router = self.router(i);
         // Policies see the trace's time, so state they age (sessions) behaves as it would live.
-        self.router.set_clock_ms(Some(now.max(0.0) as u64));
-        let decision = self.router.route_now(RouteRequest {
+        router.set_clock_ms(Some(now.max(0.0) as u64));
+        let decision = router.route_now(RouteRequest {
             request_id: Some(request_id(i)),
             expected_output_tokens: Some(tr.output_len),
             ..RouteRequest::tokens(tr.tokens.clone())
         });
+        self.flush(i, now);
         let d = match decision {
             Ok(d) => d,
             Err(e) => {
@@ -438,7 +539,7 @@ impl Fleet<'_, '_> {
                     self.engines[s.prefill as usize].release(id, self.prepared);
                 }
             }
-            self.refuse(i, "exceeds_kv_capacity");
+            self.refuse(i, "exceeds_kv_capacity", now);
         }
         self.refused = refused;
         if let Some(ms) = step {
@@ -470,21 +571,29 @@ impl Fleet<'_, '_> {
     /// A token for the client (a whole request's, or a split request's from its decode engine).
     fn token(&mut self, i: usize, t: Token, now: f64) {
         let o = &mut self.out.requests[i];
+        let mut first = false;
         if t.n == 1 {
             o.first_token_ms = now;
             if self.split[i].is_none() {
                 o.hit_tokens = t.hit_tokens;
-                let _ = self.router.prefill_complete(&request_id(i));
+                first = true;
             }
         } else {
             self.out.itl_ms.push((now - self.last_token_ms[i]) as f32);
         }
-        self.last_token_ms[i] = now;
         if t.done {
             o.done_ms = now;
             o.output_tokens = t.n;
+        }
+        if first {
+            let _ = self.router(i).prefill_complete(&request_id(i));
+            self.flush(i, now);
+        }
+        self.last_token_ms[i] = now;
+        if t.done {
             self.split[i] = None;
-            let _ = self.router.free(&request_id(i));
+            let _ = self.router(i).free(&request_id(i));
+            self.flush(i, now);
             self.done += 1;
         }
     }
@@ -515,7 +624,8 @@ impl Fleet<'_, '_> {
         self.engines[s.prefill as usize].release(i as u64, self.prepared);
         let o = &mut self.out.requests[i];
         o.transfer_ms = now - s.prefill_done_ms;
-        let _ = self.router.prefill_complete(&request_id(i));
+        let _ = self.router(i).prefill_complete(&request_id(i));
+        self.flush(i, now);
         // The prefill engine's blocks went idle: nothing to schedule there, but its events wait.
         self.submit(s.decode, i, Kind::Transferred, now);
     }
@@ -551,12 +661,38 @@ pub fn simulate_fleet(
     cfg: &SimConfig,
     progress: &mut dyn FnMut(u64),
 ) -> Result<SimOutput, String> {
+    simulate_replicated(&[router], 0.0, prepared, shape, cfg, progress)
+}
+
+/// Replays `prepared` on the fleet `shape` routed by the replicas `routers` (at least one), whose
+/// booking changes reach each other `sync_lag_ms` after they happen (module doc, "Router
+/// replicas"). Registers the fleet on every router (each must be fresh) and, with more than one,
+/// installs each one's booking observer.
+pub fn simulate_replicated(
+    routers: &[&Router],
+    sync_lag_ms: f64,
+    prepared: &PreparedTrace<'_>,
+    shape: &FleetShape,
+    cfg: &SimConfig,
+    progress: &mut dyn FnMut(u64),
+) -> Result<SimOutput, String> {
+    if routers.is_empty() {
+        return Err("at least one router replica".into());
+    }
+    if !(sync_lag_ms.is_finite() && sync_lag_ms >= 0.0) {
+        return Err(format!(
+            "the sync lag must be a finite number of ms >= 0, got {sync_lag_ms}"
+        ));
+    }
     cfg.validate()?;
     shape.validate()?;
     if prepared.block_size != cfg.block_size {
         return Err("the trace was prepared for another block size".into());
     }
-    if router.config().block_size != cfg.block_size {
+    if let Some(router) = routers
+        .iter()
+        .find(|r| r.config().block_size != cfg.block_size)
+    {
         return Err(format!(
             "the router's block size ({}) differs from the workers' ({})",
             router.config().block_size,
@@ -572,26 +708,43 @@ pub fn simulate_fleet(
         if let Some(z) = z {
             topology.insert(ZONE_DOMAIN.to_string(), format!("z{z}"));
         }
-        router
-            .upsert_worker(
-                u64::from(w),
-                WorkerSpec {
-                    total_kv_blocks: u64::from(cfg.num_gpu_blocks),
-                    max_num_batched_tokens: cfg.max_num_batched_tokens,
-                    role,
-                    topology,
-                    ..Default::default()
-                },
-            )
-            .map_err(|e| format!("cannot register worker {w}: {e}"))?;
+        for router in routers {
+            router
+                .upsert_worker(
+                    u64::from(w),
+                    WorkerSpec {
+                        total_kv_blocks: u64::from(cfg.num_gpu_blocks),
+                        max_num_batched_tokens: cfg.max_num_batched_tokens,
+                        role,
+                        topology: topology.clone(),
+                        ..Default::default()
+                    },
+                )
+                .map_err(|e| format!("cannot register worker {w}: {e}"))?;
+        }
     }
+    let outboxes: Vec<Outbox> = if routers.len() > 1 {
+        routers
+            .iter()
+            .map(|r| {
+                let outbox = Outbox::default();
+                r.set_booking_observer(Some(Box::new(outbox.clone())));
+                outbox
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
     let trace = prepared.trace;
     let n = trace.requests.len();
     let mut fleet = Fleet {
         cfg,
         shape,
         prepared,
-        router,
+        routers,
+        outboxes,
+        sync_lag_ms,
+        syncs: Vec::new(),
         engines: (0..workers)
             .map(|w| {
                 let mut e = Engine::new(cfg.num_gpu_blocks);
@@ -657,6 +810,7 @@ pub fn simulate_fleet(
             match what {
                 Due::StepEnd(w) => fleet.end_step(w, now),
                 Due::TransferDone(i) => fleet.transfer_done(i as usize, now),
+                Due::Sync(k) => fleet.sync(k),
             }
         } else {
             now = arr_t.expect("some");
@@ -676,6 +830,9 @@ pub fn simulate_fleet(
     out.workers = fleet.engines.iter().map(Engine::stats).collect();
     out.end_ms = now;
     out.disaggregated = matches!(shape, FleetShape::Disaggregated { .. });
+    for r in routers.iter().filter(|_| routers.len() > 1) {
+        r.set_booking_observer(None);
+    }
     Ok(out)
 }
 

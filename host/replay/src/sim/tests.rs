@@ -369,3 +369,79 @@ fn a_slower_worker_takes_proportionally_longer() {
     .validate()
     .is_err());
 }
+
+/// Replays `t` on `workers` aggregated engines behind `replicas` routers seeded `seed + r`.
+fn run_replicated(
+    t: &Trace,
+    workers: u32,
+    replicas: u64,
+    lag_ms: f64,
+    seed: u64,
+    cfg: &SimConfig,
+) -> (SimOutput, Vec<Router>) {
+    let routers: Vec<Router> = (0..replicas)
+        .map(|r| {
+            Router::new(RouterConfig {
+                block_size: cfg.block_size,
+                rng_seed: Some(seed + r),
+                ..Default::default()
+            })
+            .unwrap()
+        })
+        .collect();
+    let refs: Vec<&Router> = routers.iter().collect();
+    let p = PreparedTrace::new(t, cfg.block_size);
+    let out = simulate_replicated(
+        &refs,
+        lag_ms,
+        &p,
+        &FleetShape::Aggregated { workers },
+        cfg,
+        &mut |_| {},
+    )
+    .unwrap();
+    (out, routers)
+}
+
+#[test]
+fn replicas_count_each_others_bookings_once_the_sync_lag_has_passed() {
+    let cfg = SimConfig {
+        block_size: 16,
+        ..Default::default()
+    };
+    // Four distinct 512-token prompts at once, four idle workers, two replicas taking turns.
+    let t = trace(
+        (0..4u32)
+            .map(|k| (0.0, (k * 10_000..k * 10_000 + 512).collect(), 8))
+            .collect(),
+    );
+    let distinct = |out: &SimOutput| {
+        let mut w: Vec<u32> = out.requests.iter().map(|o| o.worker.unwrap()).collect();
+        w.sort_unstable();
+        w.dedup();
+        w.len()
+    };
+    let mut collided = 0;
+    for seed in 0..16 {
+        // No lag: each replica sees the other's booking before the next arrival and spreads.
+        let (out, routers) = run_replicated(&t, 4, 2, 0.0, seed, &cfg);
+        assert_eq!(distinct(&out), 4, "seed {seed}: {:?}", out.requests);
+        // Booked, prefill_complete and free of every request reach the one other replica.
+        assert_eq!(out.sync_messages, 4 * 3);
+        assert_eq!(out.sync_refused, 0);
+        for r in &routers {
+            assert_eq!(r.active_bookings(), 0, "every booking released everywhere");
+        }
+        // A lag longer than the burst: each replica spreads only its own requests.
+        let (out, routers) = run_replicated(&t, 4, 2, 1e6, seed, &cfg);
+        assert_eq!(out.sync_refused, 0);
+        assert!(routers.iter().all(|r| r.active_bookings() == 0));
+        if distinct(&out) < 4 {
+            collided += 1;
+        }
+    }
+    assert!(
+        collided > 0,
+        "without the other replica's bookings, some seed must stack two requests on one worker"
+    );
+}
