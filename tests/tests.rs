@@ -9,6 +9,7 @@ mod support;
 
 mod cli;
 mod cluster;
+mod cluster_outage;
 mod disaggregation;
 mod ext_proc;
 mod hostile;
