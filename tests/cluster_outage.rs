@@ -66,9 +66,11 @@ fn nats_killed_mid_traffic_routing_goes_on_writes_answer_503_and_a_restart_is_pi
     );
     a.put_worker(1, &json!({"taints": ["zone=a"]}));
     for s in [&b, &c] {
-        within(Duration::from_secs(1), "worker 1 on another replica", || {
-            s.workers().contains_key(&1)
-        });
+        within(
+            Duration::from_secs(1),
+            "worker 1 on another replica",
+            || s.workers().contains_key(&1),
+        );
     }
     let (stop, routed, failures) = (
         AtomicBool::new(false),
@@ -129,9 +131,11 @@ fn nats_killed_mid_traffic_routing_goes_on_writes_answer_503_and_a_restart_is_pi
         a.patch("/v1/workers/1", &json!({"taints": ["zone=after"]}))
             .expect(200);
         for s in [&b, &c] {
-            within(Duration::from_secs(1), "the patch after the restart", || {
-                taints(s, 1) == json!(["zone=after"])
-            });
+            within(
+                Duration::from_secs(1),
+                "the patch after the restart",
+                || taints(s, 1) == json!(["zone=after"]),
+            );
         }
         stop.store(true, Relaxed);
     });
@@ -270,9 +274,11 @@ fn a_replica_cut_off_from_nats_takes_the_changes_made_meanwhile_when_it_returns(
         ids(&now) == ids(&expected) && now[&1]["taints"] == json!(["zone=x"])
     });
     eprintln!("C reconciled {waited:?} after it reconnected");
-    within(Duration::from_secs(1), "the policy activated meanwhile on C", || {
-        active(&c).0 == "meanwhile"
-    });
+    within(
+        Duration::from_secs(1),
+        "the policy activated meanwhile on C",
+        || active(&c).0 == "meanwhile",
+    );
     let d = c.route_ok(&json!({"tokens": vec![3u32; 32], "book": false,
                                "routing_constraints": {"required_taints": ["zone=four"]}}));
     assert_eq!(d["worker_id"], 4, "{d}");
@@ -294,9 +300,11 @@ fn two_replicas_patching_one_worker_at_once_converge_on_what_the_bucket_holds() 
     );
     a.put_worker(9, &json!({"taints": ["start"]}));
     for s in [&b, &c] {
-        within(Duration::from_secs(1), "worker 9 on another replica", || {
-            s.workers().contains_key(&9)
-        });
+        within(
+            Duration::from_secs(1),
+            "worker 9 on another replica",
+            || s.workers().contains_key(&9),
+        );
     }
     std::thread::scope(|scope| {
         for (s, tag) in [(&a, "a"), (&b, "b")] {
@@ -308,17 +316,24 @@ fn two_replicas_patching_one_worker_at_once_converge_on_what_the_bucket_holds() 
             });
         }
     });
-    let waited = within(Duration::from_secs(2), "every replica holds one value", || {
-        let t = taints(&a, 9);
-        taints(&b, 9) == t && taints(&c, 9) == t
-    });
+    let waited = within(
+        Duration::from_secs(2),
+        "every replica holds one value",
+        || {
+            let t = taints(&a, 9);
+            taints(&b, 9) == t && taints(&c, 9) == t
+        },
+    );
     // Still equal a moment later (no late stale change undoes it).
     std::thread::sleep(Duration::from_millis(500));
     let last = taints(&a, 9);
     assert_eq!(taints(&b, 9), last);
     assert_eq!(taints(&c, 9), last);
     // The value is one writer's last write...
-    let ends = [json!([format!("a{}", N - 1)]), json!([format!("b{}", N - 1)])];
+    let ends = [
+        json!([format!("a{}", N - 1)]),
+        json!([format!("b{}", N - 1)]),
+    ];
     assert!(ends.contains(&last), "{last}");
     // ...and what the bucket holds: a replica started now loads it from there.
     let d = replica(&nats, "lww");

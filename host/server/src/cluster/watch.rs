@@ -92,10 +92,9 @@ async fn supervise(cluster: Arc<Cluster>, target: Target) {
             w.abort();
         }
         let t = target.clone();
-        let done = tokio::task::spawn_blocking(move || {
-            t.persisted.reconcile(&t.router, &t.policies)
-        })
-        .await;
+        let done =
+            tokio::task::spawn_blocking(move || t.persisted.reconcile(&t.router, &t.policies))
+                .await;
         match done {
             Ok(Ok(r)) => {
                 tracing::info!(
@@ -137,9 +136,12 @@ fn open_watches(cluster: &Cluster, target: &Target) -> Vec<JoinHandle<()>> {
                 }
                 let t = t.clone();
                 Ok(Some(apply(move || {
-                    if t.persisted
-                        .apply_remote_worker(&t.router, id, record.worker.as_ref(), revision)
-                    {
+                    if t.persisted.apply_remote_worker(
+                        &t.router,
+                        id,
+                        record.worker.as_ref(),
+                        revision,
+                    ) {
                         tracing::info!(
                             worker_id = id,
                             origin = %record.origin,
