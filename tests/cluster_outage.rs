@@ -291,7 +291,7 @@ fn a_replica_cut_off_from_nats_takes_the_changes_made_meanwhile_when_it_returns(
 
 #[test]
 fn two_replicas_patching_one_worker_at_once_converge_on_what_the_bucket_holds() {
-    const N: usize = 40;
+    const N: usize = 30;
     let nats = Nats::start();
     let (a, b, c) = (
         replica(&nats, "lww"),
@@ -306,37 +306,42 @@ fn two_replicas_patching_one_worker_at_once_converge_on_what_the_bucket_holds() 
             || s.workers().contains_key(&9),
         );
     }
-    std::thread::scope(|scope| {
-        for (s, tag) in [(&a, "a"), (&b, "b")] {
-            scope.spawn(move || {
-                for i in 0..N {
+    // Each round, A and B patch worker 9 at the same moment; then every replica must hold the
+    // same one of the two (a replica applying the other's older write after its own newer one
+    // would keep it for good).
+    let mut waited = Duration::ZERO;
+    let mut last = Value::Null;
+    for i in 0..N {
+        let start = std::sync::Barrier::new(2);
+        std::thread::scope(|scope| {
+            for (s, tag) in [(&a, "a"), (&b, "b")] {
+                let start = &start;
+                scope.spawn(move || {
+                    start.wait();
                     s.patch("/v1/workers/9", &json!({"taints": [format!("{tag}{i}")]}))
                         .expect(200);
-                }
-            });
-        }
-    });
-    let waited = within(
-        Duration::from_secs(2),
-        "every replica holds one value",
-        || {
-            let t = taints(&a, 9);
-            taints(&b, 9) == t && taints(&c, 9) == t
-        },
-    );
+                });
+            }
+        });
+        waited = waited.max(within(
+            Duration::from_secs(2),
+            &format!("round {i}: every replica holds one value"),
+            || {
+                let t = taints(&a, 9);
+                taints(&b, 9) == t && taints(&c, 9) == t
+            },
+        ));
+        last = taints(&a, 9);
+        let ends = [json!([format!("a{i}")]), json!([format!("b{i}")])];
+        assert!(ends.contains(&last), "round {i}: {last}");
+    }
     // Still equal a moment later (no late stale change undoes it).
     std::thread::sleep(Duration::from_millis(500));
-    let last = taints(&a, 9);
+    assert_eq!(taints(&a, 9), last);
     assert_eq!(taints(&b, 9), last);
     assert_eq!(taints(&c, 9), last);
-    // The value is one writer's last write...
-    let ends = [
-        json!([format!("a{}", N - 1)]),
-        json!([format!("b{}", N - 1)]),
-    ];
-    assert!(ends.contains(&last), "{last}");
     // ...and what the bucket holds: a replica started now loads it from there.
     let d = replica(&nats, "lww");
     assert_eq!(taints(&d, 9), last);
-    eprintln!("converged on {last} {waited:?} after the last patch");
+    eprintln!("{N} rounds converged, at worst {waited:?} after the two patches; last {last}");
 }
