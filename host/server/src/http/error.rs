@@ -172,7 +172,6 @@ impl From<crate::state::StateError> for ApiError {
 }
 
 /// A worker spec the registry refused: a 400 naming the field.
-
 impl From<SpecError> for ApiError {
     fn from(e: SpecError) -> Self {
         ApiError::invalid_field(e.field, e.message)
