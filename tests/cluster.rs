@@ -12,13 +12,13 @@ use support::Server;
 
 const WASM: &[u8] = kvroute_server::serve::DEFAULT_POLICY_WASM;
 
-fn replica(nats: &Nats, name: &str) -> Server {
+pub(crate) fn replica(nats: &Nats, name: &str) -> Server {
     Server::start(&["--cluster", &nats.url(), "--cluster-name", name])
 }
 
 /// Polls `probe` until it holds; returns how long that took, or panics after `limit`.
 #[track_caller]
-fn within(limit: Duration, what: &str, mut probe: impl FnMut() -> bool) -> Duration {
+pub(crate) fn within(limit: Duration, what: &str, mut probe: impl FnMut() -> bool) -> Duration {
     let start = Instant::now();
     loop {
         if probe() {
@@ -29,7 +29,7 @@ fn within(limit: Duration, what: &str, mut probe: impl FnMut() -> bool) -> Durat
     }
 }
 
-fn upload(s: &Server, name: &str, query: &str) -> support::Resp {
+pub(crate) fn upload(s: &Server, name: &str, query: &str) -> support::Resp {
     s.raw(
         "PUT",
         &format!("/v1/policies/{name}{query}"),
@@ -39,7 +39,7 @@ fn upload(s: &Server, name: &str, query: &str) -> support::Resp {
 }
 
 /// The active policy's (name, version) per `GET /readyz`.
-fn active(s: &Server) -> (Value, Value) {
+pub(crate) fn active(s: &Server) -> (Value, Value) {
     let v = s.get("/readyz").body().clone();
     (v["policy"]["name"].clone(), v["policy"]["version"].clone())
 }

@@ -10,6 +10,7 @@ mod support;
 mod cli;
 mod cluster;
 mod cluster_sync;
+mod cluster_outage;
 mod disaggregation;
 mod ext_proc;
 mod hostile;

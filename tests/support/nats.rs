@@ -1,8 +1,9 @@
 //! A real `nats-server` with JetStream for cluster tests: started on a free port with a
-//! temporary store, killed (and its store removed) when dropped.
+//! temporary store, killed (and its store removed) when dropped; it can be killed and restarted
+//! on the same port and store mid-test.
 
 use std::net::{TcpListener, TcpStream};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -36,28 +37,21 @@ impl Nats {
             .expect("a free port")
             .port();
         let dir = super::temp_dir("nats");
-        let child = Command::new(binary())
-            .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
-            .arg(&dir)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| {
-                panic!(
-                    "cannot start {} (apt-get install nats-server): {e}",
-                    binary()
-                )
-            });
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(
-                Instant::now() < deadline,
-                "nats-server did not listen on {port}"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        let child = spawn(port, &dir);
         Nats { child, port, dir }
+    }
+
+    /// Kills the server (SIGKILL: no goodbye to its clients); its store stays on disk.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Starts the server again on the same port and store directory (JetStream's buckets
+    /// survive) and waits until it accepts connections.
+    pub fn restart(&mut self) {
+        self.kill();
+        self.child = spawn(self.port, &self.dir);
     }
 
     pub fn url(&self) -> String {
@@ -71,4 +65,30 @@ impl Drop for Nats {
         let _ = self.child.wait();
         let _ = std::fs::remove_dir_all(&self.dir);
     }
+}
+
+/// Runs `nats-server` with JetStream on `port` with its store in `dir`, once it listens.
+fn spawn(port: u16, dir: &Path) -> Child {
+    let child = Command::new(binary())
+        .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
+        .arg(dir)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap_or_else(|e| {
+            panic!(
+                "cannot start {} (apt-get install nats-server): {e}",
+                binary()
+            )
+        });
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(
+            Instant::now() < deadline,
+            "nats-server did not listen on {port}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child
 }

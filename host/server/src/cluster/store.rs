@@ -1,17 +1,25 @@
 //! [`ClusterStore`]: the [`StateStore`] of a cluster replica, in the cluster's JetStream buckets.
 //!
 //! Every record carries the replica that wrote it (`origin`), so [`super::watch`] can tell its
-//! own writes from the other replicas' and never applies (or writes back) its own.
+//! own writes from the other replicas' and never applies (or writes back) its own; every write
+//! returns the record's revision (the bucket stream's sequence), which orders concurrent writes
+//! of one key (last writer wins, see [`crate::state::Persisted`]).
+//!
+//! While the client is not connected, every call fails at once with
+//! [`StateError::Unavailable`] (503 `cluster_unavailable`) instead of waiting for the timeout:
+//! nothing is published (so nothing is queued in the client to go out after the change was
+//! undone here), and the replica keeps serving its local view.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use async_nats::jetstream::kv;
 use futures_util::StreamExt;
 use serde::{Deserialize, Serialize};
 use tokio::io::AsyncReadExt;
 
 use super::Cluster;
-use crate::state::{StateError, StateStore, StoredState, StoredWorker};
+use crate::state::{Record, Revision, StateError, StateStore, StoredState, StoredWorker};
 use kvroute_policy::{sha256_hex, RegistryImage};
 
 /// The key of the policy registry's image in the policies bucket.
@@ -46,21 +54,38 @@ impl ClusterStore {
         Self { cluster }
     }
 
-    fn write_worker(&self, worker_id: u64, worker: Option<StoredWorker>) -> Result<(), StateError> {
+    fn write_worker(
+        &self,
+        worker_id: u64,
+        worker: Option<StoredWorker>,
+    ) -> Result<Revision, StateError> {
         let record = WorkerRecord {
             origin: self.cluster.replica_id.clone(),
             worker,
         };
         let bytes = serde_json::to_vec(&record).map_err(|e| self.io(e))?;
         let kv = self.cluster.workers.clone();
-        self.cluster
-            .run(async move { kv.put(worker_id.to_string(), bytes.into()).await })?
-            .map(|_| ())
+        self.run(async move { kv.put(worker_id.to_string(), bytes.into()).await })?
             .map_err(|e| self.io(e))
     }
 
+    /// Runs a NATS call, failing at once if the client is not connected now (a call made while
+    /// it reconnects would wait out the timeout and its publish could go out later).
+    fn run<T: Send + 'static>(
+        &self,
+        fut: impl std::future::Future<Output = T> + Send + 'static,
+    ) -> Result<T, StateError> {
+        if !self.cluster.connected() {
+            return Err(self.io("not connected to the NATS server (reconnecting)"));
+        }
+        self.cluster.run(fut).map_err(|e| match e {
+            StateError::Io { message, .. } => self.io(message),
+            other => other,
+        })
+    }
+
     fn io(&self, e: impl std::fmt::Display) -> StateError {
-        StateError::Io {
+        StateError::Unavailable {
             path: self.cluster.describe(),
             message: e.to_string(),
         }
@@ -78,7 +103,6 @@ impl StateStore for ClusterStore {
     fn load(&self) -> Result<StoredState, StateError> {
         let (workers, policies) = (self.cluster.workers.clone(), self.cluster.policies.clone());
         let (raw_workers, raw_image) = self
-            .cluster
             .run(async move {
                 let mut out = Vec::new();
                 let mut keys = workers.keys().await.map_err(|e| e.to_string())?;
@@ -87,49 +111,60 @@ impl StateStore for ClusterStore {
                     names.push(k.map_err(|e| e.to_string())?);
                 }
                 for k in names {
-                    if let Some(v) = workers.get(k.as_str()).await.map_err(|e| e.to_string())? {
-                        out.push((k, v));
+                    if let Some(e) = workers.entry(k.as_str()).await.map_err(|e| e.to_string())? {
+                        out.push((k, e));
                     }
                 }
-                let image = policies.get(IMAGE_KEY).await.map_err(|e| e.to_string())?;
+                let image = policies.entry(IMAGE_KEY).await.map_err(|e| e.to_string())?;
                 Ok::<_, String>((out, image))
             })?
             .map_err(|e| self.io(e))?;
         let mut workers = BTreeMap::new();
-        for (key, value) in raw_workers {
+        let mut revisions = BTreeMap::new();
+        for (key, entry) in raw_workers {
             let id: u64 = key
                 .parse()
                 .map_err(|_| self.corrupt(&format!("workers key {key:?}"), "not a worker id"))?;
-            let record: WorkerRecord = serde_json::from_slice(&value)
+            revisions.insert(Record::Worker(id), entry.revision);
+            if entry.operation != kv::Operation::Put {
+                continue;
+            }
+            let record: WorkerRecord = serde_json::from_slice(&entry.value)
                 .map_err(|e| self.corrupt(&format!("worker {id}"), e))?;
             if let Some(w) = record.worker {
                 workers.insert(id, w);
             }
         }
-        let policies = match raw_image {
+        let policies = match raw_image.filter(|e| e.operation == kv::Operation::Put) {
             None => None,
-            Some(v) => Some(
-                serde_json::from_slice::<ImageRecord>(&v)
-                    .map_err(|e| self.corrupt("policy image", e))?
-                    .image,
-            ),
+            Some(e) => {
+                revisions.insert(Record::Policies, e.revision);
+                Some(
+                    serde_json::from_slice::<ImageRecord>(&e.value)
+                        .map_err(|e| self.corrupt("policy image", e))?
+                        .image,
+                )
+            }
         };
-        Ok(StoredState { workers, policies })
+        Ok(StoredState {
+            workers,
+            policies,
+            revisions,
+        })
     }
 
-    fn put_worker(&self, worker_id: u64, worker: &StoredWorker) -> Result<(), StateError> {
+    fn put_worker(&self, worker_id: u64, worker: &StoredWorker) -> Result<Revision, StateError> {
         self.write_worker(worker_id, Some(worker.clone()))
     }
 
-    fn delete_worker(&self, worker_id: u64) -> Result<(), StateError> {
+    fn delete_worker(&self, worker_id: u64) -> Result<Revision, StateError> {
         self.write_worker(worker_id, None)
     }
 
     fn has_policy_bytes(&self, digest: &str) -> bool {
         let (store, digest) = (self.cluster.components.clone(), digest.to_string());
         matches!(
-            self.cluster
-                .run(async move { store.info(digest.as_str()).await.map(|i| !i.deleted) }),
+            self.run(async move { store.info(digest.as_str()).await.map(|i| !i.deleted) }),
             Ok(Ok(true))
         )
     }
@@ -146,8 +181,7 @@ impl StateStore for ClusterStore {
             digest.to_string(),
             bytes.to_vec(),
         );
-        self.cluster
-            .run(async move { store.put(digest.as_str(), &mut bytes.as_slice()).await })?
+        self.run(async move { store.put(digest.as_str(), &mut bytes.as_slice()).await })?
             .map(|_| ())
             .map_err(|e| self.io(e))
     }
@@ -155,7 +189,6 @@ impl StateStore for ClusterStore {
     fn policy_bytes(&self, digest: &str) -> Result<Vec<u8>, StateError> {
         let (store, name) = (self.cluster.components.clone(), digest.to_string());
         let bytes = self
-            .cluster
             .run(async move {
                 let mut object = store.get(name.as_str()).await.map_err(|e| e.to_string())?;
                 let mut out = Vec::new();
@@ -175,16 +208,14 @@ impl StateStore for ClusterStore {
         Ok(bytes)
     }
 
-    fn put_policies(&self, image: &RegistryImage) -> Result<(), StateError> {
+    fn put_policies(&self, image: &RegistryImage) -> Result<Revision, StateError> {
         let record = ImageRecord {
             origin: self.cluster.replica_id.clone(),
             image: image.clone(),
         };
         let bytes = serde_json::to_vec(&record).map_err(|e| self.io(e))?;
         let kv = self.cluster.policies.clone();
-        self.cluster
-            .run(async move { kv.put(IMAGE_KEY, bytes.into()).await })?
-            .map(|_| ())
+        self.run(async move { kv.put(IMAGE_KEY, bytes.into()).await })?
             .map_err(|e| self.io(e))
     }
 

@@ -1,24 +1,48 @@
-//! Applying the changes other replicas make: one watch per bucket, on the NATS runtime.
+//! Applying the changes other replicas make: one watch per bucket, on the NATS runtime, and a
+//! reconcile each time the connection comes back.
 //!
 //! A watch starts with the last value of every key (so nothing written between the start-up load
 //! and the watch is missed) and then delivers every change in order. Records this replica wrote
 //! (`origin` is its id) are skipped: they are already applied here, and applying them again could
 //! undo a later local change. Other records are applied through [`Persisted`]'s write lock and
-//! never written back (no echo). Applying is idempotent: a record equal to what the replica
-//! already serves changes nothing. A watch that ends (NATS went away) is opened again every
-//! second; the replica serves its local view meanwhile.
+//! never written back (no echo), and only if newer (by revision) than what this replica last
+//! wrote or applied for that key: two replicas writing one key at once both end with the record
+//! the bucket kept last. Applying is idempotent: a record equal to what the replica already
+//! serves changes nothing.
+//!
+//! NATS going away: the replica serves its local view (routing never waits on NATS) and writes
+//! fail at once (see [`super::store`]). A supervisor polls the client's connection every 100 ms;
+//! when it is back (after a disconnection, or a new connection such as a restarted nats-server on
+//! the same address, whose JetStream store on disk still holds the buckets), it stops the watches
+//! (their consumers may have died with the server), makes the replica what the buckets hold
+//! ([`Persisted::reconcile`]: changes other replicas made meanwhile, and a write of this replica
+//! that the client had queued and sent after all), and opens the watches again.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream::kv::{Operation, Store};
 use futures_util::StreamExt;
+use tokio::task::JoinHandle;
 
 use super::store::{ImageRecord, WorkerRecord, IMAGE_KEY};
 use super::Cluster;
 use crate::state::Persisted;
 use kvroute_core::router::Router;
 use kvroute_policy::PolicyRegistry;
+
+/// How often the supervisor looks at the connection.
+const POLL: Duration = Duration::from_millis(100);
+
+/// What the watches apply to.
+#[derive(Clone)]
+struct Target {
+    me: String,
+    persisted: Arc<Persisted>,
+    router: Arc<Router>,
+    policies: Arc<PolicyRegistry>,
+}
 
 /// Starts watching the cluster's buckets for the life of the process.
 pub fn start(
@@ -27,11 +51,77 @@ pub fn start(
     router: Arc<Router>,
     policies: Arc<PolicyRegistry>,
 ) {
-    let me = cluster.replica_id.clone();
-    {
-        let (kv, me, persisted) = (cluster.workers.clone(), me.clone(), persisted.clone());
+    let target = Target {
+        me: cluster.replica_id.clone(),
+        persisted,
+        router,
+        policies,
+    };
+    let runtime = cluster.runtime.clone();
+    runtime.spawn(supervise(cluster, target));
+}
+
+/// Keeps the watches running and reconciles after every reconnection.
+async fn supervise(cluster: Arc<Cluster>, target: Target) {
+    let connects = || cluster.client.statistics().connects.load(Ordering::Relaxed);
+    let mut seen = connects();
+    let mut watches = open_watches(&cluster, &target);
+    let mut behind = false;
+    loop {
+        tokio::time::sleep(POLL).await;
+        if !cluster.connected() {
+            if !behind {
+                tracing::warn!(
+                    "lost the cluster's NATS server: serving the local view, refusing writes \
+                     (503 cluster_unavailable) until it is back"
+                );
+            }
+            behind = true;
+            continue;
+        }
+        let now = connects();
+        if now != seen {
+            // Reconnected between two polls.
+            seen = now;
+            behind = true;
+        }
+        if !behind {
+            continue;
+        }
+        for w in watches.drain(..) {
+            w.abort();
+        }
+        let t = target.clone();
+        let done =
+            tokio::task::spawn_blocking(move || t.persisted.reconcile(&t.router, &t.policies))
+                .await;
+        match done {
+            Ok(Ok(r)) => {
+                tracing::info!(
+                    workers_changed = r.workers,
+                    policies_changed = r.policies,
+                    "back on the cluster's NATS server: reconciled with its state, watching again"
+                );
+                behind = false;
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "cannot reconcile with the cluster's state yet; retrying");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            Err(e) => tracing::error!(error = %e, "the reconcile task failed; retrying"),
+        }
+        // Watching again either way: a reconcile that failed is retried, and the watches
+        // deliver the latest records meanwhile (older ones than those held are skipped).
+        watches = open_watches(&cluster, &target);
+    }
+}
+
+/// Opens one watch per bucket.
+fn open_watches(cluster: &Cluster, target: &Target) -> Vec<JoinHandle<()>> {
+    let workers = {
+        let (kv, t) = (cluster.workers.clone(), target.clone());
         cluster.runtime.spawn(async move {
-            watch_forever(kv, "workers", move |key, value| {
+            watch_forever(kv, "workers", move |key, value, revision| {
                 let id: u64 = key.parse().map_err(|_| format!("key {key:?}"))?;
                 let record: WorkerRecord = match value {
                     Some(v) => serde_json::from_slice(&v).map_err(|e| e.to_string())?,
@@ -41,12 +131,17 @@ pub fn start(
                         worker: None,
                     },
                 };
-                if record.origin == me {
+                if record.origin == t.me {
                     return Ok(None);
                 }
-                let (persisted, router) = (persisted.clone(), router.clone());
+                let t = t.clone();
                 Ok(Some(apply(move || {
-                    if persisted.apply_remote_worker(&router, id, record.worker.as_ref()) {
+                    if t.persisted.apply_remote_worker(
+                        &t.router,
+                        id,
+                        record.worker.as_ref(),
+                        revision,
+                    ) {
                         tracing::info!(
                             worker_id = id,
                             origin = %record.origin,
@@ -57,22 +152,25 @@ pub fn start(
                 })))
             })
             .await
-        });
-    }
-    {
-        let kv = cluster.policies.clone();
+        })
+    };
+    let policies = {
+        let (kv, t) = (cluster.policies.clone(), target.clone());
         cluster.runtime.spawn(async move {
-            watch_forever(kv, "policies", move |key, value| {
+            watch_forever(kv, "policies", move |key, value, revision| {
                 let Some(v) = value.filter(|_| key == IMAGE_KEY) else {
                     return Ok(None);
                 };
                 let record: ImageRecord = serde_json::from_slice(&v).map_err(|e| e.to_string())?;
-                if record.origin == me {
+                if record.origin == t.me {
                     return Ok(None);
                 }
-                let (persisted, policies) = (persisted.clone(), policies.clone());
+                let t = t.clone();
                 Ok(Some(apply(move || {
-                    match persisted.apply_remote_policies(&policies, &record.image) {
+                    match t
+                        .persisted
+                        .apply_remote_policies(&t.policies, &record.image, revision)
+                    {
                         Ok(true) => tracing::info!(
                             origin = %record.origin,
                             active = record
@@ -93,25 +191,23 @@ pub fn start(
                 })))
             })
             .await
-        });
-    }
+        })
+    };
+    vec![workers, policies]
 }
 
 /// Runs `f` on the blocking pool (applying may compile components, and reading component bytes
 /// waits for this very runtime).
-fn apply(f: impl FnOnce() + Send + 'static) -> tokio::task::JoinHandle<()> {
+fn apply(f: impl FnOnce() + Send + 'static) -> JoinHandle<()> {
     tokio::task::spawn_blocking(f)
 }
 
-/// Watches every key of `kv`, calling `on_entry(key, value)` (`None`: deleted) in order and
-/// waiting for each application before the next; reopens the watch when it ends.
+/// Watches every key of `kv`, calling `on_entry(key, value, revision)` (`None`: deleted) in order
+/// and waiting for each application before the next; reopens the watch when it ends.
 async fn watch_forever(
     kv: Store,
     what: &'static str,
-    on_entry: impl Fn(
-        String,
-        Option<bytes::Bytes>,
-    ) -> Result<Option<tokio::task::JoinHandle<()>>, String>,
+    on_entry: impl Fn(String, Option<bytes::Bytes>, u64) -> Result<Option<JoinHandle<()>>, String>,
 ) {
     loop {
         match kv.watch_with_history(">").await {
@@ -128,7 +224,7 @@ async fn watch_forever(
                         Operation::Put => Some(entry.value),
                         Operation::Delete | Operation::Purge => None,
                     };
-                    match on_entry(entry.key.clone(), value) {
+                    match on_entry(entry.key.clone(), value, entry.revision) {
                         Ok(Some(done)) => {
                             let _ = done.await;
                         }

@@ -148,19 +148,30 @@ impl From<LifecycleError> for ApiError {
     }
 }
 
-/// A worker spec the registry refused: a 400 naming the field.
-/// The state store (`--state-dir`) refused a write: the change was undone, so retrying once the
-/// store is writable again is safe.
+/// The state store refused a write: the change was undone, so retrying once the store is
+/// writable again is safe. `cluster_unavailable` when the cluster's NATS server cannot be reached
+/// (retry after a second: it reconnects by itself), `state_unavailable` otherwise.
 impl From<crate::state::StateError> for ApiError {
     fn from(e: crate::state::StateError) -> Self {
-        ApiError::new(
+        let unreachable = matches!(e, crate::state::StateError::Unavailable { .. });
+        let err = ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
-            "state_unavailable",
+            if unreachable {
+                "cluster_unavailable"
+            } else {
+                "state_unavailable"
+            },
             format!("the change could not be persisted and was undone: {e}"),
-        )
+        );
+        if unreachable {
+            err.retry_after(1)
+        } else {
+            err
+        }
     }
 }
 
+/// A worker spec the registry refused: a 400 naming the field.
 impl From<SpecError> for ApiError {
     fn from(e: SpecError) -> Self {
         ApiError::invalid_field(e.field, e.message)

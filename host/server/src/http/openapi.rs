@@ -63,12 +63,14 @@ pub fn document() -> Value {
                         .entry(code)
                         .or_insert_with(|| error_response(desc));
                 };
-                // Worker and policy writes are persisted with `--state-dir`.
+                // Worker and policy writes are persisted with `--state-dir` and `--cluster`.
                 if admin && persisted && method != "get" {
                     add(
                         "503",
                         "With --state-dir: the change could not be persisted \
-                         (`state_unavailable`) and was undone; nothing changed.",
+                         (`state_unavailable`); with --cluster: the NATS server cannot be \
+                         reached (`cluster_unavailable`, Retry-After: 1). The change was undone; \
+                         nothing changed.",
                     );
                 }
                 if admin {

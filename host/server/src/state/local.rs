@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
-use super::{StateError, StateStore, StoredState, StoredWorker};
+use super::{Revision, StateError, StateStore, StoredState, StoredWorker};
 use kvroute_policy::{sha256_hex, RegistryImage};
 
 /// The layout version written in every manifest.
@@ -223,27 +223,31 @@ impl StateStore for LocalDirStore {
             }
         }
         *self.workers.lock() = workers.clone();
-        Ok(StoredState { workers, policies })
+        Ok(StoredState {
+            workers,
+            policies,
+            revisions: Default::default(),
+        })
     }
 
-    fn put_worker(&self, worker_id: u64, worker: &StoredWorker) -> Result<(), StateError> {
+    fn put_worker(&self, worker_id: u64, worker: &StoredWorker) -> Result<Revision, StateError> {
         let mut workers = self.workers.lock();
         let mut next = workers.clone();
         next.insert(worker_id, worker.clone());
         self.write_workers(&next)?;
         *workers = next;
-        Ok(())
+        Ok(0)
     }
 
-    fn delete_worker(&self, worker_id: u64) -> Result<(), StateError> {
+    fn delete_worker(&self, worker_id: u64) -> Result<Revision, StateError> {
         let mut workers = self.workers.lock();
         let mut next = workers.clone();
         if next.remove(&worker_id).is_none() {
-            return Ok(());
+            return Ok(0);
         }
         self.write_workers(&next)?;
         *workers = next;
-        Ok(())
+        Ok(0)
     }
 
     fn has_policy_bytes(&self, digest: &str) -> bool {
@@ -265,13 +269,13 @@ impl StateStore for LocalDirStore {
         fs::read(&path).map_err(|e| io_error(&path, e))
     }
 
-    fn put_policies(&self, image: &RegistryImage) -> Result<(), StateError> {
+    fn put_policies(&self, image: &RegistryImage) -> Result<Revision, StateError> {
         let file = PoliciesFile {
             format: FORMAT,
             image: image.clone(),
         };
         let bytes = serde_json::to_vec_pretty(&file).map_err(|e| io_error(&self.dir, e))?;
-        write_atomic(&self.dir.join(POLICIES), &bytes)
+        write_atomic(&self.dir.join(POLICIES), &bytes).map(|()| 0)
     }
 
     fn retain_policy_bytes(&self, keep: &[&str]) -> Result<(), StateError> {

@@ -18,7 +18,7 @@ use serde::{Deserialize, Serialize};
 use kvroute_core::workers::{Worker, WorkerSpec};
 use kvroute_policy::RegistryImage;
 
-pub use persisted::Persisted;
+pub use persisted::{Persisted, Reconciled};
 
 /// Why the store could not be read or written.
 #[derive(Debug, thiserror::Error)]
@@ -30,6 +30,23 @@ pub enum StateError {
     /// The medium failed (disk full, permissions, a read-only directory).
     #[error("state store {path}: {message}")]
     Io { path: String, message: String },
+    /// The shared store of a cluster cannot be reached (the NATS server is down or does not
+    /// answer): the replica serves its local view and refuses writes until it is back.
+    #[error("{path}: {message}")]
+    Unavailable { path: String, message: String },
+}
+
+/// A store's version number of one record, increasing with every write of the store (JetStream's
+/// stream sequence); 0 from a store that does not number its writes (`--state-dir`). A replica
+/// applies another replica's record only if it is newer than the one it holds, so concurrent
+/// writes of one key end with every replica holding the last one written (last writer wins).
+pub type Revision = u64;
+
+/// One record of a store, as far as revisions go.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Record {
+    Worker(u64),
+    Policies,
 }
 
 /// A worker as kept: what `PUT /v1/workers/{id}` registered (taints, role, topology, kv_events,
@@ -68,6 +85,8 @@ pub struct StoredState {
     pub workers: BTreeMap<u64, StoredWorker>,
     /// `None`: no policy state was ever written (a fresh store).
     pub policies: Option<RegistryImage>,
+    /// The revision of every record read (empty from a store without revisions).
+    pub revisions: BTreeMap<Record, Revision>,
 }
 
 /// Where the state is kept. Every write is durable when it returns `Ok` (a crash right after
@@ -75,18 +94,19 @@ pub struct StoredState {
 pub trait StateStore: Send + Sync {
     /// Reads everything; refuses anything it cannot account for.
     fn load(&self) -> Result<StoredState, StateError>;
-    /// Records a worker (registered, replaced or patched).
-    fn put_worker(&self, worker_id: u64, worker: &StoredWorker) -> Result<(), StateError>;
-    /// Forgets a worker.
-    fn delete_worker(&self, worker_id: u64) -> Result<(), StateError>;
+    /// Records a worker (registered, replaced or patched); returns the record's revision.
+    fn put_worker(&self, worker_id: u64, worker: &StoredWorker) -> Result<Revision, StateError>;
+    /// Forgets a worker; returns the revision of the removal.
+    fn delete_worker(&self, worker_id: u64) -> Result<Revision, StateError>;
     /// Whether the bytes of a component are kept.
     fn has_policy_bytes(&self, digest: &str) -> bool;
     /// Keeps a component's bytes under its digest (sha256, hex).
     fn put_policy_bytes(&self, digest: &str, bytes: &[u8]) -> Result<(), StateError>;
     /// A kept component's bytes.
     fn policy_bytes(&self, digest: &str) -> Result<Vec<u8>, StateError>;
-    /// Records the policy registry's image (versions, active pointer, history).
-    fn put_policies(&self, image: &RegistryImage) -> Result<(), StateError>;
+    /// Records the policy registry's image (versions, active pointer, history); returns its
+    /// revision.
+    fn put_policies(&self, image: &RegistryImage) -> Result<Revision, StateError>;
     /// Drops the components no kept version uses any more (best effort).
     fn retain_policy_bytes(&self, keep: &[&str]) -> Result<(), StateError>;
     /// Where the state is, for logs.

@@ -4,12 +4,19 @@
 //! in memory if the store refuses it, before anyone else may write. Changes not made through the
 //! API (a policy taken out by the automatic restore, a file of `policy_dir`) are persisted by
 //! [`Persisted::sync_policies`], which the maintenance ticker calls every second.
+//!
+//! With a shared store (cluster mode) the lock also orders the other replicas' changes against
+//! this one's: each record's [`Revision`] last written or applied here is kept, and a change
+//! from elsewhere older than it is skipped (last writer wins, every replica converges on what
+//! the store holds). [`Persisted::reconcile`] makes this replica what the store holds after it
+//! was cut off from it.
 
+use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use super::{StateError, StateStore, StoredState, StoredWorker};
+use super::{Record, Revision, StateError, StateStore, StoredState, StoredWorker};
 use kvroute_core::router::Router;
 use kvroute_core::workers::WorkerPatch;
 use kvroute_policy::{PolicyRegistry, RegistryImage};
@@ -17,18 +24,50 @@ use kvroute_policy::{PolicyRegistry, RegistryImage};
 /// A store and the write lock around it.
 pub struct Persisted {
     store: Box<dyn StateStore>,
-    /// Serialises writes; holds the policy image last written (to skip unchanged ones).
-    written: Mutex<Option<RegistryImage>>,
+    /// Serialises writes; what was last written or applied.
+    written: Mutex<Written>,
     /// The store held policies when it was loaded (they are restored: a policy directory's files
     /// then do not replace the restored active policy at start).
     restored_policies: std::sync::atomic::AtomicBool,
+}
+
+/// What the write lock guards.
+#[derive(Default)]
+struct Written {
+    /// The policy image last written or applied (to skip unchanged ones).
+    image: Option<RegistryImage>,
+    /// Each record's revision last written or applied here.
+    revisions: HashMap<Record, Revision>,
+}
+
+impl Written {
+    /// Notes a record written or applied at `revision`.
+    fn note(&mut self, record: Record, revision: Revision) {
+        let r = self.revisions.entry(record).or_default();
+        *r = (*r).max(revision);
+    }
+
+    /// Whether a change from elsewhere at `revision` is newer than what this replica holds (a
+    /// store without revisions, 0, always is).
+    fn newer(&self, record: Record, revision: Revision) -> bool {
+        revision == 0 || self.revisions.get(&record).is_none_or(|&r| revision > r)
+    }
+}
+
+/// What [`Persisted::reconcile`] changed.
+#[derive(Debug, Default, PartialEq)]
+pub struct Reconciled {
+    /// Workers registered, replaced or removed to match the store.
+    pub workers: usize,
+    /// Whether the policy registry was replaced by the store's.
+    pub policies: bool,
 }
 
 impl Persisted {
     pub fn new(store: Box<dyn StateStore>) -> Arc<Self> {
         Arc::new(Self {
             store,
-            written: Mutex::new(None),
+            written: Mutex::new(Written::default()),
             restored_policies: Default::default(),
         })
     }
@@ -40,7 +79,10 @@ impl Persisted {
     /// Loads the store (at start).
     pub fn load(&self) -> Result<StoredState, StateError> {
         let state = self.store.load()?;
-        *self.written.lock() = state.policies.clone();
+        let mut written = self.written.lock();
+        written.image = state.policies.clone();
+        written.revisions = state.revisions.iter().map(|(&k, &v)| (k, v)).collect();
+        drop(written);
         self.restored_policies.store(
             state.policies.is_some(),
             std::sync::atomic::Ordering::Relaxed,
@@ -63,7 +105,7 @@ impl Persisted {
         worker_id: u64,
         op: impl FnOnce() -> Result<T, E>,
     ) -> Result<Result<T, E>, StateError> {
-        let _w = self.written.lock();
+        let mut written = self.written.lock();
         let before = router
             .registry()
             .snapshot()
@@ -84,10 +126,13 @@ impl Persisted {
             Some(w) => self.store.put_worker(worker_id, &StoredWorker::of(w)),
             None => self.store.delete_worker(worker_id),
         };
-        if let Err(e) = persisted {
-            restore_worker(router, worker_id, before.as_ref());
-            tracing::error!(worker_id, error = %e, "worker change not persisted: undone");
-            return Err(e);
+        match persisted {
+            Ok(revision) => written.note(Record::Worker(worker_id), revision),
+            Err(e) => {
+                restore_worker(router, worker_id, before.as_ref());
+                tracing::error!(worker_id, error = %e, "worker change not persisted: undone");
+                return Err(e);
+            }
         }
         Ok(Ok(out))
     }
@@ -124,23 +169,30 @@ impl Persisted {
 
     /// Persists every registered worker (at start, after the configuration file's are applied).
     pub fn put_all_workers(&self, router: &Router) -> Result<(), StateError> {
-        let _w = self.written.lock();
+        let mut written = self.written.lock();
         for w in router.registry().snapshot().workers.values() {
-            self.store.put_worker(w.worker_id, &StoredWorker::of(w))?;
+            let revision = self.store.put_worker(w.worker_id, &StoredWorker::of(w))?;
+            written.note(Record::Worker(w.worker_id), revision);
         }
         Ok(())
     }
 
-    /// Applies a worker change another replica made (`None`: removed) under the write lock, so
-    /// it never falls inside a local write's undo window. Nothing is written back. Returns
-    /// whether the worker changed here.
+    /// Applies a worker change another replica made (`None`: removed) at `revision` under the
+    /// write lock, so it never falls inside a local write's undo window; a change older than
+    /// the worker's last one written or applied here is skipped. Nothing is written back.
+    /// Returns whether the worker changed here.
     pub fn apply_remote_worker(
         &self,
         router: &Router,
         worker_id: u64,
         worker: Option<&StoredWorker>,
+        revision: Revision,
     ) -> bool {
-        let _w = self.written.lock();
+        let mut written = self.written.lock();
+        if !written.newer(Record::Worker(worker_id), revision) {
+            return false;
+        }
+        written.note(Record::Worker(worker_id), revision);
         let now = router
             .registry()
             .snapshot()
@@ -154,19 +206,75 @@ impl Persisted {
         true
     }
 
-    /// Makes the policy registry what `image` (another replica's write) says, loading the
-    /// components it does not hold from the store; versions it holds unchanged are kept. The
-    /// image is then the one written, so it is not written back. A version this replica's
-    /// runtime refuses leaves the registry as it was and returns the error. Returns whether the
-    /// registry changed.
+    /// Makes the policy registry what `image` (another replica's write at `revision`) says,
+    /// loading the components it does not hold from the store; versions it holds unchanged are
+    /// kept. An image older than the last one written or applied here is skipped. The image is
+    /// then the one written, so it is not written back. A version this replica's runtime refuses
+    /// leaves the registry as it was and returns the error. Returns whether the registry changed.
     pub fn apply_remote_policies(
         &self,
         registry: &PolicyRegistry,
         image: &RegistryImage,
+        revision: Revision,
     ) -> Result<bool, kvroute_policy::PolicyError> {
         let mut written = self.written.lock();
+        if !written.newer(Record::Policies, revision) {
+            return Ok(false);
+        }
+        let changed = self.apply_image(registry, image, &mut written)?;
+        written.note(Record::Policies, revision);
+        Ok(changed)
+    }
+
+    /// Makes this replica what the store holds (after it was cut off from it: NATS came back),
+    /// under the write lock so no local write falls in between: every stored worker registered
+    /// as stored, every worker the store does not hold removed, the store's policy image applied
+    /// (a version this replica's runtime refuses leaves the policies as they were and is
+    /// logged). The revisions read replace the ones held. Nothing is written back.
+    pub fn reconcile(
+        &self,
+        router: &Router,
+        registry: &PolicyRegistry,
+    ) -> Result<Reconciled, StateError> {
+        let mut written = self.written.lock();
+        let StoredState {
+            workers,
+            policies,
+            revisions,
+        } = self.store.load()?;
+        let mut out = Reconciled::default();
+        let held = router.registry().snapshot();
+        let ids: BTreeSet<u64> = held.workers.keys().chain(workers.keys()).copied().collect();
+        for id in ids {
+            let now = held.workers.get(&id).map(StoredWorker::of);
+            let stored = workers.get(&id);
+            if now.as_ref() != stored {
+                restore_worker(router, id, stored);
+                out.workers += 1;
+            }
+        }
+        if let Some(image) = &policies {
+            match self.apply_image(registry, image, &mut written) {
+                Ok(changed) => out.policies = changed,
+                Err(e) => tracing::error!(
+                    error = %e,
+                    "the cluster's policies are refused by this replica's runtime: this replica \
+                     keeps its policies as they were"
+                ),
+            }
+        }
+        written.revisions = revisions.into_iter().collect();
+        Ok(out)
+    }
+
+    fn apply_image(
+        &self,
+        registry: &PolicyRegistry,
+        image: &RegistryImage,
+        written: &mut Written,
+    ) -> Result<bool, kvroute_policy::PolicyError> {
         if &registry.image() == image {
-            *written = Some(image.clone());
+            written.image = Some(image.clone());
             return Ok(false);
         }
         registry.restore(image, |digest| match registry.component_bytes(digest) {
@@ -179,17 +287,17 @@ impl Persisted {
                     message: e.to_string(),
                 }),
         })?;
-        *written = Some(registry.image());
+        written.image = Some(registry.image());
         Ok(true)
     }
 
     fn write_image(
         &self,
         registry: &PolicyRegistry,
-        written: &mut Option<RegistryImage>,
+        written: &mut Written,
     ) -> Result<(), StateError> {
         let image = registry.image();
-        if written.as_ref() == Some(&image) {
+        if written.image.as_ref() == Some(&image) {
             return Ok(());
         }
         for digest in image.digests() {
@@ -203,9 +311,10 @@ impl Persisted {
                 self.store.put_policy_bytes(digest, &bytes)?;
             }
         }
-        self.store.put_policies(&image)?;
+        let revision = self.store.put_policies(&image)?;
+        written.note(Record::Policies, revision);
         let _ = self.store.retain_policy_bytes(&image.digests());
-        *written = Some(image);
+        written.image = Some(image);
         Ok(())
     }
 }
