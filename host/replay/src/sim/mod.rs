@@ -387,7 +387,7 @@ impl Fleet<'_, '_> {
     fn arrive(&mut self, i: usize, now: f64) {
         let tr = &self.prepared.trace.requests[i];
         // Policies see the trace's time, so state they age (sessions) behaves as it would live.
-        self.router.set_clock_ms(Some(now.max(0.0) as u64));
+        self.router.set_clock_us(Some(sim_us(now)));
         let decision = self.router.route_now(RouteRequest {
             request_id: Some(request_id(i)),
             expected_output_tokens: Some(tr.output_len),
@@ -474,6 +474,7 @@ impl Fleet<'_, '_> {
             o.first_token_ms = now;
             if self.split[i].is_none() {
                 o.hit_tokens = t.hit_tokens;
+                self.router.set_clock_us(Some(sim_us(now)));
                 let _ = self.router.prefill_complete(&request_id(i));
             }
         } else {
@@ -484,6 +485,9 @@ impl Fleet<'_, '_> {
             o.done_ms = now;
             o.output_tokens = t.n;
             self.split[i] = None;
+            // The final output count, as a proxy reports it, then the end (learned step times).
+            self.router.set_clock_us(Some(sim_us(now)));
+            let _ = self.router.output_progress(&request_id(i), t.n);
             let _ = self.router.free(&request_id(i));
             self.done += 1;
         }
@@ -515,10 +519,16 @@ impl Fleet<'_, '_> {
         self.engines[s.prefill as usize].release(i as u64, self.prepared);
         let o = &mut self.out.requests[i];
         o.transfer_ms = now - s.prefill_done_ms;
+        self.router.set_clock_us(Some(sim_us(now)));
         let _ = self.router.prefill_complete(&request_id(i));
         // The prefill engine's blocks went idle: nothing to schedule there, but its events wait.
         self.submit(s.decode, i, Kind::Transferred, now);
     }
+}
+
+/// Simulated milliseconds as the router's microsecond clock.
+fn sim_us(ms: f64) -> u64 {
+    (ms.max(0.0) * 1000.0) as u64
 }
 
 /// Replays `prepared` on a fleet of `workers` aggregated engines routed by `router`

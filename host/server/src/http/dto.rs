@@ -395,6 +395,8 @@ pub struct WorkerOut {
     /// With `serve --proxy`: the worker's circuit breaker.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub health: Option<HealthOut>,
+    /// The worker's step times as the router learned them (zeros until learned).
+    pub learned: kvroute_core::learn::Learned,
     pub ranks: Vec<RankOut>,
 }
 
@@ -414,6 +416,7 @@ impl WorkerOut {
             endpoint: w.endpoint,
             model: w.model,
             health: None,
+            learned: Default::default(),
             ranks,
         }
     }
