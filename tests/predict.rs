@@ -58,7 +58,9 @@ fn a_burst_sharing_a_new_prefix_lands_together_only_with_predict_on_route() {
     for r in rows {
         assert!(r["overlap_blocks"].as_u64() >= r["predicted_overlap_blocks"].as_u64());
     }
-    assert!(on.metrics().contains("kvroute_predictions_total{outcome=\"recorded\"}"));
+    assert!(on
+        .metrics()
+        .contains("kvroute_predictions_total{outcome=\"recorded\"}"));
 
     let off = Server::start(&["--predict-on-route=false"]);
     let (used_off, _) = burst(&off);

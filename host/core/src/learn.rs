@@ -213,13 +213,12 @@ impl StepTimes {
         );
     }
 
-    /// The request's first token: a time-to-first-token sample.
-    pub fn prefill_complete(&mut self, request_id: &str, now_us: u64) {
-        let Some(p) = self.pending.get_mut(request_id) else {
-            return;
-        };
+    /// The request's first token: a time-to-first-token sample. Returns the worker whose
+    /// figures it changed.
+    pub fn prefill_complete(&mut self, request_id: &str, now_us: u64) -> Option<WorkerId> {
+        let p = self.pending.get_mut(request_id)?;
         if p.last_us.is_some() {
-            return; // repeated
+            return None; // repeated
         }
         p.last_us = Some(now_us);
         p.tokens = 1;
@@ -230,18 +229,17 @@ impl StepTimes {
             .or_default()
             .prefill
             .add(own, ahead, ttft_ms, self.decay);
+        Some(worker)
     }
 
     /// The request's output-token total so far: a decode sample for the tokens since the last.
-    pub fn output(&mut self, request_id: &str, total_tokens: u32, now_us: u64) {
-        let Some(p) = self.pending.get_mut(request_id) else {
-            return;
-        };
-        let Some(last) = p.last_us else {
-            return; // no first token yet: the prefill is not over
-        };
+    /// Returns the worker whose figures it changed.
+    pub fn output(&mut self, request_id: &str, total_tokens: u32, now_us: u64) -> Option<WorkerId> {
+        let p = self.pending.get_mut(request_id)?;
+        // No first token yet (the prefill is not over), or nothing new.
+        let last = p.last_us?;
         if total_tokens <= p.tokens {
-            return;
+            return None;
         }
         let dt_ms = now_us.saturating_sub(last) as f64 / 1000.0;
         let dn = f64::from(total_tokens - p.tokens);
@@ -251,12 +249,14 @@ impl StepTimes {
         w.decode_ms = w.decode_ms * self.decay + dt_ms;
         w.decode_tokens = w.decode_tokens * self.decay + dn;
         w.decode_n += 1;
+        Some(p.worker)
     }
 
     /// The request ended with `total_tokens` output tokens (0 when unknown).
-    pub fn freed(&mut self, request_id: &str, total_tokens: u32, now_us: u64) {
-        self.output(request_id, total_tokens, now_us);
+    pub fn freed(&mut self, request_id: &str, total_tokens: u32, now_us: u64) -> Option<WorkerId> {
+        let changed = self.output(request_id, total_tokens, now_us);
         self.pending.remove(request_id);
+        changed
     }
 
     /// Forgets requests booked before `before_us` (never freed).

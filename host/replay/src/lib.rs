@@ -318,12 +318,14 @@ pub fn run_policy(
     run.result.learned = (0..opts.fleet.workers())
         .map(|w| router.learned(u64::from(w)))
         .collect();
-    run.result.predictions = router.prediction_stats().map(|p| report::PredictionFigures {
-        recorded: p.recorded,
-        confirmed: p.confirmed,
-        contradicted: p.contradicted,
-        expired: p.expired,
-    });
+    run.result.predictions = router
+        .prediction_stats()
+        .map(|p| report::PredictionFigures {
+            recorded: p.recorded,
+            confirmed: p.confirmed,
+            contradicted: p.contradicted,
+            expired: p.expired,
+        });
     Ok(run)
 }
 

@@ -12,8 +12,8 @@ use serde::{Deserialize, Serialize};
 
 use kvroute_core::cost::CostWeights;
 use kvroute_core::indexer::approx::ApproxConfig;
-use kvroute_core::predict::PredictConfig;
 use kvroute_core::load::LoadConfig;
+use kvroute_core::predict::PredictConfig;
 use kvroute_core::queue::{QueueLimits, QueueOrder};
 use kvroute_core::router::{DisaggConfig, RouterConfig};
 use kvroute_core::workers::RegistryLimits;

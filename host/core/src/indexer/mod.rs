@@ -557,7 +557,10 @@ impl Indexer {
             return Vec::new();
         };
         let tree = &state.trees[Tier::Device.index()];
-        handles.iter().filter_map(|&h| tree.local_of(s, h)).collect()
+        handles
+            .iter()
+            .filter_map(|&h| tree.local_of(s, h))
+            .collect()
     }
 
     /// Blocks a candidate holds per tier (device, host, disk, external).

@@ -402,6 +402,10 @@ pub struct Router {
     predictions: Option<Predictions>,
     /// Each worker's learned step times ([`crate::learn`]).
     step_times: Mutex<StepTimes>,
+    /// The learned figures decisions read (`[prefill ms per token, decode step ms]` per worker),
+    /// republished by a lifecycle call that changes a worker's fit: decisions take only its read
+    /// lock, never the fit's mutex.
+    learned_cols: parking_lot::RwLock<rustc_hash::FxHashMap<WorkerId, [f64; 2]>>,
     /// The router's own clock in microseconds when a simulator sets it (`u64::MAX`: the
     /// monotonic wall clock since `epoch`): what predictions expire and step times are timed by.
     clock_us: AtomicU64,
@@ -432,8 +436,10 @@ impl Router {
     /// [`Router::set_clock_ms`] to the microsecond (a simulator's time): policies see it in whole
     /// milliseconds; predictions and learned step times run on it.
     pub fn set_clock_us(&self, us: Option<u64>) {
-        self.clock_ms
-            .store(us.map_or(u64::MAX, |u| (u / 1000).min(u64::MAX - 1)), Relaxed);
+        self.clock_ms.store(
+            us.map_or(u64::MAX, |u| (u / 1000).min(u64::MAX - 1)),
+            Relaxed,
+        );
         self.clock_us
             .store(us.map_or(u64::MAX, |u| u.min(u64::MAX - 1)), Relaxed);
     }
@@ -444,6 +450,18 @@ impl Router {
         match self.clock_us.load(Relaxed) {
             u64::MAX => self.epoch.elapsed().as_micros() as u64,
             us => us,
+        }
+    }
+
+    /// Republishes a worker's learned figures for decisions after its fit changed.
+    fn publish_learned(&self, st: &StepTimes, changed: Option<WorkerId>) {
+        let Some(w) = changed else {
+            return;
+        };
+        let l = st.learned(w);
+        let figures = [l.prefill_ms_per_token, l.decode_step_ms];
+        if figures != [0.0, 0.0] {
+            self.learned_cols.write().insert(w, figures);
         }
     }
 
@@ -499,6 +517,7 @@ impl Router {
             epoch: Instant::now(),
             predictions: config.predict.map(Predictions::new),
             step_times: Mutex::new(StepTimes::default()),
+            learned_cols: Default::default(),
             clock_us: AtomicU64::new(u64::MAX),
             clock_ms: AtomicU64::new(u64::MAX),
             feeds: Feeds::new(config.feeds),
@@ -598,6 +617,7 @@ impl Router {
             p.remove_worker(worker_id);
         }
         self.step_times.lock().remove_worker(worker_id);
+        self.learned_cols.write().remove(&worker_id);
         self.pump();
         Some(w)
     }
@@ -669,9 +689,10 @@ impl Router {
         // The load lock is released before `not_booked` takes the queue's.
         let r = booking::prefill_complete(&mut self.load.lock(), request_id);
         let r = r.ok_or_else(|| self.not_booked(request_id))?;
-        self.step_times
-            .lock()
-            .prefill_complete(request_id, self.now_us());
+        let mut st = self.step_times.lock();
+        let changed = st.prefill_complete(request_id, self.now_us());
+        self.publish_learned(&st, changed);
+        drop(st);
         self.pump();
         Ok(r)
     }
@@ -684,9 +705,9 @@ impl Router {
     ) -> Result<CandidateKey, LifecycleError> {
         let r = self.load.lock().output_progress(request_id, tokens);
         let r = r.map_err(|_| self.not_booked(request_id))?;
-        self.step_times
-            .lock()
-            .output(request_id, tokens, self.now_us());
+        let mut st = self.step_times.lock();
+        let changed = st.output(request_id, tokens, self.now_us());
+        self.publish_learned(&st, changed);
         Ok(r)
     }
 
@@ -707,9 +728,10 @@ impl Router {
         }
         let b = booking::release(&mut self.load.lock(), request_id)
             .ok_or_else(|| LifecycleError::UnknownRequest(request_id.into()))?;
-        self.step_times
-            .lock()
-            .freed(request_id, b.output_tokens, self.now_us());
+        let mut st = self.step_times.lock();
+        let changed = st.freed(request_id, b.output_tokens, self.now_us());
+        self.publish_learned(&st, changed);
+        drop(st);
         self.pump();
         Ok(Some(b))
     }

@@ -85,7 +85,9 @@ fn a_burst_sharing_a_new_prefix_lands_together_only_with_predictions() {
         for i in 0..64 {
             // Within 10 ms, as a burst would arrive.
             r.set_clock_us(Some(1_000_000 + i * 150));
-            let d = r.route_now(RouteRequest::tokens(prompt(4096, 100, i as u32))).unwrap();
+            let d = r
+                .route_now(RouteRequest::tokens(prompt(4096, 100, i as u32)))
+                .unwrap();
             used.insert(d.candidate.worker_id);
         }
         used.len()
@@ -93,7 +95,10 @@ fn a_burst_sharing_a_new_prefix_lands_together_only_with_predictions() {
     let on = workers_used(true);
     let off = workers_used(false);
     assert!(on <= 4, "with predictions the burst used {on} workers");
-    assert!(off >= 6, "without predictions the burst used only {off} workers");
+    assert!(
+        off >= 6,
+        "without predictions the burst used only {off} workers"
+    );
 }
 
 #[test]
@@ -150,7 +155,9 @@ fn without_predictions_explain_shows_zero_predicted() {
     let p = prompt(256, 0, 0);
     r.route_now(RouteRequest::tokens(p.clone())).unwrap();
     let rows = explain(&r, p);
-    assert!(rows.iter().all(|r| r.predicted_overlap_blocks == 0 && r.overlap_blocks == 0));
+    assert!(rows
+        .iter()
+        .all(|r| r.predicted_overlap_blocks == 0 && r.overlap_blocks == 0));
     assert!(r.prediction_stats().is_none());
 }
 
@@ -206,15 +213,25 @@ fn learned_step_times_converge_to_a_simulated_heterogeneous_fleet() {
         let out = rng.gen_range(20..200u32);
         let step_us = (step * 1000.0) as u64;
         due.push(Reverse((first, Ev::First(i))));
-        due.push(Reverse((first + step_us * u64::from(out / 2 - 1), Ev::Progress(i, out / 2))));
-        due.push(Reverse((first + step_us * u64::from(out - 1), Ev::Done(i, out))));
+        due.push(Reverse((
+            first + step_us * u64::from(out / 2 - 1),
+            Ev::Progress(i, out / 2),
+        )));
+        due.push(Reverse((
+            first + step_us * u64::from(out - 1),
+            Ev::Done(i, out),
+        )));
     }
     for (w, &(per_token, step)) in truth.iter().enumerate() {
         let l = r.learned(w as u64 + 1);
         assert!(l.prefill_samples >= 60, "worker {}: {l:?}", w + 1);
         let err_p = (l.prefill_ms_per_token - per_token).abs() / per_token;
         let err_d = (l.decode_step_ms - step).abs() / step;
-        assert!(err_p < 0.10, "worker {} prefill: {l:?} vs {per_token}", w + 1);
+        assert!(
+            err_p < 0.10,
+            "worker {} prefill: {l:?} vs {per_token}",
+            w + 1
+        );
         assert!(err_d < 0.10, "worker {} decode: {l:?} vs {step}", w + 1);
     }
 }

@@ -98,7 +98,11 @@ impl Router {
         s: &mut Scratch,
     ) -> Result<Step, RouteError> {
         self.filter(p, snap, input, s)?;
-        s.fill_columns(input.pool, self.config.block_size);
+        s.fill_columns(
+            input.pool,
+            self.config.block_size,
+            &self.learned_cols.read(),
+        );
         if self.config.feeds.dead_feed == DeadFeedRule::Unknown {
             s.forget_dead_overlaps(input.pool, &self.feeds.dead());
         }
@@ -328,7 +332,12 @@ impl Scratch {
 
     /// Fill the candidate columns with the eligible candidates' figures (overlaps, loads, budget,
     /// taints), in the layout policies read.
-    fn fill_columns(&mut self, pool: &[CandidateEntry], block_size: u32) {
+    fn fill_columns(
+        &mut self,
+        pool: &[CandidateEntry],
+        block_size: u32,
+        learned: &rustc_hash::FxHashMap<crate::candidate::WorkerId, [f64; 2]>,
+    ) {
         let Scratch {
             dense,
             predicted,
@@ -357,6 +366,9 @@ impl Scratch {
             cols.active_prompt_blocks.push(0);
             cols.total_kv_blocks.push(c.total_kv_blocks);
             cols.max_num_batched_tokens.push(c.max_num_batched_tokens);
+            let [p, d] = learned.get(&c.key.worker_id).copied().unwrap_or_default();
+            cols.prefill_ms_per_token.push(p);
+            cols.decode_step_ms.push(d);
             cols.taint_ids.extend_from_slice(&c.taint_ids);
             cols.taint_offsets.push(cols.taint_ids.len() as u32);
         }

@@ -424,7 +424,10 @@ fn render_learned(out: &mut String, router: &Router) {
             ("contradicted", p.contradicted),
             ("expired", p.expired),
         ] {
-            let _ = writeln!(out, "kvroute_predictions_total{{outcome=\"{outcome}\"}} {n}");
+            let _ = writeln!(
+                out,
+                "kvroute_predictions_total{{outcome=\"{outcome}\"}} {n}"
+            );
         }
     }
 }
