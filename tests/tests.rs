@@ -9,8 +9,8 @@ mod support;
 
 mod cli;
 mod cluster;
-mod cluster_sync;
 mod cluster_outage;
+mod cluster_sync;
 mod disaggregation;
 mod ext_proc;
 mod hostile;
@@ -21,6 +21,7 @@ mod policies;
 mod policy_deadlines;
 mod policy_runtime;
 mod policy_stages;
+mod predict;
 mod proxy;
 mod python_plugin;
 mod refusals;
