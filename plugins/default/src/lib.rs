@@ -18,7 +18,8 @@
 //!   blocks) / KV capacity; a busy candidate is mid-step: add `residual_frac` of its current step.
 //! - `work_weight × (p1·own + p2·own²)`: the compute this request adds, which later arrivals on
 //!   that engine wait behind (a pure per-request greedy trades fleet work for its own first token
-//!   and loses in the tail under bursts).
+//!   and loses in the tail under bursts). 4 was chosen on replays (BENCHMARKS.md): 6, `ttft-aware`'s,
+//!   gains ~2% mean at Azure x40 but loses to round robin on the conv trace's p99.
 //! - `overflow_penalty_ms` when the request's blocks would not fit in the candidate's KV capacity
 //!   (the engine would preempt).
 //!
@@ -38,7 +39,7 @@
 //! `{"prefill_ms": [16.50142, 0.01518344, 4.209989e-7], "decode_ms": [5.74, 54.01, -25.74],
 //!   "default_max_num_batched_tokens": 8192, "residual_frac": 0.5, "host_tier_weight": 0.75,
 //!   "disk_tier_weight": 0.25, "overflow_penalty_ms": 10000, "credit_active_blocks": true,
-//!   "work_weight": 6}`
+//!   "work_weight": 4}`
 
 mod model;
 

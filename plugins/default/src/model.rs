@@ -41,7 +41,7 @@ impl Default for Config {
             disk_tier_weight: 0.25,
             overflow_penalty_ms: 10_000.0,
             credit_active_blocks: true,
-            work_weight: 6.0,
+            work_weight: 4.0,
         }
     }
 }

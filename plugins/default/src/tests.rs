@@ -16,10 +16,11 @@ fn an_idle_candidate_costs_one_prefill_step_plus_the_work_term() {
     let costs = h.costs(&request(1000), &[candidate(1)]);
     let step = c.prefill_ms[0] + c.prefill_ms[1] * 1000.0 + c.prefill_ms[2] * 1e6;
     assert!(close(costs[0], step), "{costs:?} vs {step}");
-    // The default work weight (6) counts the request's own compute 1 + 6 times.
+    // The default work weight (4) counts the request's own compute 1 + 4 times.
+    assert_eq!(c.work_weight, 4.0);
     h.configure("{}").unwrap();
     let costs = h.costs(&request(1000), &[candidate(1)]);
-    let want = step + 6.0 * (c.prefill_ms[1] * 1000.0 + c.prefill_ms[2] * 1e6);
+    let want = step + 4.0 * (c.prefill_ms[1] * 1000.0 + c.prefill_ms[2] * 1e6);
     assert!(close(costs[0], want), "{costs:?} vs {want}");
 }
 
