@@ -170,7 +170,8 @@ fn max_overlap_piles_onto_one_worker_while_the_default_cost_spreads() {
             make: Arc::new(|| Box::new(MaxOverlap) as Box<dyn Scorer>),
         },
     );
-    let default = run_one(&trace, &o, PolicySpec::Default);
+    // Dynamo's cost (the default before latency pricing) is what this pins.
+    let default = run_one(&trace, &o, PolicySpec::Dynamo);
     let (p, d) = (&pile.result, &default.result);
     eprintln!(
         "max-overlap {:?} cov {:.3} ttft p90 {:.1}; default {:?} cov {:.3} ttft p90 {:.1}",
@@ -202,7 +203,7 @@ fn max_overlap_piles_onto_one_worker_while_the_default_cost_spreads() {
 }
 
 #[test]
-fn round_robin_loses_to_the_default_cost_on_the_mooncake_trace() {
+fn round_robin_loses_to_dynamo_s_cost_on_the_mooncake_trace() {
     let path = traces_dir().join("synthetic_trace.jsonl");
     let trace = replay::trace::load(&path, &LoadOptions::default()).expect("load");
     assert_eq!(trace.requests.len(), 3993);
@@ -210,7 +211,7 @@ fn round_robin_loses_to_the_default_cost_on_the_mooncake_trace() {
     let runs = replay::run(
         &trace,
         std::slice::from_ref(&o),
-        &[PolicySpec::RoundRobin, PolicySpec::Default],
+        &[PolicySpec::RoundRobin, PolicySpec::Dynamo],
         false,
     )
     .expect("replay");
@@ -483,6 +484,45 @@ fn cli_replays_a_wasm_policy_through_the_policy_runtime() {
     assert_eq!(p["completed"], 300);
 }
 
+#[test]
+fn dynamo_runs_natively_exactly_as_its_embedded_component() {
+    // `replay --policy dynamo` uses the router's native cost; `serve` runs the embedded `dynamo`
+    // component. Same costs bit for bit, same random draws: the same replay, request for request.
+    let wasm = support::build_plugin("kvroute-plugin-dynamo");
+    let out = support::temp_dir("replay-dynamo");
+    let trace = traces_dir().join("synthetic_trace.jsonl");
+    let o = kvroute(&[
+        "replay",
+        "--trace",
+        trace.to_str().unwrap(),
+        "--workers",
+        "4",
+        "--policy",
+        "dynamo",
+        "--policy",
+        wasm.to_str().unwrap(),
+        "--policy",
+        "default",
+        "--max-requests",
+        "600",
+        "--no-plots",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v = numbers(&out);
+    let ps = v["policies"].as_array().expect("policies");
+    let names: Vec<&str> = ps.iter().map(|p| p["name"].as_str().unwrap()).collect();
+    assert_eq!(names, ["dynamo", "kvroute_plugin_dynamo", "default"]);
+    for p in ps {
+        assert_eq!(p["completed"], 600, "{}", p["name"]);
+        assert_eq!(p["policy_fallbacks"], 0, "{}", p["name"]);
+    }
+    for key in ["requests_per_worker", "ttft_ms", "itl_ms", "token_hit_rate"] {
+        assert_eq!(ps[0][key], ps[1][key], "{key}");
+    }
+}
+
 /// `results.json` without the wall-clock figures.
 fn numbers(dir: &std::path::Path) -> serde_json::Value {
     let text = std::fs::read_to_string(dir.join("results.json")).expect("results.json");
@@ -550,6 +590,12 @@ fn policy_specs_parse() {
         PolicySpec::parse("default").unwrap(),
         PolicySpec::Default
     ));
+    for dynamo in ["dynamo", "native"] {
+        assert!(matches!(
+            PolicySpec::parse(dynamo).unwrap(),
+            PolicySpec::Dynamo
+        ));
+    }
     match PolicySpec::parse(r#"/x/my policy.wasm:{"a":"b:c"}"#).unwrap() {
         PolicySpec::Wasm { path, config } => {
             assert_eq!(path, PathBuf::from("/x/my policy.wasm"));
