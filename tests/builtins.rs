@@ -4,7 +4,7 @@
 
 use serde_json::{json, Value};
 
-use crate::support::{local_hashes, stored_event, Server, BASE_SEED};
+use crate::support::Server;
 
 fn tokens(n: usize, salt: u32) -> Vec<u32> {
     (0..n as u32)
@@ -12,35 +12,31 @@ fn tokens(n: usize, salt: u32) -> Vec<u32> {
         .collect()
 }
 
-/// Three workers where Dynamo's cost and the latency estimate disagree: worker 1 caches 48 of
-/// the prompt's 64 blocks but has 1,600 prompt tokens booked ahead; worker 2 has two long
-/// requests booked (many KV blocks, little queued prefill once they complete); worker 3 is idle.
-/// Returns the prompt.
+/// Two workers where Dynamo's cost and the latency estimate disagree: worker 1 has 2,048 prompt
+/// tokens queued (not yet prefilled), worker 2 holds three computed 2,000-token prompts (375 KV
+/// blocks, nothing queued). In blocks, worker 1 is cheaper (384 vs 503); in milliseconds, queued
+/// prefill costs far more than decoding blocks, so worker 2 is. Returns the prompt (64 blocks).
 fn fixed_case(s: &Server) -> Vec<u32> {
     s.put_worker(1, &json!({"taints": ["zone=a"]}));
     s.put_worker(2, &json!({"taints": ["zone=b"]}));
-    s.put_worker(3, &json!({}));
-    let p = tokens(1024, 7);
-    let r = s.post(
-        "/v1/events",
-        &json!([stored_event(
-            1,
-            0,
-            1,
-            &local_hashes(&p, 16, BASE_SEED)[..48]
-        )]),
-    );
-    r.expect(200);
-    for (id, n, worker) in [("a", 800, 1), ("b", 800, 1), ("c", 3000, 2), ("d", 3000, 2)] {
-        s.route_ok(&json!({"request_id": id, "tokens": tokens(n, n as u32 + 1),
-                           "pinned_worker": {"worker_id": worker}}));
+    let booked = [
+        ("a", 2048, 1),
+        ("b", 2000, 2),
+        ("c", 2000, 2),
+        ("d", 2000, 2),
+    ];
+    for (id, n, worker) in booked {
+        s.route_ok(
+            &json!({"request_id": id, "tokens": tokens(n, n as u32 + u32::from(id.as_bytes()[0])),
+                           "pinned_worker": {"worker_id": worker}}),
+        );
     }
     // Worker 2's prompts are computed: their KV blocks stay, their prefill work is done.
-    for id in ["c", "d"] {
+    for id in ["b", "c", "d"] {
         s.post(&format!("/v1/requests/{id}/prefill_complete"), &json!({}))
             .expect(200);
     }
-    p
+    tokens(1024, 7)
 }
 
 /// `(worker_id, base_cost, cost)` of every candidate of an explained, ask-only decision.
@@ -90,11 +86,11 @@ fn serve_policy_dynamo_routes_as_the_native_cost_and_both_built_ins_are_listed()
         (&d["answer"], &d["fallback"]),
         (&json!("costs"), &json!(false))
     );
-    assert_eq!(rows.len(), 3, "{d}");
+    assert_eq!(rows.len(), 2, "{d}");
     for &(w, base, cost) in &rows {
         assert_eq!(cost.to_bits(), base.to_bits(), "worker {w}: {d}");
     }
-    // Dynamo's pick: the lowest native cost (worker 1, the cache, despite its queue).
+    // Dynamo's pick: the lowest native cost (worker 1, the queue, fewer blocks).
     let lowest = rows.iter().min_by(|a, b| a.1.total_cmp(&b.1)).unwrap().0;
     assert_eq!((d["worker_id"].as_u64(), lowest), (Some(1), 1), "{d}");
 
@@ -105,16 +101,8 @@ fn serve_policy_dynamo_routes_as_the_native_cost_and_both_built_ins_are_listed()
                "routing_constraints": {"preferred_taints": {"zone=b": 0.5, "zone=a": -0.25}}}),
     );
     for &(w, base, cost) in &rows {
-        let s_w: f64 = match w {
-            1 => -0.25,
-            2 => 0.5,
-            _ => 0.0,
-        };
-        let want = if s_w == 0.0 {
-            base
-        } else {
-            base * (-s_w.tanh()).exp()
-        };
+        let s_w: f64 = if w == 1 { -0.25 } else { 0.5 };
+        let want = base * (-s_w.tanh()).exp();
         assert!(
             (cost - want).abs() <= want.abs() * f64::EPSILON,
             "worker {w}: {cost} vs {want}: {d}"
@@ -122,13 +110,13 @@ fn serve_policy_dynamo_routes_as_the_native_cost_and_both_built_ins_are_listed()
     }
 
     // Activate the default by name: it prices the same candidates in milliseconds and decides
-    // differently on this case (worker 1's queue ahead costs more than its cache saves).
+    // differently on this case (worker 1's queued prefill costs more than worker 2's blocks).
     s.post("/v1/policies/default/activate", &json!({}))
         .expect(200);
     let (d, rows) = explained(&s, json!({"tokens": p, "book": false, "explain": true}));
     assert_eq!(d["policy"]["name"], "default", "{d}");
     assert!(rows.iter().any(|r| r.2 != r.1), "latency-priced: {d}");
-    assert_ne!(d["worker_id"], 1, "{d}");
+    assert_eq!(d["worker_id"], 2, "{d}");
     // And back to Dynamo's cost by name.
     s.post("/v1/policies/dynamo/activate", &json!({}))
         .expect(200);

@@ -287,7 +287,7 @@ pub fn run_policy(
         PolicySpec::Custom { make, .. } => router.set_scorer(Some(make())),
         PolicySpec::Default => {
             _registry = Some(
-                install_component(&router, name, DEFAULT_POLICY_WASM, None)
+                install_component(&router, "default", DEFAULT_POLICY_WASM, None)
                     .map_err(|e| anyhow!("the embedded default policy: {e}"))?,
             );
         }
@@ -295,7 +295,7 @@ pub fn run_policy(
             let bytes =
                 std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
             _registry = Some(
-                install_component(&router, name, &bytes, config.as_deref())
+                install_component(&router, &policy.name(), &bytes, config.as_deref())
                     .map_err(|e| anyhow!("{}: {e}", path.display()))?,
             );
         }
