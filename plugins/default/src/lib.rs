@@ -43,7 +43,7 @@
 
 mod model;
 
-pub use model::{Config, StepTimes};
+pub use model::{Config, Prompt, StepTimes};
 
 use kvroute_sdk::{
     parse_config, preferred_multiplier, Candidates, Context, Decision, Policy, Request,
@@ -104,9 +104,10 @@ impl Policy for DefaultPolicy {
 
     fn decide(&mut self, _ctx: &Context, req: &Request, c: &Candidates) -> Decision {
         let config = &self.config;
+        let prompt = Prompt::of(req);
         Decision::Costs(
             c.rows()
-                .map(|r| config.estimate(req, r) * preferred_multiplier(req, r))
+                .map(|r| config.estimate_prompt(&prompt, r) * preferred_multiplier(req, r))
                 .collect(),
         )
     }

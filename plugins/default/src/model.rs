@@ -7,6 +7,27 @@
 
 use kvroute_sdk::{Request, Row, Stage};
 
+/// The larger of two finite figures. `f64::max` is a call into libm's `fmax` on wasm32 (NaN
+/// rules); a compare keeps the per-candidate loop inline (the decision-cost budget, BENCHMARKS.md).
+#[inline(always)]
+fn max(a: f64, b: f64) -> f64 {
+    if a > b {
+        a
+    } else {
+        b
+    }
+}
+
+/// The smaller of two finite figures (see [`max`]).
+#[inline(always)]
+fn min(a: f64, b: f64) -> f64 {
+    if a < b {
+        a
+    } else {
+        b
+    }
+}
+
 /// The configuration (see the crate docs for each key's meaning and default).
 #[derive(Clone, Copy, Debug, PartialEq, serde::Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -46,6 +67,35 @@ impl Default for Config {
     }
 }
 
+/// What the estimate needs of the request, computed once per decision (not per candidate: the
+/// integer divisions here would otherwise dominate the per-candidate work).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Prompt {
+    pub stage: Stage,
+    /// Prompt tokens.
+    pub tokens: f64,
+    /// Tokens per block.
+    pub block: f64,
+    /// Blocks a cache can serve at most: all but the one holding the last token.
+    pub reusable_blocks: f64,
+    /// Blocks the prompt occupies (a partial tail block counts).
+    pub blocks: u32,
+}
+
+impl Prompt {
+    pub fn of(req: &Request) -> Self {
+        let b = req.block_size.max(1);
+        let isl = req.prompt_tokens;
+        Self {
+            stage: req.stage,
+            tokens: f64::from(isl),
+            block: f64::from(b),
+            reusable_blocks: f64::from(isl.saturating_sub(1) / b),
+            blocks: isl.div_ceil(b),
+        }
+    }
+}
+
 /// One candidate's step-time figures.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct StepTimes {
@@ -76,7 +126,11 @@ impl StepTimes {
     #[inline]
     pub fn chunked_prefill(&self, queued: f64) -> (f64, f64) {
         let [c0, c1, c2] = self.prefill_ms;
-        let steps = (queued / self.budget).ceil().max(1.0);
+        if queued <= self.budget {
+            // One step (the common case): no division.
+            return (1.0, c0 + c1 * queued + c2 * queued * queued);
+        }
+        let steps = max((queued / self.budget).ceil(), 1.0);
         (
             steps,
             steps * c0 + c1 * queued + c2 * queued * queued / steps,
@@ -87,7 +141,7 @@ impl StepTimes {
     #[inline]
     pub fn decode(&self, u: f64) -> f64 {
         let [c0, c1, c2] = self.decode_ms;
-        (c0 + c1 * u + c2 * u * u).max(1.0)
+        max(c0 + c1 * u + c2 * u * u, 1.0)
     }
 }
 
@@ -111,9 +165,15 @@ impl Config {
     /// Estimated milliseconds from now to this request's first token on `r`, at its stage.
     #[inline]
     pub fn estimate(&self, req: &Request, r: Row<'_>) -> f64 {
-        match req.stage {
-            Stage::Aggregated | Stage::Prefill => self.prefill_estimate(req, r),
-            Stage::Decode => self.decode_estimate(req, r),
+        self.estimate_prompt(&Prompt::of(req), r)
+    }
+
+    /// [`Self::estimate`] with the request's figures computed once ([`Prompt::of`]).
+    #[inline]
+    pub fn estimate_prompt(&self, p: &Prompt, r: Row<'_>) -> f64 {
+        match p.stage {
+            Stage::Aggregated | Stage::Prefill => self.prefill_estimate(p, r),
+            Stage::Decode => self.decode_estimate(p, r),
         }
     }
 
@@ -122,37 +182,45 @@ impl Config {
     /// whichever is more), at least the last block's worth being computed as an engine must, and
     /// at least 1.
     #[inline]
-    pub fn own_tokens(&self, req: &Request, r: Row<'_>) -> f64 {
-        let b = req.block_size.max(1);
-        let isl = req.prompt_tokens;
+    pub fn own_tokens(&self, p: &Prompt, r: Row<'_>) -> f64 {
         let (d, h, k) = (r.device_overlap(), r.host_overlap(), r.disk_overlap());
         let cached = f64::from(d)
             + self.host_tier_weight * f64::from(h.saturating_sub(d))
             + self.disk_tier_weight * f64::from(k.saturating_sub(d.max(h)));
         let credit = if self.credit_active_blocks {
-            cached.max(f64::from(r.active_prompt_blocks()))
+            max(cached, f64::from(r.active_prompt_blocks()))
         } else {
             cached
         };
-        let reusable = f64::from(isl.saturating_sub(1) / b);
-        (f64::from(isl) - credit.min(reusable) * f64::from(b)).max(1.0)
+        max(p.tokens - min(credit, p.reusable_blocks) * p.block, 1.0)
     }
 
     /// Blocks of the prompt `r` must newly hold (those an earlier request made active are
     /// shared).
     #[inline]
-    fn new_blocks(req: &Request, r: Row<'_>) -> u64 {
-        let blocks = req.prompt_tokens.div_ceil(req.block_size.max(1));
-        u64::from(blocks.saturating_sub(r.active_prompt_blocks()))
+    fn new_blocks(p: &Prompt, r: Row<'_>) -> u64 {
+        u64::from(p.blocks.saturating_sub(r.active_prompt_blocks()))
     }
 
     /// KV utilisation of `r` with `blocks` in use (0 when its capacity is unknown).
     #[inline]
     fn util(r: Row<'_>, blocks: u64) -> f64 {
+        Self::util_of(Self::inverse_capacity(r), blocks)
+    }
+
+    /// `1 / total_kv_blocks` of `r` (0 when unknown): one division per candidate, not per use.
+    #[inline]
+    fn inverse_capacity(r: Row<'_>) -> f64 {
         match r.total_kv_blocks() {
             0 => 0.0,
-            total => (blocks as f64 / total as f64).min(1.0),
+            total => 1.0 / total as f64,
         }
+    }
+
+    /// KV utilisation with `blocks` in use, from [`Self::inverse_capacity`].
+    #[inline]
+    fn util_of(inverse_capacity: f64, blocks: u64) -> f64 {
+        min(blocks as f64 * inverse_capacity, 1.0)
     }
 
     /// `overflow_penalty_ms` when `blocks` more would not fit in `r`'s KV capacity (the engine
@@ -168,21 +236,22 @@ impl Config {
     }
 
     /// An aggregated decision or the prefill step: the chosen engine computes the prompt.
-    pub fn prefill_estimate(&self, req: &Request, r: Row<'_>) -> f64 {
+    pub fn prefill_estimate(&self, p: &Prompt, r: Row<'_>) -> f64 {
         let t = self.step_times(r);
-        let own = self.own_tokens(req, r);
+        let own = self.own_tokens(p, r);
         let ahead = r.active_prefill_tokens() as f64;
         let (steps, mut est) = t.chunked_prefill(ahead + own);
         let used = r.active_decode_blocks();
-        let new_blocks = Self::new_blocks(req, r);
+        let new_blocks = Self::new_blocks(p, r);
         if r.active_requests() > 0 {
             // Every step also decodes the running requests; the current step is part done.
-            est += steps * t.decode(Self::util(r, used + new_blocks));
+            let inv = Self::inverse_capacity(r);
+            est += steps * t.decode(Self::util_of(inv, used + new_blocks));
             let current = if ahead > 0.0 {
-                t.prefill(ahead.min(t.budget))
+                t.prefill(min(ahead, t.budget))
             } else {
                 0.0
-            } + t.decode(Self::util(r, used));
+            } + t.decode(Self::util_of(inv, used));
             est += self.residual_frac * current;
         }
         // The compute this request adds, which later arrivals on that engine wait behind.
@@ -193,16 +262,16 @@ impl Config {
     /// The decode step: the KV arrives by transfer, the engine computes no prompt, so overlap,
     /// the prompt's own prefill and `work_weight` do not apply. One step decoding this request
     /// beside the others (with a chunk of the prompts queued there), after the current one.
-    pub fn decode_estimate(&self, req: &Request, r: Row<'_>) -> f64 {
+    pub fn decode_estimate(&self, p: &Prompt, r: Row<'_>) -> f64 {
         let t = self.step_times(r);
         let ahead = r.active_prefill_tokens() as f64;
         let chunk = if ahead > 0.0 {
-            t.prefill(ahead.min(t.budget))
+            t.prefill(min(ahead, t.budget))
         } else {
             0.0
         };
         let used = r.active_decode_blocks();
-        let new_blocks = Self::new_blocks(req, r);
+        let new_blocks = Self::new_blocks(p, r);
         let mut est = chunk + t.decode(Self::util(r, used + new_blocks));
         if r.active_requests() > 0 || ahead > 0.0 {
             est += self.residual_frac * (chunk + t.decode(Self::util(r, used)));
