@@ -4,7 +4,8 @@
 
 use serde_json::{json, Value};
 
-use crate::support::Server;
+use crate::replay::{kvroute, numbers, traces_dir};
+use crate::support::{self, Server};
 
 fn tokens(n: usize, salt: u32) -> Vec<u32> {
     (0..n as u32)
@@ -179,5 +180,44 @@ fn the_default_serves_with_dynamo_beside_it_and_built_in_names_are_checked() {
         let text = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success(), "{args:?}: {text}");
         assert!(text.contains(needle), "{args:?}: {text}");
+    }
+}
+
+#[test]
+fn dynamo_runs_natively_exactly_as_its_embedded_component() {
+    // `replay --policy dynamo` uses the router's native cost; `serve` runs the embedded `dynamo`
+    // component. Same costs bit for bit, same random draws: the same replay, request for request.
+    let wasm = support::build_plugin("kvroute-plugin-dynamo");
+    let out = support::temp_dir("replay-dynamo");
+    let trace = traces_dir().join("synthetic_trace.jsonl");
+    let o = kvroute(&[
+        "replay",
+        "--trace",
+        trace.to_str().unwrap(),
+        "--workers",
+        "4",
+        "--policy",
+        "dynamo",
+        "--policy",
+        wasm.to_str().unwrap(),
+        "--policy",
+        "default",
+        "--max-requests",
+        "600",
+        "--no-plots",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v = numbers(&out);
+    let ps = v["policies"].as_array().expect("policies");
+    let names: Vec<&str> = ps.iter().map(|p| p["name"].as_str().unwrap()).collect();
+    assert_eq!(names, ["dynamo", "kvroute_plugin_dynamo", "default"]);
+    for p in ps {
+        assert_eq!(p["completed"], 600, "{}", p["name"]);
+        assert_eq!(p["policy_fallbacks"], 0, "{}", p["name"]);
+    }
+    for key in ["requests_per_worker", "ttft_ms", "itl_ms", "token_hit_rate"] {
+        assert_eq!(ps[0][key], ps[1][key], "{key}");
     }
 }

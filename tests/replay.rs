@@ -22,7 +22,7 @@ use rand::{Rng, SeedableRng};
 
 const B: usize = 64;
 
-fn traces_dir() -> PathBuf {
+pub(crate) fn traces_dir() -> PathBuf {
     support::workspace_root().join("../shared/data/traces")
 }
 
@@ -234,7 +234,7 @@ fn round_robin_loses_to_dynamo_s_cost_on_the_mooncake_trace() {
     assert_eq!(rr.kv_events_rejected + def.kv_events_rejected, 0);
 }
 
-fn kvroute(args: &[&str]) -> std::process::Output {
+pub(crate) fn kvroute(args: &[&str]) -> std::process::Output {
     Command::new(env!("CARGO_BIN_EXE_kvroute"))
         .args(args)
         .output()
@@ -484,47 +484,8 @@ fn cli_replays_a_wasm_policy_through_the_policy_runtime() {
     assert_eq!(p["completed"], 300);
 }
 
-#[test]
-fn dynamo_runs_natively_exactly_as_its_embedded_component() {
-    // `replay --policy dynamo` uses the router's native cost; `serve` runs the embedded `dynamo`
-    // component. Same costs bit for bit, same random draws: the same replay, request for request.
-    let wasm = support::build_plugin("kvroute-plugin-dynamo");
-    let out = support::temp_dir("replay-dynamo");
-    let trace = traces_dir().join("synthetic_trace.jsonl");
-    let o = kvroute(&[
-        "replay",
-        "--trace",
-        trace.to_str().unwrap(),
-        "--workers",
-        "4",
-        "--policy",
-        "dynamo",
-        "--policy",
-        wasm.to_str().unwrap(),
-        "--policy",
-        "default",
-        "--max-requests",
-        "600",
-        "--no-plots",
-        "--out",
-        out.to_str().unwrap(),
-    ]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let v = numbers(&out);
-    let ps = v["policies"].as_array().expect("policies");
-    let names: Vec<&str> = ps.iter().map(|p| p["name"].as_str().unwrap()).collect();
-    assert_eq!(names, ["dynamo", "kvroute_plugin_dynamo", "default"]);
-    for p in ps {
-        assert_eq!(p["completed"], 600, "{}", p["name"]);
-        assert_eq!(p["policy_fallbacks"], 0, "{}", p["name"]);
-    }
-    for key in ["requests_per_worker", "ttft_ms", "itl_ms", "token_hit_rate"] {
-        assert_eq!(ps[0][key], ps[1][key], "{key}");
-    }
-}
-
 /// `results.json` without the wall-clock figures.
-fn numbers(dir: &std::path::Path) -> serde_json::Value {
+pub(crate) fn numbers(dir: &std::path::Path) -> serde_json::Value {
     let text = std::fs::read_to_string(dir.join("results.json")).expect("results.json");
     let mut v: serde_json::Value = serde_json::from_str(&text).expect("JSON");
     for p in v["policies"].as_array_mut().expect("policies") {
