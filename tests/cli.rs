@@ -12,10 +12,8 @@ use support::{build_plugin, command, workspace_root};
 
 /// Every plugin the repository ships, with the configurations its documentation shows.
 const SHIPPED: &[(&str, &[&str])] = &[
-    (
-        "kvroute-plugin-default",
-        &["{}", r#"{"preference_floor": 4.0}"#],
-    ),
+    ("kvroute-plugin-default", &["{}", r#"{"work_weight": 4.0}"#]),
+    ("kvroute-plugin-dynamo", &["{}"]),
     (
         "kvroute-plugin-native-cost",
         &["{}", r#"{"use_base_cost": true}"#],

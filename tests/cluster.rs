@@ -116,7 +116,7 @@ fn a_policy_uploaded_and_activated_on_one_replica_is_active_on_the_others() {
     let r = upload(
         &b,
         "tuned",
-        "?activate=true&config=%7B%22preference_floor%22%3A2%7D",
+        "?activate=true&config=%7B%22work_weight%22%3A2%7D",
     );
     r.expect(201);
     let version = r.body()["version"].clone();
@@ -129,7 +129,7 @@ fn a_policy_uploaded_and_activated_on_one_replica_is_active_on_the_others() {
         ));
         let detail = s.get("/v1/policies/tuned").body().clone();
         assert!(
-            detail.to_string().contains("preference_floor"),
+            detail.to_string().contains("work_weight"),
             "the configuration came along: {detail}"
         );
         let d = s.route_ok(&json!({"tokens": vec![1u32; 32], "book": false}));

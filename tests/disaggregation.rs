@@ -214,6 +214,11 @@ fn preferred_transfer_domain_merges_a_preference_and_counts_cross_domain_placeme
         "kv_transfer_domain = \"zone\"\nkv_transfer_enforcement = \"preferred\"\n\
          kv_transfer_preferred_weight = 0.9",
     );
+    // The prefill placements below are Dynamo's cost's (a 3-block hit halves a 4-block prompt's
+    // cost, which a 0.2 preference does not outweigh); the default prices that hit at ~4 of ~21
+    // ms, which it does. What is tested is how the preferences merge: pin Dynamo's cost by name.
+    s.post("/v1/policies/dynamo/activate", &json!({}))
+        .expect(200);
     let t = tokens(64, 6);
     store(&s, P_A, &t, 4, 1);
     // Without the request's own constraints.

@@ -2084,12 +2084,12 @@ fn policy_upload_takes_its_configuration_in_the_same_step() {
         !listed.to_string().contains("tuned"),
         "a refused upload is not loaded: {listed}"
     );
-    // `{"preference_floor": 2}`, URL-encoded, activated in the same request.
-    let r = up("?activate=true&config=%7B%22preference_floor%22%3A%202%7D");
+    // `{"work_weight": 2}`, URL-encoded, activated in the same request.
+    let r = up("?activate=true&config=%7B%22work_weight%22%3A%202%7D");
     r.expect(201);
     assert_eq!(s.get("/v1/policies").body()["active"], "tuned");
     assert!(
-        r.body().to_string().contains("preference_floor"),
+        r.body().to_string().contains("work_weight"),
         "the answer shows the configuration: {r}"
     );
 }
@@ -2131,12 +2131,12 @@ fn a_policy_directory_is_loaded_before_the_server_answers() {
         kvroute_server::serve::DEFAULT_POLICY_WASM,
     )
     .unwrap();
-    std::fs::write(dir.join("from-dir.json"), r#"{"preference_floor": 1}"#).unwrap();
+    std::fs::write(dir.join("from-dir.json"), r#"{"work_weight": 1}"#).unwrap();
     // The very first answer already has the directory's policy active.
     let s = Server::start(&["--policy-dir", dir.to_str().unwrap()]);
     let listed = s.get("/v1/policies").body().clone();
     assert_eq!(listed["active"], "from-dir", "{listed}");
-    assert!(listed.to_string().contains("preference_floor"), "{listed}");
+    assert!(listed.to_string().contains("work_weight"), "{listed}");
     // With --policy too, the explicit one serves and the directory's is loaded beside it.
     let own = support::temp_dir("own-policy").join("explicit.wasm");
     std::fs::write(&own, kvroute_server::serve::DEFAULT_POLICY_WASM).unwrap();

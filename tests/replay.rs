@@ -22,7 +22,7 @@ use rand::{Rng, SeedableRng};
 
 const B: usize = 64;
 
-fn traces_dir() -> PathBuf {
+pub(crate) fn traces_dir() -> PathBuf {
     support::workspace_root().join("../shared/data/traces")
 }
 
@@ -170,7 +170,8 @@ fn max_overlap_piles_onto_one_worker_while_the_default_cost_spreads() {
             make: Arc::new(|| Box::new(MaxOverlap) as Box<dyn Scorer>),
         },
     );
-    let default = run_one(&trace, &o, PolicySpec::Default);
+    // Dynamo's cost (the default before latency pricing) is what this pins.
+    let default = run_one(&trace, &o, PolicySpec::Dynamo);
     let (p, d) = (&pile.result, &default.result);
     eprintln!(
         "max-overlap {:?} cov {:.3} ttft p90 {:.1}; default {:?} cov {:.3} ttft p90 {:.1}",
@@ -202,7 +203,7 @@ fn max_overlap_piles_onto_one_worker_while_the_default_cost_spreads() {
 }
 
 #[test]
-fn round_robin_loses_to_the_default_cost_on_the_mooncake_trace() {
+fn round_robin_loses_to_dynamo_s_cost_on_the_mooncake_trace() {
     let path = traces_dir().join("synthetic_trace.jsonl");
     let trace = replay::trace::load(&path, &LoadOptions::default()).expect("load");
     assert_eq!(trace.requests.len(), 3993);
@@ -210,7 +211,7 @@ fn round_robin_loses_to_the_default_cost_on_the_mooncake_trace() {
     let runs = replay::run(
         &trace,
         std::slice::from_ref(&o),
-        &[PolicySpec::RoundRobin, PolicySpec::Default],
+        &[PolicySpec::RoundRobin, PolicySpec::Dynamo],
         false,
     )
     .expect("replay");
@@ -233,7 +234,7 @@ fn round_robin_loses_to_the_default_cost_on_the_mooncake_trace() {
     assert_eq!(rr.kv_events_rejected + def.kv_events_rejected, 0);
 }
 
-fn kvroute(args: &[&str]) -> std::process::Output {
+pub(crate) fn kvroute(args: &[&str]) -> std::process::Output {
     Command::new(env!("CARGO_BIN_EXE_kvroute"))
         .args(args)
         .output()
@@ -484,7 +485,7 @@ fn cli_replays_a_wasm_policy_through_the_policy_runtime() {
 }
 
 /// `results.json` without the wall-clock figures.
-fn numbers(dir: &std::path::Path) -> serde_json::Value {
+pub(crate) fn numbers(dir: &std::path::Path) -> serde_json::Value {
     let text = std::fs::read_to_string(dir.join("results.json")).expect("results.json");
     let mut v: serde_json::Value = serde_json::from_str(&text).expect("JSON");
     for p in v["policies"].as_array_mut().expect("policies") {
@@ -550,6 +551,12 @@ fn policy_specs_parse() {
         PolicySpec::parse("default").unwrap(),
         PolicySpec::Default
     ));
+    for dynamo in ["dynamo", "native"] {
+        assert!(matches!(
+            PolicySpec::parse(dynamo).unwrap(),
+            PolicySpec::Dynamo
+        ));
+    }
     match PolicySpec::parse(r#"/x/my policy.wasm:{"a":"b:c"}"#).unwrap() {
         PolicySpec::Wasm { path, config } => {
             assert_eq!(path, PathBuf::from("/x/my policy.wasm"));

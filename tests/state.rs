@@ -74,13 +74,13 @@ fn populate(s: &Server) {
     upload(
         s,
         "tuned",
-        "?activate=true&config=%7B%22preference_floor%22%3A2%7D",
+        "?activate=true&config=%7B%22work_weight%22%3A2%7D",
     )
     .expect(201);
     s.req(
         "PUT",
         "/v1/policies/tuned/config",
-        Some(&json!({"preference_floor": 3})),
+        Some(&json!({"work_weight": 3})),
         None,
     )
     .expect(200);
@@ -239,7 +239,7 @@ fn a_change_that_cannot_be_persisted_is_refused_and_undone() {
         s.req(
             "PUT",
             "/v1/policies/tuned/config",
-            Some(&json!({"preference_floor": 2})),
+            Some(&json!({"work_weight": 2})),
             None,
         ),
         s.raw("POST", "/v1/policies/rollback", &[], b""),

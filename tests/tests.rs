@@ -7,6 +7,7 @@
 
 mod support;
 
+mod builtins;
 mod cli;
 mod cluster;
 mod cluster_outage;

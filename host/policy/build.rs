@@ -1,5 +1,6 @@
-//! Builds the default policy component (`plugins/default`) from source and embeds it in the
-//! `kvroute` binary, so `kvroute serve` runs a real Wasm policy out of the box.
+//! Builds the built-in policy components (`plugins/default`, `plugins/dynamo`) from source and
+//! embeds them in the `kvroute` binary, so `kvroute serve` runs a real Wasm policy out of the box
+//! and can name Dynamo's cost (`dynamo`) beside it.
 //!
 //! The component is built by a nested `cargo build --release --target wasm32-wasip2` into its own
 //! target directory (`target/wasm-plugins`, shared with the tests' plugin builds), since the outer
@@ -16,7 +17,7 @@ fn main() {
         .nth(2)
         .expect("host/policy sits two levels below the workspace")
         .to_path_buf();
-    for dir in ["plugins/default", "sdk", "wit"] {
+    for dir in ["plugins/default", "plugins/dynamo", "sdk", "wit"] {
         println!("cargo:rerun-if-changed={}", workspace.join(dir).display());
     }
     println!("cargo:rerun-if-env-changed=KVROUTE_PLUGIN_TARGET_DIR");
@@ -32,6 +33,8 @@ fn main() {
         "wasm32-wasip2",
         "-p",
         "kvroute-plugin-default",
+        "-p",
+        "kvroute-plugin-dynamo",
         "--manifest-path",
     ])
     .arg(workspace.join("Cargo.toml"));
@@ -51,7 +54,7 @@ fn main() {
     cmd.env("CARGO_TARGET_DIR", &target_dir);
     let output = cmd
         .output()
-        .expect("cannot run cargo to build plugins/default");
+        .expect("cannot run cargo to build plugins/default and plugins/dynamo");
     if !output.status.success() {
         let stderr = String::from_utf8_lossy(&output.stderr);
         let hint =
@@ -60,10 +63,16 @@ fn main() {
             } else {
                 ""
             };
-        panic!("building the default policy component failed:\n{stderr}{hint}");
+        panic!("building the built-in policy components failed:\n{stderr}{hint}");
     }
-    let wasm = target_dir.join("wasm32-wasip2/release/kvroute_plugin_default.wasm");
-    let out = PathBuf::from(env::var("OUT_DIR").expect("set by cargo")).join("default_policy.wasm");
-    std::fs::copy(&wasm, &out)
-        .unwrap_or_else(|e| panic!("cannot copy {} to {}: {e}", wasm.display(), out.display()));
+    let out_dir = PathBuf::from(env::var("OUT_DIR").expect("set by cargo"));
+    for (file, embedded) in [
+        ("kvroute_plugin_default.wasm", "default_policy.wasm"),
+        ("kvroute_plugin_dynamo.wasm", "dynamo_policy.wasm"),
+    ] {
+        let wasm = target_dir.join("wasm32-wasip2/release").join(file);
+        let out = out_dir.join(embedded);
+        std::fs::copy(&wasm, &out)
+            .unwrap_or_else(|e| panic!("cannot copy {} to {}: {e}", wasm.display(), out.display()));
+    }
 }

@@ -5,7 +5,8 @@
 //!
 //! The Wasm component is `plugins/native-cost` (built here for wasm32-wasip2, release), which
 //! recomputes SPEC §7's cost from the columns, preferred taints included — the same work as the
-//! native path, so the difference is the cost of the component boundary.
+//! native path, so the difference is the cost of the component boundary. `decision/default` and
+//! `decision/dynamo` are the embedded built-ins.
 
 #[path = "../../../tests/support/plugins.rs"]
 mod support;
@@ -41,6 +42,16 @@ fn decision_path(c: &mut Criterion) {
             true,
         )
         .expect("load native-cost passthrough");
+    // The two built-ins as `kvroute serve` embeds them: the latency-priced default and Dynamo's
+    // cost (issue 22's goal: the default within 1.5x of `dynamo` at 64 candidates).
+    let builtin = |name: &str, bytes: &[u8]| {
+        let r = registry();
+        r.load(name, bytes, None, true)
+            .unwrap_or_else(|e| panic!("load {name}: {e}"));
+        r
+    };
+    let default = builtin("default", kvroute_policy::DEFAULT_POLICY_WASM);
+    let dynamo = builtin("dynamo", kvroute_policy::DYNAMO_POLICY_WASM);
     let taints = support::taint_table(1, 4);
     let weights = CostWeights::default();
     let mut group = c.benchmark_group("decision");
@@ -56,7 +67,12 @@ fn decision_path(c: &mut Criterion) {
                 black_box(pick(&costs, req.temperature, &mut rng))
             })
         });
-        for (label, reg) in [("wasm", &reg), ("wasm-passthrough", &passthrough)] {
+        for (label, reg) in [
+            ("wasm", &reg),
+            ("wasm-passthrough", &passthrough),
+            ("default", &default),
+            ("dynamo", &dynamo),
+        ] {
             group.bench_with_input(BenchmarkId::new(label, n), &n, |b, _| {
                 b.iter(|| {
                     fill_base_costs(&req, &mut cols, &weights);

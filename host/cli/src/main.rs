@@ -153,7 +153,8 @@ struct ServeArgs {
     /// Tokens per KV block; must match the engines' [default: 16].
     #[arg(long, env = "KVROUTE_BLOCK_SIZE")]
     block_size: Option<u32>,
-    /// A policy component to load and activate instead of the default.
+    /// A policy component (FILE.wasm) to load and activate instead of the default, or a built-in
+    /// policy's name: `default` (latency-priced) or `dynamo` (Dynamo 1.6's cost).
     #[arg(long, env = "KVROUTE_POLICY")]
     policy: Option<PathBuf>,
     /// The name --policy is registered under [default: its file name without .wasm].

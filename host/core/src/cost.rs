@@ -116,7 +116,7 @@ pub fn preferred_multiplier(req: &PolicyRequest, cols: &CandidateColumns, i: usi
 }
 
 /// The native decision costs: base cost times the preferred-taint multiplier (SPEC §7 as written,
-/// including its weak spot at cost 0; the default policy component improves on that).
+/// including its weak spot at cost 0): the built-in `dynamo` policy returns exactly these costs.
 pub fn native_costs(req: &PolicyRequest, cols: &CandidateColumns, out: &mut Vec<f64>) {
     out.clear();
     out.extend((0..cols.len()).map(|i| cols.base_cost[i] * preferred_multiplier(req, cols, i)));

@@ -47,7 +47,7 @@
 //!   or stdio.
 //!
 //! Entry points: [`PolicyRegistry`], and [`RegistryScorer`], which installs it as the router's scorer.
-//! Also [`DEFAULT_POLICY_WASM`] (the embedded default) and [`conformance`] (`kvroute policy check`).
+//! Also [`DEFAULT_POLICY_WASM`] and [`DYNAMO_POLICY_WASM`] (the embedded built-ins, [`builtin_policy`]) and [`conformance`] (`kvroute policy check`).
 //!
 //! Also: pipelines ([`PipelineSpec`]: weighted scorer stages and
 //! an optional selector) and a polled directory ([`PolicyRegistry::watch_directory`]).
@@ -112,3 +112,23 @@ impl DecisionContext<'_> {
 /// (build.rs).
 pub const DEFAULT_POLICY_WASM: &[u8] =
     include_bytes!(concat!(env!("OUT_DIR"), "/default_policy.wasm"));
+
+/// The `dynamo` policy component (`plugins/dynamo`: Dynamo 1.6's default cost, bit-exact), embedded
+/// like the default.
+pub const DYNAMO_POLICY_WASM: &[u8] =
+    include_bytes!(concat!(env!("OUT_DIR"), "/dynamo_policy.wasm"));
+
+/// The built-in policies, by name: registered at `kvroute serve`'s start, accepted by
+/// `serve --policy NAME` and `replay --policy NAME`.
+pub const BUILTIN_POLICIES: [(&str, &[u8]); 2] = [
+    ("default", DEFAULT_POLICY_WASM),
+    ("dynamo", DYNAMO_POLICY_WASM),
+];
+
+/// The embedded component of the built-in policy `name` (`default` or `dynamo`).
+pub fn builtin_policy(name: &str) -> Option<&'static [u8]> {
+    BUILTIN_POLICIES
+        .iter()
+        .find(|(n, _)| *n == name)
+        .map(|(_, b)| *b)
+}

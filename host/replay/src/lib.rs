@@ -9,8 +9,8 @@
 //! | `--policy` | What decides |
 //! |---|---|
 //! | `round-robin` | a trivial [`Scorer`] that picks candidates in turn (eligibility and booking still go through the router) |
-//! | `default` | the router's native cost (SPEC §7), no scorer |
-//! | `dynamo` | Dynamo 1.6's default cost, bit-exact (today the same as `default`) |
+//! | `default` | the built-in default policy: its embedded component (the one `kvroute serve` runs), through the policy runtime |
+//! | `dynamo` (alias `native`) | Dynamo 1.6's default cost, bit-exact: the router's native cost (SPEC §7), no scorer (the built-in `dynamo` component returns the same costs) |
 //! | `FILE.wasm[:CONFIG_JSON]` | the Wasm policy runtime: [`PolicyRegistry::load`] + [`RegistryScorer`], exactly as `serve --policy` |
 //!
 //! Every policy sees the same trace and fleet. A replay is repeatable: the router's random
@@ -75,7 +75,7 @@ use kvroute_core::router::{
 };
 use kvroute_core::workers::TaintNames;
 use kvroute_policy::RegistryScorer;
-use kvroute_policy::{PolicyRegistry, PolicyRuntimeConfig};
+use kvroute_policy::{PolicyRegistry, PolicyRuntimeConfig, DEFAULT_POLICY_WASM};
 
 pub use cli::{cli_main, plot_label, ReplayArgs};
 pub use report::{PolicyResult, PolicyRun, Results};
@@ -90,7 +90,8 @@ pub type ScorerFactory = Arc<dyn Fn() -> Box<dyn Scorer> + Send + Sync>;
 pub enum PolicySpec {
     /// Candidates in turn.
     RoundRobin,
-    /// The router's native cost.
+    /// The built-in `default` policy: its embedded component, run through the policy runtime
+    /// exactly as `kvroute serve` runs it.
     Default,
     /// Dynamo 1.6's default cost, bit-exact, whatever `default` becomes: the reference every
     /// comparison can name.
@@ -123,12 +124,12 @@ impl std::fmt::Debug for PolicySpec {
 }
 
 impl PolicySpec {
-    /// Parses `round-robin`, `default` or `FILE.wasm[:CONFIG_JSON]`.
+    /// Parses `round-robin`, `default`, `dynamo` (alias `native`) or `FILE.wasm[:CONFIG_JSON]`.
     pub fn parse(s: &str) -> Result<Self> {
         match s {
             "round-robin" | "round_robin" | "rr" => return Ok(PolicySpec::RoundRobin),
-            "default" | "native" => return Ok(PolicySpec::Default),
-            "dynamo" => return Ok(PolicySpec::Dynamo),
+            "default" => return Ok(PolicySpec::Default),
+            "dynamo" | "native" => return Ok(PolicySpec::Dynamo),
             _ => {}
         }
         if let Some(i) = s.find(".wasm:") {
@@ -295,20 +296,23 @@ pub fn run_policy(
     let router = &routers[0];
     // Keep the registry alive for the whole run (its maintenance thread serves the scorer).
     let mut _registry: Option<Arc<PolicyRegistry>> = None;
-    if let PolicySpec::Wasm { path, config } = policy {
-        let bytes =
-            std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
-        let registry = Arc::new(
-            PolicyRegistry::new(PolicyRuntimeConfig {
-                deadline_us: REPLAY_POLICY_DEADLINE_US,
-                ..PolicyRuntimeConfig::default()
-            })
-            .map_err(|e| anyhow!("policy runtime: {e}"))?,
-        );
-        registry
-            .load(name, &bytes, config.as_deref(), true)
-            .map_err(|e| anyhow!("{}: {e}", path.display()))?;
-        _registry = Some(registry);
+    // One registry for every replica (each replica's scorer calls it), loaded once.
+    match policy {
+        PolicySpec::Default => {
+            _registry = Some(
+                load_component("default", DEFAULT_POLICY_WASM, None)
+                    .map_err(|e| anyhow!("the embedded default policy: {e}"))?,
+            );
+        }
+        PolicySpec::Wasm { path, config } => {
+            let bytes =
+                std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+            _registry = Some(
+                load_component(&policy.name(), &bytes, config.as_deref())
+                    .map_err(|e| anyhow!("{}: {e}", path.display()))?,
+            );
+        }
+        PolicySpec::RoundRobin | PolicySpec::Dynamo | PolicySpec::Custom { .. } => {}
     }
     for router in &routers {
         router.indexer().set_max_entries(opts.max_index_entries);
@@ -316,10 +320,11 @@ pub fn run_policy(
             PolicySpec::RoundRobin => {
                 router.set_scorer(Some(Box::new(RoundRobinScorer::default())))
             }
-            // Today's default is Dynamo 1.6's cost, the router's native one.
-            PolicySpec::Default | PolicySpec::Dynamo => router.set_scorer(None),
+            // Dynamo 1.6's cost is the router's native one: run natively (the embedded `dynamo`
+            // component returns the same costs, bit for bit, so the picks are the same).
+            PolicySpec::Dynamo => router.set_scorer(None),
             PolicySpec::Custom { make, .. } => router.set_scorer(Some(make())),
-            PolicySpec::Wasm { .. } => {
+            PolicySpec::Default | PolicySpec::Wasm { .. } => {
                 let registry = _registry.as_ref().expect("loaded above");
                 router.set_scorer(Some(Box::new(RegistryScorer::new(registry.clone()))));
             }
@@ -365,6 +370,22 @@ pub fn run_policy(
             expired: p.expired,
         });
     Ok(run)
+}
+
+/// Loads a policy component into a fresh registry (replay deadline), whose scorer every replica of
+/// the run calls; the registry must live as long as the run.
+fn load_component(name: &str, bytes: &[u8], config: Option<&str>) -> Result<Arc<PolicyRegistry>> {
+    let registry = Arc::new(
+        PolicyRegistry::new(PolicyRuntimeConfig {
+            deadline_us: REPLAY_POLICY_DEADLINE_US,
+            ..PolicyRuntimeConfig::default()
+        })
+        .map_err(|e| anyhow!("policy runtime: {e}"))?,
+    );
+    registry
+        .load(name, bytes, config, true)
+        .map_err(|e| anyhow!("{e}"))?;
+    Ok(registry)
 }
 
 /// How long a policy's run goes before its progress bar appears.

@@ -30,7 +30,8 @@ pub struct ServeConfig {
     pub block_size: u32,
     /// Bearer token for admin endpoints. Without one, admin endpoints answer loopback clients only.
     pub admin_token: Option<String>,
-    /// A policy component to load and activate at start (instead of the embedded default).
+    /// A policy component to load and activate at start (instead of the embedded default), or the
+    /// name of a built-in policy (`default`, `dynamo`; see [`Self::builtin_policy`]).
     pub policy: Option<PathBuf>,
     /// The name `policy` is registered under [default: the file name without `.wasm`].
     pub policy_name: Option<String>,
@@ -238,7 +239,9 @@ impl ServeConfig {
     /// [`Self::validate`], as `kvroute serve --config` runs it after the overrides.
     pub fn from_toml_str(text: &str, base: &Path) -> Result<Self, String> {
         let mut c: Self = toml::from_str(text).map_err(|e| e.to_string())?;
-        for p in [&mut c.policy, &mut c.policy_dir, &mut c.state_dir]
+        let builtin = c.builtin_policy().is_some();
+        let policy = c.policy.as_mut().filter(|_| !builtin);
+        for p in [policy, c.policy_dir.as_mut(), c.state_dir.as_mut()]
             .into_iter()
             .flatten()
         {
@@ -254,6 +257,17 @@ impl ServeConfig {
             }
         }
         Ok(c)
+    }
+
+    /// The built-in policy `policy` names: `default` or `dynamo` written alone (no directory, no
+    /// extension), which start the embedded component of that name instead of reading a file. A
+    /// file called `default` in the working directory is still reachable as `./default`.
+    pub fn builtin_policy(&self) -> Option<&'static str> {
+        let p = self.policy.as_deref()?.to_str()?;
+        kvroute_policy::BUILTIN_POLICIES
+            .iter()
+            .map(|(n, _)| *n)
+            .find(|n| *n == p)
     }
 
     /// The name the start-up policy (`policy`) is registered under: `policy_name`, else the
@@ -390,6 +404,12 @@ impl ServeConfig {
                     self.policy.as_deref().unwrap_or(Path::new("")).display()
                 ),
             })?;
+        }
+        if let (Some(b), Some(_)) = (self.builtin_policy(), &self.policy_name) {
+            return Err(format!(
+                "policy_name: the built-in policy {b:?} is always registered under its own name; \
+                 policy_name only names a component file"
+            ));
         }
         if self.policy_name.is_some() && self.policy.is_none() {
             return Err("policy_name is set but policy is not: name the component to load".into());
@@ -568,6 +588,14 @@ mod tests {
         c.validate().unwrap();
         c.policy_name = Some("rollback".into());
         assert!(c.validate().unwrap_err().starts_with("policy_name"));
+        c.policy = Some("dynamo".into());
+        assert!(c.validate().unwrap_err().contains("built-in"));
+        c.policy_name = None;
+        assert_eq!((c.builtin_policy(), c.validate()), (Some("dynamo"), Ok(())));
+        let f = ServeConfig::from_toml_str("policy = \"default\"", Path::new("/etc")).unwrap();
+        assert_eq!(f.builtin_policy(), Some("default"));
+        c.policy = Some("./dynamo".into());
+        assert_eq!(c.builtin_policy(), None);
         c.policy = None;
         c.policy_name = Some("mine".into());
         assert!(c.validate().unwrap_err().contains("policy is not"));

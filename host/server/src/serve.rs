@@ -24,8 +24,9 @@ pub struct Server {
 
 pub use kvroute_policy::DEFAULT_POLICY_WASM;
 
-/// Builds the core from a configuration and loads the start-up policy: `--policy` when given,
-/// else the embedded default.
+/// Builds the core from a configuration and loads the start-up policy: `--policy` when given (a
+/// component file, or a built-in's name), else the embedded default; the built-ins (`default`,
+/// `dynamo`) are registered either way.
 pub fn build(config: &ServeConfig) -> Result<(Arc<Router>, Arc<PolicyRegistry>), String> {
     build_with_state(config, None)
 }
@@ -106,22 +107,42 @@ pub fn build_with_state(
             "policies restored"
         );
     }
-    if let Some(path) = &config.policy {
-        let bytes = std::fs::read(path)
-            .map_err(|e| format!("cannot read the policy component {}: {e}", path.display()))?;
-        let name = config.start_policy_name().unwrap_or_default();
-        policies
-            .load(&name, &bytes, config.policy_config.as_deref(), true)
-            .map_err(|e| format!("--policy {}: {e}", path.display()))?;
-    } else if image.is_none() {
-        policies
-            .load(
-                "default",
-                DEFAULT_POLICY_WASM,
-                config.policy_config.as_deref(),
-                true,
-            )
-            .map_err(|e| format!("the embedded default policy: {e}"))?;
+    match (&config.policy, config.builtin_policy()) {
+        (_, Some(name)) => {
+            let bytes = kvroute_policy::builtin_policy(name).unwrap_or_default();
+            policies
+                .load(name, bytes, config.policy_config.as_deref(), true)
+                .map_err(|e| format!("--policy {name} (built-in): {e}"))?;
+        }
+        (Some(path), None) => {
+            let bytes = std::fs::read(path)
+                .map_err(|e| format!("cannot read the policy component {}: {e}", path.display()))?;
+            let name = config.start_policy_name().unwrap_or_default();
+            policies
+                .load(&name, &bytes, config.policy_config.as_deref(), true)
+                .map_err(|e| format!("--policy {}: {e}", path.display()))?;
+        }
+        (None, None) if image.is_none() => {
+            policies
+                .load(
+                    "default",
+                    DEFAULT_POLICY_WASM,
+                    config.policy_config.as_deref(),
+                    true,
+                )
+                .map_err(|e| format!("the embedded default policy: {e}"))?;
+        }
+        (None, None) => {}
+    }
+    // Every server names both built-ins (`dynamo` beside `default`), so any comparison can
+    // activate either by name: those neither the start-up policy nor the stored state brought are
+    // registered here, inactive, with their default configuration.
+    for (name, bytes) in kvroute_policy::BUILTIN_POLICIES {
+        if policies.get(name).is_none() {
+            policies
+                .load(name, bytes, None, false)
+                .map_err(|e| format!("the embedded {name} policy: {e}"))?;
+        }
     }
     router.set_scorer(Some(Box::new(RegistryScorer::new(policies.clone()))));
     if let Some(p) = state {

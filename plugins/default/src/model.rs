@@ -1,0 +1,281 @@
+//! The default's latency model: estimated milliseconds to the request's first token on one
+//! candidate. Kept apart from the policy glue so the arithmetic can be read (and tested) alone.
+//!
+//! Step times come from ONE place, [`Config::step_times`]: today the configured figures (SPEC
+//! §10's engine model unless overridden) and the candidate's own step budget. When the SDK exposes
+//! per-worker learned figures, that function is where they enter; nothing else changes.
+
+use kvroute_sdk::{Request, Row, Stage};
+
+/// The larger of two finite figures. `f64::max` is a call into libm's `fmax` on wasm32 (NaN
+/// rules); a compare keeps the per-candidate loop inline (the decision-cost budget, BENCHMARKS.md).
+#[inline(always)]
+fn max(a: f64, b: f64) -> f64 {
+    if a > b {
+        a
+    } else {
+        b
+    }
+}
+
+/// The smaller of two finite figures (see [`max`]).
+#[inline(always)]
+fn min(a: f64, b: f64) -> f64 {
+    if a < b {
+        a
+    } else {
+        b
+    }
+}
+
+/// The configuration (see the crate docs for each key's meaning and default).
+#[derive(Clone, Copy, Debug, PartialEq, serde::Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// `[p0, p1, p2]`: one step computing `T` prompt tokens lasts `p0 + p1·T + p2·T²` ms.
+    pub prefill_ms: [f64; 3],
+    /// `[d0, d1, d2]`: a decode step at KV utilisation `u` lasts `max(1, d0 + d1·u + d2·u²)` ms.
+    pub decode_ms: [f64; 3],
+    /// Step token budget of candidates that do not report one.
+    pub default_max_num_batched_tokens: u32,
+    /// Fraction of its current step a busy candidate is assumed to have left.
+    pub residual_frac: f64,
+    pub host_tier_weight: f64,
+    pub disk_tier_weight: f64,
+    /// Added when the request's blocks would not fit in the candidate's free KV blocks.
+    pub overflow_penalty_ms: f64,
+    /// Count this prompt's blocks already active on a candidate (booked by an earlier request)
+    /// as cached.
+    pub credit_active_blocks: bool,
+    /// Weight of the request's own prefill compute (ms), added on top of its own wait.
+    pub work_weight: f64,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            prefill_ms: [16.50142, 1.518344e-2, 4.209989e-7],
+            decode_ms: [5.74, 54.01, -25.74],
+            default_max_num_batched_tokens: 8192,
+            residual_frac: 0.5,
+            host_tier_weight: 0.75,
+            disk_tier_weight: 0.25,
+            overflow_penalty_ms: 10_000.0,
+            credit_active_blocks: true,
+            work_weight: 4.0,
+        }
+    }
+}
+
+/// What the estimate needs of the request, computed once per decision (not per candidate: the
+/// integer divisions here would otherwise dominate the per-candidate work).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Prompt {
+    pub stage: Stage,
+    /// Prompt tokens.
+    pub tokens: f64,
+    /// Tokens per block.
+    pub block: f64,
+    /// Blocks a cache can serve at most: all but the one holding the last token.
+    pub reusable_blocks: f64,
+    /// Blocks the prompt occupies (a partial tail block counts).
+    pub blocks: u32,
+}
+
+impl Prompt {
+    pub fn of(req: &Request) -> Self {
+        let b = req.block_size.max(1);
+        let isl = req.prompt_tokens;
+        Self {
+            stage: req.stage,
+            tokens: f64::from(isl),
+            block: f64::from(b),
+            reusable_blocks: f64::from(isl.saturating_sub(1) / b),
+            blocks: isl.div_ceil(b),
+        }
+    }
+}
+
+/// One candidate's step-time figures.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepTimes {
+    /// `[p0, p1, p2]` of `prefill(T) = p0 + p1·T + p2·T²` ms.
+    pub prefill_ms: [f64; 3],
+    /// `[d0, d1, d2]` of `decode(u) = max(1, d0 + d1·u + d2·u²)` ms.
+    pub decode_ms: [f64; 3],
+    /// Prompt tokens one step computes at most.
+    pub budget: f64,
+}
+
+impl StepTimes {
+    /// One step computing `tokens` prompt tokens.
+    #[inline]
+    pub fn prefill(&self, tokens: f64) -> f64 {
+        let [c0, c1, c2] = self.prefill_ms;
+        c0 + c1 * tokens + c2 * tokens * tokens
+    }
+
+    /// The compute `tokens` prompt tokens add to steps that run anyway (no per-step constant).
+    #[inline]
+    pub fn marginal_prefill(&self, tokens: f64) -> f64 {
+        let [_, c1, c2] = self.prefill_ms;
+        c1 * tokens + c2 * tokens * tokens
+    }
+
+    /// `queued` prompt tokens done in chunked steps of `budget`: `(steps, ms)`.
+    #[inline]
+    pub fn chunked_prefill(&self, queued: f64) -> (f64, f64) {
+        let [c0, c1, c2] = self.prefill_ms;
+        if queued <= self.budget {
+            // One step (the common case): no division.
+            return (1.0, c0 + c1 * queued + c2 * queued * queued);
+        }
+        let steps = max((queued / self.budget).ceil(), 1.0);
+        (
+            steps,
+            steps * c0 + c1 * queued + c2 * queued * queued / steps,
+        )
+    }
+
+    /// One decode step at KV utilisation `u`.
+    #[inline]
+    pub fn decode(&self, u: f64) -> f64 {
+        let [c0, c1, c2] = self.decode_ms;
+        max(c0 + c1 * u + c2 * u * u, 1.0)
+    }
+}
+
+impl Config {
+    /// The step times of candidate `r`: the ONE place step-time figures come from (today the
+    /// configured ones and the candidate's reported step budget; learned per-worker figures go
+    /// here once the SDK exposes them).
+    #[inline]
+    pub fn step_times(&self, r: Row<'_>) -> StepTimes {
+        let budget = match r.max_num_batched_tokens() {
+            0 => self.default_max_num_batched_tokens.max(1),
+            m => m,
+        };
+        StepTimes {
+            prefill_ms: self.prefill_ms,
+            decode_ms: self.decode_ms,
+            budget: f64::from(budget),
+        }
+    }
+
+    /// Estimated milliseconds from now to this request's first token on `r`, at its stage.
+    #[inline]
+    pub fn estimate(&self, req: &Request, r: Row<'_>) -> f64 {
+        self.estimate_prompt(&Prompt::of(req), r)
+    }
+
+    /// [`Self::estimate`] with the request's figures computed once ([`Prompt::of`]).
+    #[inline]
+    pub fn estimate_prompt(&self, p: &Prompt, r: Row<'_>) -> f64 {
+        match p.stage {
+            Stage::Aggregated | Stage::Prefill => self.prefill_estimate(p, r),
+            Stage::Decode => self.decode_estimate(p, r),
+        }
+    }
+
+    /// Prompt tokens `r` must compute for this request: those past the cache credit (device
+    /// blocks, host and disk ones weighted, or the prompt blocks an earlier request booked there,
+    /// whichever is more), at least the last block's worth being computed as an engine must, and
+    /// at least 1.
+    #[inline]
+    pub fn own_tokens(&self, p: &Prompt, r: Row<'_>) -> f64 {
+        let (d, h, k) = (r.device_overlap(), r.host_overlap(), r.disk_overlap());
+        let cached = f64::from(d)
+            + self.host_tier_weight * f64::from(h.saturating_sub(d))
+            + self.disk_tier_weight * f64::from(k.saturating_sub(d.max(h)));
+        let credit = if self.credit_active_blocks {
+            max(cached, f64::from(r.active_prompt_blocks()))
+        } else {
+            cached
+        };
+        max(p.tokens - min(credit, p.reusable_blocks) * p.block, 1.0)
+    }
+
+    /// Blocks of the prompt `r` must newly hold (those an earlier request made active are
+    /// shared).
+    #[inline]
+    fn new_blocks(p: &Prompt, r: Row<'_>) -> u64 {
+        u64::from(p.blocks.saturating_sub(r.active_prompt_blocks()))
+    }
+
+    /// KV utilisation of `r` with `blocks` in use (0 when its capacity is unknown).
+    #[inline]
+    fn util(r: Row<'_>, blocks: u64) -> f64 {
+        Self::util_of(Self::inverse_capacity(r), blocks)
+    }
+
+    /// `1 / total_kv_blocks` of `r` (0 when unknown): one division per candidate, not per use.
+    #[inline]
+    fn inverse_capacity(r: Row<'_>) -> f64 {
+        match r.total_kv_blocks() {
+            0 => 0.0,
+            total => 1.0 / total as f64,
+        }
+    }
+
+    /// KV utilisation with `blocks` in use, from [`Self::inverse_capacity`].
+    #[inline]
+    fn util_of(inverse_capacity: f64, blocks: u64) -> f64 {
+        min(blocks as f64 * inverse_capacity, 1.0)
+    }
+
+    /// `overflow_penalty_ms` when `blocks` more would not fit in `r`'s KV capacity (the engine
+    /// would preempt), else 0.
+    #[inline]
+    fn overflow(&self, r: Row<'_>, blocks: u64) -> f64 {
+        let total = r.total_kv_blocks();
+        if total > 0 && r.active_decode_blocks() + blocks > total {
+            self.overflow_penalty_ms
+        } else {
+            0.0
+        }
+    }
+
+    /// An aggregated decision or the prefill step: the chosen engine computes the prompt.
+    pub fn prefill_estimate(&self, p: &Prompt, r: Row<'_>) -> f64 {
+        let t = self.step_times(r);
+        let own = self.own_tokens(p, r);
+        let ahead = r.active_prefill_tokens() as f64;
+        let (steps, mut est) = t.chunked_prefill(ahead + own);
+        let used = r.active_decode_blocks();
+        let new_blocks = Self::new_blocks(p, r);
+        if r.active_requests() > 0 {
+            // Every step also decodes the running requests; the current step is part done.
+            let inv = Self::inverse_capacity(r);
+            est += steps * t.decode(Self::util_of(inv, used + new_blocks));
+            let current = if ahead > 0.0 {
+                t.prefill(min(ahead, t.budget))
+            } else {
+                0.0
+            } + t.decode(Self::util_of(inv, used));
+            est += self.residual_frac * current;
+        }
+        // The compute this request adds, which later arrivals on that engine wait behind.
+        est += self.work_weight * t.marginal_prefill(own);
+        est + self.overflow(r, new_blocks)
+    }
+
+    /// The decode step: the KV arrives by transfer, the engine computes no prompt, so overlap,
+    /// the prompt's own prefill and `work_weight` do not apply. One step decoding this request
+    /// beside the others (with a chunk of the prompts queued there), after the current one.
+    pub fn decode_estimate(&self, p: &Prompt, r: Row<'_>) -> f64 {
+        let t = self.step_times(r);
+        let ahead = r.active_prefill_tokens() as f64;
+        let chunk = if ahead > 0.0 {
+            t.prefill(min(ahead, t.budget))
+        } else {
+            0.0
+        };
+        let used = r.active_decode_blocks();
+        let new_blocks = Self::new_blocks(p, r);
+        let mut est = chunk + t.decode(Self::util(r, used + new_blocks));
+        if r.active_requests() > 0 || ahead > 0.0 {
+            est += self.residual_frac * (chunk + t.decode(Self::util(r, used)));
+        }
+        est + self.overflow(r, new_blocks)
+    }
+}

@@ -1,0 +1,265 @@
+//! Unit tests of the default's latency model, run natively through the SDK's harness.
+
+use super::*;
+use kvroute_sdk::testing::{build, candidate, request, Harness};
+
+fn close(a: f64, b: f64) -> bool {
+    (a - b).abs() < 1e-9 * b.abs().max(1.0)
+}
+
+#[test]
+fn an_idle_candidate_costs_one_prefill_step_plus_the_work_term() {
+    let mut h = Harness::<DefaultPolicy>::new();
+    let c = Config::default();
+    // 1,000 uncached tokens on an idle engine: one step, no decode, no residual.
+    h.configure(r#"{"work_weight": 0}"#).unwrap();
+    let costs = h.costs(&request(1000), &[candidate(1)]);
+    let step = c.prefill_ms[0] + c.prefill_ms[1] * 1000.0 + c.prefill_ms[2] * 1e6;
+    assert!(close(costs[0], step), "{costs:?} vs {step}");
+    // The default work weight (4) counts the request's own compute 1 + 4 times.
+    assert_eq!(c.work_weight, 4.0);
+    h.configure("{}").unwrap();
+    let costs = h.costs(&request(1000), &[candidate(1)]);
+    let want = step + 4.0 * (c.prefill_ms[1] * 1000.0 + c.prefill_ms[2] * 1e6);
+    assert!(close(costs[0], want), "{costs:?} vs {want}");
+}
+
+#[test]
+fn step_times_come_from_one_place_the_candidate_s_budget_or_the_default() {
+    let c = Config::default();
+    let req = request(4096).block_size(64);
+    let set = [candidate(1).max_num_batched_tokens(2048), candidate(2)];
+    let (_, _, cols) = build(&req, &set);
+    let view = cols.view();
+    let (own, other) = (c.step_times(view.row(0)), c.step_times(view.row(1)));
+    assert_eq!(own.budget, 2048.0);
+    assert_eq!(other.budget, 8192.0);
+    assert_eq!(own.prefill_ms, c.prefill_ms);
+    // A 2,048-token budget splits 4,096 uncached tokens over two steps: two step constants.
+    let mut h = Harness::<DefaultPolicy>::new();
+    h.configure(r#"{"work_weight": 0}"#).unwrap();
+    let costs = h.costs(&req, &set);
+    let [p0, p1, p2] = c.prefill_ms;
+    assert!(close(
+        costs[0],
+        2.0 * p0 + p1 * 4096.0 + p2 * 4096.0 * 4096.0 / 2.0
+    ));
+    assert!(close(costs[1], p0 + p1 * 4096.0 + p2 * 4096.0 * 4096.0));
+    // Configured step times flow through the same function into every estimate.
+    h.configure(r#"{"work_weight": 0, "prefill_ms": [10, 0.02, 0]}"#)
+        .unwrap();
+    let costs = h.costs(&req, &set[1..]);
+    assert!(close(costs[0], 10.0 + 0.02 * 4096.0), "{costs:?}");
+}
+
+#[test]
+fn the_work_weight_trades_this_request_s_wait_for_fleet_work() {
+    let mut h = Harness::<DefaultPolicy>::new();
+    // 4,096 tokens, half cached on a worker with 1,536 prompt tokens queued; the other is idle.
+    let req = request(4096).block_size(64);
+    let set = [
+        candidate(1)
+            .device_overlap(32)
+            .active_prefill_tokens(1536)
+            .active_requests(1),
+        candidate(2),
+    ];
+    h.configure(r#"{"work_weight": 0}"#).unwrap();
+    assert_eq!(h.pick(&req, &set).index, 1, "{:?}", h.costs(&req, &set));
+    h.configure("{}").unwrap();
+    assert_eq!(h.pick(&req, &set).index, 0, "{:?}", h.costs(&req, &set));
+}
+
+#[test]
+fn a_cache_hit_beats_an_idle_engine_for_a_long_prompt() {
+    let mut h = Harness::<DefaultPolicy>::new();
+    // 16,384 tokens = 256 blocks at 64: all but the last block cached on a decoding worker.
+    let req = request(16_384).block_size(64);
+    let set = [
+        candidate(1),
+        candidate(2)
+            .device_overlap(256)
+            .active_requests(6)
+            .active_decode_blocks(2_000),
+    ];
+    assert_eq!(h.pick(&req, &set).index, 1);
+    let costs = h.costs(&req, &set);
+    assert!(costs[1] < 60.0 && costs[0] > 200.0, "{costs:?}");
+}
+
+#[test]
+fn decode_blocks_weigh_little_next_to_queued_prefill_unlike_dynamo_s_cost() {
+    let mut h = Harness::<DefaultPolicy>::new();
+    let req = request(4096).block_size(64);
+    let set = [
+        candidate(1).active_prefill_tokens(2048).active_requests(1),
+        candidate(2).active_decode_blocks(2_000).active_requests(8),
+    ];
+    // Dynamo's cost (the base-cost column) prefers worker 1: fewer blocks in total.
+    let (_, _, cols) = build(&req, &set);
+    let native: Vec<f64> = cols.view().rows().map(|r| r.base_cost()).collect();
+    assert!(native[0] < native[1], "native order: {native:?}");
+    // In milliseconds, 2,000 decoding blocks cost a few ms per step, 2,048 queued tokens ~30 ms.
+    assert_eq!(h.pick(&req, &set).index, 1, "{:?}", h.costs(&req, &set));
+}
+
+#[test]
+fn queued_prefill_ahead_delays_a_cached_request() {
+    let mut h = Harness::<DefaultPolicy>::new();
+    let req = request(8192).block_size(64);
+    let set = [
+        candidate(1)
+            .device_overlap(128)
+            .active_prefill_tokens(3 * 8192)
+            .active_requests(3),
+        candidate(2).device_overlap(64).active_requests(1),
+    ];
+    assert_eq!(h.pick(&req, &set).index, 1, "{:?}", h.costs(&req, &set));
+}
+
+#[test]
+fn blocks_an_earlier_request_booked_count_as_cached() {
+    let mut h = Harness::<DefaultPolicy>::new();
+    // A burst: the same 64-block prompt was just booked on worker 1 (no KV event yet).
+    let req = request(4096).block_size(64);
+    let set = [
+        candidate(1)
+            .active_prompt_blocks(64)
+            .active_prefill_tokens(4096)
+            .active_requests(1),
+        candidate(2).active_requests(1).active_decode_blocks(100),
+    ];
+    assert_eq!(h.pick(&req, &set).index, 0, "{:?}", h.costs(&req, &set));
+    h.configure(r#"{"credit_active_blocks": false}"#).unwrap();
+    assert_eq!(h.pick(&req, &set).index, 1, "{:?}", h.costs(&req, &set));
+}
+
+#[test]
+fn overflowing_the_kv_capacity_is_penalised() {
+    let mut h = Harness::<DefaultPolicy>::new();
+    let req = request(6400).block_size(64);
+    let set = [
+        candidate(1)
+            .device_overlap(99)
+            .total_kv_blocks(1000)
+            .active_decode_blocks(950)
+            .active_requests(4),
+        candidate(2).total_kv_blocks(1000),
+    ];
+    assert_eq!(h.pick(&req, &set).index, 1, "{:?}", h.costs(&req, &set));
+    let costs = h.costs(&req, &set);
+    assert!(
+        costs[0] > Config::default().overflow_penalty_ms,
+        "{costs:?}"
+    );
+    h.configure(r#"{"overflow_penalty_ms": 0}"#).unwrap();
+    assert_eq!(h.pick(&req, &set).index, 0, "{:?}", h.costs(&req, &set));
+}
+
+#[test]
+fn preferences_separate_idle_candidates_the_estimate_is_never_zero() {
+    let mut h = Harness::<DefaultPolicy>::new();
+    let set = [
+        candidate(1).taints(&["zone=a"]).device_overlap(16),
+        candidate(2).taints(&["zone=b"]).device_overlap(16),
+    ];
+    // Fully cached and idle on both: Dynamo's cost would tie at 0 whatever the preference.
+    let costs = h.costs(&request(256), &set);
+    assert!(costs.iter().all(|&c| c > 0.0), "{costs:?}");
+    assert_eq!(h.pick(&request(256).prefer("zone=b", 0.5), &set).index, 1);
+    assert_eq!(h.pick(&request(256).prefer("zone=a", 0.5), &set).index, 0);
+    assert_eq!(h.pick(&request(256).prefer("zone=a", -0.5), &set).index, 1);
+    // The multiplier is SPEC §7's: exp(-tanh(0.5)) on the preferred candidate.
+    let plain = h.costs(&request(256), &set);
+    let pref = h.costs(&request(256).prefer("zone=b", 0.5), &set);
+    assert!(
+        close(pref[1], plain[1] * (-(0.5f64).tanh()).exp()),
+        "{pref:?}"
+    );
+    assert_eq!(pref[0], plain[0]);
+}
+
+#[test]
+fn the_decode_step_ranks_by_load_not_overlap() {
+    let mut h = Harness::<DefaultPolicy>::new();
+    // 16,384 tokens = 256 blocks at 64, all cached on worker 1, which is decoding more.
+    let req = request(16_384).block_size(64);
+    let set = [
+        candidate(1)
+            .device_overlap(256)
+            .active_decode_blocks(6_000)
+            .active_requests(12),
+        candidate(2).active_decode_blocks(1_000).active_requests(3),
+    ];
+    // Computing the prompt: the cache hit wins by far, aggregated or at the prefill step.
+    assert_eq!(h.pick(&req, &set).worker_id, 1);
+    assert_eq!(h.pick(&req.clone().prefill(), &set).worker_id, 1);
+    assert_eq!(h.costs(&req.clone().prefill(), &set), h.costs(&req, &set));
+    // Receiving the KV cache: only the load counts, overlap changes nothing.
+    let decode = req.clone().decode();
+    assert_eq!(
+        h.pick(&decode, &set).worker_id,
+        2,
+        "{:?}",
+        h.costs(&decode, &set)
+    );
+    let uncached = [set[0].clone().device_overlap(0), set[1].clone()];
+    assert_eq!(h.costs(&decode, &set), h.costs(&decode, &uncached));
+    // One decode step (and half the current one), no prefill and no work term.
+    let t = Config::default().step_times(build(&decode, &set).2.view().row(1));
+    let u = |b: f64| b / 16_384.0;
+    let want = t.decode(u(1_256.0)) + 0.5 * t.decode(u(1_000.0));
+    let costs = h.costs(&decode, &set);
+    assert!(close(costs[1], want), "{costs:?} vs {want}");
+}
+
+#[test]
+fn the_decode_step_weighs_queued_prefill_and_keeps_preferences() {
+    let mut h = Harness::<DefaultPolicy>::new();
+    let decode = request(4096).block_size(64).decode();
+    // A `both` worker with 8,192 queued prompt tokens mixes a full prefill chunk into the step
+    // that decodes this request; a decode-only worker with more KV in use does not.
+    let set = [
+        candidate(1).active_prefill_tokens(8192).active_requests(2),
+        candidate(2).active_decode_blocks(4_000).active_requests(20),
+    ];
+    assert_eq!(
+        h.pick(&decode, &set).worker_id,
+        2,
+        "{:?}",
+        h.costs(&decode, &set)
+    );
+    // A preferred KV-transfer domain separates equally loaded decode workers.
+    let idle = [
+        candidate(1).taints(&["topology/zone=a"]),
+        candidate(2).taints(&["topology/zone=b"]),
+    ];
+    let req = request(4096).decode().prefer("topology/zone=b", 0.5);
+    assert_eq!(h.pick(&req, &idle).worker_id, 2);
+}
+
+#[test]
+fn config_is_checked_and_unknown_keys_are_rejected() {
+    let mut h = Harness::<DefaultPolicy>::new();
+    for (json, key) in [
+        (r#"{"residual_frac": -1}"#, "residual_frac"),
+        (r#"{"work_weight": -0.5}"#, "work_weight"),
+        (r#"{"prefill_ms": [0, 1, 0]}"#, "prefill_ms"),
+        (
+            r#"{"default_max_num_batched_tokens": 0}"#,
+            "default_max_num_batched_tokens",
+        ),
+        (r#"{"preference_floor": 1}"#, "preference_floor"),
+        (r#"{"nope": 1}"#, "nope"),
+    ] {
+        let e = h.configure(json).unwrap_err();
+        assert!(e.contains(key), "{json}: {e}");
+        // A refused configuration changes nothing.
+        assert_eq!(*h.policy.config(), Config::default(), "{json}");
+    }
+    h.configure(r#"{"residual_frac": 0.25, "default_max_num_batched_tokens": 4096}"#)
+        .unwrap();
+    assert_eq!(h.policy.config().residual_frac, 0.25);
+    h.configure("{}").unwrap();
+    assert_eq!(*h.policy.config(), Config::default());
+}
