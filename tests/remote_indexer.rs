@@ -103,18 +103,24 @@ fn a_remote_indexer_router_decides_as_a_local_index_one_on_the_same_events() {
                 explained(&b),
                 "family {family}, {blocks} blocks: every candidate's overlaps"
             );
-            assert_eq!(a["overlap_blocks"], b["overlap_blocks"]);
             // The same choice; among equal costs the tie-break is random, so a tie allows any
-            // of the tied candidates.
+            // of the tied candidates (the default prices a prompt's last block as computed
+            // whatever the overlap, so candidates holding 1 or 2 blocks of a 2-block prompt tie).
             let best = lowest_cost(&a);
-            let chosen = (
-                b["worker_id"].as_u64().unwrap(),
-                b["dp_rank"].as_u64().unwrap(),
-            );
+            let pick = |d: &serde_json::Value| {
+                (
+                    d["worker_id"].as_u64().unwrap(),
+                    d["dp_rank"].as_u64().unwrap(),
+                )
+            };
+            let chosen = pick(&b);
             assert!(
                 best.contains(&chosen),
                 "family {family}, {blocks} blocks: the same choice\n{a}\n{b}"
             );
+            if pick(&a) == chosen {
+                assert_eq!(a["overlap_blocks"], b["overlap_blocks"]);
+            }
             if best.len() == 1 {
                 unique += 1;
             }

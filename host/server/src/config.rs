@@ -571,8 +571,10 @@ mod tests {
         c.validate().unwrap();
         c.policy_name = Some("rollback".into());
         assert!(c.validate().unwrap_err().starts_with("policy_name"));
+        c.policy_name = Some("mine".into());
         c.policy = Some("dynamo".into());
-        assert!(c.validate().unwrap_err().contains("built-in"));
+        let e = c.validate().unwrap_err();
+        assert!(e.contains("built-in"), "{e}");
         c.policy_name = None;
         assert_eq!((c.builtin_policy(), c.validate()), (Some("dynamo"), Ok(())));
         let f = ServeConfig::from_toml_str("policy = \"default\"", Path::new("/etc")).unwrap();
