@@ -3,6 +3,7 @@
 //! milliseconds, a lifecycle call works on any replica, and a killed replica's bookings are
 //! dropped by the others after `replica_timeout_ms`, not before.
 
+use crate::cluster::within;
 use crate::support;
 
 use std::time::{Duration, Instant};
@@ -20,19 +21,6 @@ fn replica(nats: &Nats, name: &str, timeout_ms: u64) -> Server {
         "--replica-timeout-ms",
         &timeout_ms.to_string(),
     ])
-}
-
-/// Polls `probe` until it holds; returns how long that took, or panics after `limit`.
-#[track_caller]
-fn within(limit: Duration, what: &str, mut probe: impl FnMut() -> bool) -> Duration {
-    let start = Instant::now();
-    loop {
-        if probe() {
-            return start.elapsed();
-        }
-        assert!(start.elapsed() < limit, "{what}: not within {limit:?}");
-        std::thread::sleep(Duration::from_millis(5));
-    }
 }
 
 /// One rank's load: ((worker, rank), (prefill tokens, decode blocks, requests)).
