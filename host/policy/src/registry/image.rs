@@ -115,19 +115,10 @@ impl PolicyRegistry {
 
     /// The bytes of a loaded component (any version still holding it), by digest.
     pub fn component_bytes(&self, digest: &str) -> Option<Arc<[u8]>> {
-        let state = self.state.lock();
-        let active = self.active.load_full();
-        state
-            .policies
-            .values()
-            .chain(state.history.iter())
-            .chain(active.as_ref().map(|a| &a.policy))
-            .find_map(|v| match &v.source {
-                Source::Component { plugin } if plugin.digest == digest => {
-                    Some(plugin.bytes.clone())
-                }
-                _ => None,
-            })
+        self.held_versions().iter().find_map(|v| match &v.source {
+            Source::Component { plugin } if plugin.digest == digest => Some(plugin.bytes.clone()),
+            _ => None,
+        })
     }
 
     /// Replaces the registry's contents with `image`: every version is compiled, configured,
