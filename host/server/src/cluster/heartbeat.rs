@@ -39,14 +39,14 @@ struct Peer {
     last_seq: u64,
 }
 
-/// How a booking message's number compares with what came before from its origin.
+/// How a booking message's numbers compare with what came before from its origin.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SeqCheck {
     /// The next one (or the first heard from this origin).
     InOrder,
     /// Already seen (or older than the last one): skip it.
     Duplicate,
-    /// `n` messages were lost before this one; apply it.
+    /// `n` events were lost before this run; apply it.
     Gap(u64),
 }
 
@@ -81,10 +81,12 @@ impl Peers {
         }
     }
 
-    /// Checks (and records) booking message `seq` from `origin`, whom [`heard`](Self::heard) has
-    /// just recorded. The first number heard from an origin is in order whatever it is: a replica
-    /// that joins late has missed nothing it could have applied.
-    pub fn check_seq(&self, origin: &str, seq: u64) -> SeqCheck {
+    /// Checks (and records) the booking events numbered `seq .. seq + count` (one message) from
+    /// `origin`, whom [`heard`](Self::heard) has just recorded. The first number heard from an
+    /// origin is in order whatever it is: a replica that joins late has missed nothing it could
+    /// have applied. Messages carry disjoint runs in order, so a run starting at or before the
+    /// last number seen is a repeat of a whole message.
+    pub fn check_run(&self, origin: &str, seq: u64, count: u64) -> SeqCheck {
         let mut peers = self.peers.lock();
         let Some(p) = peers.get_mut(origin) else {
             return SeqCheck::InOrder;
@@ -93,7 +95,7 @@ impl Peers {
         if last != 0 && seq <= last {
             return SeqCheck::Duplicate;
         }
-        p.last_seq = seq;
+        p.last_seq = seq + count.max(1) - 1;
         if last == 0 || seq == last + 1 {
             SeqCheck::InOrder
         } else {
@@ -160,12 +162,18 @@ mod tests {
         let p = Peers::default();
         let now = Instant::now();
         p.heard("a", now, None);
-        assert_eq!(p.check_seq("a", 5), SeqCheck::InOrder);
-        assert_eq!(p.check_seq("a", 6), SeqCheck::InOrder);
-        assert_eq!(p.check_seq("a", 6), SeqCheck::Duplicate);
-        assert_eq!(p.check_seq("a", 2), SeqCheck::Duplicate);
-        assert_eq!(p.check_seq("a", 9), SeqCheck::Gap(2));
-        assert_eq!(p.check_seq("a", 10), SeqCheck::InOrder);
+        assert_eq!(p.check_run("a", 5, 1), SeqCheck::InOrder);
+        assert_eq!(p.check_run("a", 6, 1), SeqCheck::InOrder);
+        assert_eq!(p.check_run("a", 6, 1), SeqCheck::Duplicate);
+        assert_eq!(p.check_run("a", 2, 1), SeqCheck::Duplicate);
+        assert_eq!(p.check_run("a", 9, 1), SeqCheck::Gap(2));
+        assert_eq!(p.check_run("a", 10, 1), SeqCheck::InOrder);
+        // A batch of 5 (10..=14 would overlap; 11..=15 follows), then one after a lost batch of 3.
+        assert_eq!(p.check_run("a", 11, 5), SeqCheck::InOrder);
+        assert_eq!(p.check_run("a", 11, 5), SeqCheck::Duplicate);
+        assert_eq!(p.check_run("a", 15, 1), SeqCheck::Duplicate);
+        assert_eq!(p.check_run("a", 19, 2), SeqCheck::Gap(3));
+        assert_eq!(p.check_run("a", 21, 1), SeqCheck::InOrder);
     }
 
     #[test]

@@ -87,6 +87,9 @@ impl Cluster {
         let opened = run_on(&runtime, CONNECT_TIMEOUT, async move {
             let client = async_nats::ConnectOptions::new()
                 .name("kvroute")
+                // Our own booking messages and heartbeats need not come back (sync.rs);
+                // JetStream deliveries, the buckets' watches included, are not affected.
+                .no_echo()
                 .retry_on_initial_connect()
                 .connect(url.as_str())
                 .await
