@@ -337,3 +337,43 @@ fn cluster_status_and_replica_timeout_outside_a_cluster_are_refused_clearly() {
     assert!(!status.success());
     assert!(err.contains("replica_timeout_ms"), "{err}");
 }
+
+#[test]
+fn approximate_replicas_send_a_prefix_where_another_replica_placed_it() {
+    // Without KV events each replica indexes from routing decisions: the booking messages carry
+    // the prompt's local hashes, so a placement made on A is in B's index too.
+    let nats = Nats::start();
+    let start = || {
+        Server::start(&[
+            "--cluster",
+            &nats.url(),
+            "--cluster-name",
+            "approx",
+            "--approximate",
+        ])
+    };
+    let (a, b) = (start(), start());
+    for w in 1..=4 {
+        a.put_worker(w, &json!({}));
+    }
+    within(Duration::from_secs(2), "workers on B", || {
+        b.workers().len() == 4
+    });
+    let ask = |s: &Server, tokens: &[u32]| {
+        let d = s.route_ok(&json!({"tokens": tokens, "book": false}));
+        (
+            d["worker_id"].as_u64().unwrap(),
+            d["overlap_blocks"].as_u64().unwrap(),
+        )
+    };
+    for i in 0..4u32 {
+        let prompt: Vec<u32> = (0..256).map(|t| t + 1000 * i).collect();
+        assert_eq!(ask(&b, &prompt).1, 0, "B knows nothing of prompt {i} yet");
+        let placed = route(&a, &format!("p{i}"), prompt.clone());
+        let worker = placed["worker_id"].as_u64().unwrap();
+        a.delete(&format!("/v1/requests/p{i}")).expect(200);
+        within(Duration::from_secs(1), "A's placement in B's index", || {
+            ask(&b, &prompt) == (worker, 16)
+        });
+    }
+}

@@ -165,6 +165,7 @@ impl Router {
                 whole_or_decode: half(&whole_or_decode),
                 prefill: prefill.as_ref().map(half),
                 block_hashes: Arc::from(&p.seq[..]),
+                local_hashes: self.approx.as_ref().map(|_| Arc::from(&p.local[..])),
             })
         });
         if let Some(a) = &self.approx {

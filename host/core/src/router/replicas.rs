@@ -48,6 +48,12 @@ pub struct BookingRecord {
     pub prefill: Option<BookedHalf>,
     /// Sequence (chained) hashes of the prompt's complete blocks (both halves hold the same).
     pub block_hashes: Arc<[u64]>,
+    /// The prompt's local block hashes when the booking router indexes approximately (from its
+    /// decisions, `RouterConfig::approx`): a receiving router in that mode records the placement
+    /// in its own index as if it had decided it, so replicas without KV events agree on where a
+    /// prefix is cached. `None` from a router that learns the cache from KV events (every
+    /// replica subscribes to the engines, so nothing need travel).
+    pub local_hashes: Option<Arc<[u64]>>,
 }
 
 /// A change to this router's bookings, as announced to the [`BookingObserver`].
@@ -125,7 +131,9 @@ impl Router {
 
     /// Books a request that replica `origin` placed, as it placed it: no scoring, no queue, no
     /// announcement. Both halves or nothing. The load counts it from now on;
-    /// [`drop_origin`](Self::drop_origin) releases it with the rest of `origin`'s.
+    /// [`drop_origin`](Self::drop_origin) releases it with the rest of `origin`'s. In approximate
+    /// mode, with the record's local hashes, the index learns that the placed workers now hold
+    /// the prompt, as it does for this router's own decisions.
     pub fn apply_remote_book(
         &self,
         origin: &str,
@@ -164,6 +172,12 @@ impl Router {
         if record.prefill.is_some() {
             load.set_origin(&booking::prefill_half(id), origin)
                 .expect("booked under the lock just now");
+        }
+        drop(load);
+        if let (Some(a), Some(local)) = (&self.approx, &record.local_hashes) {
+            for h in std::iter::once(&record.whole_or_decode).chain(&record.prefill) {
+                a.record(&self.indexer, h.candidate, local, now);
+            }
         }
         Ok(())
     }

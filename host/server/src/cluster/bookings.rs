@@ -90,6 +90,10 @@ pub enum SyncOp {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         prefill: Option<WireHalf>,
         block_hashes: Vec<u64>,
+        /// From a replica indexing approximately: the prompt's local block hashes, so that the
+        /// receivers' approximate indexes learn the placement (core's `BookingRecord`).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        local_hashes: Option<Vec<u64>>,
     },
     PrefillComplete {
         request_id: String,
@@ -140,6 +144,7 @@ impl From<BookingEvent> for SyncOp {
                 whole_or_decode: WireHalf::from(&r.whole_or_decode),
                 prefill: r.prefill.as_ref().map(WireHalf::from),
                 block_hashes: r.block_hashes.to_vec(),
+                local_hashes: r.local_hashes.as_deref().map(<[u64]>::to_vec),
                 request_id: r.request_id,
             },
             BookingEvent::PrefillComplete { request_id } => SyncOp::PrefillComplete { request_id },
@@ -156,12 +161,14 @@ impl SyncOp {
         whole_or_decode: WireHalf,
         prefill: Option<WireHalf>,
         block_hashes: &[u64],
+        local_hashes: Option<&[u64]>,
     ) -> BookingRecord {
         BookingRecord {
             request_id: request_id.to_owned(),
             whole_or_decode: whole_or_decode.into(),
             prefill: prefill.map(Into::into),
             block_hashes: block_hashes.into(),
+            local_hashes: local_hashes.map(Into::into),
         }
     }
 }
@@ -247,8 +254,13 @@ fn gather(rx: &mut mpsc::UnboundedReceiver<Stamped>, first: Stamped, events: &mu
     let mut next = Some(first);
     while let Some((event, at_us)) = next {
         let op = SyncOp::from(event);
-        if let SyncOp::Book { block_hashes, .. } = &op {
-            hashes += block_hashes.len();
+        if let SyncOp::Book {
+            block_hashes,
+            local_hashes,
+            ..
+        } = &op
+        {
+            hashes += block_hashes.len() + local_hashes.as_ref().map_or(0, Vec::len);
         }
         events.push(SyncEvent { at_us, op });
         if events.len() >= MAX_BATCH_EVENTS || hashes >= MAX_BATCH_HASHES {
@@ -285,6 +297,7 @@ mod tests {
                             cached_tokens: 16,
                         }),
                         block_hashes: vec![7, 8],
+                        local_hashes: Some(vec![5, 6]),
                     },
                 },
                 SyncEvent {
@@ -302,7 +315,7 @@ mod tests {
             serde_json::json!({"origin": "a1", "seq": 3, "events": [
                 {"at_us": 1_700_000_000_000_000u64, "op": {"book": {"request_id": "r",
                     "whole_or_decode": half(2, 1, 40), "prefill": half(1, 0, 16),
-                    "block_hashes": [7, 8]}}},
+                    "block_hashes": [7, 8], "local_hashes": [5, 6]}}},
                 {"at_us": 1_700_000_000_000_050u64, "op": {"free": {"request_id": "r"}}}]})
         );
         // On the wire: that shape in MessagePack, field names included.
@@ -343,6 +356,7 @@ mod tests {
             },
             prefill: None,
             block_hashes: vec![9u64; hashes][..].into(),
+            local_hashes: None,
         })
     }
 
@@ -414,18 +428,26 @@ mod tests {
             },
             prefill: None,
             block_hashes: vec![1u64][..].into(),
+            local_hashes: Some(vec![2u64][..].into()),
         };
         let SyncOp::Book {
             request_id,
             whole_or_decode,
             prefill,
             block_hashes,
+            local_hashes,
         } = SyncOp::from(BookingEvent::Booked(rec.clone()))
         else {
             panic!("a booking is a book op");
         };
         assert_eq!(
-            SyncOp::record(&request_id, whole_or_decode, prefill, &block_hashes),
+            SyncOp::record(
+                &request_id,
+                whole_or_decode,
+                prefill,
+                &block_hashes,
+                local_hashes.as_deref()
+            ),
             rec
         );
         assert_eq!(

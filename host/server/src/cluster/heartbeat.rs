@@ -189,6 +189,7 @@ mod tests {
             },
             prefill: None,
             block_hashes: vec![1u64, 2][..].into(),
+            local_hashes: None,
         };
         let p = Peers::default();
         let t0 = Instant::now();

@@ -304,11 +304,18 @@ impl BookingSync {
                 whole_or_decode,
                 prefill,
                 block_hashes,
+                local_hashes,
             } => {
                 if self.early_frees.take(request_id, now) {
                     return Some("freed_before_booked");
                 }
-                let rec = SyncOp::record(request_id, *whole_or_decode, *prefill, block_hashes);
+                let rec = SyncOp::record(
+                    request_id,
+                    *whole_or_decode,
+                    *prefill,
+                    block_hashes,
+                    local_hashes.as_deref(),
+                );
                 match r.apply_remote_book(origin, &rec, now) {
                     Ok(()) => None,
                     Err(RemoteBookingError::Duplicate(_)) => Some("duplicate_request"),

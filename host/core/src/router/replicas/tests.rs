@@ -37,6 +37,21 @@ fn replica() -> (Router, Outbox) {
     (r, out)
 }
 
+/// A router indexing approximately (no KV events) with workers 1 to 4, and an outbox.
+fn approx_replica() -> (Router, Outbox) {
+    let r = Router::new(RouterConfig {
+        approx: Some(crate::indexer::approx::ApproxConfig::default()),
+        ..Default::default()
+    })
+    .unwrap();
+    for w in 1..=4 {
+        r.upsert_worker(w, WorkerSpec::default()).unwrap();
+    }
+    let out = Outbox::default();
+    r.set_booking_observer(Some(Box::new(out.clone())));
+    (r, out)
+}
+
 /// Applies `events` announced by `origin` to `to`, as the server's subscriber does.
 fn deliver(origin: &str, events: Vec<BookingEvent>, to: &Router) {
     for e in events {
@@ -149,6 +164,7 @@ fn drop_origin_releases_that_replicas_bookings_and_nothing_else() {
             cached_tokens: 0,
         }),
         block_hashes: Arc::from(&[7u64, 8][..]),
+        local_hashes: None,
     };
     let now = Instant::now();
     // A's own booking first: what is left when every other replica's is dropped.
@@ -203,4 +219,46 @@ fn drop_origin_releases_that_replicas_bookings_and_nothing_else() {
     assert_eq!(a.drop_origin("c"), 1);
     assert_eq!((a.load_of(k1), a.load_of(k2)), (own1, own2));
     assert_eq!((a.local_bookings(), a.active_bookings()), (1, 1));
+}
+
+#[test]
+fn approximate_replicas_learn_each_others_placements_and_event_fed_ones_send_no_local_hashes() {
+    let (a, a_out) = approx_replica();
+    let (b, _) = approx_replica();
+    let prompt: Vec<u32> = (0..512).collect();
+    let placed = a.route_now(RouteRequest::tokens(prompt.clone())).unwrap();
+    assert_eq!(placed.overlap_blocks, 0);
+    // Before the booking reaches B, B knows nothing of the prompt.
+    let ask = |r: &Router| {
+        r.route_now(RouteRequest {
+            book: false,
+            ..RouteRequest::tokens(prompt.clone())
+        })
+        .unwrap()
+    };
+    assert_eq!(ask(&b).overlap_blocks, 0);
+    let events = a_out.take();
+    let BookingEvent::Booked(rec) = &events[0] else {
+        panic!("a booking first");
+    };
+    assert_eq!(rec.local_hashes.as_ref().map(|l| l.len()), Some(32));
+    deliver("a", events, &b);
+    assert_eq!(b.active_bookings(), 1);
+    // Once it is done (so no queue weighs against its worker), B sends the prompt where A placed
+    // it, with every block cached there.
+    a.free(&placed.request_id).unwrap();
+    deliver("a", a_out.take(), &b);
+    assert_eq!(b.active_bookings(), 0);
+    let again = ask(&b);
+    assert_eq!(
+        (again.candidate, again.overlap_blocks),
+        (placed.candidate, 32)
+    );
+    // A router fed by KV events sends no local hashes (every replica reads the engines).
+    let (c, c_out) = replica();
+    c.route_now(RouteRequest::tokens(prompt)).unwrap();
+    let BookingEvent::Booked(rec) = &c_out.take()[0] else {
+        panic!("a booking");
+    };
+    assert!(rec.local_hashes.is_none());
 }
