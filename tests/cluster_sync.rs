@@ -377,3 +377,66 @@ fn approximate_replicas_send_a_prefix_where_another_replica_placed_it() {
         });
     }
 }
+
+#[test]
+fn kv_events_posted_to_one_replica_are_applied_by_every_replica() {
+    let nats = Nats::start();
+    let (a, b, c) = (
+        replica(&nats, "kvrelay", 3000),
+        replica(&nats, "kvrelay", 3000),
+        replica(&nats, "kvrelay", 3000),
+    );
+    for w in [1, 2, 3] {
+        a.put_worker(w, &json!({}));
+    }
+    within(Duration::from_secs(2), "workers on B and C", || {
+        b.workers().len() == 3 && c.workers().len() == 3
+    });
+    let ask = |s: &Server, tokens: &[u32]| {
+        let d = s.route_ok(&json!({"tokens": tokens, "book": false}));
+        (
+            d["worker_id"].as_u64().unwrap(),
+            d["overlap_blocks"].as_u64().unwrap(),
+        )
+    };
+    // One prompt's blocks on worker 2 posted to B; an event for an unregistered worker (refused
+    // on B) in the same post.
+    let prompt: Vec<u32> = (0..256).collect();
+    let local = support::local_hashes(&prompt, 16, support::BASE_SEED);
+    let r = b.post(
+        "/v1/events",
+        &json!([
+            support::stored_event(2, 0, 1, &local),
+            support::stored_event(9, 0, 1, &local)
+        ]),
+    );
+    r.expect(200);
+    assert_eq!(
+        (r.body()["applied"].clone(), r.body()["dropped"].clone()),
+        (json!(1), json!(1))
+    );
+    for s in [&a, &b, &c] {
+        within(
+            Duration::from_secs(1),
+            "the posted blocks everywhere",
+            || ask(s, &prompt) == (2, 16),
+        );
+    }
+    // Only what B applied was relayed: A and C applied 1 and dropped none.
+    let m = |s: &Server, name: &str| support::metric(&s.metrics(), name).unwrap_or(-1.0);
+    assert_eq!(m(&b, "kvroute_cluster_kv_events_published_total"), 1.0);
+    for s in [&a, &c] {
+        assert_eq!(m(s, "kvroute_cluster_kv_events_applied_total"), 1.0);
+        assert_eq!(m(s, "kvroute_cluster_kv_events_dropped_total"), 0.0);
+        assert_eq!(m(s, "kvroute_cluster_kv_events_published_total"), 0.0);
+    }
+    // A removal posted to C reaches A and B.
+    let removed = json!([{"worker_id": 2, "event": {"event_id": 2, "dp_rank": 0,
+        "data": {"removed": {"block_hashes": [support::engine_hash(support::sequence_hashes(&local)[0])]}}}}]);
+    c.post("/v1/events", &removed).expect(200);
+    for s in [&a, &b, &c] {
+        within(Duration::from_secs(1), "the removal everywhere", || {
+            ask(s, &prompt).1 == 0
+        });
+    }
+}

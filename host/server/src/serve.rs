@@ -258,6 +258,15 @@ pub async fn run(
     if let Some(s) = &sync {
         metrics.add_renderer(s.renderer());
     }
+    // KV events posted to this replica are applied by the others too, and theirs here.
+    let event_relay = cluster.as_ref().map(|c| {
+        let router = router.clone();
+        let relay = crate::cluster::kv_events::EventRelay::start(c, move |payload| {
+            crate::http::apply_relayed(&router, payload)
+        });
+        metrics.add_renderer(relay.renderer());
+        relay
+    });
     // ZMQ KV event ingestion: subscribes workers registered with `kv_events` (on its own thread).
     // A router with a remote indexer keeps no index: it subscribes to no engine.
     let ingestion = match &remote {
@@ -354,6 +363,7 @@ pub async fn run(
         ready: ready.clone(),
         state: persisted.clone(),
         cluster: sync.clone(),
+        event_relay,
     };
     let ticker = {
         let router = router.clone();

@@ -21,6 +21,7 @@
 pub mod bookings;
 pub mod early_frees;
 pub mod heartbeat;
+pub mod kv_events;
 pub mod store;
 pub mod sync;
 pub mod watch;
@@ -161,6 +162,39 @@ impl Cluster {
             self.client.connection_state(),
             async_nats::connection::State::Connected
         )
+    }
+}
+
+/// Subscribes to core subject `subject` and hands every message's payload to `on`; subscribes
+/// again if the subscription ends (the client itself resubscribes across reconnects).
+pub(crate) async fn subscribe_forever(
+    client: async_nats::Client,
+    subject: String,
+    mut on: impl FnMut(&[u8]),
+) {
+    use futures_util::StreamExt;
+    loop {
+        match client.subscribe(subject.clone()).await {
+            Ok(mut sub) => {
+                while let Some(msg) = sub.next().await {
+                    on(&msg.payload);
+                }
+            }
+            Err(e) => tracing::warn!(%subject, error = %e, "cannot subscribe"),
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
+/// Appends `registry`'s metrics to a scrape, in the text format.
+pub(crate) fn render(registry: &prometheus::Registry, out: &mut String) {
+    use prometheus::Encoder;
+    let mut buf = Vec::new();
+    if prometheus::TextEncoder::new()
+        .encode(&registry.gather(), &mut buf)
+        .is_ok()
+    {
+        out.push_str(&String::from_utf8_lossy(&buf));
     }
 }
 

@@ -14,11 +14,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use futures_util::StreamExt;
-use prometheus::{
-    Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
-    TextEncoder,
-};
+use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry};
 use serde::Serialize;
 
 use super::bookings::{self, Outbox, SyncBatch, SyncOp};
@@ -177,18 +173,20 @@ impl BookingSync {
         {
             let s = sync.clone();
             let subject = format!("{prefix}.bookings");
-            cluster.runtime.spawn(async move {
-                s.subscribe_forever(subject, |s, payload| s.on_booking_message(payload))
-                    .await
-            });
+            cluster.runtime.spawn(super::subscribe_forever(
+                cluster.client.clone(),
+                subject,
+                move |payload| s.on_booking_message(payload),
+            ));
         }
         {
             let s = sync.clone();
             let subject = format!("{prefix}.heartbeats");
-            cluster.runtime.spawn(async move {
-                s.subscribe_forever(subject, |s, payload| s.on_heartbeat(payload))
-                    .await
-            });
+            cluster.runtime.spawn(super::subscribe_forever(
+                cluster.client.clone(),
+                subject,
+                move |payload| s.on_heartbeat(payload),
+            ));
         }
         let s = sync.clone();
         let subject = format!("{prefix}.heartbeats");
@@ -196,22 +194,6 @@ impl BookingSync {
             .runtime
             .spawn(async move { s.beat_forever(subject).await });
         sync
-    }
-
-    /// Subscribes to `subject` and hands every message to `on`; subscribes again if the
-    /// subscription ends (the client resubscribes by itself across reconnects).
-    async fn subscribe_forever(self: Arc<Self>, subject: String, on: impl Fn(&Self, &[u8])) {
-        loop {
-            match self.cluster.client.subscribe(subject.clone()).await {
-                Ok(mut sub) => {
-                    while let Some(msg) = sub.next().await {
-                        on(&self, &msg.payload);
-                    }
-                }
-                Err(e) => tracing::warn!(%subject, error = %e, "cannot subscribe"),
-            }
-            tokio::time::sleep(Duration::from_secs(1)).await;
-        }
     }
 
     /// Publishes a heartbeat every [`HEARTBEAT_EVERY`] and forgets silent replicas.
@@ -365,13 +347,7 @@ impl BookingSync {
         let s = self.clone();
         Arc::new(move |out: &mut String| {
             s.metrics.replicas.set(1 + s.peers.len() as i64);
-            let mut buf = Vec::new();
-            if TextEncoder::new()
-                .encode(&s.metrics.registry.gather(), &mut buf)
-                .is_ok()
-            {
-                out.push_str(&String::from_utf8_lossy(&buf));
-            }
+            super::render(&s.metrics.registry, out);
         })
     }
 }

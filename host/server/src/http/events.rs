@@ -14,6 +14,10 @@
 //! The whole array is still checked to be well-formed JSON before any event is applied (a
 //! truncated body applies nothing), and a malformed event is still dropped on its own, named by
 //! its index and JSON path.
+//!
+//! In a cluster the events applied here are relayed, as posted, to the other replicas
+//! (cluster/kv_events.rs), which apply them with [`apply_relayed`]: the same reading and
+//! applying as a post, so a relayed event means on every replica what it meant here.
 
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
@@ -22,6 +26,7 @@ use serde_json::value::RawValue;
 
 use kvroute_core::candidate::CandidateKey;
 use kvroute_core::indexer::{event_tiers, KvEvent};
+use kvroute_core::router::Router;
 
 use super::dto::{EventEnvelope, EventErrorOut, EventsResponse};
 use super::error::{self, ApiError, RawBody};
@@ -57,10 +62,19 @@ pub(super) async fn post_events(
         dropped: 0,
         errors: Vec::new(),
     };
-    // For events without `dp_rank` (read once per request, not per event).
-    let registry = s.router.registry().snapshot();
-    for (index, item) in items.into_iter().enumerate() {
-        let mut drop = |code: &'static str, message: String| {
+    let mut relayed = s.event_relay.as_ref().map(|_| b"[".to_vec());
+    apply_events(&s.router, &items, |index, outcome| match outcome {
+        Ok(()) => {
+            s.metrics.record_event("applied");
+            out.applied += 1;
+            if let Some(r) = &mut relayed {
+                if r.len() > 1 {
+                    r.push(b',');
+                }
+                r.extend_from_slice(items[index].get().as_bytes());
+            }
+        }
+        Err((code, message)) => {
             s.metrics.record_event(code);
             out.dropped += 1;
             out.errors.push(EventErrorOut {
@@ -68,11 +82,57 @@ pub(super) async fn post_events(
                 code,
                 message,
             });
-        };
+        }
+    });
+    // In a cluster the other replicas apply what was applied here (cluster/kv_events.rs).
+    if let (Some(relay), Some(mut payload)) = (&s.event_relay, relayed) {
+        if out.applied > 0 {
+            payload.push(b']');
+            relay.relay(payload, out.applied as u64);
+        }
+    }
+    Ok(Json(out))
+}
+
+/// Applies a message relayed by another replica of the cluster: a JSON array of events as this
+/// endpoint takes them. Returns (applied, dropped); a message that is not such an array drops
+/// nothing it could count, and is logged.
+pub(crate) fn apply_relayed(router: &Router, payload: &[u8]) -> (u64, u64) {
+    if router.has_overlap_source() {
+        // A router with a remote indexer keeps no index (its own posts are refused too).
+        return (0, 0);
+    }
+    let items: Vec<&RawValue> = match serde_json::from_slice(payload) {
+        Ok(items) => items,
+        Err(e) => {
+            tracing::warn!(error = %e, "a relayed KV event message is not a JSON array of events");
+            return (0, 0);
+        }
+    };
+    let (mut applied, mut dropped) = (0, 0);
+    apply_events(router, &items, |_, outcome| match outcome {
+        Ok(()) => applied += 1,
+        Err((code, message)) => {
+            dropped += 1;
+            tracing::debug!(code, %message, "a relayed KV event was not applied");
+        }
+    });
+    (applied, dropped)
+}
+
+/// What became of one event: applied, or its error code and message.
+type Outcome = Result<(), (&'static str, String)>;
+
+/// Applies events, each as the JSON text `POST /v1/events` takes, to `router` in order, telling
+/// `on` each one's outcome by its index.
+fn apply_events(router: &Router, items: &[&RawValue], mut on: impl FnMut(usize, Outcome)) {
+    // For events without `dp_rank` (read once per call, not per event).
+    let registry = router.registry().snapshot();
+    for (index, item) in items.iter().enumerate() {
         let (env, tier) = match EventEnvelope::read_item(item) {
             Ok(read) => read,
-            Err((code, message)) => {
-                drop(code, message);
+            Err(e) => {
+                on(index, Err(e));
                 continue;
             }
         };
@@ -98,27 +158,26 @@ pub(super) async fn post_events(
         };
         for &t in tiers {
             event.tier = t;
-            result = s.router.apply_event(&event);
+            result = router.apply_event(&event);
             if !matches!(result, Ok(Some(_))) {
                 break;
             }
         }
-        match result {
-            Ok(Some(_)) => {
-                s.metrics.record_event("applied");
-                out.applied += 1;
-            }
-            Ok(None) => drop(
-                "unknown_worker",
-                format!(
-                    "worker {} rank {} is not registered",
-                    candidate.worker_id, candidate.dp_rank
-                ),
-            ),
-            Err(e) => drop(e.code(), e.to_string()),
-        }
+        on(
+            index,
+            match result {
+                Ok(Some(_)) => Ok(()),
+                Ok(None) => Err((
+                    "unknown_worker",
+                    format!(
+                        "worker {} rank {} is not registered",
+                        candidate.worker_id, candidate.dp_rank
+                    ),
+                )),
+                Err(e) => Err((e.code(), e.to_string())),
+            },
+        );
     }
-    Ok(Json(out))
 }
 
 #[cfg(test)]

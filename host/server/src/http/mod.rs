@@ -10,6 +10,7 @@ pub mod drain;
 pub mod dto;
 pub mod error;
 mod events;
+pub(crate) use events::apply_relayed;
 pub mod hash;
 pub mod metrics;
 pub mod openapi;
@@ -53,6 +54,8 @@ pub struct AppState {
     pub state: Option<Arc<crate::state::Persisted>>,
     /// `serve --cluster`: the booking sync with the other replicas (`GET /v1/cluster`).
     pub cluster: Option<Arc<crate::cluster::sync::BookingSync>>,
+    /// `serve --cluster`: relays the KV events posted here to the other replicas.
+    pub event_relay: Option<Arc<crate::cluster::kv_events::EventRelay>>,
 }
 
 /// Builds the axum application.
