@@ -65,7 +65,7 @@ impl Guest for NativeCost {
         PluginInfo {
             name: "native-cost".to_string(),
             version: env!("CARGO_PKG_VERSION").to_string(),
-            abi_version: 5,
+            abi_version: 6,
             deterministic: true,
             kind: PluginKind::Scorer,
         }

@@ -204,6 +204,14 @@ pub fn schemas() -> Value {
                 "replay_endpoint": opt_string("The engine's replay socket, if any."),
                 "topic": string("ZMQ topic prefix filter."),
             })), "Present when the worker was registered with kv_events."),
+            "learned": object(&["prefill_ms_per_token", "queued_ms_per_token", "prefill_base_ms", "decode_step_ms", "prefill_samples", "decode_samples"], json!({
+                "prefill_ms_per_token": num("Learned prefill ms per uncached prompt token (0: not learned yet)."),
+                "queued_ms_per_token": num("Learned ms each prefill token booked ahead adds to the time to first token."),
+                "prefill_base_ms": num("The fixed part of a time to first token, in ms."),
+                "decode_step_ms": num("Learned ms per output token once decoding (0: not learned yet)."),
+                "prefill_samples": u64_int("Time-to-first-token samples behind the prefill figures."),
+                "decode_samples": u64_int("Output progress samples behind the decode figure."),
+            })),
             "ranks": array_of(object(&["dp_rank", "active_prefill_tokens", "active_decode_blocks", "active_requests", "cached_blocks", "host_cached_blocks", "disk_cached_blocks"], json!({
                 "dp_rank": int("The rank."),
                 "active_prefill_tokens": u64_int("Booked prompt tokens not yet prefilled (SPEC §8)."),
@@ -285,7 +293,8 @@ pub fn schemas() -> Value {
             "candidates": array_of(object(&["worker_id", "dp_rank", "overlap_blocks", "active_prefill_tokens", "active_decode_blocks", "taints", "cost"], json!({
                 "worker_id": u64_int("The candidate's worker."),
                 "dp_rank": int("Its rank."),
-                "overlap_blocks": int("Prompt blocks it holds on device."),
+                "overlap_blocks": int("Prompt blocks it holds on device: the deeper of the index's and the predicted overlap."),
+                "predicted_overlap_blocks": int("Prompt blocks predict-on-route assumes it holds (routed there within routing.predict_ttl_ms, not contradicted by its KV events); 0 when off."),
                 "host_overlap_blocks": int("… in host memory."),
                 "disk_overlap_blocks": int("… on disk (the deeper of disk and external)."),
                 "active_prefill_tokens": u64_int("Booked prompt tokens not yet prefilled."),
