@@ -30,7 +30,9 @@ fn registry() -> PolicyRegistry {
 /// 4,096 tokens (256 blocks of 16). Worker 1 holds all of them and decodes 128 blocks for 4
 /// requests; worker 2 is idle with nothing cached. The base costs are the aggregated native
 /// cost at every stage (worker 1: 384, worker 2: 512), so a policy that follows them, or that
-/// never learns the stage, picks worker 1 every time.
+/// never learns the stage, picks worker 1 every time. Both workers learned the same step times
+/// (a uniform fleet: a policy scaling by learned figures keeps its model as it is), so the stage
+/// alone separates them.
 fn cached_vs_idle() -> (PolicyRequest, CandidateColumns) {
     let req = PolicyRequest {
         request_id: "stages".into(),
@@ -53,8 +55,8 @@ fn cached_vs_idle() -> (PolicyRequest, CandidateColumns) {
         total_kv_blocks: vec![16_384, 16_384],
         max_num_batched_tokens: vec![8_192, 8_192],
         base_cost: Vec::new(),
-        prefill_ms_per_token: vec![0.02, 0.04],
-        decode_step_ms: vec![10.0, 20.0],
+        prefill_ms_per_token: vec![0.02, 0.02],
+        decode_step_ms: vec![10.0, 10.0],
         taint_offsets: vec![0, 0, 0],
         taint_ids: Vec::new(),
     };
@@ -97,6 +99,37 @@ fn the_stage_reaches_the_component_and_the_shipped_policies_rank_decode_by_load(
             1,
             "{package}"
         );
+    }
+}
+
+/// The learned step-time columns reach a real component through the host's packing: with worker 2
+/// learned twice as slow as worker 1 (prefill and decode), `ttft-aware` prices the idle worker's
+/// decode step (6.6 ms on the model) at 4/3 of it and the busy one's (10.1 ms with the residual of
+/// its current step) at 2/3, so the fast worker wins the decode step it loses on a uniform fleet;
+/// with `learned_step_times` off the fixed model ranks as before.
+#[test]
+fn ttft_aware_prices_the_decode_step_by_the_learned_step_times() {
+    let (req, mut cols) = cached_vs_idle();
+    cols.prefill_ms_per_token = vec![0.02, 0.04];
+    cols.decode_step_ms = vec![10.0, 20.0];
+    let taints = TaintTable::default();
+    for (config, want) in [
+        (None, [1, 1, 1]),
+        (Some(r#"{"learned_step_times": false}"#), [1, 1, 2]),
+    ] {
+        let reg = registry();
+        reg.load(
+            "p",
+            &plugin_bytes("kvroute-plugin-ttft-aware"),
+            config,
+            true,
+        )
+        .expect("load ttft-aware");
+        let picks: Vec<u64> = STAGES
+            .iter()
+            .map(|&stage| chosen(&reg.decide_at(&req, &cols, &taints, stage).outcome, &cols))
+            .collect();
+        assert_eq!(picks, want, "config {config:?}: aggregated, prefill, decode");
     }
 }
 
