@@ -129,7 +129,10 @@ fn ttft_aware_prices_the_decode_step_by_the_learned_step_times() {
             .iter()
             .map(|&stage| chosen(&reg.decide_at(&req, &cols, &taints, stage).outcome, &cols))
             .collect();
-        assert_eq!(picks, want, "config {config:?}: aggregated, prefill, decode");
+        assert_eq!(
+            picks, want,
+            "config {config:?}: aggregated, prefill, decode"
+        );
     }
 }
 

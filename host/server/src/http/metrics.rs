@@ -12,6 +12,7 @@ use prometheus::{
     TextEncoder,
 };
 
+use kvroute_core::learn::Learned;
 use kvroute_core::router::{RouteDecision, Router};
 
 /// The metrics of one server.
@@ -373,6 +374,10 @@ impl Metrics {
     }
 }
 
+/// A learned figure exported as a per-worker gauge: its metric name, its help text, and how to
+/// read it from a worker's [`Learned`] figures.
+type LearnedGauge = (&'static str, &'static str, fn(&Learned) -> f64);
+
 /// Per worker, its learned step times (0 until learned), and predict-on-route's counters when
 /// it is on.
 fn render_learned(out: &mut String, router: &Router) {
@@ -382,7 +387,7 @@ fn render_learned(out: &mut String, router: &Router) {
         .keys()
         .map(|&id| (id, router.learned(id)))
         .collect();
-    let figures: [(&str, &str, fn(&kvroute_core::learn::Learned) -> f64); 3] = [
+    let figures: [LearnedGauge; 3] = [
         (
             "kvroute_worker_learned_prefill_ms_per_token",
             "Learned prefill milliseconds per uncached prompt token, per worker (0: not learned yet).",
