@@ -17,47 +17,7 @@ fn prompt(blocks: usize, family: u32) -> Vec<u32> {
         .collect()
 }
 
-/// Each candidate's overlaps in an `explain` answer: (worker, rank) → [device, host, disk].
-fn explained(d: &Value) -> BTreeMap<(u64, u64), [u64; 3]> {
-    d["candidates"]
-        .as_array()
-        .unwrap_or_else(|| panic!("explain rows: {d}"))
-        .iter()
-        .map(|c| {
-            (
-                (
-                    c["worker_id"].as_u64().unwrap(),
-                    c["dp_rank"].as_u64().unwrap(),
-                ),
-                [
-                    c["overlap_blocks"].as_u64().unwrap(),
-                    c["host_overlap_blocks"].as_u64().unwrap(),
-                    c["disk_overlap_blocks"].as_u64().unwrap(),
-                ],
-            )
-        })
-        .collect()
-}
-
-/// Each candidate's predicted overlap in an `explain` answer: (worker, rank) → blocks.
-fn predicted(d: &Value) -> BTreeMap<(u64, u64), u64> {
-    d["candidates"]
-        .as_array()
-        .unwrap_or_else(|| panic!("explain rows: {d}"))
-        .iter()
-        .map(|c| {
-            (
-                (
-                    c["worker_id"].as_u64().unwrap(),
-                    c["dp_rank"].as_u64().unwrap(),
-                ),
-                c["predicted_overlap_blocks"].as_u64().unwrap(),
-            )
-        })
-        .collect()
-}
-
-/// The candidate a decision chose.
+/// The candidate (worker, rank) a decision chose, or an `explain` row stands for.
 fn chosen(d: &Value) -> (u64, u64) {
     (
         d["worker_id"].as_u64().unwrap(),
@@ -65,21 +25,43 @@ fn chosen(d: &Value) -> (u64, u64) {
     )
 }
 
+/// The rows of an `explain` answer.
+fn rows(d: &Value) -> &Vec<Value> {
+    d["candidates"]
+        .as_array()
+        .unwrap_or_else(|| panic!("explain rows: {d}"))
+}
+
+/// A figure of each candidate in an `explain` answer: (worker, rank) → its figure.
+fn per_candidate<T>(d: &Value, figure: impl Fn(&Value) -> T) -> BTreeMap<(u64, u64), T> {
+    rows(d).iter().map(|c| (chosen(c), figure(c))).collect()
+}
+
+/// Each candidate's overlaps in an `explain` answer: (worker, rank) → [device, host, disk].
+fn explained(d: &Value) -> BTreeMap<(u64, u64), [u64; 3]> {
+    per_candidate(d, |c| {
+        [
+            "overlap_blocks",
+            "host_overlap_blocks",
+            "disk_overlap_blocks",
+        ]
+        .map(|k| c[k].as_u64().unwrap())
+    })
+}
+
+/// Each candidate's predicted overlap in an `explain` answer: (worker, rank) → blocks.
+fn predicted(d: &Value) -> BTreeMap<(u64, u64), u64> {
+    per_candidate(d, |c| c["predicted_overlap_blocks"].as_u64().unwrap())
+}
+
 /// The candidates of an `explain` answer with the lowest cost.
 fn lowest_cost(d: &Value) -> Vec<(u64, u64)> {
-    let rows = d["candidates"].as_array().unwrap();
-    let min = rows
+    let cost = |c: &Value| c["cost"].as_f64().unwrap();
+    let min = rows(d).iter().map(cost).fold(f64::INFINITY, f64::min);
+    rows(d)
         .iter()
-        .map(|c| c["cost"].as_f64().unwrap())
-        .fold(f64::INFINITY, f64::min);
-    rows.iter()
-        .filter(|c| c["cost"].as_f64().unwrap() == min)
-        .map(|c| {
-            (
-                c["worker_id"].as_u64().unwrap(),
-                c["dp_rank"].as_u64().unwrap(),
-            )
-        })
+        .filter(|c| cost(c) == min)
+        .map(chosen)
         .collect()
 }
 
