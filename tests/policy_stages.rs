@@ -77,6 +77,19 @@ fn chosen(outcome: &Outcome, cols: &CandidateColumns) -> u64 {
     }
 }
 
+/// The worker the active policy routes to at each of [`STAGES`].
+fn picks_at_every_stage(
+    reg: &PolicyRegistry,
+    req: &PolicyRequest,
+    cols: &CandidateColumns,
+) -> Vec<u64> {
+    let taints = TaintTable::default();
+    STAGES
+        .iter()
+        .map(|&stage| chosen(&reg.decide_at(req, cols, &taints, stage).outcome, cols))
+        .collect()
+}
+
 #[test]
 fn the_stage_reaches_the_component_and_the_shipped_policies_rank_decode_by_load() {
     let (req, cols) = cached_vs_idle();
@@ -85,10 +98,7 @@ fn the_stage_reaches_the_component_and_the_shipped_policies_rank_decode_by_load(
         let reg = registry();
         reg.load("p", &plugin_bytes(package), None, true)
             .unwrap_or_else(|e| panic!("{package}: {e}"));
-        let picks: Vec<u64> = STAGES
-            .iter()
-            .map(|&stage| chosen(&reg.decide_at(&req, &cols, &taints, stage).outcome, &cols))
-            .collect();
+        let picks = picks_at_every_stage(&reg, &req, &cols);
         // Computing the prompt: the cache wins. Receiving the KV cache: the idle worker wins,
         // which the component can only know from the decode flag (the base costs favour worker
         // 1 at every stage here).
@@ -112,7 +122,6 @@ fn ttft_aware_prices_the_decode_step_by_the_learned_step_times() {
     let (req, mut cols) = cached_vs_idle();
     cols.prefill_ms_per_token = vec![0.02, 0.04];
     cols.decode_step_ms = vec![10.0, 20.0];
-    let taints = TaintTable::default();
     for (config, want) in [
         (None, [1, 1, 1]),
         (Some(r#"{"learned_step_times": false}"#), [1, 1, 2]),
@@ -125,10 +134,7 @@ fn ttft_aware_prices_the_decode_step_by_the_learned_step_times() {
             true,
         )
         .expect("load ttft-aware");
-        let picks: Vec<u64> = STAGES
-            .iter()
-            .map(|&stage| chosen(&reg.decide_at(&req, &cols, &taints, stage).outcome, &cols))
-            .collect();
+        let picks = picks_at_every_stage(&reg, &req, &cols);
         assert_eq!(
             picks, want,
             "config {config:?}: aggregated, prefill, decode"
