@@ -125,7 +125,7 @@ fn component_without_the_export_is_refused_as_wrong_world() {
     assert!(matches!(err, PolicyError::WrongWorld(_)), "{err}");
     let msg = err.to_string();
     assert!(
-        msg.contains("missing export kvroute:policy/policy@0.5.0")
+        msg.contains("missing export kvroute:policy/policy@0.6.0")
             && msg.contains("exports nothing"),
         "{msg}"
     );
@@ -363,7 +363,7 @@ fn activate_rollback_remove_list() {
 
     // check() validates without installing.
     let report = reg.check(&bytes, None).expect("check");
-    assert_eq!(report.plugin.map(|p| p.abi_version), Some(5));
+    assert_eq!(report.plugin.map(|p| p.abi_version), Some(6));
     assert_eq!(reg.list().len(), 2);
 }
 
@@ -588,6 +588,10 @@ fn subset(c: &CandidateColumns, keep: &[usize]) -> CandidateColumns {
         out.total_kv_blocks.push(c.total_kv_blocks[i]);
         out.max_num_batched_tokens.push(c.max_num_batched_tokens[i]);
         out.base_cost.push(c.base_cost[i]);
+        if c.prefill_ms_per_token.len() == c.len() {
+            out.prefill_ms_per_token.push(c.prefill_ms_per_token[i]);
+            out.decode_step_ms.push(c.decode_step_ms[i]);
+        }
         out.taint_ids.extend_from_slice(c.taints_of(i));
         out.taint_offsets.push(out.taint_ids.len() as u32);
     }

@@ -1,7 +1,8 @@
 //! The stage of a decision (aggregated, or the prefill and decode steps of a disaggregated one)
-//! across the policy interface, `kvroute:policy@0.5.0`: it reaches real components through the
+//! across the policy interface (the stage since `kvroute:policy@0.5.0`): it reaches real components through the
 //! request's flags, the shipped policies rank the decode step by load, `kvroute policy check`
-//! runs every scenario at every stage, and a component built against 0.4.0 is refused by name.
+//! runs every scenario at every stage, and a component built against the previous interface
+//! (0.5.0, abi 5) is refused by name.
 
 use crate::support;
 use crate::support::plugins::plugin_bytes;
@@ -29,7 +30,9 @@ fn registry() -> PolicyRegistry {
 /// 4,096 tokens (256 blocks of 16). Worker 1 holds all of them and decodes 128 blocks for 4
 /// requests; worker 2 is idle with nothing cached. The base costs are the aggregated native
 /// cost at every stage (worker 1: 384, worker 2: 512), so a policy that follows them, or that
-/// never learns the stage, picks worker 1 every time.
+/// never learns the stage, picks worker 1 every time. Both workers learned the same step times
+/// (a uniform fleet: a policy scaling by learned figures keeps its model as it is), so the stage
+/// alone separates them.
 fn cached_vs_idle() -> (PolicyRequest, CandidateColumns) {
     let req = PolicyRequest {
         request_id: "stages".into(),
@@ -52,6 +55,8 @@ fn cached_vs_idle() -> (PolicyRequest, CandidateColumns) {
         total_kv_blocks: vec![16_384, 16_384],
         max_num_batched_tokens: vec![8_192, 8_192],
         base_cost: Vec::new(),
+        prefill_ms_per_token: vec![0.02, 0.02],
+        decode_step_ms: vec![10.0, 10.0],
         taint_offsets: vec![0, 0, 0],
         taint_ids: Vec::new(),
     };
@@ -72,6 +77,19 @@ fn chosen(outcome: &Outcome, cols: &CandidateColumns) -> u64 {
     }
 }
 
+/// The worker the active policy routes to at each of [`STAGES`].
+fn picks_at_every_stage(
+    reg: &PolicyRegistry,
+    req: &PolicyRequest,
+    cols: &CandidateColumns,
+) -> Vec<u64> {
+    let taints = TaintTable::default();
+    STAGES
+        .iter()
+        .map(|&stage| chosen(&reg.decide_at(req, cols, &taints, stage).outcome, cols))
+        .collect()
+}
+
 #[test]
 fn the_stage_reaches_the_component_and_the_shipped_policies_rank_decode_by_load() {
     let (req, cols) = cached_vs_idle();
@@ -80,10 +98,7 @@ fn the_stage_reaches_the_component_and_the_shipped_policies_rank_decode_by_load(
         let reg = registry();
         reg.load("p", &plugin_bytes(package), None, true)
             .unwrap_or_else(|e| panic!("{package}: {e}"));
-        let picks: Vec<u64> = STAGES
-            .iter()
-            .map(|&stage| chosen(&reg.decide_at(&req, &cols, &taints, stage).outcome, &cols))
-            .collect();
+        let picks = picks_at_every_stage(&reg, &req, &cols);
         // Computing the prompt: the cache wins. Receiving the KV cache: the idle worker wins,
         // which the component can only know from the decode flag (the base costs favour worker
         // 1 at every stage here).
@@ -93,6 +108,36 @@ fn the_stage_reaches_the_component_and_the_shipped_policies_rank_decode_by_load(
             chosen(&reg.decide(&req, &cols, &taints).outcome, &cols),
             1,
             "{package}"
+        );
+    }
+}
+
+/// The learned step-time columns reach a real component through the host's packing: with worker 2
+/// learned twice as slow as worker 1 (prefill and decode), `ttft-aware` prices the idle worker's
+/// decode step (6.6 ms on the model) at 4/3 of it and the busy one's (10.1 ms with the residual of
+/// its current step) at 2/3, so the fast worker wins the decode step it loses on a uniform fleet;
+/// with `learned_step_times` off the fixed model ranks as before.
+#[test]
+fn ttft_aware_prices_the_decode_step_by_the_learned_step_times() {
+    let (req, mut cols) = cached_vs_idle();
+    cols.prefill_ms_per_token = vec![0.02, 0.04];
+    cols.decode_step_ms = vec![10.0, 20.0];
+    for (config, want) in [
+        (None, [1, 1, 1]),
+        (Some(r#"{"learned_step_times": false}"#), [1, 1, 2]),
+    ] {
+        let reg = registry();
+        reg.load(
+            "p",
+            &plugin_bytes("kvroute-plugin-ttft-aware"),
+            config,
+            true,
+        )
+        .expect("load ttft-aware");
+        let picks = picks_at_every_stage(&reg, &req, &cols);
+        assert_eq!(
+            picks, want,
+            "config {config:?}: aggregated, prefill, decode"
         );
     }
 }
@@ -120,15 +165,15 @@ fn the_router_s_scorer_hands_its_stage_to_the_policy() {
 }
 
 #[test]
-fn a_component_built_against_0_4_0_is_refused_naming_both_versions() {
+fn a_component_built_against_0_5_0_is_refused_naming_both_versions() {
     let reg = registry();
     let bytes = plugin_bytes("kvroute-test-old-interface");
     let err = reg.load("old", &bytes, None, true).unwrap_err();
     assert!(matches!(err, PolicyError::WrongWorld(_)), "{err}");
     let msg = err.to_string();
     assert!(
-        msg.contains("kvroute:policy/policy@0.5.0")
-            && msg.contains("it exports kvroute:policy/policy@0.4.0")
+        msg.contains("kvroute:policy/policy@0.6.0")
+            && msg.contains("it exports kvroute:policy/policy@0.5.0")
             && msg.contains("rebuild it against this host's wit/policy.wit"),
         "{msg}"
     );
@@ -137,7 +182,7 @@ fn a_component_built_against_0_4_0_is_refused_naming_both_versions() {
 }
 
 #[test]
-fn uploading_a_0_4_0_component_is_a_400_naming_the_version_and_changes_nothing() {
+fn uploading_a_0_5_0_component_is_a_400_naming_the_version_and_changes_nothing() {
     let s = support::Server::start(&[]);
     let before = s.get("/v1/policies").expect(200).body().clone();
     let wasm = plugin_bytes("kvroute-test-old-interface");
@@ -150,8 +195,8 @@ fn uploading_a_0_4_0_component_is_a_400_naming_the_version_and_changes_nothing()
     r.expect_error(400, "wrong_world");
     let message = r.body()["error"]["message"].as_str().unwrap_or_default();
     assert!(
-        message.contains("kvroute:policy/policy@0.5.0")
-            && message.contains("kvroute:policy/policy@0.4.0"),
+        message.contains("kvroute:policy/policy@0.6.0")
+            && message.contains("kvroute:policy/policy@0.5.0"),
         "{}",
         r.text
     );

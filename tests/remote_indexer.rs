@@ -1,7 +1,8 @@
 //! `kvroute serve --remote-indexer URL`: a router that keeps no index asks a served indexer
 //! (`--serve-indexer`) for each request's overlaps, and decides as a router with the same index of
-//! its own would; when the indexer is down or slow it routes with zero overlap, says so
-//! (`overlap_source: none`) and counts the failure.
+//! its own would, predict-on-route included (predictions are the router's own, not the indexer's);
+//! when the indexer is down or slow it routes with zero overlap, says so (`overlap_source: none`)
+//! and counts the failure.
 
 use crate::support;
 
@@ -16,43 +17,51 @@ fn prompt(blocks: usize, family: u32) -> Vec<u32> {
         .collect()
 }
 
-/// Each candidate's overlaps in an `explain` answer: (worker, rank) → [device, host, disk].
-fn explained(d: &Value) -> BTreeMap<(u64, u64), [u64; 3]> {
+/// The candidate (worker, rank) a decision chose, or an `explain` row stands for.
+fn chosen(d: &Value) -> (u64, u64) {
+    (
+        d["worker_id"].as_u64().unwrap(),
+        d["dp_rank"].as_u64().unwrap(),
+    )
+}
+
+/// The rows of an `explain` answer.
+fn rows(d: &Value) -> &Vec<Value> {
     d["candidates"]
         .as_array()
         .unwrap_or_else(|| panic!("explain rows: {d}"))
-        .iter()
-        .map(|c| {
-            (
-                (
-                    c["worker_id"].as_u64().unwrap(),
-                    c["dp_rank"].as_u64().unwrap(),
-                ),
-                [
-                    c["overlap_blocks"].as_u64().unwrap(),
-                    c["host_overlap_blocks"].as_u64().unwrap(),
-                    c["disk_overlap_blocks"].as_u64().unwrap(),
-                ],
-            )
-        })
-        .collect()
+}
+
+/// A figure of each candidate in an `explain` answer: (worker, rank) → its figure.
+fn per_candidate<T>(d: &Value, figure: impl Fn(&Value) -> T) -> BTreeMap<(u64, u64), T> {
+    rows(d).iter().map(|c| (chosen(c), figure(c))).collect()
+}
+
+/// Each candidate's overlaps in an `explain` answer: (worker, rank) → [device, host, disk].
+fn explained(d: &Value) -> BTreeMap<(u64, u64), [u64; 3]> {
+    per_candidate(d, |c| {
+        [
+            "overlap_blocks",
+            "host_overlap_blocks",
+            "disk_overlap_blocks",
+        ]
+        .map(|k| c[k].as_u64().unwrap())
+    })
+}
+
+/// Each candidate's predicted overlap in an `explain` answer: (worker, rank) → blocks.
+fn predicted(d: &Value) -> BTreeMap<(u64, u64), u64> {
+    per_candidate(d, |c| c["predicted_overlap_blocks"].as_u64().unwrap())
 }
 
 /// The candidates of an `explain` answer with the lowest cost.
 fn lowest_cost(d: &Value) -> Vec<(u64, u64)> {
-    let rows = d["candidates"].as_array().unwrap();
-    let min = rows
+    let cost = |c: &Value| c["cost"].as_f64().unwrap();
+    let min = rows(d).iter().map(cost).fold(f64::INFINITY, f64::min);
+    rows(d)
         .iter()
-        .map(|c| c["cost"].as_f64().unwrap())
-        .fold(f64::INFINITY, f64::min);
-    rows.iter()
-        .filter(|c| c["cost"].as_f64().unwrap() == min)
-        .map(|c| {
-            (
-                c["worker_id"].as_u64().unwrap(),
-                c["dp_rank"].as_u64().unwrap(),
-            )
-        })
+        .filter(|c| cost(c) == min)
+        .map(chosen)
         .collect()
 }
 
@@ -107,18 +116,11 @@ fn a_remote_indexer_router_decides_as_a_local_index_one_on_the_same_events() {
             // of the tied candidates (the default prices a prompt's last block as computed
             // whatever the overlap, so candidates holding 1 or 2 blocks of a 2-block prompt tie).
             let best = lowest_cost(&a);
-            let pick = |d: &serde_json::Value| {
-                (
-                    d["worker_id"].as_u64().unwrap(),
-                    d["dp_rank"].as_u64().unwrap(),
-                )
-            };
-            let chosen = pick(&b);
             assert!(
-                best.contains(&chosen),
+                best.contains(&chosen(&b)),
                 "family {family}, {blocks} blocks: the same choice\n{a}\n{b}"
             );
-            if pick(&a) == chosen {
+            if chosen(&a) == chosen(&b) {
                 assert_eq!(a["overlap_blocks"], b["overlap_blocks"]);
             }
             if best.len() == 1 {
@@ -158,6 +160,55 @@ fn a_remote_indexer_router_decides_as_a_local_index_one_on_the_same_events() {
         Some(0.0)
     );
     assert!(metric(&text, "kvroute_remote_indexer_duration_seconds_count").unwrap() >= 61.0);
+}
+
+/// Predict-on-route (on by default) is the router's own: a remote-indexer router records the
+/// prompts it books and max-combines them with the indexer's overlaps, as a local-index router does
+/// with its index, so after booking the same request both see the same overlaps and decide alike
+/// before any KV event arrives.
+#[test]
+fn a_remote_indexer_router_predicts_its_booked_prompts_as_a_local_index_one() {
+    let indexer = Server::start(&["--serve-indexer"]);
+    let local = Server::start(&[]);
+    let remote = Server::start(&["--remote-indexer", &indexer.url("")]);
+    for s in [&indexer, &local, &remote] {
+        register(s);
+    }
+    // 3 of the prompt's 12 blocks cached on (4, 0) alone: the one best candidate for it.
+    let p = prompt(12, 77);
+    let full = local_hashes(&p, 16, BASE_SEED);
+    for s in [&indexer, &local] {
+        s.post("/v1/events", &json!([stored_event(4, 0, 1, &full[..3])]))
+            .expect(200);
+    }
+    let first = json!({"tokens": p, "request_id": "first", "explain": true});
+    for d in [local.route_ok(&first), remote.route_ok(&first)] {
+        assert_eq!(chosen(&d), (4, 0), "{d}");
+        assert!(
+            predicted(&d).values().all(|&v| v == 0),
+            "nothing predicted before the first booking: {d}"
+        );
+    }
+    // The same prompt again, with no KV event since: both predict its 12 blocks on (4, 0), see
+    // the same overlaps on every candidate and choose it.
+    let again = json!({"tokens": p, "book": false, "explain": true});
+    let (a, b) = (local.route_ok(&again), remote.route_ok(&again));
+    assert_eq!(a["overlap_source"], "local", "{a}");
+    assert_eq!(b["overlap_source"], "remote", "{b}");
+    assert_eq!(predicted(&a)[&(4, 0)], 12, "{a}");
+    assert_eq!(predicted(&a), predicted(&b), "predicted overlaps");
+    assert_eq!(explained(&b)[&(4, 0)], [12, 0, 0], "{b}");
+    assert_eq!(explained(&a), explained(&b), "every candidate's overlaps");
+    assert_eq!(lowest_cost(&a), vec![(4, 0)], "{a}");
+    assert_eq!(lowest_cost(&b), vec![(4, 0)], "{b}");
+    assert_eq!((chosen(&a), chosen(&b)), ((4, 0), (4, 0)));
+    assert_eq!(
+        metric(
+            &remote.metrics(),
+            "kvroute_predictions_total{outcome=\"recorded\"}"
+        ),
+        Some(12.0)
+    );
 }
 
 #[test]

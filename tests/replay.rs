@@ -830,11 +830,11 @@ fn cli_replays_router_replicas_with_a_booking_sync_lag() {
         assert_eq!(p["completed"], 400, "{}", p["name"]);
         assert_eq!(p["replicas"], replicas, "{}", p["name"]);
         assert_eq!(p["sync_lag_ms"], lag, "{}", p["name"]);
-        // Each request's booking, prefill_complete and free reach every other replica, and
-        // every one of them applies (they arrive in order).
+        // Each request's booking, prefill_complete, final output count and free reach every other
+        // replica, and every one of them applies (they arrive in order).
         assert_eq!(
             p["sync_messages"],
-            400 * 3 * (replicas - 1),
+            400 * 4 * (replicas - 1),
             "{}",
             p["name"]
         );

@@ -22,6 +22,7 @@ mod policies;
 mod policy_deadlines;
 mod policy_runtime;
 mod policy_stages;
+mod predict;
 mod proxy;
 mod python_plugin;
 mod refusals;

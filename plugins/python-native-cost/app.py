@@ -23,7 +23,7 @@ from componentize_py_types import Err
 from wit_world import exports
 from wit_world.imports import host_log, types
 
-ABI_VERSION = 5
+ABI_VERSION = 6
 DEFAULTS = {"prefill_load_scale": 1.0, "host_tier_weight": 0.75, "disk_tier_weight": 0.25}
 
 # Per-instance state lives at module level: componentize-py may create the exported class anew
@@ -81,8 +81,9 @@ class Policy(exports.Policy):
         offsets = c32[7 * n : 8 * n + 1]
         prefs_start = 8 * n + 1 + offsets[n]
         taint_ids = c32[8 * n + 1 : prefs_start]
-        # The request's preferred taints: ids after the taint index, weights after the costs.
-        prefs = list(zip(c32[prefs_start:], f64[n:]))
+        # The request's preferred taints: ids after the taint index, weights after the base
+        # costs and the two learned step-time columns (3n entries).
+        prefs = list(zip(c32[prefs_start:], f64[3 * n :]))
 
         w = STATE["weights"]
         block_size = max(STATE["block_size"], 1)

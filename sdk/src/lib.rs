@@ -82,8 +82,8 @@ pub use bindings::kvroute::policy::types::Request as WireRequest;
 pub use bindings::kvroute::policy::types::RequestFlags;
 pub use helpers::*;
 
-/// The ABI version this SDK speaks (`plugin-info.abi-version`): 5, for `kvroute:policy@0.5.0`.
-pub const ABI_VERSION: u32 = 5;
+/// The ABI version this SDK speaks (`plugin-info.abi-version`): 6, for `kvroute:policy@0.6.0`.
+pub const ABI_VERSION: u32 = 6;
 
 /// Which half of a routing decision the policy ranks (WIT `request-flags`: `prefill`, `decode`,
 /// or neither).
@@ -197,7 +197,7 @@ impl Request {
     pub fn from_wire(w: WireRequest, c: &WireCandidates, ctx: &Context) -> Result<Self, String> {
         let l = Layout::of(c)?;
         let ids = &c.columns_u32[l.preferred_start..];
-        let weights = &c.columns_f64[l.n..];
+        let weights = &c.columns_f64[3 * l.n..];
         let preferred_taints = ids
             .iter()
             .zip(weights)
@@ -275,9 +275,10 @@ impl Layout {
             ));
         }
         let p = w.columns_u32.len() - preferred_start;
-        if w.columns_f64.len() != n + p {
+        if w.columns_f64.len() != 3 * n + p {
             return Err(format!(
-                "columns-f64 has {} entries, expected {n} base costs + {p} preference weights",
+                "columns-f64 has {} entries, expected 3 x {n} (base costs, learned prefill and \
+                 decode times) + {p} preference weights",
                 w.columns_f64.len()
             ));
         }
@@ -421,6 +422,10 @@ pub struct Candidates<'a> {
     /// The host's native cost (without preferred taints); in a pipeline's selector stage, the
     /// weighted sum of the scorer stages.
     pub base_cost: &'a [f64],
+    /// The worker's learned prefill milliseconds per uncached prompt token (0 = not learned yet).
+    pub prefill_ms_per_token: &'a [f64],
+    /// The worker's learned milliseconds per output token once decoding (0 = not learned yet).
+    pub decode_step_ms: &'a [f64],
     /// Start of each candidate's taints in `taint_ids` (`count() + 1` entries, first 0).
     pub taint_offsets: &'a [u32],
     /// Taint ids of all candidates, back to back.
@@ -453,6 +458,8 @@ impl<'a> Candidates<'a> {
             active_prompt_blocks: c32(5),
             max_num_batched_tokens: c32(6),
             base_cost: &w.columns_f64[..n],
+            prefill_ms_per_token: &w.columns_f64[n..2 * n],
+            decode_step_ms: &w.columns_f64[2 * n..3 * n],
             taint_offsets,
             taint_ids,
         })
@@ -539,6 +546,16 @@ impl<'a> Row<'a> {
     /// The host's native cost (without preferred taints).
     pub fn base_cost(&self) -> f64 {
         self.cols.base_cost[self.index]
+    }
+
+    /// The worker's learned prefill milliseconds per uncached prompt token, when learned.
+    pub fn prefill_ms_per_token(&self) -> Option<f64> {
+        Some(self.cols.prefill_ms_per_token[self.index]).filter(|v| *v > 0.0)
+    }
+
+    /// The worker's learned milliseconds per output token once decoding, when learned.
+    pub fn decode_step_ms(&self) -> Option<f64> {
+        Some(self.cols.decode_step_ms[self.index]).filter(|v| *v > 0.0)
     }
     /// Taint ids of the candidate.
     pub fn taints(&self) -> &'a [u32] {

@@ -81,6 +81,8 @@ pub struct CandidateSpec {
     active_prompt_blocks: u32,
     total_kv_blocks: u64,
     max_num_batched_tokens: u32,
+    prefill_ms_per_token: f64,
+    decode_step_ms: f64,
     base_cost: Option<f64>,
     taints: Vec<String>,
 }
@@ -119,6 +121,8 @@ impl CandidateSpec {
         active_prompt_blocks: u32,
         total_kv_blocks: u64,
         max_num_batched_tokens: u32,
+        prefill_ms_per_token: f64,
+        decode_step_ms: f64,
     );
 
     /// The candidate's worker id.
@@ -264,6 +268,10 @@ pub struct CandidateSet {
     pub max_num_batched_tokens: Vec<u32>,
     /// See [`Candidates::base_cost`].
     pub base_cost: Vec<f64>,
+    /// See [`Candidates::prefill_ms_per_token`].
+    pub prefill_ms_per_token: Vec<f64>,
+    /// See [`Candidates::decode_step_ms`].
+    pub decode_step_ms: Vec<f64>,
     /// See [`Candidates::taint_offsets`].
     pub taint_offsets: Vec<u32>,
     /// See [`Candidates::taint_ids`].
@@ -286,6 +294,8 @@ impl CandidateSet {
             total_kv_blocks: &self.total_kv_blocks,
             max_num_batched_tokens: &self.max_num_batched_tokens,
             base_cost: &self.base_cost,
+            prefill_ms_per_token: &self.prefill_ms_per_token,
+            decode_step_ms: &self.decode_step_ms,
             taint_offsets: &self.taint_offsets,
             taint_ids: &self.taint_ids,
         }
@@ -319,6 +329,8 @@ impl CandidateSet {
         }
         columns_u32.extend(preferred.iter().map(|p| p.taint));
         let mut columns_f64 = self.base_cost.clone();
+        columns_f64.extend_from_slice(&self.prefill_ms_per_token);
+        columns_f64.extend_from_slice(&self.decode_step_ms);
         columns_f64.extend(preferred.iter().map(|p| f64::from(p.weight)));
         crate::WireCandidates {
             columns_u64,
@@ -358,6 +370,8 @@ pub fn build(req: &RequestSpec, set: &[CandidateSpec]) -> (Context, Request, Can
         c.total_kv_blocks.push(s.total_kv_blocks);
         c.max_num_batched_tokens.push(s.max_num_batched_tokens);
         c.base_cost.push(0.0);
+        c.prefill_ms_per_token.push(s.prefill_ms_per_token);
+        c.decode_step_ms.push(s.decode_step_ms);
         for t in &s.taints {
             let id = id_of(t, &mut names);
             c.taint_ids.push(id);

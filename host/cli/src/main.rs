@@ -184,6 +184,17 @@ struct ServeArgs {
         require_equals = false
     )]
     approximate: Option<bool>,
+    /// Predict-on-route (`routing.predict_on_route`, default true): a routed prompt counts as
+    /// cached on its worker for `routing.predict_ttl_ms` until KV events say otherwise;
+    /// `--predict-on-route` alone means true.
+    #[arg(
+        long,
+        env = "KVROUTE_PREDICT_ON_ROUTE",
+        num_args = 0..=1,
+        default_missing_value = "true",
+        require_equals = false
+    )]
+    predict_on_route: Option<bool>,
     /// Log format.
     #[arg(long, env = "KVROUTE_LOG_FORMAT", value_enum)]
     log_format: Option<LogFormat>,
@@ -254,6 +265,9 @@ impl ServeArgs {
         }
         if let Some(v) = self.approximate {
             c.routing.approximate = v;
+        }
+        if let Some(v) = self.predict_on_route {
+            c.routing.predict_on_route = v;
         }
         if let Some(v) = self.log_format {
             c.log_format = v;

@@ -64,6 +64,11 @@ pub struct CandidateColumns {
     pub max_num_batched_tokens: Vec<u32>,
     /// The host's native cost (SPEC §7, without preferred taints); lower is better.
     pub base_cost: Vec<f64>,
+    /// The candidate's worker's learned prefill milliseconds per uncached prompt token
+    /// ([`crate::learn`]); 0 when not learned yet.
+    pub prefill_ms_per_token: Vec<f64>,
+    /// Its learned milliseconds per output token once decoding; 0 when not learned yet.
+    pub decode_step_ms: Vec<f64>,
     pub taint_offsets: Vec<u32>,
     pub taint_ids: Vec<u32>,
 }
@@ -92,6 +97,8 @@ impl CandidateColumns {
         self.total_kv_blocks.clear();
         self.max_num_batched_tokens.clear();
         self.base_cost.clear();
+        self.prefill_ms_per_token.clear();
+        self.decode_step_ms.clear();
         self.taint_offsets.clear();
         self.taint_ids.clear();
     }

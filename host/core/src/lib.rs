@@ -2,7 +2,7 @@
 //!
 //! One module per noun of the architecture (docs/ARCHITECTURE.md): [`hashing`] turns prompts into
 //! block hashes, [`indexer`] knows which candidate holds which blocks, [`workers`] is the registry,
-//! [`eligibility`] is the one hard-rule predicate, [`feeds`] is the health of each KV event feed, [`load`] tracks booked work, [`queue`] holds
+//! [`eligibility`] is the one hard-rule predicate, [`feeds`] is the health of each KV event feed, [`load`] tracks booked work, [`predict`] assumes routed prompts cached until events say otherwise, [`learn`] fits each worker's step times, [`queue`] holds
 //! requests while every eligible candidate is busy, [`cost`] is the native cost and picker, and
 //! [`router`] ties them into the one entry point callers use.
 //!
@@ -18,7 +18,9 @@ pub mod eligibility;
 pub mod feeds;
 pub mod hashing;
 pub mod indexer;
+pub mod learn;
 pub mod load;
+pub mod predict;
 pub mod queue;
 pub mod rng;
 pub mod router;

@@ -222,6 +222,18 @@ fn generate(
             });
         c.total_kv_blocks.push(16_384);
         c.max_num_batched_tokens.push(8_192);
+        // Learned step times: some workers learned (a heterogeneous fleet), some not yet (0).
+        let learned = matches!(s, Scenario::RandomLoad | Scenario::EveryField) && i % 3 != 0;
+        c.prefill_ms_per_token.push(if learned {
+            rng.gen_range(0.005..0.1)
+        } else {
+            0.0
+        });
+        c.decode_step_ms.push(if learned {
+            rng.gen_range(5.0..60.0)
+        } else {
+            0.0
+        });
         match s {
             Scenario::ManyTaints => c
                 .taint_ids
@@ -472,6 +484,8 @@ fn stage_preferences(registry: &PolicyRegistry, taints: &TaintTable) -> CheckRes
         total_kv_blocks: vec![16_384, 16_384],
         max_num_batched_tokens: vec![8_192, 8_192],
         base_cost: Vec::new(),
+        prefill_ms_per_token: vec![0.02, 0.0],
+        decode_step_ms: vec![12.0, 0.0],
         taint_offsets: vec![0, 0, 0],
         taint_ids: Vec::new(),
     };

@@ -58,8 +58,16 @@ impl Packed {
         self.u32s
             .extend(req.preferred_taints.iter().map(|&(id, _)| id));
         self.f64s.clear();
-        self.f64s.reserve(n + p);
+        self.f64s.reserve(3 * n + p);
         self.f64s.extend_from_slice(&c.base_cost);
+        // Columns a caller left empty (no learned figures) travel as zeros: "not learned".
+        for col in [&c.prefill_ms_per_token, &c.decode_step_ms] {
+            if col.len() == n {
+                self.f64s.extend_from_slice(col);
+            } else {
+                self.f64s.resize(self.f64s.len() + n, 0.0);
+            }
+        }
         self.f64s
             .extend(req.preferred_taints.iter().map(|&(_, w)| f64::from(w)));
     }
@@ -148,6 +156,8 @@ mod tests {
             total_kv_blocks: vec![300, 301],
             max_num_batched_tokens: vec![512, 1024],
             base_cost: vec![0.5, 1.5],
+            prefill_ms_per_token: vec![0.02, 0.0],
+            decode_step_ms: vec![11.0, 0.0],
             taint_offsets: vec![0, 1, 3],
             taint_ids: vec![7, 8, 9],
         };
@@ -174,7 +184,16 @@ mod tests {
                 w.columns_u32,
                 &[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 0, 512, 1024, 0, 1, 3, 7, 8, 9, 8, 2]
             );
-            assert_eq!(w.columns_f64, &[0.5, 1.5, 0.5, -0.25]);
+            assert_eq!(w.columns_f64, &[0.5, 1.5, 0.02, 0.0, 11.0, 0.0, 0.5, -0.25]);
+        });
+        // Columns left empty travel as zeros (not learned).
+        let bare = CandidateColumns {
+            prefill_ms_per_token: Vec::new(),
+            decode_step_ms: Vec::new(),
+            ..c.clone()
+        };
+        with_wit_decision(&req, &bare, Stage::Aggregated, |_, w| {
+            assert_eq!(w.columns_f64, &[0.5, 1.5, 0.0, 0.0, 0.0, 0.0, 0.5, -0.25]);
         });
         let booked = PolicyRequest {
             ask_only: false,

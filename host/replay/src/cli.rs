@@ -138,6 +138,14 @@ pub struct ReplayArgs {
     /// does for `kvroute serve` (least recently matched blocks of the largest holders go first).
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     pub max_index_entries: Option<u64>,
+    /// Predict-on-route, as `routing.predict_on_route` does for `kvroute serve`: a booked prompt
+    /// counts as cached on its worker for `--predict-ttl-ms` until KV events confirm or
+    /// contradict it (`true` | `false`).
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set)]
+    pub predict_on_route: bool,
+    /// How long a prediction lasts without an event, in (simulated) ms.
+    #[arg(long, default_value_t = 2000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub predict_ttl_ms: u64,
 }
 
 /// The end of the plots' titles: the trace, the fleet and how both were sped up.
@@ -179,6 +187,12 @@ fn cli_run(args: ReplayArgs) -> Result<()> {
     let base_router = RouterConfig {
         rng_seed: Some(args.seed),
         default_temperature: args.temperature,
+        predict: args
+            .predict_on_route
+            .then(|| kvroute_core::predict::PredictConfig {
+                ttl: std::time::Duration::from_millis(args.predict_ttl_ms),
+                ..Default::default()
+            }),
         ..RouterConfig::default()
     };
     let configs = configurations(&args, &base_router)?;

@@ -358,6 +358,17 @@ pub fn run_policy(
             Some(enforcement_name(opts.router.disagg.kv_transfer_enforcement).to_string());
     }
     run.result.index_evicted_entries = index.evicted_entries;
+    run.result.learned = (0..opts.fleet.workers())
+        .map(|w| router.learned(u64::from(w)))
+        .collect();
+    run.result.predictions = router
+        .prediction_stats()
+        .map(|p| report::PredictionFigures {
+            recorded: p.recorded,
+            confirmed: p.confirmed,
+            contradicted: p.contradicted,
+            expired: p.expired,
+        });
     Ok(run)
 }
 

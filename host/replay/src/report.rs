@@ -113,6 +113,19 @@ pub struct PolicyResult {
     pub simulated_s: f64,
     /// Wall-clock time of this policy's simulation.
     pub wall_s: f64,
+    /// Each worker's step times as the router learned them by the end of the run (worker order).
+    pub learned: Vec<kvroute_core::learn::Learned>,
+    /// Predict-on-route's statistics (`--predict-on-route true`).
+    pub predictions: Option<PredictionFigures>,
+}
+
+/// What predict-on-route did over a run.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct PredictionFigures {
+    pub recorded: u64,
+    pub confirmed: u64,
+    pub contradicted: u64,
+    pub expired: u64,
 }
 
 /// What the split requests of a disaggregated fleet did.
@@ -292,6 +305,8 @@ impl PolicyRun {
             disaggregation,
             simulated_s: span_s,
             wall_s,
+            learned: Vec::new(),
+            predictions: None,
         };
         Self {
             result,

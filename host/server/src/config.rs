@@ -13,6 +13,7 @@ use serde::{Deserialize, Serialize};
 use kvroute_core::cost::CostWeights;
 use kvroute_core::indexer::approx::ApproxConfig;
 use kvroute_core::load::LoadConfig;
+use kvroute_core::predict::PredictConfig;
 use kvroute_core::queue::{QueueLimits, QueueOrder};
 use kvroute_core::router::{DisaggConfig, RouterConfig};
 use kvroute_core::workers::RegistryLimits;
@@ -144,6 +145,10 @@ pub struct RoutingSection {
     /// Index from routing decisions (engines that publish no KV events).
     pub approximate: bool,
     pub approximate_ttl_secs: u64,
+    /// Predict-on-route: a booked prompt counts as cached on its worker for `predict_ttl_ms`
+    /// until the engine's KV events confirm or contradict it (max-combined with the index).
+    pub predict_on_route: bool,
+    pub predict_ttl_ms: u64,
     pub default_temperature: f64,
     /// What routing does with a rank whose KV event feed is dead: `keep` routing on its (possibly
     /// stale) index, treat its overlap as `unknown` (0), or `drain` it.
@@ -164,6 +169,8 @@ impl Default for RoutingSection {
             load_expiry_secs: 300,
             approximate: false,
             approximate_ttl_secs: 120,
+            predict_on_route: true,
+            predict_ttl_ms: PredictConfig::default().ttl.as_millis() as u64,
             default_temperature: 0.0,
             dead_feed: kvroute_core::feeds::DeadFeedRule::default(),
             dead_feed_after_ms: kvroute_core::feeds::FeedConfig::default()
@@ -323,6 +330,12 @@ impl ServeConfig {
             return Err(format!(
                 "shutdown_grace_secs must be between 1 and 3600, got {}",
                 self.shutdown_grace_secs
+            ));
+        }
+        if !(1..=600_000).contains(&self.routing.predict_ttl_ms) {
+            return Err(format!(
+                "routing.predict_ttl_ms must be between 1 and 600000, got {}",
+                self.routing.predict_ttl_ms
             ));
         }
         if self.routing.queue_timeout_ms == 0 {
@@ -500,6 +513,10 @@ impl ServeConfig {
             },
             approx: self.routing.approximate.then(|| ApproxConfig {
                 ttl: Duration::from_secs(self.routing.approximate_ttl_secs),
+                ..Default::default()
+            }),
+            predict: self.routing.predict_on_route.then(|| PredictConfig {
+                ttl: Duration::from_millis(self.routing.predict_ttl_ms),
                 ..Default::default()
             }),
             cost: self.cost,
@@ -703,11 +720,13 @@ mod tests {
         ("policy_name", &["\"ok\"", "\"bad/name\""]),
         ("policy_config", &["\"{}\"", "\"{bad\""]),
     ];
-    const ROUTING: [(&str, &[&str]); 4] = [
+    const ROUTING: [(&str, &[&str]); 6] = [
         ("busy_threshold", &["0.5", "0.0", "-1.0", "nan", "inf"]),
         ("default_temperature", &["0.0", "2.5", "-0.1", "inf"]),
         ("queue_timeout_ms", &["0", "5"]),
         ("approximate", &["true", "false"]),
+        ("predict_on_route", &["true", "false"]),
+        ("predict_ttl_ms", &["0", "1", "2000", "600000", "600001"]),
     ];
     const COST: [(&str, &[&str]); 2] = [
         ("prefill_load_scale", &["1.0", "-1.0", "nan"]),
@@ -755,8 +774,8 @@ mod tests {
         ) {
             let mut text = String::new();
             section(&mut text, "", &TOP, &picks[0..7]);
-            section(&mut text, "[routing]\n", &ROUTING, &picks[7..11]);
-            section(&mut text, "[cost]\n", &COST, &picks[11..13]);
+            section(&mut text, "[routing]\n", &ROUTING, &picks[7..13]);
+            section(&mut text, "[cost]\n", &COST, &picks[13..15]);
             for (key, fields) in &workers {
                 let header = format!("[workers.\"{}\"]\n", WORKER_KEYS[key.index(WORKER_KEYS.len())]);
                 section(&mut text, &header, &WORKER, fields);

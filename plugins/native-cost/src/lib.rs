@@ -65,7 +65,7 @@ impl Guest for NativeCost {
         PluginInfo {
             name: "native-cost".to_string(),
             version: env!("CARGO_PKG_VERSION").to_string(),
-            abi_version: 5,
+            abi_version: 6,
             deterministic: true,
             kind: PluginKind::Scorer,
         }
@@ -111,9 +111,10 @@ impl Guest for NativeCost {
         let taint_offsets = &c.columns_u32[7 * n..8 * n + 1];
         let prefs_start = 8 * n + 1 + taint_offsets[n] as usize;
         let taint_ids = &c.columns_u32[8 * n + 1..prefs_start];
-        // The request's preferred taints: ids after the taint index, weights after the costs.
+        // The request's preferred taints: ids after the taint index, weights after the base
+        // costs and the two learned step-time columns (`3 * n` entries since abi 6).
         let pref_ids = &c.columns_u32[prefs_start..];
-        let pref_weights = &c.columns_f64[n..];
+        let pref_weights = &c.columns_f64[3 * n..];
         let mut costs = Vec::with_capacity(n);
         if w.use_base_cost {
             costs.extend_from_slice(&c.columns_f64[..n]);

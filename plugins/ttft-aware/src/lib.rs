@@ -35,6 +35,14 @@
 //! figures that set every later step, i.e. the request's inter-token latency; the overflow penalty
 //! applies as above.
 //!
+//! **Learned step times** (`learned_step_times`, default true; interface 0.6.0): the host fits
+//! each worker's prefill ms per token and decode ms per token from the requests it sees. A fleet
+//! is rarely uniform, and the model above is one engine's. So each candidate's prefill terms are
+//! scaled by its learned prefill time relative to the mean of the candidates that have one, and
+//! its decode terms likewise: a worker twice as slow as the others is priced twice as long, while
+//! a uniform fleet keeps the model as it is (every scale 1). Candidates not learned yet (0) keep
+//! scale 1. `false` ignores the learned figures (the fixed model, for comparison).
+//!
 //! The estimate is then multiplied by SPEC §7's preferred-taint multiplier (never 0, so preferences
 //! separate idle candidates too). Lower is better; the host picks the minimum, ties at random.
 //!
@@ -42,7 +50,7 @@
 //! `{"prefill_ms": [16.50142, 0.01518344, 4.209989e-7], "decode_ms": [5.74, 54.01, -25.74],
 //!   "default_max_num_batched_tokens": 8192, "residual_frac": 0.5, "host_tier_weight": 0.75,
 //!   "disk_tier_weight": 0.25, "overflow_penalty_ms": 10000, "credit_active_blocks": true,
-//!   "work_weight": 6}`
+//!   "work_weight": 6, "learned_step_times": true}`
 
 use kvroute_sdk::{
     parse_config, preferred_multiplier, Candidates, Context, Decision, Policy, Request, Row, Stage,
@@ -70,6 +78,9 @@ pub struct Config {
     /// Weight of the request's own prefill compute (ms), added on top of its own wait: > 0 favours
     /// cache hits (less work for the fleet) over an earlier first token for this request.
     pub work_weight: f64,
+    /// Scale each candidate's prefill and decode terms by its worker's learned step times,
+    /// relative to the fleet's (see the module docs).
+    pub learned_step_times: bool,
 }
 
 impl Default for Config {
@@ -84,6 +95,7 @@ impl Default for Config {
             overflow_penalty_ms: 10_000.0,
             credit_active_blocks: true,
             work_weight: 6.0,
+            learned_step_times: true,
         }
     }
 }
@@ -102,9 +114,14 @@ impl Config {
     /// Estimated milliseconds from now to this request's first token on `r`, at the request's
     /// stage.
     pub fn estimate(&self, req: &Request, r: Row<'_>) -> f64 {
+        self.estimate_scaled(req, r, Speed::MODEL)
+    }
+
+    /// [`Config::estimate`] with the candidate's prefill and decode terms scaled by `s`.
+    pub fn estimate_scaled(&self, req: &Request, r: Row<'_>, s: Speed) -> f64 {
         match req.stage {
-            Stage::Aggregated | Stage::Prefill => self.prefill_estimate(req, r),
-            Stage::Decode => self.decode_estimate(req, r),
+            Stage::Aggregated | Stage::Prefill => self.prefill_estimate(req, r, s),
+            Stage::Decode => self.decode_estimate(req, r, s),
         }
     }
 
@@ -133,18 +150,18 @@ impl Config {
 
     /// The decode step: milliseconds from the KV cache's arrival on `r` to the first token. The
     /// engine computes no prompt, so overlap earns nothing.
-    pub fn decode_estimate(&self, req: &Request, r: Row<'_>) -> f64 {
+    pub fn decode_estimate(&self, req: &Request, r: Row<'_>, s: Speed) -> f64 {
         let ahead = r.active_prefill_tokens() as f64;
         let chunk = if ahead > 0.0 {
-            self.prefill(ahead.min(self.budget(r)))
+            s.prefill * self.prefill(ahead.min(self.budget(r)))
         } else {
             0.0
         };
         let used = r.active_decode_blocks();
         let new_blocks = Self::new_blocks(req, r);
-        let mut est = chunk + self.decode(Self::util(r, used + new_blocks));
+        let mut est = chunk + s.decode * self.decode(Self::util(r, used + new_blocks));
         if r.active_requests() > 0 || ahead > 0.0 {
-            est += self.residual_frac * (chunk + self.decode(Self::util(r, used)));
+            est += self.residual_frac * (chunk + s.decode * self.decode(Self::util(r, used)));
         }
         let total = r.total_kv_blocks();
         if total > 0 && used + new_blocks > total {
@@ -155,7 +172,7 @@ impl Config {
 
     /// An aggregated decision or the prefill step: milliseconds from now to the first token of
     /// the prompt computed on `r`.
-    pub fn prefill_estimate(&self, req: &Request, r: Row<'_>) -> f64 {
+    pub fn prefill_estimate(&self, req: &Request, r: Row<'_>, s: Speed) -> f64 {
         let b = req.block_size.max(1);
         let isl = req.prompt_tokens;
         let (d, h, k) = (r.device_overlap(), r.host_overlap(), r.disk_overlap());
@@ -181,7 +198,7 @@ impl Config {
         let queued = ahead + own;
         let steps = (queued / budget).ceil().max(1.0);
         let [c0, c1, c2] = self.prefill_ms;
-        let prefill = steps * c0 + c1 * queued + c2 * queued * queued / steps;
+        let prefill = s.prefill * (steps * c0 + c1 * queued + c2 * queued * queued / steps);
 
         let blocks = isl.div_ceil(b);
         let new_blocks = u64::from(blocks.saturating_sub(r.active_prompt_blocks()));
@@ -197,20 +214,64 @@ impl Config {
         let busy = r.active_requests() > 0;
         let mut est = prefill;
         if busy {
-            est += steps * self.decode(util(used + new_blocks));
+            est += steps * s.decode * self.decode(util(used + new_blocks));
             let current = if ahead > 0.0 {
-                self.prefill(ahead.min(budget))
+                s.prefill * self.prefill(ahead.min(budget))
             } else {
                 0.0
-            } + self.decode(util(used));
+            } + s.decode * self.decode(util(used));
             est += self.residual_frac * current;
         }
         // The compute this request adds to the fleet, which later arrivals wait behind.
-        est += self.work_weight * (c1 * own + c2 * own * own);
+        est += self.work_weight * s.prefill * (c1 * own + c2 * own * own);
         if total > 0 && used + new_blocks > total {
             est += self.overflow_penalty_ms;
         }
         est
+    }
+}
+
+/// How fast a candidate is relative to the model: its prefill and decode terms are multiplied
+/// by these.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Speed {
+    pub prefill: f64,
+    pub decode: f64,
+}
+
+impl Speed {
+    /// The model as configured.
+    pub const MODEL: Speed = Speed {
+        prefill: 1.0,
+        decode: 1.0,
+    };
+}
+
+/// The mean of the positive (learned) entries of a column, if any.
+fn learned_mean(col: &[f64]) -> Option<f64> {
+    let (sum, n) = col
+        .iter()
+        .filter(|v| v.is_finite() && **v > 0.0)
+        .fold((0.0, 0u32), |(s, n), v| (s + v, n + 1));
+    (n > 0).then(|| sum / f64::from(n))
+}
+
+/// Each candidate's speed from the learned columns: its learned figure over the mean of the
+/// candidates that have one (1 when it has none).
+fn speeds(c: &Candidates) -> impl Fn(Row<'_>) -> Speed {
+    let (mp, md) = (
+        learned_mean(c.prefill_ms_per_token),
+        learned_mean(c.decode_step_ms),
+    );
+    move |r: Row<'_>| {
+        let rel = |v: Option<f64>, mean: Option<f64>| match (v, mean) {
+            (Some(v), Some(m)) if v.is_finite() => v / m,
+            _ => 1.0,
+        };
+        Speed {
+            prefill: rel(r.prefill_ms_per_token(), mp),
+            decode: rel(r.decode_step_ms(), md),
+        }
     }
 }
 
@@ -254,9 +315,14 @@ impl Policy for TtftAware {
     }
 
     fn decide(&mut self, _ctx: &Context, req: &Request, c: &Candidates) -> Decision {
+        let speed = speeds(c);
+        let learned = self.config.learned_step_times;
         Decision::Costs(
             c.rows()
-                .map(|r| self.config.estimate(req, r) * preferred_multiplier(req, r))
+                .map(|r| {
+                    let s = if learned { speed(r) } else { Speed::MODEL };
+                    self.config.estimate_scaled(req, r, s) * preferred_multiplier(req, r)
+                })
                 .collect(),
         )
     }
@@ -486,6 +552,51 @@ mod tests {
         ];
         let req = request(4096).decode().prefer("topology/zone=a", 0.5);
         assert_eq!(h.pick(&req, &idle).worker_id, 1);
+    }
+
+    #[test]
+    fn learned_step_times_scale_each_candidate_against_the_fleet() {
+        let mut h = Harness::<TtftAware>::new();
+        h.configure(r#"{"work_weight": 0}"#).unwrap();
+        // Same load and cache; worker 2 learned twice as slow, worker 3 not learned yet.
+        let busy = |w| {
+            candidate(w)
+                .active_prefill_tokens(2000)
+                .active_requests(3)
+                .active_decode_blocks(400)
+        };
+        let set = [
+            busy(1).prefill_ms_per_token(0.02).decode_step_ms(10.0),
+            busy(2).prefill_ms_per_token(0.04).decode_step_ms(20.0),
+            busy(3),
+        ];
+        let costs = h.costs(&request(1000), &set);
+        let fixed = h.costs(&request(1000), &[busy(1)])[0];
+        // Against the mean of the learned ones (0.03, 15): 2/3 and 4/3 of the model, and 1.
+        assert!(
+            (costs[0] - fixed * 2.0 / 3.0).abs() < 1e-6,
+            "{costs:?} vs {fixed}"
+        );
+        assert!(
+            (costs[1] - fixed * 4.0 / 3.0).abs() < 1e-6,
+            "{costs:?} vs {fixed}"
+        );
+        assert!((costs[2] - fixed).abs() < 1e-9, "{costs:?} vs {fixed}");
+        // A uniform fleet keeps the model whatever its learned figures.
+        let uniform = [
+            busy(1).prefill_ms_per_token(0.05).decode_step_ms(30.0),
+            busy(2).prefill_ms_per_token(0.05).decode_step_ms(30.0),
+        ];
+        let u = h.costs(&request(1000), &uniform);
+        assert!(
+            (u[0] - fixed).abs() < 1e-9 && (u[1] - fixed).abs() < 1e-9,
+            "{u:?}"
+        );
+        // Switched off: the fixed model for everyone.
+        h.configure(r#"{"work_weight": 0, "learned_step_times": false}"#)
+            .unwrap();
+        let off = h.costs(&request(1000), &set);
+        assert!(off.iter().all(|c| (c - fixed).abs() < 1e-9), "{off:?}");
     }
 
     #[test]

@@ -548,6 +548,21 @@ impl Indexer {
         self.state.read().trees[0].find_matches(local_hashes, |s, d| out.push((s, d)));
     }
 
+    /// The local hashes of the device-tier blocks `key` names by `handles` (handles it does not
+    /// hold are skipped): what predict-on-route needs to know which predictions a removal
+    /// contradicts.
+    pub fn device_locals_of(&self, key: CandidateKey, handles: &[u64]) -> Vec<u64> {
+        let state = self.state.read();
+        let Some(&s) = state.slot_of.get(&key) else {
+            return Vec::new();
+        };
+        let tree = &state.trees[Tier::Device.index()];
+        handles
+            .iter()
+            .filter_map(|&h| tree.local_of(s, h))
+            .collect()
+    }
+
     /// Blocks a candidate holds per tier (device, host, disk, external).
     pub fn candidate_blocks(&self, key: CandidateKey) -> [u64; 4] {
         let state = self.state.read();

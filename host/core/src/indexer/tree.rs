@@ -219,6 +219,13 @@ impl Tree {
         self.lookup(slot, handle).is_some()
     }
 
+    /// The local hash of the block `slot` names `handle`, if it holds one by that name.
+    pub fn local_of(&self, slot: Slot, handle: u64) -> Option<u64> {
+        let b = self.lookup(slot, handle)?;
+        let (node, off) = self.loc[b as usize];
+        Some(self.nodes[node as usize].edge[off as usize])
+    }
+
     /// The block `slot` names `handle`, if it holds one by that name: its own exception map
     /// first, then the canonical map (the block must be held by the slot and not renamed by it).
     #[inline]

@@ -47,6 +47,10 @@ impl Router {
                 None => self.indexer.find_matches_dense(&p.local, &mut s.dense),
                 Some(ext) => self.fill_external(ext, &mut s.dense),
             }
+            match &self.predictions {
+                Some(pr) => pr.matches(&p.seq, self.now_us(), &mut s.predicted),
+                None => s.predicted.clear(),
+            }
             let matching = tm.elapsed();
 
             let placed = self.place(p, &snap, pool, s).inspect_err(|_| {
@@ -141,6 +145,7 @@ impl Router {
             seq: &p.seq,
         });
         let now = Instant::now();
+        let now_us = self.now_us();
         booking::book(
             &mut self.load.lock(),
             &p.request_id,
@@ -173,6 +178,22 @@ impl Router {
             if let Some(s) = &placed.prefill {
                 a.record(&self.indexer, s.candidate, &p.local, now);
             }
+        }
+        if let Some(pr) = &self.predictions {
+            // Where the prompt is computed (the prefill worker of a split request) will cache
+            // it; a split request's decode worker receives it by transfer and caches it too.
+            pr.record(d.candidate, &p.local, &p.seq, now_us);
+            if let Some(s) = &placed.prefill {
+                pr.record(s.candidate, &p.local, &p.seq, now_us);
+            }
+        }
+        if placed.prefill.is_none() {
+            // Prefill work ahead of the request on its worker, and its own.
+            let own = u64::from(p.prompt_tokens.saturating_sub(d.cached_tokens));
+            let ahead = d.load.active_prefill_tokens;
+            self.step_times
+                .lock()
+                .booked(&p.request_id, d.candidate.worker_id, own, ahead, now_us);
         }
         Ok(())
     }

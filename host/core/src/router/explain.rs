@@ -15,7 +15,12 @@ use crate::workers::{CandidateEntry, RegistrySnapshot};
 pub struct ExplainRow {
     pub worker_id: WorkerId,
     pub dp_rank: DpRank,
+    /// Device blocks counted for the candidate: the deeper of the event index's and the
+    /// predicted overlap.
     pub overlap_blocks: u32,
+    /// Device blocks predict-on-route assumes the candidate holds (routed there within the TTL,
+    /// not yet confirmed or contradicted by its KV events); 0 when off.
+    pub predicted_overlap_blocks: u32,
     pub host_overlap_blocks: u32,
     pub disk_overlap_blocks: u32,
     pub active_prefill_tokens: u64,
@@ -58,6 +63,7 @@ pub(super) struct Excluded {
 /// one was chosen.
 pub(super) fn candidate_rows(
     cols: &CandidateColumns,
+    predicted: &[u32],
     costs: &[f64],
     chosen: usize,
     snap: &RegistrySnapshot,
@@ -67,6 +73,7 @@ pub(super) fn candidate_rows(
             worker_id: cols.worker_id[i],
             dp_rank: cols.dp_rank[i],
             overlap_blocks: cols.device_overlap[i],
+            predicted_overlap_blocks: predicted.get(i).copied().unwrap_or(0),
             host_overlap_blocks: cols.host_overlap[i],
             disk_overlap_blocks: cols.disk_overlap[i],
             active_prefill_tokens: cols.active_prefill_tokens[i],

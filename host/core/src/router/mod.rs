@@ -25,6 +25,8 @@ mod decide;
 pub mod disagg;
 mod explain;
 pub mod overlap_source;
+#[cfg(test)]
+mod predict_tests;
 pub mod replicas;
 mod request;
 mod step;
@@ -58,8 +60,10 @@ use crate::cost::CostWeights;
 use crate::eligibility::{BusyRule, PinError, WorkerMissingTaints};
 use crate::feeds::{FeedConfig, Feeds};
 use crate::indexer::approx::{ApproxConfig, ApproxIndexer};
-use crate::indexer::{Applied, ApplyError, Indexer, KvEvent, OverlapScores};
+use crate::indexer::{Applied, ApplyError, Indexer, KvEvent, KvEventData, OverlapScores};
+use crate::learn::{Learned, StepTimes};
 use crate::load::{Booking, CandidateLoad, LoadConfig, LoadTracker};
+use crate::predict::{PredictConfig, PredictStats, Predictions};
 use crate::queue::{PendingQueue, QueueError, QueueLimits, QueueOrder};
 use crate::rng::{SeededRef, SeededRng};
 pub use crate::stage::Stage;
@@ -98,6 +102,9 @@ pub struct RouterConfig {
     pub feeds: FeedConfig,
     /// Disaggregated prefill/decode routing (`[disaggregation]`).
     pub disagg: DisaggConfig,
+    /// Predict-on-route ([`crate::predict`]): a booked prompt counts as cached on its candidate
+    /// for a TTL, max-combined with the event index. `None`: off.
+    pub predict: Option<PredictConfig>,
 }
 
 impl Default for RouterConfig {
@@ -117,6 +124,7 @@ impl Default for RouterConfig {
             rng_seed: None,
             feeds: FeedConfig::default(),
             disagg: DisaggConfig::default(),
+            predict: None,
         }
     }
 }
@@ -394,6 +402,17 @@ pub struct Router {
     /// `Some` when `config.rng_seed` is set; otherwise the per-thread OS-seeded `RNG`.
     seeded_rng: Option<SeededRng>,
     epoch: Instant,
+    /// Predictions of routed prompts (`config.predict`).
+    predictions: Option<Predictions>,
+    /// Each worker's learned step times ([`crate::learn`]).
+    step_times: Mutex<StepTimes>,
+    /// The learned figures decisions read (`[prefill ms per token, decode step ms]` per worker),
+    /// republished by a lifecycle call that changes a worker's fit: decisions take only its read
+    /// lock, never the fit's mutex.
+    learned_cols: parking_lot::RwLock<rustc_hash::FxHashMap<WorkerId, [f64; 2]>>,
+    /// The router's own clock in microseconds when a simulator sets it (`u64::MAX`: the
+    /// monotonic wall clock since `epoch`): what predictions expire and step times are timed by.
+    clock_us: AtomicU64,
     /// The clock policies see (`request.now-ms`): `u64::MAX` = the wall clock; anything else is a
     /// time set by [`Router::set_clock_ms`] (the replay simulator's time).
     clock_ms: AtomicU64,
@@ -417,8 +436,49 @@ impl Router {
     /// Sets the time policies see as `now-ms` (milliseconds since the Unix epoch): `Some` pins it
     /// (a simulator advancing its own clock), `None` returns to the wall clock.
     pub fn set_clock_ms(&self, ms: Option<u64>) {
-        self.clock_ms
-            .store(ms.map_or(u64::MAX, |m| m.min(u64::MAX - 1)), Relaxed);
+        self.set_clock_us(ms.map(|m| m.saturating_mul(1000)));
+    }
+
+    /// [`Router::set_clock_ms`] to the microsecond (a simulator's time): policies see it in whole
+    /// milliseconds; predictions and learned step times run on it.
+    pub fn set_clock_us(&self, us: Option<u64>) {
+        self.clock_ms.store(
+            us.map_or(u64::MAX, |u| (u / 1000).min(u64::MAX - 1)),
+            Relaxed,
+        );
+        self.clock_us
+            .store(us.map_or(u64::MAX, |u| u.min(u64::MAX - 1)), Relaxed);
+    }
+
+    /// The router's own clock in microseconds: the simulator's when set, else monotonic time
+    /// since the router started.
+    pub(crate) fn now_us(&self) -> u64 {
+        match self.clock_us.load(Relaxed) {
+            u64::MAX => self.epoch.elapsed().as_micros() as u64,
+            us => us,
+        }
+    }
+
+    /// Republishes a worker's learned figures for decisions after its fit changed.
+    fn publish_learned(&self, st: &StepTimes, changed: Option<WorkerId>) {
+        let Some(w) = changed else {
+            return;
+        };
+        let l = st.learned(w);
+        let figures = [l.prefill_ms_per_token, l.decode_step_ms];
+        if figures != [0.0, 0.0] {
+            self.learned_cols.write().insert(w, figures);
+        }
+    }
+
+    /// A worker's learned step times (zeros until learned).
+    pub fn learned(&self, worker_id: WorkerId) -> Learned {
+        self.step_times.lock().learned(worker_id)
+    }
+
+    /// Predict-on-route's statistics (`None` when it is off).
+    pub fn prediction_stats(&self) -> Option<PredictStats> {
+        self.predictions.as_ref().map(Predictions::stats)
     }
 
     /// The time policies see, in milliseconds since the Unix epoch.
@@ -461,6 +521,10 @@ impl Router {
             native_label: PolicyLabel::native(),
             seeded_rng: config.rng_seed.map(SeededRng::new),
             epoch: Instant::now(),
+            predictions: config.predict.map(Predictions::new),
+            step_times: Mutex::new(StepTimes::default()),
+            learned_cols: Default::default(),
+            clock_us: AtomicU64::new(u64::MAX),
             clock_ms: AtomicU64::new(u64::MAX),
             feeds: Feeds::new(config.feeds),
             overlap_source: ArcSwapOption::empty(),
@@ -514,6 +578,9 @@ impl Router {
             let mut load = self.load.lock();
             for k in dropped {
                 load.remove_candidate(k);
+                if let Some(p) = &self.predictions {
+                    p.remove_candidate(k);
+                }
             }
         }
         self.pump();
@@ -553,6 +620,11 @@ impl Router {
         if let Some(a) = &self.approx {
             a.remove_worker(worker_id);
         }
+        if let Some(p) = &self.predictions {
+            p.remove_worker(worker_id);
+        }
+        self.step_times.lock().remove_worker(worker_id);
+        self.learned_cols.write().remove(&worker_id);
         self.pump();
         Some(w)
     }
@@ -572,12 +644,36 @@ impl Router {
             self.counters.events_unknown_worker.fetch_add(1, Relaxed);
             return Ok(None);
         }
+        if let Some(p) = &self.predictions {
+            self.check_predictions(p, event);
+        }
         let applied = self.indexer.apply_to_known(event)?;
         if applied.is_none() {
             // Removed since the snapshot above was taken.
             self.counters.events_unknown_worker.fetch_add(1, Relaxed);
         }
         Ok(applied)
+    }
+
+    /// What a device-tier event says of the predictions on its candidate: stored blocks confirm,
+    /// removed ones contradict (looked up before the event takes them out of the index), a clear
+    /// drops them all.
+    fn check_predictions(&self, p: &Predictions, event: &KvEvent) {
+        if event.tier != crate::indexer::Tier::Device && event.data != KvEventData::Cleared {
+            return;
+        }
+        match &event.data {
+            KvEventData::Cleared => p.remove_candidate(event.candidate),
+            KvEventData::Stored { blocks, .. } => {
+                p.confirm(event.candidate, blocks.iter().map(|b| b.tokens_hash));
+            }
+            KvEventData::Removed { block_hashes } => {
+                if p.holds_any(event.candidate) {
+                    let locals = self.indexer.device_locals_of(event.candidate, block_hashes);
+                    p.contradict(event.candidate, &locals);
+                }
+            }
+        }
     }
 
     /// Overlaps of a prompt (API.md `POST /v1/overlap`).
@@ -603,6 +699,10 @@ impl Router {
         self.announce(|| BookingEvent::PrefillComplete {
             request_id: request_id.to_owned(),
         });
+        let mut st = self.step_times.lock();
+        let changed = st.prefill_complete(request_id, self.now_us());
+        self.publish_learned(&st, changed);
+        drop(st);
         self.pump();
         Ok(r)
     }
@@ -619,6 +719,9 @@ impl Router {
             request_id: request_id.to_owned(),
             tokens,
         });
+        let mut st = self.step_times.lock();
+        let changed = st.output(request_id, tokens, self.now_us());
+        self.publish_learned(&st, changed);
         Ok(r)
     }
 
@@ -640,6 +743,10 @@ impl Router {
         let b = self
             .release_booking(request_id)
             .ok_or_else(|| LifecycleError::UnknownRequest(request_id.into()))?;
+        let mut st = self.step_times.lock();
+        let changed = st.freed(request_id, b.output_tokens, self.now_us());
+        self.publish_learned(&st, changed);
+        drop(st);
         self.pump();
         Ok(Some(b))
     }
@@ -649,6 +756,9 @@ impl Router {
     pub fn tick(&self, now: Instant) -> (usize, u64) {
         // A disaggregated request's two halves expire together and count once.
         let expired = booking::count_requests(&self.load.lock().expire(now));
+        let horizon = self.config.load.expiry.as_micros() as u64;
+        let before = self.now_us().saturating_sub(horizon);
+        self.step_times.lock().expire(before);
         let blocks = self
             .approx
             .as_ref()

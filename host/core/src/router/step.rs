@@ -25,6 +25,11 @@ use crate::workers::{CandidateEntry, RegistrySnapshot};
 #[derive(Default)]
 pub(super) struct Scratch {
     pub(super) dense: DenseOverlaps,
+    /// Predict-on-route's device overlaps of the prompt, sparse by candidate (sorted).
+    pub(super) predicted: Vec<(CandidateKey, u32)>,
+    /// The predicted overlap of each eligible candidate, beside the columns (explain's
+    /// `predicted_overlap_blocks`).
+    predicted_col: Vec<u32>,
     cols: CandidateColumns,
     costs: Vec<f64>,
     depths: Vec<(CandidateKey, u32)>,
@@ -93,7 +98,11 @@ impl Router {
         s: &mut Scratch,
     ) -> Result<Step, RouteError> {
         self.filter(p, snap, input, s)?;
-        s.fill_columns(input.pool);
+        s.fill_columns(
+            input.pool,
+            self.config.block_size,
+            &self.learned_cols.read(),
+        );
         if self.config.feeds.dead_feed == DeadFeedRule::Unknown {
             s.forget_dead_overlaps(input.pool, &self.feeds.dead());
         }
@@ -122,7 +131,7 @@ impl Router {
             policy_time,
             explained: p.req.explain.then(|| {
                 (
-                    explain::candidate_rows(&s.cols, &s.costs, chosen, snap),
+                    explain::candidate_rows(&s.cols, &s.predicted_col, &s.costs, chosen, snap),
                     explain::excluded_rows(input.pool, &s.excluded, &s.dense, input.required, snap),
                 )
             }),
@@ -313,7 +322,8 @@ impl Scratch {
         }
         for (j, &i) in self.eligible.iter().enumerate() {
             if dead.contains(&pool[i as usize].key) {
-                self.cols.device_overlap[j] = 0;
+                // The router's own predictions stand: they do not come from the dead feed.
+                self.cols.device_overlap[j] = self.predicted_col[j];
                 self.cols.host_overlap[j] = 0;
                 self.cols.disk_overlap[j] = 0;
             }
@@ -322,9 +332,16 @@ impl Scratch {
 
     /// Fill the candidate columns with the eligible candidates' figures (overlaps, loads, budget,
     /// taints), in the layout policies read.
-    fn fill_columns(&mut self, pool: &[CandidateEntry]) {
+    fn fill_columns(
+        &mut self,
+        pool: &[CandidateEntry],
+        block_size: u32,
+        learned: &rustc_hash::FxHashMap<crate::candidate::WorkerId, [f64; 2]>,
+    ) {
         let Scratch {
             dense,
+            predicted,
+            predicted_col,
             cols,
             depths,
             loads,
@@ -332,6 +349,8 @@ impl Scratch {
             ..
         } = self;
         cols.clear();
+        predicted_col.clear();
+        predicted_col.resize(eligible.len(), 0);
         cols.taint_offsets.push(0);
         for (&i, l) in eligible.iter().zip(loads.iter()) {
             let c = &pool[i as usize];
@@ -347,6 +366,9 @@ impl Scratch {
             cols.active_prompt_blocks.push(0);
             cols.total_kv_blocks.push(c.total_kv_blocks);
             cols.max_num_batched_tokens.push(c.max_num_batched_tokens);
+            let [p, d] = learned.get(&c.key.worker_id).copied().unwrap_or_default();
+            cols.prefill_ms_per_token.push(p);
+            cols.decode_step_ms.push(d);
             cols.taint_ids.extend_from_slice(&c.taint_ids);
             cols.taint_offsets.push(cols.taint_ids.len() as u32);
         }
@@ -355,6 +377,25 @@ impl Scratch {
         for &(key, depth) in depths.iter() {
             if let Ok(j) = eligible.binary_search_by_key(&key, |&i| pool[i as usize].key) {
                 cols.active_prompt_blocks[j] = depth;
+            }
+        }
+        // Predicted overlaps (predict-on-route): max-combined with the event index's device
+        // overlap; few candidates have any. The predicted blocks no event has confirmed yet are
+        // being computed there for a request booked moments ago: their tokens are in the
+        // candidate's active prefill tokens, yet they are this request's own prefix, computed
+        // once for both. They leave the prefill tokens counted ahead of it (at most all of them),
+        // so a burst sharing a new prefix stays together instead of every later request seeing
+        // the first one's prefill as a queue.
+        for &(key, depth) in predicted.iter() {
+            if let Ok(j) = eligible.binary_search_by_key(&key, |&i| pool[i as usize].key) {
+                predicted_col[j] = depth;
+                let event = cols.device_overlap[j];
+                if depth > event {
+                    cols.device_overlap[j] = depth;
+                    let in_flight = u64::from(depth - event) * u64::from(block_size);
+                    let a = &mut cols.active_prefill_tokens[j];
+                    *a -= in_flight.min(*a);
+                }
             }
         }
     }

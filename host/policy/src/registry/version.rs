@@ -205,8 +205,8 @@ impl PolicyVersion {
         }
         match &self.selector {
             Some(sel) => {
-                // The selector's base costs are the weighted sum; the preferred-taint weights
-                // after them stay.
+                // The selector's base costs are the weighted sum; the learned step-time columns
+                // and the preferred-taint weights after them stay.
                 let mut f64s;
                 let mut c = cands;
                 if let Some(sum) = combined {

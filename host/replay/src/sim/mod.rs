@@ -487,7 +487,7 @@ impl<'r> Fleet<'_, 'r> {
         let tr = &self.prepared.trace.requests[i];
         let router = self.router(i);
         // Policies see the trace's time, so state they age (sessions) behaves as it would live.
-        router.set_clock_ms(Some(now.max(0.0) as u64));
+        router.set_clock_us(Some(sim_us(now)));
         let decision = router.route_now(RouteRequest {
             request_id: Some(request_id(i)),
             expected_output_tokens: Some(tr.output_len),
@@ -586,13 +586,18 @@ impl<'r> Fleet<'_, 'r> {
             o.output_tokens = t.n;
         }
         if first {
+            self.router(i).set_clock_us(Some(sim_us(now)));
             let _ = self.router(i).prefill_complete(&request_id(i));
             self.flush(i, now);
         }
         self.last_token_ms[i] = now;
         if t.done {
             self.split[i] = None;
-            let _ = self.router(i).free(&request_id(i));
+            // The final output count, as a proxy reports it, then the end (learned step times).
+            let router = self.router(i);
+            router.set_clock_us(Some(sim_us(now)));
+            let _ = router.output_progress(&request_id(i), t.n);
+            let _ = router.free(&request_id(i));
             self.flush(i, now);
             self.done += 1;
         }
@@ -624,11 +629,17 @@ impl<'r> Fleet<'_, 'r> {
         self.engines[s.prefill as usize].release(i as u64, self.prepared);
         let o = &mut self.out.requests[i];
         o.transfer_ms = now - s.prefill_done_ms;
+        self.router(i).set_clock_us(Some(sim_us(now)));
         let _ = self.router(i).prefill_complete(&request_id(i));
         self.flush(i, now);
         // The prefill engine's blocks went idle: nothing to schedule there, but its events wait.
         self.submit(s.decode, i, Kind::Transferred, now);
     }
+}
+
+/// Simulated milliseconds as the router's microsecond clock.
+fn sim_us(ms: f64) -> u64 {
+    (ms.max(0.0) * 1000.0) as u64
 }
 
 /// Replays `prepared` on a fleet of `workers` aggregated engines routed by `router`

@@ -426,8 +426,9 @@ fn replicas_count_each_others_bookings_once_the_sync_lag_has_passed() {
         // No lag: each replica sees the other's booking before the next arrival and spreads.
         let (out, routers) = run_replicated(&t, 4, 2, 0.0, seed, &cfg);
         assert_eq!(distinct(&out), 4, "seed {seed}: {:?}", out.requests);
-        // Booked, prefill_complete and free of every request reach the one other replica.
-        assert_eq!(out.sync_messages, 4 * 3);
+        // Booked, prefill_complete, the final output count and free of every request reach the one
+        // other replica.
+        assert_eq!(out.sync_messages, 4 * 4);
         assert_eq!(out.sync_refused, 0);
         for r in &routers {
             assert_eq!(r.active_bookings(), 0, "every booking released everywhere");

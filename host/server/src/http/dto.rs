@@ -170,6 +170,9 @@ pub struct CandidateOut {
     pub worker_id: WorkerId,
     pub dp_rank: DpRank,
     pub overlap_blocks: u32,
+    /// Predict-on-route's overlap (0 when off); `overlap_blocks` is the deeper of it and the
+    /// index's.
+    pub predicted_overlap_blocks: u32,
     pub host_overlap_blocks: u32,
     pub disk_overlap_blocks: u32,
     pub active_prefill_tokens: u64,
@@ -188,6 +191,7 @@ impl From<ExplainRow> for CandidateOut {
             worker_id: r.worker_id,
             dp_rank: r.dp_rank,
             overlap_blocks: r.overlap_blocks,
+            predicted_overlap_blocks: r.predicted_overlap_blocks,
             host_overlap_blocks: r.host_overlap_blocks,
             disk_overlap_blocks: r.disk_overlap_blocks,
             active_prefill_tokens: r.active_prefill_tokens,
@@ -395,6 +399,8 @@ pub struct WorkerOut {
     /// With `serve --proxy`: the worker's circuit breaker.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub health: Option<HealthOut>,
+    /// The worker's step times as the router learned them (zeros until learned).
+    pub learned: kvroute_core::learn::Learned,
     pub ranks: Vec<RankOut>,
 }
 
@@ -414,6 +420,7 @@ impl WorkerOut {
             endpoint: w.endpoint,
             model: w.model,
             health: None,
+            learned: Default::default(),
             ranks,
         }
     }

@@ -12,6 +12,7 @@ use prometheus::{
     TextEncoder,
 };
 
+use kvroute_core::learn::Learned;
 use kvroute_core::router::{RouteDecision, Router};
 
 /// The metrics of one server.
@@ -362,6 +363,7 @@ impl Metrics {
             "kvroute_workers {}",
             router.registry().snapshot().workers.len()
         );
+        render_learned(&mut out, router);
         if let Some(p) = policies {
             render_policies(&mut out, p);
         }
@@ -369,6 +371,69 @@ impl Metrics {
             render(&mut out);
         }
         out
+    }
+}
+
+/// A learned figure exported as a per-worker gauge: its metric name, its help text, and how to
+/// read it from a worker's [`Learned`] figures.
+type LearnedGauge = (&'static str, &'static str, fn(&Learned) -> f64);
+
+/// Per worker, its learned step times (0 until learned), and predict-on-route's counters when
+/// it is on.
+fn render_learned(out: &mut String, router: &Router) {
+    let snap = router.registry().snapshot();
+    let learned: Vec<_> = snap
+        .workers
+        .keys()
+        .map(|&id| (id, router.learned(id)))
+        .collect();
+    let figures: [LearnedGauge; 3] = [
+        (
+            "kvroute_worker_learned_prefill_ms_per_token",
+            "Learned prefill milliseconds per uncached prompt token, per worker (0: not learned yet).",
+            |l| l.prefill_ms_per_token,
+        ),
+        (
+            "kvroute_worker_learned_queued_ms_per_token",
+            "Learned milliseconds each prefill token booked ahead adds to the time to first token, per worker.",
+            |l| l.queued_ms_per_token,
+        ),
+        (
+            "kvroute_worker_learned_decode_step_ms",
+            "Learned milliseconds per output token once decoding, per worker (0: not learned yet).",
+            |l| l.decode_step_ms,
+        ),
+    ];
+    for (name, help, f) in figures {
+        gauge_header(out, name, help);
+        for (id, l) in &learned {
+            let _ = writeln!(out, "{name}{{worker_id=\"{id}\"}} {}", f(l));
+        }
+    }
+    if let Some(p) = router.prediction_stats() {
+        gauge_header(
+            out,
+            "kvroute_predicted_blocks",
+            "(candidate, block) predictions of predict-on-route held now.",
+        );
+        let _ = writeln!(out, "kvroute_predicted_blocks {}", p.live);
+        counter_header(
+            out,
+            "kvroute_predictions_total",
+            "Predicted blocks by outcome: recorded at routing, confirmed by a stored event, \
+             contradicted by a removed one, expired at the TTL (or the cap).",
+        );
+        for (outcome, n) in [
+            ("recorded", p.recorded),
+            ("confirmed", p.confirmed),
+            ("contradicted", p.contradicted),
+            ("expired", p.expired),
+        ] {
+            let _ = writeln!(
+                out,
+                "kvroute_predictions_total{{outcome=\"{outcome}\"}} {n}"
+            );
+        }
     }
 }
 

@@ -207,8 +207,10 @@ fn worker_out(s: &AppState, w: kvroute_core::workers::Worker) -> WorkerOut {
             }
         })
         .collect();
+    let learned = router.learned(w.worker_id);
     let mut out = WorkerOut::new(w, ranks);
     out.health = health;
+    out.learned = learned;
     out
 }
 

@@ -1,8 +1,8 @@
 //! Test-only component: a well-behaved policy built against the previous version of the
-//! interface, `kvroute:policy@0.4.0` (abi 4), whose definition is frozen in `wit/policy.wit` here.
-//! It stands for every plugin built before the interface learned the stage (0.5.0): the host
-//! must refuse it at load time with a message that names both versions, never load it and call
-//! it with a request it does not understand.
+//! interface, `kvroute:policy@0.5.0` (abi 5), whose definition is frozen in `wit/policy.wit` here.
+//! It stands for every plugin built before the interface learned the learned step-time columns
+//! (0.6.0): the host must refuse it at load time with a message that names both versions, never
+//! load it and call it with candidate lists it does not understand.
 
 wit_bindgen::generate!({
     path: "wit",
@@ -19,7 +19,7 @@ impl Guest for OldInterface {
         PluginInfo {
             name: "old-interface".to_string(),
             version: env!("CARGO_PKG_VERSION").to_string(),
-            abi_version: 4,
+            abi_version: 5,
             deterministic: true,
             kind: PluginKind::Scorer,
         }

@@ -191,7 +191,7 @@ pub fn schemas() -> Value {
             "taints": strings("Replaces the worker's taints."),
             "draining": boolean("true: no new routes (bookings stay); false: routable again."),
         })),
-        "Worker": object(&["worker_id", "dp_start", "dp_size", "taints", "draining", "total_kv_blocks", "max_num_batched_tokens", "ranks"], json!({
+        "Worker": object(&["worker_id", "dp_start", "dp_size", "taints", "draining", "total_kv_blocks", "max_num_batched_tokens", "learned", "ranks"], json!({
             "worker_id": u64_int("The worker's id."),
             "dp_start": int("First data-parallel rank."),
             "dp_size": int("Number of ranks."),
@@ -204,6 +204,14 @@ pub fn schemas() -> Value {
                 "replay_endpoint": opt_string("The engine's replay socket, if any."),
                 "topic": string("ZMQ topic prefix filter."),
             })), "Present when the worker was registered with kv_events."),
+            "learned": d(object(&["prefill_ms_per_token", "queued_ms_per_token", "prefill_base_ms", "decode_step_ms", "prefill_samples", "decode_samples"], json!({
+                "prefill_ms_per_token": num("Learned prefill ms per uncached prompt token (0: not learned yet)."),
+                "queued_ms_per_token": num("Learned ms each prefill token booked ahead adds to the time to first token."),
+                "prefill_base_ms": num("The fixed part of a time to first token, in ms."),
+                "decode_step_ms": num("Learned ms per output token once decoding (0: not learned yet)."),
+                "prefill_samples": u64_int("Time-to-first-token samples behind the prefill figures."),
+                "decode_samples": u64_int("Output progress samples behind the decode figure."),
+            })), "The worker's step times as the router learned them from the request lifecycle (SPEC §8.1); each figure 0 until 16 samples."),
             "ranks": array_of(object(&["dp_rank", "active_prefill_tokens", "active_decode_blocks", "active_requests", "cached_blocks", "host_cached_blocks", "disk_cached_blocks"], json!({
                 "dp_rank": int("The rank."),
                 "active_prefill_tokens": u64_int("Booked prompt tokens not yet prefilled (SPEC §8)."),
@@ -285,7 +293,8 @@ pub fn schemas() -> Value {
             "candidates": array_of(object(&["worker_id", "dp_rank", "overlap_blocks", "active_prefill_tokens", "active_decode_blocks", "taints", "cost"], json!({
                 "worker_id": u64_int("The candidate's worker."),
                 "dp_rank": int("Its rank."),
-                "overlap_blocks": int("Prompt blocks it holds on device."),
+                "overlap_blocks": int("Prompt blocks it holds on device: the deeper of the index's and the predicted overlap."),
+                "predicted_overlap_blocks": int("Prompt blocks predict-on-route assumes it holds (routed there within routing.predict_ttl_ms, not contradicted by its KV events); 0 when off."),
                 "host_overlap_blocks": int("… in host memory."),
                 "disk_overlap_blocks": int("… on disk (the deeper of disk and external)."),
                 "active_prefill_tokens": u64_int("Booked prompt tokens not yet prefilled."),
