@@ -182,9 +182,15 @@ impl Router {
         if let Some(pr) = &self.predictions {
             // Where the prompt is computed (the prefill worker of a split request) will cache
             // it; a split request's decode worker receives it by transfer and caches it too.
-            pr.record(d.candidate, &p.local, &p.seq, now_us);
-            if let Some(s) = &placed.prefill {
-                pr.record(s.candidate, &p.local, &p.seq, now_us);
+            // Not where the event index already holds the whole prompt (the common case of a
+            // hot prefix): the max-combine would give the same overlap, the removal event that
+            // drops the index's blocks would drop the prediction too, and recording costs a few
+            // hash operations per block (measured: a third of a booked route's CPU at 256
+            // blocks, BENCHMARKS.md).
+            for step in std::iter::once(d).chain(&placed.prefill) {
+                if !step.indexed_whole {
+                    pr.record(step.candidate, &p.local, &p.seq, now_us);
+                }
             }
         }
         if placed.prefill.is_none() {

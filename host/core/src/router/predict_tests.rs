@@ -235,3 +235,25 @@ fn learned_step_times_converge_to_a_simulated_heterogeneous_fleet() {
         assert!(err_d < 0.10, "worker {} decode: {l:?} vs {step}", w + 1);
     }
 }
+
+/// A booking on a candidate whose event index already holds the whole prompt records no
+/// prediction (it would change no overlap); one that holds a part records the whole prompt.
+#[test]
+fn a_prompt_the_index_already_holds_whole_is_not_predicted_again() {
+    let r = fleet(2, true);
+    let tokens = prompt(256, 0, 0);
+    store(&r, 1, &tokens, 16);
+    let recorded = |r: &Router| r.prediction_stats().unwrap().recorded;
+    let d = r.route_now(RouteRequest::tokens(tokens.clone())).unwrap();
+    assert_eq!((d.candidate.worker_id, d.overlap_blocks), (1, 16));
+    assert_eq!(recorded(&r), 0);
+    r.free(&d.request_id).unwrap();
+    // Half the prompt cached on worker 2 only: it is chosen and its 16 blocks are predicted.
+    let longer = prompt(256, 256, 1);
+    let r = fleet(2, true);
+    store(&r, 2, &longer, 16);
+    let d = r.route_now(RouteRequest::tokens(longer.clone())).unwrap();
+    assert_eq!((d.candidate.worker_id, d.overlap_blocks), (2, 16));
+    assert_eq!(recorded(&r), 32);
+    assert_eq!(row(&explain(&r, longer), 2), (32, 32));
+}

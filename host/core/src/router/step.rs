@@ -75,6 +75,9 @@ pub(super) struct StepInput<'a> {
 pub(super) struct Step {
     pub(super) candidate: CandidateKey,
     pub(super) overlap: u32,
+    /// The event index alone (no prediction) holds every complete block of the prompt on the
+    /// candidate: predicting them there would add nothing (predict-on-route skips it).
+    pub(super) indexed_whole: bool,
     pub(super) cached_tokens: u32,
     /// The chosen candidate's load before this request.
     pub(super) load: CandidateLoad,
@@ -120,6 +123,8 @@ impl Router {
         Ok(Step {
             candidate: s.cols.key(chosen),
             overlap,
+            // The combined overlap is the index's when the prediction is shallower.
+            indexed_whole: overlap as usize == p.seq.len() && s.predicted_col[chosen] < overlap,
             cached_tokens: overlap
                 .saturating_mul(self.config.block_size)
                 .min(p.prompt_tokens),
