@@ -1,48 +1,24 @@
-//! Booking messages between replicas: their wire format, and the outbox that publishes this
-//! replica's booking events without slowing routing.
+//! Booking messages between replicas: their wire format.
 //!
 //! Bookings change at request rate and matter only while the request runs, so they travel on a
 //! core NATS subject (`kvroute.NAME.bookings`, fire and forget), not in JetStream: a replica that
 //! starts late or misses messages loses only load figures that expire with their requests, while a
 //! stream would add a disk write and an acknowledgement to every booking.
 //!
-//! The router announces each change to its own bookings to [`Outbox`] (core's
-//! [`BookingObserver`]), which only pushes it into an unbounded channel with the time it happened:
-//! the route path never waits for NATS. [`publish_forever`], on the NATS runtime, numbers the
-//! events (one sequence per replica, from 1, so receivers can tell lost and repeated messages) and
-//! publishes them in order, several to a NATS message ([`SyncBatch`]) when they queue up.
-//!
-//! Why batches: a booked request makes three or four events, and one NATS message per event cost
-//! more CPU than routing the request (a wake of the publisher, a write to the socket, on every
-//! receiver a read and a decode: measured 45-65 µs per request at 12k requests/s). So under load
-//! the publisher lingers [`LINGER`] after a publish, letting events gather without waking it, and
-//! sends what gathered as one message. An event alone (light load) goes at once: the linger only
-//! follows a batch of more than one, so it adds at most [`LINGER`] to the lag when there is
-//! traffic enough to amortise, never to a lone booking.
+//! The events travel in batches, numbered per replica ([`SyncBatch`]); `super::outbox` gathers
+//! and publishes them (and says why batches).
 //!
 //! Why MessagePack (rmp-serde, named fields) and not JSON like the heartbeats: a booking carries
 //! its prompt's block hashes, 256 of them for a 4k-token prompt, which are 20 decimal digits each
 //! in JSON and 9 bytes in MessagePack; writing and reading them was most of the publisher's and
 //! the receivers' work.
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
-use tokio::sync::mpsc;
 
 use kvroute_core::candidate::CandidateKey;
-use kvroute_core::router::{BookedHalf, BookingEvent, BookingObserver, BookingRecord};
-
-/// How long the publisher waits after sending a batch of more than one event, so that the next
-/// batch gathers without waking it once per event.
-pub const LINGER: Duration = Duration::from_millis(1);
-
-/// Most events in one message.
-pub const MAX_BATCH_EVENTS: usize = 512;
-
-/// A message is closed once its events carry this many block hashes (a NATS message is at most
-/// 1 MiB by default; a hash takes 9 bytes).
-pub const MAX_BATCH_HASHES: usize = 65_536;
+use kvroute_core::router::{BookedHalf, BookingEvent, BookingRecord};
 
 /// One booking message: consecutive events of one replica, encoded by [`SyncBatch::encode`].
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -180,96 +156,6 @@ pub fn now_us() -> u64 {
         .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
 }
 
-/// What the router announces, stamped with the time it happened.
-pub type Stamped = (BookingEvent, u64);
-
-/// The router's [`BookingObserver`] in cluster mode: queues each event for [`publish_forever`].
-pub struct Outbox {
-    tx: mpsc::UnboundedSender<Stamped>,
-}
-
-impl Outbox {
-    /// An outbox and the receiving end its publisher reads.
-    pub fn new() -> (Self, mpsc::UnboundedReceiver<Stamped>) {
-        let (tx, rx) = mpsc::unbounded_channel();
-        (Self { tx }, rx)
-    }
-}
-
-impl BookingObserver for Outbox {
-    fn on_booking(&self, event: BookingEvent) {
-        // Never blocks; fails only once the publisher is gone (the process is stopping).
-        let _ = self.tx.send((event, now_us()));
-    }
-}
-
-/// Publishes queued events on `subject`, numbered from 1, until the outbox is dropped: whatever
-/// has queued goes as one [`SyncBatch`] (up to [`MAX_BATCH_EVENTS`] events or
-/// [`MAX_BATCH_HASHES`] block hashes), and after a batch of more than one the publisher lingers
-/// [`LINGER`] (the module doc says why). `published` is called with each batch's event count
-/// once it is handed to the client.
-pub async fn publish_forever(
-    client: async_nats::Client,
-    subject: String,
-    origin: String,
-    mut rx: mpsc::UnboundedReceiver<Stamped>,
-    published: impl Fn(u64),
-) {
-    let mut next_seq = 1u64;
-    let mut events: Vec<SyncEvent> = Vec::new();
-    let mut last_len = 256;
-    while let Some(first) = rx.recv().await {
-        gather(&mut rx, first, &mut events);
-        let n = events.len() as u64;
-        let batch = SyncBatch {
-            origin: origin.clone(),
-            seq: next_seq,
-            events: std::mem::take(&mut events),
-        };
-        next_seq += n;
-        let mut buf = Vec::with_capacity(last_len + last_len / 4);
-        match batch.encode(&mut buf) {
-            // The client queues while reconnecting; an error means it is closed for good.
-            Ok(()) => {
-                last_len = buf.len();
-                let payload = bytes::Bytes::from(buf);
-                if let Err(e) = client.publish(subject.clone(), payload).await {
-                    tracing::warn!(error = %e, seq = batch.seq, "cannot publish booking events");
-                }
-            }
-            Err(e) => tracing::error!(error = %e, "cannot encode booking events"),
-        }
-        published(n);
-        events = batch.events;
-        events.clear();
-        if n > 1 {
-            tokio::time::sleep(LINGER).await;
-        }
-    }
-}
-
-/// Fills `events` with `first` and what else has queued, up to a batch's limits.
-fn gather(rx: &mut mpsc::UnboundedReceiver<Stamped>, first: Stamped, events: &mut Vec<SyncEvent>) {
-    let mut hashes = 0;
-    let mut next = Some(first);
-    while let Some((event, at_us)) = next {
-        let op = SyncOp::from(event);
-        if let SyncOp::Book {
-            block_hashes,
-            local_hashes,
-            ..
-        } = &op
-        {
-            hashes += block_hashes.len() + local_hashes.as_ref().map_or(0, Vec::len);
-        }
-        events.push(SyncEvent { at_us, op });
-        if events.len() >= MAX_BATCH_EVENTS || hashes >= MAX_BATCH_HASHES {
-            break;
-        }
-        next = rx.try_recv().ok();
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -344,77 +230,6 @@ mod tests {
         ))
         .is_err());
         assert!(SyncBatch::decode(br#"{"origin":"b","seq":1,"events":[]}"#).is_err());
-    }
-
-    fn booked(id: usize, hashes: usize) -> BookingEvent {
-        BookingEvent::Booked(BookingRecord {
-            request_id: format!("r{id}"),
-            whole_or_decode: BookedHalf {
-                candidate: CandidateKey::new(1, 0),
-                prompt_tokens: 16 * hashes as u32,
-                cached_tokens: 0,
-            },
-            prefill: None,
-            block_hashes: vec![9u64; hashes][..].into(),
-            local_hashes: None,
-        })
-    }
-
-    #[test]
-    fn what_queued_goes_in_order_in_batches_closed_at_their_limits() {
-        let (outbox, mut rx) = Outbox::new();
-        let n = MAX_BATCH_EVENTS + 88;
-        for i in 0..n {
-            outbox.on_booking(booked(i, 1));
-        }
-        let mut ids = Vec::new();
-        let mut sizes = Vec::new();
-        while let Ok(first) = rx.try_recv() {
-            let mut events = Vec::new();
-            gather(&mut rx, first, &mut events);
-            sizes.push(events.len());
-            for e in events {
-                let SyncOp::Book { request_id, .. } = e.op else {
-                    panic!("a book event");
-                };
-                ids.push(request_id);
-            }
-        }
-        assert_eq!(sizes, [MAX_BATCH_EVENTS, 88]);
-        assert_eq!(ids, (0..n).map(|i| format!("r{i}")).collect::<Vec<_>>());
-
-        // Long prompts close a batch by their hashes: 3 of 25,000 reach the limit.
-        for i in 0..5 {
-            outbox.on_booking(booked(i, 25_000));
-        }
-        let mut sizes = Vec::new();
-        while let Ok(first) = rx.try_recv() {
-            let mut events = Vec::new();
-            gather(&mut rx, first, &mut events);
-            sizes.push(events.len());
-        }
-        assert_eq!(sizes, [3, 2]);
-        // One such batch stays under NATS's default 1 MiB payload.
-        let events = (0..3)
-            .map(|i| SyncEvent {
-                at_us: u64::MAX,
-                op: SyncOp::from(booked(i, 25_000)),
-            })
-            .map(|mut e| {
-                if let SyncOp::Book { block_hashes, .. } = &mut e.op {
-                    block_hashes.fill(u64::MAX);
-                }
-                e
-            })
-            .collect();
-        let big = SyncBatch {
-            origin: "0123456789abcdef".into(),
-            seq: u64::MAX,
-            events,
-        };
-        let mut bytes = Vec::new();
-        big.encode(&mut bytes).unwrap();
-        assert!(bytes.len() < 1 << 20, "{} bytes", bytes.len());
     }
 
     #[test]

@@ -22,6 +22,7 @@ pub mod bookings;
 pub mod early_frees;
 pub mod heartbeat;
 pub mod kv_events;
+pub mod outbox;
 pub mod store;
 pub mod sync;
 pub mod watch;

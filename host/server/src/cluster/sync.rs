@@ -1,7 +1,7 @@
 //! Live booking sync between replicas: every replica's load counts every replica's bookings.
 //!
 //! [`BookingSync::start`] installs the [`Outbox`] as the router's booking observer, and starts on
-//! the NATS runtime: the publisher ([`super::bookings::publish_forever`]), the subscriber that
+//! the NATS runtime: the publisher ([`super::outbox::publish_forever`]), the subscriber that
 //! applies other replicas' booking messages to the router (as remote bookings tagged with their
 //! origin), the heartbeat and the reaper that forgets replicas not heard from for
 //! `replica_timeout_ms` ([`super::heartbeat`]). The connection is made with `no_echo`, so the
@@ -17,9 +17,10 @@ use std::time::{Duration, Instant};
 use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry};
 use serde::Serialize;
 
-use super::bookings::{self, Outbox, SyncBatch, SyncOp};
+use super::bookings::{self, SyncBatch, SyncOp};
 use super::early_frees::EarlyFrees;
 use super::heartbeat::{Heartbeat, PeerStatus, Peers, SeqCheck, HEARTBEAT_EVERY};
+use super::outbox::{self, Outbox, OutboxObserver};
 use super::Cluster;
 use kvroute_core::router::{RemoteBookingError, Router};
 
@@ -158,15 +159,15 @@ impl BookingSync {
             metrics: SyncMetrics::new(),
         });
         let prefix = format!("kvroute.{}", cluster.name);
-        let (outbox, rx) = Outbox::new();
-        router.set_booking_observer(Some(Box::new(outbox)));
+        let outbox = Outbox::new();
+        router.set_booking_observer(Some(Box::new(OutboxObserver(outbox.clone()))));
         {
             let s = sync.clone();
-            cluster.runtime.spawn(bookings::publish_forever(
+            cluster.runtime.spawn(outbox::publish_forever(
                 cluster.client.clone(),
                 format!("{prefix}.bookings"),
                 cluster.replica_id.clone(),
-                rx,
+                outbox,
                 move |n| s.metrics.published.inc_by(n),
             ));
         }
