@@ -7,7 +7,7 @@
 //! bytes to [`Outbox`]'s pending buffer under a short lock; the route path never waits for NATS.
 //! [`publish_forever`], on the NATS runtime, takes the whole pending buffer at once, numbers the
 //! events (one sequence per replica, from 1, so receivers can tell lost and repeated messages),
-//! frames them as [`SyncBatch`] messages and publishes them in order.
+//! frames them as [`SyncBatch`](super::bookings::SyncBatch) messages and publishes them in order.
 //!
 //! Why batches: a booked request makes two to four events, and one NATS message per event cost
 //! more CPU than routing the request (a wake of the publisher, a write to the socket, on every
@@ -31,7 +31,7 @@ use parking_lot::Mutex;
 use serde::Serialize;
 use tokio::sync::Notify;
 
-use super::bookings::{now_us, SyncBatch, SyncEvent, SyncOp};
+use super::bookings::{now_us, SyncEvent, SyncOp};
 use kvroute_core::router::{BookingEvent, BookingObserver};
 
 /// How long the publisher waits after sending more than one event, so that the next batch
@@ -118,10 +118,10 @@ impl BookingObserver for OutboxObserver {
     }
 }
 
-/// Frames `events` (their encoded bytes back to back, and where each ends) as [`SyncBatch`]
+/// Frames `events` (their encoded bytes back to back, and where each ends) as [`SyncBatch`](super::bookings::SyncBatch)
 /// messages numbered from `first_seq`, at most [`MAX_BATCH_EVENTS`] events and about
 /// [`MAX_BATCH_BYTES`] each, handing each message (first number, event count, bytes) to `out`.
-/// The bytes are exactly [`SyncBatch::encode`]'s for the same events.
+/// The bytes are exactly [`SyncBatch::encode`](super::bookings::SyncBatch::encode)'s for the same events.
 fn frame(
     origin: &str,
     first_seq: u64,
@@ -207,6 +207,7 @@ pub async fn publish_forever(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cluster::bookings::SyncBatch;
     use kvroute_core::candidate::CandidateKey;
     use kvroute_core::router::{BookedHalf, BookingRecord};
 
