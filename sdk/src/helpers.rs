@@ -1,5 +1,5 @@
 //! Building blocks most policies need: the host's native cost, the preferred-taint multiplier,
-//! picks, and typed configuration.
+//! picks, typed configuration, and each candidate's learned speed relative to the fleet.
 
 use serde::de::DeserializeOwned;
 
@@ -161,6 +161,64 @@ pub fn parse_config<T: DeserializeOwned>(policy: &str, json: &str) -> Result<T, 
     de.end()
         .map_err(|e| format!("{policy}: invalid configuration: {e}"))?;
     Ok(value)
+}
+
+/// How fast a candidate is relative to the rest of the fleet, from the host's learned step times
+/// (interface 0.6.0's `prefill-ms-per-token` and `decode-step-ms` columns): its learned figure
+/// over the mean of the candidates that have one. A model of one engine's step times, multiplied
+/// by these, prices a worker twice as slow as the others twice as long, while a uniform fleet
+/// keeps the model as it is. 1 where the candidate (or every candidate) has not been learned yet.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Speed {
+    /// Multiplier of prefill times.
+    pub prefill: f64,
+    /// Multiplier of decode step times.
+    pub decode: f64,
+}
+
+impl Speed {
+    /// The model as configured (nothing learned, or learned figures ignored).
+    pub const MODEL: Speed = Speed {
+        prefill: 1.0,
+        decode: 1.0,
+    };
+}
+
+/// The fleet means [`Speed`] is relative to, computed once per decision
+/// ([`RelativeSpeeds::of`]), then [`RelativeSpeeds::get`] per candidate.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RelativeSpeeds {
+    mean_prefill: Option<f64>,
+    mean_decode: Option<f64>,
+}
+
+impl RelativeSpeeds {
+    /// The means of the learned (positive, finite) figures of the candidates.
+    pub fn of(c: &Candidates) -> Self {
+        fn mean(col: &[f64]) -> Option<f64> {
+            let (sum, n) = col
+                .iter()
+                .filter(|v| v.is_finite() && **v > 0.0)
+                .fold((0.0, 0u32), |(s, n), v| (s + v, n + 1));
+            (n > 0).then(|| sum / f64::from(n))
+        }
+        Self {
+            mean_prefill: mean(c.prefill_ms_per_token),
+            mean_decode: mean(c.decode_step_ms),
+        }
+    }
+
+    /// Candidate `r`'s speed.
+    pub fn get(&self, r: Row<'_>) -> Speed {
+        let rel = |v: Option<f64>, mean: Option<f64>| match (v, mean) {
+            (Some(v), Some(m)) if v.is_finite() => v / m,
+            _ => 1.0,
+        };
+        Speed {
+            prefill: rel(r.prefill_ms_per_token(), self.mean_prefill),
+            decode: rel(r.decode_step_ms(), self.mean_decode),
+        }
+    }
 }
 
 /// A small, fast, seedable random number generator (SplitMix64) for policies that sample.

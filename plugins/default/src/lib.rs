@@ -23,8 +23,12 @@
 //! - `overflow_penalty_ms` when the request's blocks would not fit in the candidate's KV capacity
 //!   (the engine would preempt).
 //!
-//! Step times come from one function, `Config::step_times` (the configured figures and the
-//! candidate's step budget), the place per-worker learned figures will enter.
+//! Step times come from one function, `Config::step_times`: the configured figures scaled by the
+//! candidate's **learned speed** relative to the fleet (`learned_step_times`, opt-in; the
+//! host fits each worker's prefill ms per token and decode ms per token from the lifecycle it
+//! sees, interface 0.6.0, and the SDK's `RelativeSpeeds` divides each by the fleet's mean, so a
+//! worker twice as slow is priced twice as long and a uniform fleet keeps the model; 1 until
+//! learned), and the candidate's step budget.
 //!
 //! Stages (`Request::stage`): an aggregated decision and the prefill step of a disaggregated one
 //! are estimated as above. At the **decode step** the engine receives the KV cache and computes
@@ -39,14 +43,15 @@
 //! `{"prefill_ms": [16.50142, 0.01518344, 4.209989e-7], "decode_ms": [5.74, 54.01, -25.74],
 //!   "default_max_num_batched_tokens": 8192, "residual_frac": 0.5, "host_tier_weight": 0.75,
 //!   "disk_tier_weight": 0.25, "overflow_penalty_ms": 10000, "credit_active_blocks": true,
-//!   "work_weight": 4}`
+//!   "work_weight": 4, "learned_step_times": false}`
 
 mod model;
 
 pub use model::{Config, Prompt, StepTimes};
 
 use kvroute_sdk::{
-    parse_config, preferred_multiplier, Candidates, Context, Decision, Policy, Request,
+    parse_config, preferred_multiplier, Candidates, Context, Decision, Policy, RelativeSpeeds,
+    Request, Speed,
 };
 
 /// The default policy.
@@ -105,9 +110,13 @@ impl Policy for DefaultPolicy {
     fn decide(&mut self, _ctx: &Context, req: &Request, c: &Candidates) -> Decision {
         let config = &self.config;
         let prompt = Prompt::of(req);
+        let speeds = config.learned_step_times.then(|| RelativeSpeeds::of(c));
         Decision::Costs(
             c.rows()
-                .map(|r| config.estimate_prompt(&prompt, r) * preferred_multiplier(req, r))
+                .map(|r| {
+                    let s = speeds.as_ref().map_or(Speed::MODEL, |sp| sp.get(r));
+                    config.estimate_prompt(&prompt, r, s) * preferred_multiplier(req, r)
+                })
                 .collect(),
         )
     }

@@ -1,11 +1,11 @@
 //! The default's latency model: estimated milliseconds to the request's first token on one
 //! candidate. Kept apart from the policy glue so the arithmetic can be read (and tested) alone.
 //!
-//! Step times come from ONE place, [`Config::step_times`]: today the configured figures (SPEC
-//! §10's engine model unless overridden) and the candidate's own step budget. When the SDK exposes
-//! per-worker learned figures, that function is where they enter; nothing else changes.
+//! Step times come from ONE place, [`Config::step_times`]: the configured figures (SPEC §10's
+//! engine model unless overridden), scaled by the candidate's learned speed relative to the fleet
+//! (the SDK's [`Speed`], from the host's learned step times), and the candidate's own step budget.
 
-use kvroute_sdk::{Request, Row, Stage};
+use kvroute_sdk::{Request, Row, Speed, Stage};
 
 /// The larger of two finite figures. `f64::max` is a call into libm's `fmax` on wasm32 (NaN
 /// rules); a compare keeps the per-candidate loop inline (the decision-cost budget, BENCHMARKS.md).
@@ -49,6 +49,9 @@ pub struct Config {
     pub credit_active_blocks: bool,
     /// Weight of the request's own prefill compute (ms), added on top of its own wait.
     pub work_weight: f64,
+    /// Scale each candidate's step times by its learned speed relative to the fleet (`false`:
+    /// the configured model for every candidate, for comparison).
+    pub learned_step_times: bool,
 }
 
 impl Default for Config {
@@ -63,6 +66,7 @@ impl Default for Config {
             overflow_penalty_ms: 10_000.0,
             credit_active_blocks: true,
             work_weight: 4.0,
+            learned_step_times: false,
         }
     }
 }
@@ -146,34 +150,36 @@ impl StepTimes {
 }
 
 impl Config {
-    /// The step times of candidate `r`: the ONE place step-time figures come from (today the
-    /// configured ones and the candidate's reported step budget; learned per-worker figures go
-    /// here once the SDK exposes them).
+    /// The step times of candidate `r` at speed `s`: the ONE place step-time figures come from
+    /// (the configured ones times the candidate's relative speed, and its reported step budget).
     #[inline]
-    pub fn step_times(&self, r: Row<'_>) -> StepTimes {
+    pub fn step_times(&self, r: Row<'_>, s: Speed) -> StepTimes {
         let budget = match r.max_num_batched_tokens() {
             0 => self.default_max_num_batched_tokens.max(1),
             m => m,
         };
+        let scale = |c: [f64; 3], k: f64| [c[0] * k, c[1] * k, c[2] * k];
         StepTimes {
-            prefill_ms: self.prefill_ms,
-            decode_ms: self.decode_ms,
+            prefill_ms: scale(self.prefill_ms, s.prefill),
+            decode_ms: scale(self.decode_ms, s.decode),
             budget: f64::from(budget),
         }
     }
 
-    /// Estimated milliseconds from now to this request's first token on `r`, at its stage.
+    /// Estimated milliseconds from now to this request's first token on `r`, at its stage, with
+    /// the configured model (no learned speed).
     #[inline]
     pub fn estimate(&self, req: &Request, r: Row<'_>) -> f64 {
-        self.estimate_prompt(&Prompt::of(req), r)
+        self.estimate_prompt(&Prompt::of(req), r, Speed::MODEL)
     }
 
-    /// [`Self::estimate`] with the request's figures computed once ([`Prompt::of`]).
+    /// [`Self::estimate`] with the request's figures computed once ([`Prompt::of`]) and the
+    /// candidate's speed.
     #[inline]
-    pub fn estimate_prompt(&self, p: &Prompt, r: Row<'_>) -> f64 {
+    pub fn estimate_prompt(&self, p: &Prompt, r: Row<'_>, s: Speed) -> f64 {
         match p.stage {
-            Stage::Aggregated | Stage::Prefill => self.prefill_estimate(p, r),
-            Stage::Decode => self.decode_estimate(p, r),
+            Stage::Aggregated | Stage::Prefill => self.prefill_estimate(p, r, s),
+            Stage::Decode => self.decode_estimate(p, r, s),
         }
     }
 
@@ -236,8 +242,8 @@ impl Config {
     }
 
     /// An aggregated decision or the prefill step: the chosen engine computes the prompt.
-    pub fn prefill_estimate(&self, p: &Prompt, r: Row<'_>) -> f64 {
-        let t = self.step_times(r);
+    pub fn prefill_estimate(&self, p: &Prompt, r: Row<'_>, s: Speed) -> f64 {
+        let t = self.step_times(r, s);
         let own = self.own_tokens(p, r);
         let ahead = r.active_prefill_tokens() as f64;
         let (steps, mut est) = t.chunked_prefill(ahead + own);
@@ -262,8 +268,8 @@ impl Config {
     /// The decode step: the KV arrives by transfer, the engine computes no prompt, so overlap,
     /// the prompt's own prefill and `work_weight` do not apply. One step decoding this request
     /// beside the others (with a chunk of the prompts queued there), after the current one.
-    pub fn decode_estimate(&self, p: &Prompt, r: Row<'_>) -> f64 {
-        let t = self.step_times(r);
+    pub fn decode_estimate(&self, p: &Prompt, r: Row<'_>, s: Speed) -> f64 {
+        let t = self.step_times(r, s);
         let ahead = r.active_prefill_tokens() as f64;
         let chunk = if ahead > 0.0 {
             t.prefill(min(ahead, t.budget))

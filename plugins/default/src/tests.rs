@@ -31,7 +31,10 @@ fn step_times_come_from_one_place_the_candidate_s_budget_or_the_default() {
     let set = [candidate(1).max_num_batched_tokens(2048), candidate(2)];
     let (_, _, cols) = build(&req, &set);
     let view = cols.view();
-    let (own, other) = (c.step_times(view.row(0)), c.step_times(view.row(1)));
+    let (own, other) = (
+        c.step_times(view.row(0), Speed::MODEL),
+        c.step_times(view.row(1), Speed::MODEL),
+    );
     assert_eq!(own.budget, 2048.0);
     assert_eq!(other.budget, 8192.0);
     assert_eq!(own.prefill_ms, c.prefill_ms);
@@ -206,7 +209,7 @@ fn the_decode_step_ranks_by_load_not_overlap() {
     let uncached = [set[0].clone().device_overlap(0), set[1].clone()];
     assert_eq!(h.costs(&decode, &set), h.costs(&decode, &uncached));
     // One decode step (and half the current one), no prefill and no work term.
-    let t = Config::default().step_times(build(&decode, &set).2.view().row(1));
+    let t = Config::default().step_times(build(&decode, &set).2.view().row(1), Speed::MODEL);
     let u = |b: f64| b / 16_384.0;
     let want = t.decode(u(1_256.0)) + 0.5 * t.decode(u(1_000.0));
     let costs = h.costs(&decode, &set);
@@ -262,4 +265,44 @@ fn config_is_checked_and_unknown_keys_are_rejected() {
     assert_eq!(h.policy.config().residual_frac, 0.25);
     h.configure("{}").unwrap();
     assert_eq!(*h.policy.config(), Config::default());
+}
+
+#[test]
+fn learned_step_times_scale_each_candidate_against_the_fleet() {
+    let mut h = Harness::<DefaultPolicy>::new();
+    // Off unless configured (BENCHMARKS.md: on a uniform fleet near saturation the fitted
+    // figures scatter and the p99 suffers).
+    assert!(!Config::default().learned_step_times);
+    h.configure(r#"{"learned_step_times": true}"#).unwrap();
+    // Same load and cache; worker 2 learned twice as slow as worker 1, worker 3 not learned yet.
+    let busy = |w| {
+        candidate(w)
+            .active_prefill_tokens(2000)
+            .active_requests(3)
+            .active_decode_blocks(400)
+    };
+    let set = [
+        busy(1).prefill_ms_per_token(0.02).decode_step_ms(10.0),
+        busy(2).prefill_ms_per_token(0.04).decode_step_ms(20.0),
+        busy(3),
+    ];
+    let costs = h.costs(&request(1000), &set);
+    let fixed = h.costs(&request(1000), &[busy(1)])[0];
+    // Against the mean of the learned ones (0.03, 15): 2/3 and 4/3 of the model, and 1.
+    assert!(close(costs[0], fixed * 2.0 / 3.0), "{costs:?} vs {fixed}");
+    assert!(close(costs[1], fixed * 4.0 / 3.0), "{costs:?} vs {fixed}");
+    assert!(close(costs[2], fixed), "{costs:?} vs {fixed}");
+    // So the slow worker loses to an idle-equal fast one it would otherwise tie with.
+    assert!(costs[0] < costs[2] && costs[2] < costs[1]);
+    // A uniform fleet keeps the model whatever its learned figures.
+    let uniform = [
+        busy(1).prefill_ms_per_token(0.05).decode_step_ms(30.0),
+        busy(2).prefill_ms_per_token(0.05).decode_step_ms(30.0),
+    ];
+    let u = h.costs(&request(1000), &uniform);
+    assert!(close(u[0], fixed) && close(u[1], fixed), "{u:?}");
+    // Switched off: the configured model for everyone.
+    h.configure(r#"{"learned_step_times": false}"#).unwrap();
+    let off = h.costs(&request(1000), &set);
+    assert!(off.iter().all(|c| close(*c, fixed)), "{off:?}");
 }

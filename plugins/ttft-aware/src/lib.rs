@@ -35,7 +35,7 @@
 //! figures that set every later step, i.e. the request's inter-token latency; the overflow penalty
 //! applies as above.
 //!
-//! **Learned step times** (`learned_step_times`, default true; interface 0.6.0): the host fits
+//! **Learned step times** (`learned_step_times`, default false, opt-in; interface 0.6.0): the host fits
 //! each worker's prefill ms per token and decode ms per token from the requests it sees. A fleet
 //! is rarely uniform, and the model above is one engine's. So each candidate's prefill terms are
 //! scaled by its learned prefill time relative to the mean of the candidates that have one, and
@@ -50,10 +50,11 @@
 //! `{"prefill_ms": [16.50142, 0.01518344, 4.209989e-7], "decode_ms": [5.74, 54.01, -25.74],
 //!   "default_max_num_batched_tokens": 8192, "residual_frac": 0.5, "host_tier_weight": 0.75,
 //!   "disk_tier_weight": 0.25, "overflow_penalty_ms": 10000, "credit_active_blocks": true,
-//!   "work_weight": 6, "learned_step_times": true}`
+//!   "work_weight": 6, "learned_step_times": false}`
 
 use kvroute_sdk::{
-    parse_config, preferred_multiplier, Candidates, Context, Decision, Policy, Request, Row, Stage,
+    parse_config, preferred_multiplier, Candidates, Context, Decision, Policy, RelativeSpeeds,
+    Request, Row, Speed, Stage,
 };
 
 /// The configuration.
@@ -95,7 +96,7 @@ impl Default for Config {
             overflow_penalty_ms: 10_000.0,
             credit_active_blocks: true,
             work_weight: 6.0,
-            learned_step_times: true,
+            learned_step_times: false,
         }
     }
 }
@@ -231,50 +232,6 @@ impl Config {
     }
 }
 
-/// How fast a candidate is relative to the model: its prefill and decode terms are multiplied
-/// by these.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Speed {
-    pub prefill: f64,
-    pub decode: f64,
-}
-
-impl Speed {
-    /// The model as configured.
-    pub const MODEL: Speed = Speed {
-        prefill: 1.0,
-        decode: 1.0,
-    };
-}
-
-/// The mean of the positive (learned) entries of a column, if any.
-fn learned_mean(col: &[f64]) -> Option<f64> {
-    let (sum, n) = col
-        .iter()
-        .filter(|v| v.is_finite() && **v > 0.0)
-        .fold((0.0, 0u32), |(s, n), v| (s + v, n + 1));
-    (n > 0).then(|| sum / f64::from(n))
-}
-
-/// Each candidate's speed from the learned columns: its learned figure over the mean of the
-/// candidates that have one (1 when it has none).
-fn speeds(c: &Candidates) -> impl Fn(Row<'_>) -> Speed {
-    let (mp, md) = (
-        learned_mean(c.prefill_ms_per_token),
-        learned_mean(c.decode_step_ms),
-    );
-    move |r: Row<'_>| {
-        let rel = |v: Option<f64>, mean: Option<f64>| match (v, mean) {
-            (Some(v), Some(m)) if v.is_finite() => v / m,
-            _ => 1.0,
-        };
-        Speed {
-            prefill: rel(r.prefill_ms_per_token(), mp),
-            decode: rel(r.decode_step_ms(), md),
-        }
-    }
-}
-
 /// The policy.
 #[derive(Default)]
 pub struct TtftAware {
@@ -315,12 +272,12 @@ impl Policy for TtftAware {
     }
 
     fn decide(&mut self, _ctx: &Context, req: &Request, c: &Candidates) -> Decision {
-        let speed = speeds(c);
+        let speeds = RelativeSpeeds::of(c);
         let learned = self.config.learned_step_times;
         Decision::Costs(
             c.rows()
                 .map(|r| {
-                    let s = if learned { speed(r) } else { Speed::MODEL };
+                    let s = if learned { speeds.get(r) } else { Speed::MODEL };
                     self.config.estimate_scaled(req, r, s) * preferred_multiplier(req, r)
                 })
                 .collect(),
@@ -557,7 +514,8 @@ mod tests {
     #[test]
     fn learned_step_times_scale_each_candidate_against_the_fleet() {
         let mut h = Harness::<TtftAware>::new();
-        h.configure(r#"{"work_weight": 0}"#).unwrap();
+        h.configure(r#"{"work_weight": 0, "learned_step_times": true}"#)
+            .unwrap();
         // Same load and cache; worker 2 learned twice as slow, worker 3 not learned yet.
         let busy = |w| {
             candidate(w)
