@@ -97,6 +97,28 @@ pub fn candidate(worker_id: u64) -> CandidateSpec {
     }
 }
 
+/// For learned-step-time tests: three candidates with the same load (2,000 prefill tokens queued,
+/// 3 requests, 400 decode blocks) and nothing cached, of which worker 1 learned at 0.02 ms per
+/// prefill token and 10 ms per decode step, worker 2 twice as slow and worker 3 not learned yet
+/// (the fleet's means are 0.03 and 15, so their relative speeds are 2/3, 4/3 and 1); and worker 1
+/// with that load and no learned figures, which a policy prices with its model alone.
+pub fn learned_fleet() -> ([CandidateSpec; 3], CandidateSpec) {
+    let busy = |w| {
+        candidate(w)
+            .active_prefill_tokens(2000)
+            .active_requests(3)
+            .active_decode_blocks(400)
+    };
+    (
+        [
+            busy(1).prefill_ms_per_token(0.02).decode_step_ms(10.0),
+            busy(2).prefill_ms_per_token(0.04).decode_step_ms(20.0),
+            busy(3),
+        ],
+        busy(1),
+    )
+}
+
 macro_rules! setters {
     ($($name:ident: $ty:ty),* $(,)?) => {
         $(

@@ -1,7 +1,7 @@
 //! Unit tests of the default's latency model, run natively through the SDK's harness.
 
 use super::*;
-use kvroute_sdk::testing::{build, candidate, request, Harness};
+use kvroute_sdk::testing::{build, candidate, learned_fleet, request, Harness};
 
 fn close(a: f64, b: f64) -> bool {
     (a - b).abs() < 1e-9 * b.abs().max(1.0)
@@ -275,19 +275,9 @@ fn learned_step_times_scale_each_candidate_against_the_fleet() {
     assert!(!Config::default().learned_step_times);
     h.configure(r#"{"learned_step_times": true}"#).unwrap();
     // Same load and cache; worker 2 learned twice as slow as worker 1, worker 3 not learned yet.
-    let busy = |w| {
-        candidate(w)
-            .active_prefill_tokens(2000)
-            .active_requests(3)
-            .active_decode_blocks(400)
-    };
-    let set = [
-        busy(1).prefill_ms_per_token(0.02).decode_step_ms(10.0),
-        busy(2).prefill_ms_per_token(0.04).decode_step_ms(20.0),
-        busy(3),
-    ];
+    let (set, model) = learned_fleet();
     let costs = h.costs(&request(1000), &set);
-    let fixed = h.costs(&request(1000), &[busy(1)])[0];
+    let fixed = h.costs(&request(1000), std::slice::from_ref(&model))[0];
     // Against the mean of the learned ones (0.03, 15): 2/3 and 4/3 of the model, and 1.
     assert!(close(costs[0], fixed * 2.0 / 3.0), "{costs:?} vs {fixed}");
     assert!(close(costs[1], fixed * 4.0 / 3.0), "{costs:?} vs {fixed}");
@@ -296,8 +286,11 @@ fn learned_step_times_scale_each_candidate_against_the_fleet() {
     assert!(costs[0] < costs[2] && costs[2] < costs[1]);
     // A uniform fleet keeps the model whatever its learned figures.
     let uniform = [
-        busy(1).prefill_ms_per_token(0.05).decode_step_ms(30.0),
-        busy(2).prefill_ms_per_token(0.05).decode_step_ms(30.0),
+        model
+            .clone()
+            .prefill_ms_per_token(0.05)
+            .decode_step_ms(30.0),
+        model.prefill_ms_per_token(0.05).decode_step_ms(30.0),
     ];
     let u = h.costs(&request(1000), &uniform);
     assert!(close(u[0], fixed) && close(u[1], fixed), "{u:?}");

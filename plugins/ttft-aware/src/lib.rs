@@ -290,7 +290,7 @@ kvroute_sdk::export_policy!(TtftAware);
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvroute_sdk::testing::{candidate, request, Harness};
+    use kvroute_sdk::testing::{candidate, learned_fleet, request, Harness};
 
     #[test]
     fn an_idle_candidate_costs_one_prefill_step() {
@@ -517,19 +517,9 @@ mod tests {
         h.configure(r#"{"work_weight": 0, "learned_step_times": true}"#)
             .unwrap();
         // Same load and cache; worker 2 learned twice as slow, worker 3 not learned yet.
-        let busy = |w| {
-            candidate(w)
-                .active_prefill_tokens(2000)
-                .active_requests(3)
-                .active_decode_blocks(400)
-        };
-        let set = [
-            busy(1).prefill_ms_per_token(0.02).decode_step_ms(10.0),
-            busy(2).prefill_ms_per_token(0.04).decode_step_ms(20.0),
-            busy(3),
-        ];
+        let (set, model) = learned_fleet();
         let costs = h.costs(&request(1000), &set);
-        let fixed = h.costs(&request(1000), &[busy(1)])[0];
+        let fixed = h.costs(&request(1000), std::slice::from_ref(&model))[0];
         // Against the mean of the learned ones (0.03, 15): 2/3 and 4/3 of the model, and 1.
         assert!(
             (costs[0] - fixed * 2.0 / 3.0).abs() < 1e-6,
@@ -542,8 +532,11 @@ mod tests {
         assert!((costs[2] - fixed).abs() < 1e-9, "{costs:?} vs {fixed}");
         // A uniform fleet keeps the model whatever its learned figures.
         let uniform = [
-            busy(1).prefill_ms_per_token(0.05).decode_step_ms(30.0),
-            busy(2).prefill_ms_per_token(0.05).decode_step_ms(30.0),
+            model
+                .clone()
+                .prefill_ms_per_token(0.05)
+                .decode_step_ms(30.0),
+            model.prefill_ms_per_token(0.05).decode_step_ms(30.0),
         ];
         let u = h.costs(&request(1000), &uniform);
         assert!(
