@@ -41,11 +41,15 @@ fn burst(s: &Server) -> (usize, Duration) {
     (picks.into_iter().collect::<BTreeSet<_>>().len(), took)
 }
 
-/// With predict-on-route (the default) the burst stays on few workers; with it off, every request
-/// after the first sees the first one's prefill as a queue and the burst spreads.
+/// With predict-on-route (the default) and the default policy the burst lands on at most 2 workers
+/// (all on one when the first request is booked before the second is decided; two when the two
+/// serving threads decide the first two at once, before either is booked); with it off, every
+/// request after the first sees the first one's prefill as a queue and the burst spreads.
 #[test]
 fn a_burst_sharing_a_new_prefix_lands_together_only_with_predict_on_route() {
-    let on = Server::start(&[]);
+    // Two serving threads, as on a 2-core machine, whatever this one has: at most two decisions
+    // are made before the first booking.
+    let on = Server::start(&["--http-threads", "2"]);
     let (used_on, took) = burst(&on);
     // explain shows the prediction on a worker the burst used, and none elsewhere.
     let d = on.route_ok(&json!({"tokens": burst_prompt(999), "book": false, "explain": true}));
@@ -71,7 +75,7 @@ fn a_burst_sharing_a_new_prefix_lands_together_only_with_predict_on_route() {
         .iter()
         .all(|r| r["predicted_overlap_blocks"] == 0));
     assert!(
-        used_on <= 4 && used_off >= 6,
+        used_on <= 2 && used_off >= 6,
         "workers used: {used_on} with predict-on-route, {used_off} without (burst sent in {took:?})"
     );
 }
