@@ -7,9 +7,10 @@ use std::collections::BinaryHeap;
 
 use rand::{Rng, SeedableRng};
 
+use super::tests::store;
 use super::*;
 use crate::hashing;
-use crate::indexer::{KvEventData, StoredBlock, Tier};
+use crate::indexer::{KvEventData, Tier};
 use crate::predict::PredictConfig;
 
 fn fleet(workers: u64, predict: bool) -> Router {
@@ -34,26 +35,6 @@ fn prompt(prefix: u32, tail: u32, own: u32) -> Vec<u32> {
 
 fn locals(r: &Router, tokens: &[u32]) -> Vec<u64> {
     hashing::local_block_hashes(tokens, r.config().block_size as usize, hashing::BASE_SEED)
-}
-
-/// Stores `blocks` leading blocks of `tokens` on worker `w` (handles = local ^ 0xabc).
-fn store(r: &Router, w: WorkerId, tokens: &[u32], blocks: usize) {
-    let ev = KvEvent {
-        candidate: CandidateKey::new(w, 0),
-        tier: Tier::Device,
-        event_id: 0,
-        data: KvEventData::Stored {
-            parent_hash: None,
-            blocks: locals(r, tokens)[..blocks]
-                .iter()
-                .map(|&l| StoredBlock {
-                    block_hash: l ^ 0xabc,
-                    tokens_hash: l,
-                })
-                .collect(),
-        },
-    };
-    r.apply_event(&ev).unwrap().unwrap();
 }
 
 fn explain(r: &Router, tokens: Vec<u32>) -> Vec<ExplainRow> {

@@ -23,8 +23,9 @@ fn prompt(n: u32) -> Vec<u32> {
     (0..n).collect()
 }
 
-/// Stores the first `blocks` blocks of `tokens` on a worker, as an engine would.
-fn store(r: &Router, w: WorkerId, tokens: &[u32], blocks: usize) {
+/// Stores the first `blocks` blocks of `tokens` on a worker, as an engine would (handles are the
+/// local hashes ^ 0xabc). Shared by the router's other test modules.
+pub(super) fn store(r: &Router, w: WorkerId, tokens: &[u32], blocks: usize) {
     let local =
         hashing::local_block_hashes(tokens, r.config().block_size as usize, hashing::BASE_SEED);
     let ev = KvEvent {

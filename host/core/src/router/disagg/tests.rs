@@ -6,8 +6,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 
 use super::super::*;
-use crate::hashing;
-use crate::indexer::{KvEventData, StoredBlock, Tier};
+use crate::router::tests::store;
 use crate::workers::{Role, Topology};
 
 const PREFILL_A: WorkerId = 1;
@@ -59,27 +58,6 @@ fn prompt(n: u32) -> Vec<u32> {
 /// A prompt that shares no block with `prompt` (nor with another `start`).
 fn other(start: u32, n: u32) -> Vec<u32> {
     (start * 100_000..start * 100_000 + n).collect()
-}
-
-fn store(r: &Router, w: WorkerId, tokens: &[u32], blocks: usize) {
-    let local =
-        hashing::local_block_hashes(tokens, r.config().block_size as usize, hashing::BASE_SEED);
-    let ev = KvEvent {
-        candidate: CandidateKey::new(w, 0),
-        tier: Tier::Device,
-        event_id: 0,
-        data: KvEventData::Stored {
-            parent_hash: None,
-            blocks: local[..blocks]
-                .iter()
-                .map(|&l| StoredBlock {
-                    block_hash: l ^ 0xabc,
-                    tokens_hash: l,
-                })
-                .collect(),
-        },
-    };
-    r.apply_event(&ev).unwrap().unwrap();
 }
 
 fn req(id: &str, tokens: Vec<u32>) -> RouteRequest {
