@@ -113,15 +113,16 @@ fn the_stage_reaches_the_component_and_the_shipped_policies_rank_decode_by_load(
 }
 
 /// The learned step-time columns reach a real component through the host's packing: with worker 2
-/// learned twice as slow as worker 1 (prefill and decode), `ttft-aware` prices the idle worker's
-/// decode step (6.6 ms on the model) at 4/3 of it and the busy one's (10.1 ms with the residual of
-/// its current step) at 2/3, so the fast worker wins the decode step it loses on a uniform fleet;
+/// learned three times as slow as worker 1 (prefill and decode), `ttft-aware` prices the idle
+/// worker's decode step (6.6 ms on the model) at √1.5 of it (8.1 ms) and the busy one's (10.1 ms
+/// with the residual of its current step) at √0.5 (7.1 ms), so the fast worker wins the decode
+/// step it loses on a uniform fleet;
 /// with `learned_step_times` off (the default) the fixed model ranks as before.
 #[test]
 fn ttft_aware_prices_the_decode_step_by_the_learned_step_times() {
     let (req, mut cols) = cached_vs_idle();
-    cols.prefill_ms_per_token = vec![0.02, 0.04];
-    cols.decode_step_ms = vec![10.0, 20.0];
+    cols.prefill_ms_per_token = vec![0.02, 0.06];
+    cols.decode_step_ms = vec![10.0, 30.0];
     for (config, want) in [
         (Some(r#"{"learned_step_times": true}"#), [1, 1, 1]),
         (Some(r#"{"learned_step_times": false}"#), [1, 1, 2]),

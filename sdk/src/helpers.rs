@@ -164,10 +164,17 @@ pub fn parse_config<T: DeserializeOwned>(policy: &str, json: &str) -> Result<T, 
 }
 
 /// How fast a candidate is relative to the rest of the fleet, from the host's learned step times
-/// (interface 0.6.0's `prefill-ms-per-token` and `decode-step-ms` columns): its learned figure
-/// over the mean of the candidates that have one. A model of one engine's step times, multiplied
-/// by these, prices a worker twice as slow as the others twice as long, while a uniform fleet
-/// keeps the model as it is. 1 where the candidate (or every candidate) has not been learned yet.
+/// (interface 0.6.0's `prefill-ms-per-token` and `decode-step-ms` columns): the square root of its
+/// learned figure over the mean of the candidates that have one. A model of one engine's step
+/// times, multiplied by these, prices a worker twice as slow as the others 1.41 times as long,
+/// while a uniform fleet keeps the model as it is. 1 where the candidate (or every candidate) has
+/// not been learned yet.
+///
+/// Why the square root: the fitted figures scatter under load, and a policy that prices the full
+/// ratio feeds the scatter (it avoids the worker that looks slow, which then gets small requests,
+/// which make its time per token look larger still). Replayed on Azure code at 40x on a uniform
+/// fleet, the full ratio cost 50% on the TTFT p99; the square root costs nothing there and still
+/// gains ~10% on the p99 of a fleet with half its workers 2x slower (BENCHMARKS.md).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Speed {
     /// Multiplier of prefill times.
@@ -211,7 +218,7 @@ impl RelativeSpeeds {
     /// Candidate `r`'s speed.
     pub fn get(&self, r: Row<'_>) -> Speed {
         let rel = |v: Option<f64>, mean: Option<f64>| match (v, mean) {
-            (Some(v), Some(m)) if v.is_finite() => v / m,
+            (Some(v), Some(m)) if v.is_finite() => (v / m).sqrt(),
             _ => 1.0,
         };
         Speed {

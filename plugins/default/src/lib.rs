@@ -26,9 +26,9 @@
 //! Step times come from one function, `Config::step_times`: the configured figures scaled by the
 //! candidate's **learned speed** relative to the fleet (`learned_step_times`, opt-in; the
 //! host fits each worker's prefill ms per token and decode ms per token from the lifecycle it
-//! sees, interface 0.6.0, and the SDK's `RelativeSpeeds` divides each by the fleet's mean, so a
-//! worker twice as slow is priced twice as long and a uniform fleet keeps the model; 1 until
-//! learned), and the candidate's step budget.
+//! sees, interface 0.6.0, and the SDK's `RelativeSpeeds` takes the square root of each over the
+//! fleet's mean, so a worker twice as slow is priced 1.41 times as long and a uniform fleet keeps
+//! the model; 1 until learned), and the candidate's step budget.
 //!
 //! Stages (`Request::stage`): an aggregated decision and the prefill step of a disaggregated one
 //! are estimated as above. At the **decode step** the engine receives the KV cache and computes

@@ -278,9 +278,15 @@ fn learned_step_times_scale_each_candidate_against_the_fleet() {
     let (set, model) = learned_fleet();
     let costs = h.costs(&request(1000), &set);
     let fixed = h.costs(&request(1000), std::slice::from_ref(&model))[0];
-    // Against the mean of the learned ones (0.03, 15): 2/3 and 4/3 of the model, and 1.
-    assert!(close(costs[0], fixed * 2.0 / 3.0), "{costs:?} vs {fixed}");
-    assert!(close(costs[1], fixed * 4.0 / 3.0), "{costs:?} vs {fixed}");
+    // Against the mean of the learned ones (0.03, 15): √(2/3) and √(4/3) of the model, and 1.
+    assert!(
+        close(costs[0], fixed * (2.0f64 / 3.0).sqrt()),
+        "{costs:?} vs {fixed}"
+    );
+    assert!(
+        close(costs[1], fixed * (4.0f64 / 3.0).sqrt()),
+        "{costs:?} vs {fixed}"
+    );
     assert!(close(costs[2], fixed), "{costs:?} vs {fixed}");
     // So the slow worker loses to an idle-equal fast one it would otherwise tie with.
     assert!(costs[0] < costs[2] && costs[2] < costs[1]);

@@ -38,9 +38,10 @@
 //! **Learned step times** (`learned_step_times`, default false, opt-in; interface 0.6.0): the host fits
 //! each worker's prefill ms per token and decode ms per token from the requests it sees. A fleet
 //! is rarely uniform, and the model above is one engine's. So each candidate's prefill terms are
-//! scaled by its learned prefill time relative to the mean of the candidates that have one, and
-//! its decode terms likewise: a worker twice as slow as the others is priced twice as long, while
-//! a uniform fleet keeps the model as it is (every scale 1). Candidates not learned yet (0) keep
+//! scaled by its learned prefill time relative to the mean of the candidates that have one (the
+//! square root of the ratio, the SDK's `RelativeSpeeds`, which says why), and its decode terms
+//! likewise: a worker twice as slow as the others is priced 1.41 times as long, while a uniform
+//! fleet keeps the model as it is (every scale 1). Candidates not learned yet (0) keep
 //! scale 1. `false` ignores the learned figures (the fixed model, for comparison).
 //!
 //! The estimate is then multiplied by SPEC §7's preferred-taint multiplier (never 0, so preferences
@@ -520,13 +521,13 @@ mod tests {
         let (set, model) = learned_fleet();
         let costs = h.costs(&request(1000), &set);
         let fixed = h.costs(&request(1000), std::slice::from_ref(&model))[0];
-        // Against the mean of the learned ones (0.03, 15): 2/3 and 4/3 of the model, and 1.
+        // Against the mean of the learned ones (0.03, 15): √(2/3) and √(4/3) of the model, and 1.
         assert!(
-            (costs[0] - fixed * 2.0 / 3.0).abs() < 1e-6,
+            (costs[0] - fixed * (2.0f64 / 3.0).sqrt()).abs() < 1e-6,
             "{costs:?} vs {fixed}"
         );
         assert!(
-            (costs[1] - fixed * 4.0 / 3.0).abs() < 1e-6,
+            (costs[1] - fixed * (4.0f64 / 3.0).sqrt()).abs() < 1e-6,
             "{costs:?} vs {fixed}"
         );
         assert!((costs[2] - fixed).abs() < 1e-9, "{costs:?} vs {fixed}");
