@@ -23,6 +23,27 @@ fn replica(nats: &Nats, name: &str, timeout_ms: u64) -> Server {
     ])
 }
 
+/// Three replicas of cluster `name`, as separate processes.
+fn trio(nats: &Nats, name: &str, timeout_ms: u64) -> (Server, Server, Server) {
+    (
+        replica(nats, name, timeout_ms),
+        replica(nats, name, timeout_ms),
+        replica(nats, name, timeout_ms),
+    )
+}
+
+/// Registers `workers` (with `spec`) on `a` and waits until every one of `others` serves them.
+fn workers_everywhere(a: &Server, others: &[&Server], workers: &[u64], spec: &Value) {
+    for &w in workers {
+        a.put_worker(w, spec);
+    }
+    within(
+        Duration::from_secs(2),
+        "the workers on the other replicas",
+        || others.iter().all(|s| s.workers().len() == workers.len()),
+    );
+}
+
 /// One rank's load: ((worker, rank), (prefill tokens, decode blocks, requests)).
 type RankLoad = ((u64, u64), (u64, u64, u64));
 
@@ -96,17 +117,13 @@ fn route(s: &Server, id: &str, tokens: Vec<u32>) -> Value {
 #[test]
 fn a_booking_on_one_replica_is_in_the_others_load_within_10_ms_p99() {
     let nats = Nats::start();
-    let (a, b, c) = (
-        replica(&nats, "sync", 3000),
-        replica(&nats, "sync", 3000),
-        replica(&nats, "sync", 3000),
+    let (a, b, c) = trio(&nats, "sync", 3000);
+    workers_everywhere(
+        &a,
+        &[&b, &c],
+        &[1, 2, 3],
+        &json!({"total_kv_blocks": 100000}),
     );
-    for w in [1, 2, 3] {
-        a.put_worker(w, &json!({"total_kv_blocks": 100000}));
-    }
-    within(Duration::from_secs(2), "workers on B and C", || {
-        b.workers().len() == 3 && c.workers().len() == 3
-    });
     const LAG: &str = "kvroute_cluster_sync_lag_seconds";
     let before = histogram(&b.metrics(), LAG);
     assert!(!before.is_empty(), "B exposes {LAG}");
@@ -176,15 +193,8 @@ fn a_booking_on_one_replica_is_in_the_others_load_within_10_ms_p99() {
 #[test]
 fn a_lifecycle_call_on_any_replica_applies_everywhere() {
     let nats = Nats::start();
-    let (a, b, c) = (
-        replica(&nats, "life", 3000),
-        replica(&nats, "life", 3000),
-        replica(&nats, "life", 3000),
-    );
-    a.put_worker(1, &json!({}));
-    within(Duration::from_secs(2), "worker 1 on B and C", || {
-        b.workers().len() == 1 && c.workers().len() == 1
-    });
+    let (a, b, c) = trio(&nats, "life", 3000);
+    workers_everywhere(&a, &[&b, &c], &[1], &json!({}));
     route(&a, "req-1", vec![5; 100]);
     let all = [&a, &b, &c];
     for s in all {
@@ -249,16 +259,8 @@ fn a_lifecycle_call_on_any_replica_applies_everywhere() {
 fn a_killed_replica_s_bookings_are_dropped_after_the_timeout_and_not_before() {
     let nats = Nats::start();
     const TIMEOUT_MS: u64 = 1000;
-    let (a, b, c) = (
-        replica(&nats, "kill", TIMEOUT_MS),
-        replica(&nats, "kill", TIMEOUT_MS),
-        replica(&nats, "kill", TIMEOUT_MS),
-    );
-    a.put_worker(1, &json!({}));
-    a.put_worker(2, &json!({}));
-    within(Duration::from_secs(2), "workers on B and C", || {
-        b.workers().len() == 2 && c.workers().len() == 2
-    });
+    let (a, b, c) = trio(&nats, "kill", TIMEOUT_MS);
+    workers_everywhere(&a, &[&b, &c], &[1, 2], &json!({}));
     for i in 0..5u32 {
         route(&b, &format!("b{i}"), vec![i; 64]);
     }
@@ -353,12 +355,7 @@ fn approximate_replicas_send_a_prefix_where_another_replica_placed_it() {
         ])
     };
     let (a, b) = (start(), start());
-    for w in 1..=4 {
-        a.put_worker(w, &json!({}));
-    }
-    within(Duration::from_secs(2), "workers on B", || {
-        b.workers().len() == 4
-    });
+    workers_everywhere(&a, &[&b], &[1, 2, 3, 4], &json!({}));
     let ask = |s: &Server, tokens: &[u32]| {
         let d = s.route_ok(&json!({"tokens": tokens, "book": false}));
         (
@@ -381,17 +378,8 @@ fn approximate_replicas_send_a_prefix_where_another_replica_placed_it() {
 #[test]
 fn kv_events_posted_to_one_replica_are_applied_by_every_replica() {
     let nats = Nats::start();
-    let (a, b, c) = (
-        replica(&nats, "kvrelay", 3000),
-        replica(&nats, "kvrelay", 3000),
-        replica(&nats, "kvrelay", 3000),
-    );
-    for w in [1, 2, 3] {
-        a.put_worker(w, &json!({}));
-    }
-    within(Duration::from_secs(2), "workers on B and C", || {
-        b.workers().len() == 3 && c.workers().len() == 3
-    });
+    let (a, b, c) = trio(&nats, "kvrelay", 3000);
+    workers_everywhere(&a, &[&b, &c], &[1, 2, 3], &json!({}));
     let ask = |s: &Server, tokens: &[u32]| {
         let d = s.route_ok(&json!({"tokens": tokens, "book": false}));
         (
