@@ -228,6 +228,44 @@ impl RelativeSpeeds {
     }
 }
 
+/// Checks the step-time model a latency-pricing policy is configured with (`default`,
+/// `ttft-aware`): `prefill_ms` `[p0 > 0, p1 >= 0, p2 >= 0]` and `decode_ms` finite, a step budget
+/// of at least 1, and each named figure finite and `>= 0`. Errors name the policy, the key and the
+/// reason.
+pub fn check_step_model(
+    policy: &str,
+    prefill_ms: &[f64; 3],
+    decode_ms: &[f64; 3],
+    default_max_num_batched_tokens: u32,
+    non_negative: &[(&str, f64)],
+) -> Result<(), String> {
+    let finite = |v: &[f64]| v.iter().all(|x| x.is_finite());
+    if !finite(prefill_ms) || !finite(decode_ms) {
+        return Err(format!(
+            "{policy}: prefill_ms and decode_ms must be finite numbers"
+        ));
+    }
+    if !(prefill_ms[0] > 0.0 && prefill_ms[1] >= 0.0 && prefill_ms[2] >= 0.0) {
+        return Err(format!(
+            "{policy}: prefill_ms must be [p0 > 0, p1 >= 0, p2 >= 0] (a step takes time and \
+             more tokens never take less)"
+        ));
+    }
+    if default_max_num_batched_tokens == 0 {
+        return Err(format!(
+            "{policy}: default_max_num_batched_tokens must be at least 1"
+        ));
+    }
+    for &(key, v) in non_negative {
+        if !(v.is_finite() && v >= 0.0) {
+            return Err(format!(
+                "{policy}: {key} must be a finite number >= 0, got {v}"
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// A small, fast, seedable random number generator (SplitMix64) for policies that sample.
 #[derive(Clone, Debug)]
 pub struct SplitMix64(u64);
@@ -254,6 +292,30 @@ impl SplitMix64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_step_model_is_checked_naming_the_policy_and_the_key() {
+        let ok = |p: [f64; 3], budget: u32, w: f64| {
+            check_step_model("p", &p, &[5.0, 50.0, -25.0], budget, &[("work_weight", w)])
+        };
+        assert_eq!(ok([16.5, 0.015, 4e-7], 8192, 4.0), Ok(()));
+        assert_eq!(
+            ok([f64::NAN, 0.0, 0.0], 1, 0.0).unwrap_err(),
+            "p: prefill_ms and decode_ms must be finite numbers"
+        );
+        assert_eq!(
+            ok([0.0, 0.0, 0.0], 1, 0.0).unwrap_err(),
+            "p: prefill_ms must be [p0 > 0, p1 >= 0, p2 >= 0] (a step takes time and more tokens never take less)"
+        );
+        assert_eq!(
+            ok([1.0, 0.0, 0.0], 0, 0.0).unwrap_err(),
+            "p: default_max_num_batched_tokens must be at least 1"
+        );
+        assert_eq!(
+            ok([1.0, 0.0, 0.0], 1, -1.0).unwrap_err(),
+            "p: work_weight must be a finite number >= 0, got -1"
+        );
+    }
 
     #[derive(Debug, Default, serde::Deserialize, PartialEq)]
     #[serde(default, deny_unknown_fields)]

@@ -50,8 +50,8 @@ mod model;
 pub use model::{Config, Prompt, StepTimes};
 
 use kvroute_sdk::{
-    parse_config, preferred_multiplier, Candidates, Context, Decision, Policy, RelativeSpeeds,
-    Request, Speed,
+    check_step_model, parse_config, preferred_multiplier, Candidates, Context, Decision, Policy,
+    RelativeSpeeds, Request, Speed,
 };
 
 /// The default policy.
@@ -69,34 +69,19 @@ impl DefaultPolicy {
 
 /// Checks a configuration's values (names the key and the reason).
 fn check(c: &Config) -> Result<(), String> {
-    let finite = |v: &[f64]| v.iter().all(|x| x.is_finite());
-    if !finite(&c.prefill_ms) || !finite(&c.decode_ms) {
-        return Err("default: prefill_ms and decode_ms must be finite numbers".into());
-    }
-    if !(c.prefill_ms[0] > 0.0 && c.prefill_ms[1] >= 0.0 && c.prefill_ms[2] >= 0.0) {
-        return Err(
-            "default: prefill_ms must be [p0 > 0, p1 >= 0, p2 >= 0] (a step takes time and \
-                    more tokens never take less)"
-                .into(),
-        );
-    }
-    if c.default_max_num_batched_tokens == 0 {
-        return Err("default: default_max_num_batched_tokens must be at least 1".into());
-    }
-    for (key, v) in [
-        ("residual_frac", c.residual_frac),
-        ("host_tier_weight", c.host_tier_weight),
-        ("disk_tier_weight", c.disk_tier_weight),
-        ("overflow_penalty_ms", c.overflow_penalty_ms),
-        ("work_weight", c.work_weight),
-    ] {
-        if !(v.is_finite() && v >= 0.0) {
-            return Err(format!(
-                "default: {key} must be a finite number >= 0, got {v}"
-            ));
-        }
-    }
-    Ok(())
+    check_step_model(
+        "default",
+        &c.prefill_ms,
+        &c.decode_ms,
+        c.default_max_num_batched_tokens,
+        &[
+            ("residual_frac", c.residual_frac),
+            ("host_tier_weight", c.host_tier_weight),
+            ("disk_tier_weight", c.disk_tier_weight),
+            ("overflow_penalty_ms", c.overflow_penalty_ms),
+            ("work_weight", c.work_weight),
+        ],
+    )
 }
 
 impl Policy for DefaultPolicy {

@@ -54,8 +54,8 @@
 //!   "work_weight": 6, "learned_step_times": false}`
 
 use kvroute_sdk::{
-    parse_config, preferred_multiplier, Candidates, Context, Decision, Policy, RelativeSpeeds,
-    Request, Row, Speed, Stage,
+    check_step_model, parse_config, preferred_multiplier, Candidates, Context, Decision, Policy,
+    RelativeSpeeds, Request, Row, Speed, Stage,
 };
 
 /// The configuration.
@@ -242,32 +242,19 @@ pub struct TtftAware {
 impl Policy for TtftAware {
     fn configure(&mut self, json: &str) -> Result<(), String> {
         let c: Config = parse_config("ttft-aware", json)?;
-        let finite = |v: &[f64]| v.iter().all(|x| x.is_finite());
-        if !finite(&c.prefill_ms) || !finite(&c.decode_ms) {
-            return Err("ttft-aware: prefill_ms and decode_ms must be finite numbers".into());
-        }
-        if !(c.prefill_ms[0] > 0.0 && c.prefill_ms[1] >= 0.0 && c.prefill_ms[2] >= 0.0) {
-            return Err(
-                "ttft-aware: prefill_ms must be [p0 > 0, p1 >= 0, p2 >= 0] (a step takes time and more tokens never take less)"
-                    .into(),
-            );
-        }
-        if c.default_max_num_batched_tokens == 0 {
-            return Err("ttft-aware: default_max_num_batched_tokens must be at least 1".into());
-        }
-        for (key, v) in [
-            ("residual_frac", c.residual_frac),
-            ("host_tier_weight", c.host_tier_weight),
-            ("disk_tier_weight", c.disk_tier_weight),
-            ("overflow_penalty_ms", c.overflow_penalty_ms),
-            ("work_weight", c.work_weight),
-        ] {
-            if !(v.is_finite() && v >= 0.0) {
-                return Err(format!(
-                    "ttft-aware: {key} must be a finite number >= 0, got {v}"
-                ));
-            }
-        }
+        check_step_model(
+            "ttft-aware",
+            &c.prefill_ms,
+            &c.decode_ms,
+            c.default_max_num_batched_tokens,
+            &[
+                ("residual_frac", c.residual_frac),
+                ("host_tier_weight", c.host_tier_weight),
+                ("disk_tier_weight", c.disk_tier_weight),
+                ("overflow_penalty_ms", c.overflow_penalty_ms),
+                ("work_weight", c.work_weight),
+            ],
+        )?;
         self.config = c;
         Ok(())
     }
