@@ -47,7 +47,7 @@
 
 mod model;
 
-pub use model::{Config, Prompt, StepTimes};
+pub use model::{Config, Load, Prompt, StepTimes};
 
 use kvroute_sdk::{
     check_step_model, parse_config, preferred_multiplier, Candidates, Context, Decision, Policy,
@@ -95,15 +95,37 @@ impl Policy for DefaultPolicy {
     fn decide(&mut self, _ctx: &Context, req: &Request, c: &Candidates) -> Decision {
         let config = &self.config;
         let prompt = Prompt::of(req);
-        let speeds = config.learned_step_times.then(|| RelativeSpeeds::of(c));
-        Decision::Costs(
-            c.rows()
-                .map(|r| {
-                    let s = speeds.as_ref().map_or(Speed::MODEL, |sp| sp.get(r));
-                    config.estimate_prompt(&prompt, r, s) * preferred_multiplier(req, r)
+        let mut costs: Vec<f64> = if config.learned_step_times {
+            let speeds = RelativeSpeeds::of(c);
+            Load::all(c)
+                .zip(c.rows())
+                .map(|(l, r)| {
+                    let t = config.step_times(l.max_num_batched_tokens, speeds.get(r));
+                    config.estimate_load(&prompt, &l, &t)
                 })
-                .collect(),
-        )
+                .collect()
+        } else {
+            // Every candidate shares the configured step times; only the budget differs.
+            let model = config.step_times(0, Speed::MODEL);
+            Load::all(c)
+                .map(|l| {
+                    let t = match l.max_num_batched_tokens {
+                        0 => model,
+                        b => StepTimes {
+                            budget: f64::from(b),
+                            ..model
+                        },
+                    };
+                    config.estimate_load(&prompt, &l, &t)
+                })
+                .collect()
+        };
+        if !req.preferred_taints.is_empty() {
+            for (cost, r) in costs.iter_mut().zip(c.rows()) {
+                *cost *= preferred_multiplier(req, r);
+            }
+        }
+        Decision::Costs(costs)
     }
 }
 

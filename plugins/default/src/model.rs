@@ -5,7 +5,7 @@
 //! engine model unless overridden), scaled by the candidate's learned speed relative to the fleet
 //! (the SDK's [`Speed`], from the host's learned step times), and the candidate's own step budget.
 
-use kvroute_sdk::{Request, Row, Speed, Stage};
+use kvroute_sdk::{Candidates, Request, Row, Speed, Stage};
 
 /// The larger of two finite figures. `f64::max` is a call into libm's `fmax` on wasm32 (NaN
 /// rules); a compare keeps the per-candidate loop inline (the decision-cost budget, BENCHMARKS.md).
@@ -149,12 +149,80 @@ impl StepTimes {
     }
 }
 
+/// The figures of one candidate the model reads, loaded once from the columns. Estimates work on
+/// these plain numbers rather than on a [`Row`]: [`Load::all`] walks the columns without a bounds
+/// check per field, which is most of the per-candidate cost at 64 candidates (BENCHMARKS.md).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Load {
+    pub device_overlap: u32,
+    pub host_overlap: u32,
+    pub disk_overlap: u32,
+    pub active_prefill_tokens: u64,
+    pub active_decode_blocks: u64,
+    pub active_requests: u32,
+    pub active_prompt_blocks: u32,
+    /// KV capacity in blocks (0 = unknown).
+    pub total_kv_blocks: u64,
+    /// Step token budget (0 = unknown: the configured default applies).
+    pub max_num_batched_tokens: u32,
+}
+
+impl Load {
+    /// One candidate's figures.
+    pub fn of(r: Row<'_>) -> Self {
+        Self {
+            device_overlap: r.device_overlap(),
+            host_overlap: r.host_overlap(),
+            disk_overlap: r.disk_overlap(),
+            active_prefill_tokens: r.active_prefill_tokens(),
+            active_decode_blocks: r.active_decode_blocks(),
+            active_requests: r.active_requests(),
+            active_prompt_blocks: r.active_prompt_blocks(),
+            total_kv_blocks: r.total_kv_blocks(),
+            max_num_batched_tokens: r.max_num_batched_tokens(),
+        }
+    }
+
+    /// Every candidate's figures, in order. Each column is cut to the candidate count first, so
+    /// the compiler proves every index in range once, not per field.
+    pub fn all<'a>(c: &'a Candidates<'a>) -> impl ExactSizeIterator<Item = Load> + 'a {
+        let n = c.count();
+        let (dev, host, disk) = (
+            &c.device_overlap[..n],
+            &c.host_overlap[..n],
+            &c.disk_overlap[..n],
+        );
+        let (prefill, decode, total) = (
+            &c.active_prefill_tokens[..n],
+            &c.active_decode_blocks[..n],
+            &c.total_kv_blocks[..n],
+        );
+        let (requests, prompt, budget) = (
+            &c.active_requests[..n],
+            &c.active_prompt_blocks[..n],
+            &c.max_num_batched_tokens[..n],
+        );
+        (0..n).map(move |i| Load {
+            device_overlap: dev[i],
+            host_overlap: host[i],
+            disk_overlap: disk[i],
+            active_prefill_tokens: prefill[i],
+            active_decode_blocks: decode[i],
+            active_requests: requests[i],
+            active_prompt_blocks: prompt[i],
+            total_kv_blocks: total[i],
+            max_num_batched_tokens: budget[i],
+        })
+    }
+}
+
 impl Config {
-    /// The step times of candidate `r` at speed `s`: the ONE place step-time figures come from
-    /// (the configured ones times the candidate's relative speed, and its reported step budget).
+    /// The step times of a candidate with step budget `budget` (0 = unknown) at speed `s`: the
+    /// ONE place step-time figures come from (the configured ones times the candidate's relative
+    /// speed, and its reported step budget).
     #[inline]
-    pub fn step_times(&self, r: Row<'_>, s: Speed) -> StepTimes {
-        let budget = match r.max_num_batched_tokens() {
+    pub fn step_times(&self, budget: u32, s: Speed) -> StepTimes {
+        let budget = match budget {
             0 => self.default_max_num_batched_tokens.max(1),
             m => m,
         };
@@ -168,73 +236,68 @@ impl Config {
 
     /// Estimated milliseconds from now to this request's first token on `r`, at its stage, with
     /// the configured model (no learned speed).
-    #[inline]
     pub fn estimate(&self, req: &Request, r: Row<'_>) -> f64 {
-        self.estimate_prompt(&Prompt::of(req), r, Speed::MODEL)
+        let l = Load::of(r);
+        let t = self.step_times(l.max_num_batched_tokens, Speed::MODEL);
+        self.estimate_load(&Prompt::of(req), &l, &t)
     }
 
-    /// [`Self::estimate`] with the request's figures computed once ([`Prompt::of`]) and the
-    /// candidate's speed.
-    #[inline]
-    pub fn estimate_prompt(&self, p: &Prompt, r: Row<'_>, s: Speed) -> f64 {
+    /// [`Self::estimate`] with the request's figures computed once ([`Prompt::of`]), the
+    /// candidate's figures loaded ([`Load`]) and its step times chosen ([`Self::step_times`]).
+    #[inline(always)]
+    pub fn estimate_load(&self, p: &Prompt, l: &Load, t: &StepTimes) -> f64 {
         match p.stage {
-            Stage::Aggregated | Stage::Prefill => self.prefill_estimate(p, r, s),
-            Stage::Decode => self.decode_estimate(p, r, s),
+            Stage::Aggregated | Stage::Prefill => self.prefill_estimate(p, l, t),
+            Stage::Decode => self.decode_estimate(p, l, t),
         }
     }
 
-    /// Prompt tokens `r` must compute for this request: those past the cache credit (device
-    /// blocks, host and disk ones weighted, or the prompt blocks an earlier request booked there,
-    /// whichever is more), at least the last block's worth being computed as an engine must, and
-    /// at least 1.
-    #[inline]
-    pub fn own_tokens(&self, p: &Prompt, r: Row<'_>) -> f64 {
-        let (d, h, k) = (r.device_overlap(), r.host_overlap(), r.disk_overlap());
+    /// Prompt tokens the candidate must compute for this request: those past the cache credit
+    /// (device blocks, host and disk ones weighted, or the prompt blocks an earlier request booked
+    /// there, whichever is more), at least the last block's worth being computed as an engine
+    /// must, and at least 1.
+    #[inline(always)]
+    pub fn own_tokens(&self, p: &Prompt, l: &Load) -> f64 {
+        let (d, h, k) = (l.device_overlap, l.host_overlap, l.disk_overlap);
         let cached = f64::from(d)
             + self.host_tier_weight * f64::from(h.saturating_sub(d))
             + self.disk_tier_weight * f64::from(k.saturating_sub(d.max(h)));
         let credit = if self.credit_active_blocks {
-            max(cached, f64::from(r.active_prompt_blocks()))
+            max(cached, f64::from(l.active_prompt_blocks))
         } else {
             cached
         };
         max(p.tokens - min(credit, p.reusable_blocks) * p.block, 1.0)
     }
 
-    /// Blocks of the prompt `r` must newly hold (those an earlier request made active are
-    /// shared).
-    #[inline]
-    fn new_blocks(p: &Prompt, r: Row<'_>) -> u64 {
-        u64::from(p.blocks.saturating_sub(r.active_prompt_blocks()))
+    /// Blocks of the prompt the candidate must newly hold (those an earlier request made active
+    /// are shared).
+    #[inline(always)]
+    fn new_blocks(p: &Prompt, l: &Load) -> u64 {
+        u64::from(p.blocks.saturating_sub(l.active_prompt_blocks))
     }
 
-    /// KV utilisation of `r` with `blocks` in use (0 when its capacity is unknown).
-    #[inline]
-    fn util(r: Row<'_>, blocks: u64) -> f64 {
-        Self::util_of(Self::inverse_capacity(r), blocks)
-    }
-
-    /// `1 / total_kv_blocks` of `r` (0 when unknown): one division per candidate, not per use.
-    #[inline]
-    fn inverse_capacity(r: Row<'_>) -> f64 {
-        match r.total_kv_blocks() {
+    /// `1 / total_kv_blocks` (0 when unknown): one division per candidate, not per use.
+    #[inline(always)]
+    fn inverse_capacity(l: &Load) -> f64 {
+        match l.total_kv_blocks {
             0 => 0.0,
             total => 1.0 / total as f64,
         }
     }
 
     /// KV utilisation with `blocks` in use, from [`Self::inverse_capacity`].
-    #[inline]
+    #[inline(always)]
     fn util_of(inverse_capacity: f64, blocks: u64) -> f64 {
         min(blocks as f64 * inverse_capacity, 1.0)
     }
 
-    /// `overflow_penalty_ms` when `blocks` more would not fit in `r`'s KV capacity (the engine
-    /// would preempt), else 0.
-    #[inline]
-    fn overflow(&self, r: Row<'_>, blocks: u64) -> f64 {
-        let total = r.total_kv_blocks();
-        if total > 0 && r.active_decode_blocks() + blocks > total {
+    /// `overflow_penalty_ms` when `blocks` more would not fit in the candidate's KV capacity
+    /// (the engine would preempt), else 0.
+    #[inline(always)]
+    fn overflow(&self, l: &Load, blocks: u64) -> f64 {
+        let total = l.total_kv_blocks;
+        if total > 0 && l.active_decode_blocks + blocks > total {
             self.overflow_penalty_ms
         } else {
             0.0
@@ -242,16 +305,16 @@ impl Config {
     }
 
     /// An aggregated decision or the prefill step: the chosen engine computes the prompt.
-    pub fn prefill_estimate(&self, p: &Prompt, r: Row<'_>, s: Speed) -> f64 {
-        let t = self.step_times(r, s);
-        let own = self.own_tokens(p, r);
-        let ahead = r.active_prefill_tokens() as f64;
+    #[inline(always)]
+    pub fn prefill_estimate(&self, p: &Prompt, l: &Load, t: &StepTimes) -> f64 {
+        let own = self.own_tokens(p, l);
+        let ahead = l.active_prefill_tokens as f64;
         let (steps, mut est) = t.chunked_prefill(ahead + own);
-        let used = r.active_decode_blocks();
-        let new_blocks = Self::new_blocks(p, r);
-        if r.active_requests() > 0 {
+        let used = l.active_decode_blocks;
+        let new_blocks = Self::new_blocks(p, l);
+        if l.active_requests > 0 {
             // Every step also decodes the running requests; the current step is part done.
-            let inv = Self::inverse_capacity(r);
+            let inv = Self::inverse_capacity(l);
             est += steps * t.decode(Self::util_of(inv, used + new_blocks));
             let current = if ahead > 0.0 {
                 t.prefill(min(ahead, t.budget))
@@ -262,26 +325,27 @@ impl Config {
         }
         // The compute this request adds, which later arrivals on that engine wait behind.
         est += self.work_weight * t.marginal_prefill(own);
-        est + self.overflow(r, new_blocks)
+        est + self.overflow(l, new_blocks)
     }
 
     /// The decode step: the KV arrives by transfer, the engine computes no prompt, so overlap,
     /// the prompt's own prefill and `work_weight` do not apply. One step decoding this request
     /// beside the others (with a chunk of the prompts queued there), after the current one.
-    pub fn decode_estimate(&self, p: &Prompt, r: Row<'_>, s: Speed) -> f64 {
-        let t = self.step_times(r, s);
-        let ahead = r.active_prefill_tokens() as f64;
+    #[inline(always)]
+    pub fn decode_estimate(&self, p: &Prompt, l: &Load, t: &StepTimes) -> f64 {
+        let ahead = l.active_prefill_tokens as f64;
         let chunk = if ahead > 0.0 {
             t.prefill(min(ahead, t.budget))
         } else {
             0.0
         };
-        let used = r.active_decode_blocks();
-        let new_blocks = Self::new_blocks(p, r);
-        let mut est = chunk + t.decode(Self::util(r, used + new_blocks));
-        if r.active_requests() > 0 || ahead > 0.0 {
-            est += self.residual_frac * (chunk + t.decode(Self::util(r, used)));
+        let used = l.active_decode_blocks;
+        let new_blocks = Self::new_blocks(p, l);
+        let inv = Self::inverse_capacity(l);
+        let mut est = chunk + t.decode(Self::util_of(inv, used + new_blocks));
+        if l.active_requests > 0 || ahead > 0.0 {
+            est += self.residual_frac * (chunk + t.decode(Self::util_of(inv, used)));
         }
-        est + self.overflow(r, new_blocks)
+        est + self.overflow(l, new_blocks)
     }
 }

@@ -32,8 +32,8 @@ fn step_times_come_from_one_place_the_candidate_s_budget_or_the_default() {
     let (_, _, cols) = build(&req, &set);
     let view = cols.view();
     let (own, other) = (
-        c.step_times(view.row(0), Speed::MODEL),
-        c.step_times(view.row(1), Speed::MODEL),
+        c.step_times(view.row(0).max_num_batched_tokens(), Speed::MODEL),
+        c.step_times(view.row(1).max_num_batched_tokens(), Speed::MODEL),
     );
     assert_eq!(own.budget, 2048.0);
     assert_eq!(other.budget, 8192.0);
@@ -209,7 +209,12 @@ fn the_decode_step_ranks_by_load_not_overlap() {
     let uncached = [set[0].clone().device_overlap(0), set[1].clone()];
     assert_eq!(h.costs(&decode, &set), h.costs(&decode, &uncached));
     // One decode step (and half the current one), no prefill and no work term.
-    let t = Config::default().step_times(build(&decode, &set).2.view().row(1), Speed::MODEL);
+    let budget = build(&decode, &set)
+        .2
+        .view()
+        .row(1)
+        .max_num_batched_tokens();
+    let t = Config::default().step_times(budget, Speed::MODEL);
     let u = |b: f64| b / 16_384.0;
     let want = t.decode(u(1_256.0)) + 0.5 * t.decode(u(1_000.0));
     let costs = h.costs(&decode, &set);
