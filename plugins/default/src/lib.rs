@@ -16,10 +16,13 @@
 //! - Decode interference: every step also decodes when the candidate has active requests,
 //!   `decode(u) = max(1, d0 + d1·u + d2·u²)` ms, `u` = (active decode blocks + this prompt's new
 //!   blocks) / KV capacity; a busy candidate is mid-step: add `residual_frac` of its current step.
-//! - `work_weight × (p1·own + p2·own²)`: the compute this request adds, which later arrivals on
-//!   that engine wait behind (a pure per-request greedy trades fleet work for its own first token
-//!   and loses in the tail under bursts). 4 was chosen on replays (BENCHMARKS.md): 6, `ttft-aware`'s,
-//!   gains ~2% mean at Azure x40 but loses to round robin on the conv trace's p99.
+//! - `w × (p1·own + p2·own²)`: the compute this request adds, which later arrivals on that engine
+//!   wait behind (a pure per-request greedy trades fleet work for its own first token and loses
+//!   in the tail under bursts). How often later arrivals wait depends on the load, so
+//!   `w = work_weight × load`, `load` = the mean over candidates of their queued prompt tokens
+//!   over their step budget, each at most 1 (`model::prefill_load`). Idle fleet: pure greedy;
+//!   saturated: 12. A fixed weight had to trade the conv trace's p99 (4) against Azure code ×40's
+//!   mean (8+); the load-scaled one wins both (BENCHMARKS.md).
 //! - `overflow_penalty_ms` when the request's blocks would not fit in the candidate's KV capacity
 //!   (the engine would preempt).
 //!
@@ -43,11 +46,11 @@
 //! `{"prefill_ms": [16.50142, 0.01518344, 4.209989e-7], "decode_ms": [5.74, 54.01, -25.74],
 //!   "default_max_num_batched_tokens": 8192, "residual_frac": 0.5, "host_tier_weight": 0.75,
 //!   "disk_tier_weight": 0.25, "overflow_penalty_ms": 10000, "credit_active_blocks": true,
-//!   "work_weight": 4, "learned_step_times": false}`
+//!   "work_weight": 12, "work_weight_follows_load": true, "learned_step_times": false}`
 
 mod model;
 
-pub use model::{Config, Load, Prompt, StepTimes};
+pub use model::{prefill_load, Config, Load, Prompt, StepTimes};
 
 use kvroute_sdk::{
     check_step_model, parse_config, preferred_multiplier, Candidates, Context, Decision, Policy,
@@ -94,7 +97,8 @@ impl Policy for DefaultPolicy {
 
     fn decide(&mut self, _ctx: &Context, req: &Request, c: &Candidates) -> Decision {
         let config = &self.config;
-        let prompt = Prompt::of(req);
+        let load = model::prefill_load(c, config.default_max_num_batched_tokens);
+        let prompt = Prompt::of(req, config.work_weight_at(load));
         let mut costs: Vec<f64> = if config.learned_step_times {
             let speeds = RelativeSpeeds::of(c);
             Load::all(c)

@@ -11,17 +11,66 @@ fn close(a: f64, b: f64) -> bool {
 fn an_idle_candidate_costs_one_prefill_step_plus_the_work_term() {
     let mut h = Harness::<DefaultPolicy>::new();
     let c = Config::default();
-    // 1,000 uncached tokens on an idle engine: one step, no decode, no residual.
-    h.configure(r#"{"work_weight": 0}"#).unwrap();
+    // 1,000 uncached tokens on an idle engine: one step, no decode, no residual; on an idle
+    // fleet the work term follows the load to 0.
+    h.configure("{}").unwrap();
     let costs = h.costs(&request(1000), &[candidate(1)]);
     let step = c.prefill_ms[0] + c.prefill_ms[1] * 1000.0 + c.prefill_ms[2] * 1e6;
     assert!(close(costs[0], step), "{costs:?} vs {step}");
-    // The default work weight (4) counts the request's own compute 1 + 4 times.
-    assert_eq!(c.work_weight, 4.0);
-    h.configure("{}").unwrap();
+    // A fixed work weight (the default 12) counts the request's own compute 1 + 12 times.
+    assert_eq!(c.work_weight, 12.0);
+    h.configure(r#"{"work_weight_follows_load": false}"#)
+        .unwrap();
     let costs = h.costs(&request(1000), &[candidate(1)]);
-    let want = step + 4.0 * (c.prefill_ms[1] * 1000.0 + c.prefill_ms[2] * 1e6);
+    let want = step + 12.0 * (c.prefill_ms[1] * 1000.0 + c.prefill_ms[2] * 1e6);
     assert!(close(costs[0], want), "{costs:?} vs {want}");
+}
+
+#[test]
+fn the_work_weight_follows_the_candidates_prefill_load() {
+    // Load: 8,192 queued of 8,192 (1), 20,000 of 2,048 (capped at 1), 1,024 of the default
+    // 8,192 (0.125), idle (0): mean 2.125 / 4.
+    let set = [
+        candidate(1).active_prefill_tokens(8192).active_requests(2),
+        candidate(2)
+            .active_prefill_tokens(20_000)
+            .max_num_batched_tokens(2048)
+            .active_requests(3),
+        candidate(3).active_prefill_tokens(1024).active_requests(1),
+        candidate(4),
+    ];
+    let req = request(3000).block_size(64);
+    let (_, _, cols) = build(&req, &set);
+    let load = prefill_load(&cols.view(), 8192);
+    assert!(close(load, 2.125 / 4.0), "{load}");
+    let c = Config::default();
+    assert!(close(c.work_weight_at(load), 12.0 * 2.125 / 4.0));
+    // The default prices every candidate as the fixed weight 12 × load would.
+    let mut h = Harness::<DefaultPolicy>::new();
+    let following = h.costs(&req, &set);
+    let fixed = format!(
+        r#"{{"work_weight": {}, "work_weight_follows_load": false}}"#,
+        12.0 * 2.125 / 4.0
+    );
+    h.configure(&fixed).unwrap();
+    let want = h.costs(&req, &set);
+    for (a, b) in following.iter().zip(&want) {
+        assert!(close(*a, *b), "{following:?} vs {want:?}");
+    }
+    // The decode step computes no prompt: the load changes nothing there.
+    let decode = req.clone().decode();
+    h.configure("{}").unwrap();
+    let a = h.costs(&decode, &set);
+    h.configure(r#"{"work_weight_follows_load": false}"#)
+        .unwrap();
+    assert_eq!(a, h.costs(&decode, &set));
+    // One budget for the whole fleet (the common case) takes the whole-token sum: the same load.
+    let uniform = [set[0].clone(), set[2].clone(), set[3].clone()];
+    let (_, _, cols) = build(&req, &uniform);
+    let load = prefill_load(&cols.view(), 8192);
+    assert!(close(load, 1.125 / 3.0), "{load}");
+    // An empty column set has no load (the host never sends one; the helper still answers).
+    assert_eq!(prefill_load(&Default::default(), 8192), 0.0);
 }
 
 #[test]
