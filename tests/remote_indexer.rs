@@ -174,8 +174,11 @@ fn a_remote_indexer_router_predicts_its_booked_prompts_as_a_local_index_one() {
     for s in [&indexer, &local, &remote] {
         register(s);
     }
-    // 3 of the prompt's 12 blocks cached on (4, 0) alone: the one best candidate for it.
-    let p = prompt(12, 77);
+    // 3 of the prompt's 64 blocks (1,024 tokens) cached on (4, 0) alone: the one best candidate
+    // for it. Long enough that, once the whole prompt is predicted there, its cache outweighs the
+    // decode interference of the request booked on it.
+    const BLOCKS: usize = 64;
+    let p = prompt(BLOCKS, 77);
     let full = local_hashes(&p, 16, BASE_SEED);
     for s in [&indexer, &local] {
         s.post("/v1/events", &json!([stored_event(4, 0, 1, &full[..3])]))
@@ -189,15 +192,15 @@ fn a_remote_indexer_router_predicts_its_booked_prompts_as_a_local_index_one() {
             "nothing predicted before the first booking: {d}"
         );
     }
-    // The same prompt again, with no KV event since: both predict its 12 blocks on (4, 0), see
+    // The same prompt again, with no KV event since: both predict its 64 blocks on (4, 0), see
     // the same overlaps on every candidate and choose it.
     let again = json!({"tokens": p, "book": false, "explain": true});
     let (a, b) = (local.route_ok(&again), remote.route_ok(&again));
     assert_eq!(a["overlap_source"], "local", "{a}");
     assert_eq!(b["overlap_source"], "remote", "{b}");
-    assert_eq!(predicted(&a)[&(4, 0)], 12, "{a}");
+    assert_eq!(predicted(&a)[&(4, 0)], BLOCKS as u64, "{a}");
     assert_eq!(predicted(&a), predicted(&b), "predicted overlaps");
-    assert_eq!(explained(&b)[&(4, 0)], [12, 0, 0], "{b}");
+    assert_eq!(explained(&b)[&(4, 0)], [BLOCKS as u64, 0, 0], "{b}");
     assert_eq!(explained(&a), explained(&b), "every candidate's overlaps");
     assert_eq!(lowest_cost(&a), vec![(4, 0)], "{a}");
     assert_eq!(lowest_cost(&b), vec![(4, 0)], "{b}");
@@ -207,7 +210,7 @@ fn a_remote_indexer_router_predicts_its_booked_prompts_as_a_local_index_one() {
             &remote.metrics(),
             "kvroute_predictions_total{outcome=\"recorded\"}"
         ),
-        Some(12.0)
+        Some(BLOCKS as f64)
     );
 }
 

@@ -5,7 +5,7 @@
 //! engine model unless overridden), scaled by the candidate's learned speed relative to the fleet
 //! (the SDK's [`Speed`], from the host's learned step times), and the candidate's own step budget.
 
-use kvroute_sdk::{Candidates, Request, Row, Speed, Stage};
+use kvroute_sdk::{Candidates, Request, Speed, Stage};
 
 /// The larger of two finite figures. `f64::max` is a call into libm's `fmax` on wasm32 (NaN
 /// rules); a compare keeps the per-candidate loop inline (the decision-cost budget, BENCHMARKS.md).
@@ -161,7 +161,7 @@ impl StepTimes {
 }
 
 /// The figures of one candidate the model reads, loaded once from the columns. Estimates work on
-/// these plain numbers rather than on a [`Row`]: [`Load::all`] walks the columns without a bounds
+/// these plain numbers rather than on a `Row`: [`Load::all`] walks the columns without a bounds
 /// check per field, which is most of the per-candidate cost at 64 candidates (BENCHMARKS.md).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Load {
@@ -179,21 +179,6 @@ pub struct Load {
 }
 
 impl Load {
-    /// One candidate's figures.
-    pub fn of(r: Row<'_>) -> Self {
-        Self {
-            device_overlap: r.device_overlap(),
-            host_overlap: r.host_overlap(),
-            disk_overlap: r.disk_overlap(),
-            active_prefill_tokens: r.active_prefill_tokens(),
-            active_decode_blocks: r.active_decode_blocks(),
-            active_requests: r.active_requests(),
-            active_prompt_blocks: r.active_prompt_blocks(),
-            total_kv_blocks: r.total_kv_blocks(),
-            max_num_batched_tokens: r.max_num_batched_tokens(),
-        }
-    }
-
     /// Every candidate's figures, in order. Each column is cut to the candidate count first, so
     /// the compiler proves every index in range once, not per field.
     pub fn all<'a>(c: &'a Candidates<'a>) -> impl ExactSizeIterator<Item = Load> + 'a {
