@@ -67,7 +67,7 @@ impl Report {
         }
         let _ = writeln!(
             out,
-            "  latency at 64 candidates: p50 {:.1} µs, p99 {:.1} µs (deadline {} µs)",
+            "  latency at 64 candidates: p50 {:.2} µs, p99 {:.2} µs (deadline {} µs)",
             self.p50_us, self.p99_us, self.deadline_us
         );
         let failed = self.results.iter().filter(|r| !r.passed).count();

@@ -162,7 +162,7 @@ impl StepTimes {
 
 /// The figures of one candidate the model reads, loaded once from the columns. Estimates work on
 /// these plain numbers rather than on a `Row`: [`Load::all`] walks the columns without a bounds
-/// check per field, which is most of the per-candidate cost at 64 candidates (BENCHMARKS.md).
+/// check per field.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Load {
     pub device_overlap: u32,
@@ -179,36 +179,38 @@ pub struct Load {
 }
 
 impl Load {
-    /// Every candidate's figures, in order. Each column is cut to the candidate count first, so
-    /// the compiler proves every index in range once, not per field.
+    /// Every candidate's figures, in order, the columns walked together: zipped iterators check
+    /// no index per field (indexing nine columns per candidate cost 0.2 µs of a 2.5 µs decision at
+    /// 64 candidates, BENCHMARKS.md). The SDK checked that every column has one entry per
+    /// candidate.
     pub fn all<'a>(c: &'a Candidates<'a>) -> impl ExactSizeIterator<Item = Load> + 'a {
-        let n = c.count();
-        let (dev, host, disk) = (
-            &c.device_overlap[..n],
-            &c.host_overlap[..n],
-            &c.disk_overlap[..n],
+        let (dev, host, disk) = (c.device_overlap, c.host_overlap, c.disk_overlap);
+        let (prefill, decode, requests) = (
+            c.active_prefill_tokens,
+            c.active_decode_blocks,
+            c.active_requests,
         );
-        let (prefill, decode, total) = (
-            &c.active_prefill_tokens[..n],
-            &c.active_decode_blocks[..n],
-            &c.total_kv_blocks[..n],
+        let (prompt, total, budget) = (
+            c.active_prompt_blocks,
+            c.total_kv_blocks,
+            c.max_num_batched_tokens,
         );
-        let (requests, prompt, budget) = (
-            &c.active_requests[..n],
-            &c.active_prompt_blocks[..n],
-            &c.max_num_batched_tokens[..n],
-        );
-        (0..n).map(move |i| Load {
-            device_overlap: dev[i],
-            host_overlap: host[i],
-            disk_overlap: disk[i],
-            active_prefill_tokens: prefill[i],
-            active_decode_blocks: decode[i],
-            active_requests: requests[i],
-            active_prompt_blocks: prompt[i],
-            total_kv_blocks: total[i],
-            max_num_batched_tokens: budget[i],
-        })
+        let overlaps = dev.iter().zip(host).zip(disk);
+        let work = prefill.iter().zip(decode).zip(requests);
+        let capacity = prompt.iter().zip(total).zip(budget);
+        overlaps.zip(work).zip(capacity).map(
+            |((((&d, &h), &k), ((&p, &u), &r)), ((&a, &t), &b))| Load {
+                device_overlap: d,
+                host_overlap: h,
+                disk_overlap: k,
+                active_prefill_tokens: p,
+                active_decode_blocks: u,
+                active_requests: r,
+                active_prompt_blocks: a,
+                total_kv_blocks: t,
+                max_num_batched_tokens: b,
+            },
+        )
     }
 }
 
