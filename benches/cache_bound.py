@@ -11,6 +11,9 @@ a leading prefix:
 - `belady`: the cache evicts the block used again furthest in the future (optimal eviction,
   which needs the future and so is a bound, not a policy).
 - `unlimited`: every block ever seen stays.
+- `affinity`, `cold pool K`: one LRU per worker instead, each request sent where the longest
+  prefix is cached (least work on ties); with a cold pool, prompts cached nowhere go only to the
+  first K workers, so first-seen content cannot evict the others' hot prefixes.
 
 Used in BENCHMARKS.md ("Trace replay and the default policy") to tell whether a miss is the
 router's placement or the fleet's capacity and eviction.
@@ -73,6 +76,30 @@ def belady(requests, capacity):
     return hit / total
 
 
+def partitioned(requests, workers, capacity, cold):
+    caches = [OrderedDict() for _ in range(workers)]
+    work = [0] * workers
+    hit, total = 0, 0
+    for blocks in requests:
+        held = [prefix_len(blocks, c) for c in caches]
+        if max(held) == 0:
+            w = min(range(cold or workers), key=lambda i: work[i])
+        else:
+            w = max(range(workers), key=lambda i: (held[i], -work[i]))
+        hit += held[w]
+        total += len(blocks)
+        work[w] += len(blocks) - held[w]
+        cache = caches[w]
+        for b in blocks:
+            if b in cache:
+                cache.move_to_end(b)
+            else:
+                cache[b] = None
+                if len(cache) > capacity:
+                    cache.popitem(last=False)
+    return hit / total
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("trace")
@@ -88,6 +115,10 @@ def main():
     print(f"lru       {lru(requests, capacity):.3f}")
     print(f"belady    {belady(requests, capacity):.3f}")
     print(f"unlimited {lru(requests, 1 << 62):.3f}")
+    per_worker = capacity // a.workers
+    print(f"affinity  {partitioned(requests, a.workers, per_worker, 0):.3f}")
+    for k in range(1, a.workers // 2 + 1):
+        print(f"cold pool {k} {partitioned(requests, a.workers, per_worker, k):.3f}")
 
 
 if __name__ == "__main__":
