@@ -20,7 +20,7 @@
 //!   wait behind (a pure per-request greedy trades fleet work for its own first token and loses
 //!   in the tail under bursts). How often later arrivals wait depends on the load, so
 //!   `w = work_weight × load`, `load` = the mean over candidates of their queued prompt tokens
-//!   over their step budget, each at most 1 (`model::prefill_load`). Idle fleet: pure greedy;
+//!   over their step budget, each at most 1 (`Config::prefill_load`). Idle fleet: pure greedy;
 //!   saturated: 12. A fixed weight had to trade the conv trace's p99 (4) against Azure code ×40's
 //!   mean (8+); the load-scaled one wins both (BENCHMARKS.md).
 //! - `overflow_penalty_ms` when the request's blocks would not fit in the candidate's KV capacity
@@ -50,11 +50,11 @@
 
 mod model;
 
-pub use model::{prefill_load, Config, Load, Prompt, StepTimes};
+pub use model::{Config, Load, Prompt, StepTimes};
 
 use kvroute_sdk::{
     check_step_model, parse_config, preferred_multiplier, Candidates, Context, Decision, Policy,
-    RelativeSpeeds, Request, Speed,
+    RelativeSpeeds, Request,
 };
 
 /// The default policy.
@@ -97,7 +97,7 @@ impl Policy for DefaultPolicy {
 
     fn decide(&mut self, _ctx: &Context, req: &Request, c: &Candidates) -> Decision {
         let config = &self.config;
-        let load = model::prefill_load(c, config.default_max_num_batched_tokens);
+        let load = config.prefill_load(c);
         let prompt = Prompt::of(req, config.work_weight_at(load));
         let mut costs: Vec<f64> = if config.learned_step_times {
             let speeds = RelativeSpeeds::of(c);
@@ -110,18 +110,9 @@ impl Policy for DefaultPolicy {
                 .collect()
         } else {
             // Every candidate shares the configured step times; only the budget differs.
-            let model = config.step_times(0, Speed::MODEL);
+            let step_times = config.model_step_times();
             Load::all(c)
-                .map(|l| {
-                    let t = match l.max_num_batched_tokens {
-                        0 => model,
-                        b => StepTimes {
-                            budget: f64::from(b),
-                            ..model
-                        },
-                    };
-                    config.estimate_load(&prompt, &l, &t)
-                })
+                .map(|l| config.estimate_load(&prompt, &l, &step_times(l.max_num_batched_tokens)))
                 .collect()
         };
         if !req.preferred_taints.is_empty() {

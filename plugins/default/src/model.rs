@@ -214,60 +214,72 @@ impl Load {
     }
 }
 
-/// The candidates' prefill load in [0, 1]: the mean over candidates of the prompt tokens queued
-/// there over its step budget (0 = `default_budget`), each at most 1 (a candidate with a full step
-/// or more queued counts as saturated).
-pub fn prefill_load(c: &Candidates<'_>, default_budget: u32) -> f64 {
-    let n = c.count();
-    if n == 0 {
-        return 0.0;
-    }
-    let (queued, budgets) = (
-        &c.active_prefill_tokens[..n],
-        &c.max_num_batched_tokens[..n],
-    );
-    let budget_of = |b: u32| match b {
-        0 => default_budget.max(1),
-        b => b,
-    };
-    // A fleet of one engine type reports one budget: sum whole tokens and divide once (a
-    // division per candidate cost 0.3 µs at 64 candidates, a fifth of a whole decision).
-    let first = budgets[0];
-    if budgets.iter().all(|&b| b == first) {
-        let budget = u64::from(budget_of(first));
-        // At most 1,024 candidates × u32::MAX tokens: no overflow.
-        let sum: u64 = queued.iter().map(|&q| q.min(budget)).sum();
-        return sum as f64 / (budget as f64 * n as f64);
-    }
-    let sum: f64 = (0..n)
-        .map(|i| {
-            let budget = f64::from(budget_of(budgets[i]));
-            min(queued[i] as f64, budget) / budget
-        })
-        .sum();
-    sum / n as f64
-}
-
 impl Config {
-    /// The step times of a candidate with step budget `budget` (0 = unknown) at speed `s`: the
-    /// ONE place step-time figures come from (the configured ones times the candidate's relative
-    /// speed, and its reported step budget).
+    /// A candidate's step budget in prompt tokens: the one it reports, else (0 = unknown)
+    /// `default_max_num_batched_tokens`. The one place the rule lives.
+    #[inline(always)]
+    pub fn budget(&self, reported: u32) -> u32 {
+        match reported {
+            0 => self.default_max_num_batched_tokens.max(1),
+            b => b,
+        }
+    }
+
+    /// The step times of a candidate reporting step budget `budget` at speed `s`: the ONE place
+    /// step-time figures come from (the configured ones times the candidate's relative speed, and
+    /// its [budget](Self::budget)).
     #[inline]
     pub fn step_times(&self, budget: u32, s: Speed) -> StepTimes {
-        let budget = match budget {
-            0 => self.default_max_num_batched_tokens.max(1),
-            m => m,
-        };
         let scale = |c: [f64; 3], k: f64| [c[0] * k, c[1] * k, c[2] * k];
         StepTimes {
             prefill_ms: scale(self.prefill_ms, s.prefill),
             decode_ms: scale(self.decode_ms, s.decode),
-            budget: f64::from(budget),
+            budget: f64::from(self.budget(budget)),
         }
     }
 
+    /// [`Self::step_times`] at the model's speed for every candidate of a decision: the scaled
+    /// figures once, each candidate's budget per call (the model's speed is 1, so this is
+    /// `step_times(budget, Speed::MODEL)` without six multiplications per candidate).
+    pub fn model_step_times(&self) -> impl Fn(u32) -> StepTimes + '_ {
+        let model = self.step_times(0, Speed::MODEL);
+        move |budget| StepTimes {
+            budget: f64::from(self.budget(budget)),
+            ..model
+        }
+    }
+
+    /// The candidates' prefill load in [0, 1]: the mean over candidates of the prompt tokens
+    /// queued there over its [budget](Self::budget), each at most 1 (a candidate with a full step
+    /// or more queued counts as saturated).
+    pub fn prefill_load(&self, c: &Candidates<'_>) -> f64 {
+        let (queued, budgets) = (c.active_prefill_tokens, c.max_num_batched_tokens);
+        let n = queued.len().min(budgets.len());
+        if n == 0 {
+            return 0.0;
+        }
+        // A fleet of one engine type reports one budget: sum whole tokens and divide once (a
+        // division per candidate cost 0.3 µs at 64 candidates, a fifth of a whole decision).
+        let first = budgets[0];
+        if budgets.iter().all(|&b| b == first) {
+            let budget = u64::from(self.budget(first));
+            // At most u32::MAX tokens per candidate: no overflow below 4 billion candidates.
+            let sum: u64 = queued.iter().map(|&q| q.min(budget)).sum();
+            return sum as f64 / (budget as f64 * n as f64);
+        }
+        let sum: f64 = queued
+            .iter()
+            .zip(budgets)
+            .map(|(&q, &b)| {
+                let budget = f64::from(self.budget(b));
+                min(q as f64, budget) / budget
+            })
+            .sum();
+        sum / n as f64
+    }
+
     /// The weight of a request's own prefill compute, given the candidates' prefill `load`
-    /// ([`prefill_load`]): `work_weight × load` when `work_weight_follows_load`, else
+    /// ([`Self::prefill_load`]): `work_weight × load` when `work_weight_follows_load`, else
     /// `work_weight`. The work term prices what later arrivals on that engine wait behind; on a
     /// lightly loaded fleet they seldom wait (an idle engine takes them), near saturation every one
     /// does. A fixed weight has to choose: 4 kept the conv trace's p99 below round robin's, 8 and

@@ -2,6 +2,7 @@
 
 use super::*;
 use kvroute_sdk::testing::{build, candidate, learned_fleet, request, Harness};
+use kvroute_sdk::Speed;
 
 fn close(a: f64, b: f64) -> bool {
     (a - b).abs() < 1e-9 * b.abs().max(1.0)
@@ -41,9 +42,9 @@ fn the_work_weight_follows_the_candidates_prefill_load() {
     ];
     let req = request(3000).block_size(64);
     let (_, _, cols) = build(&req, &set);
-    let load = prefill_load(&cols.view(), 8192);
-    assert!(close(load, 2.125 / 4.0), "{load}");
     let c = Config::default();
+    let load = c.prefill_load(&cols.view());
+    assert!(close(load, 2.125 / 4.0), "{load}");
     assert!(close(c.work_weight_at(load), 12.0 * 2.125 / 4.0));
     // The default prices every candidate as the fixed weight 12 × load would.
     let mut h = Harness::<DefaultPolicy>::new();
@@ -67,10 +68,10 @@ fn the_work_weight_follows_the_candidates_prefill_load() {
     // One budget for the whole fleet (the common case) takes the whole-token sum: the same load.
     let uniform = [set[0].clone(), set[2].clone(), set[3].clone()];
     let (_, _, cols) = build(&req, &uniform);
-    let load = prefill_load(&cols.view(), 8192);
+    let load = c.prefill_load(&cols.view());
     assert!(close(load, 1.125 / 3.0), "{load}");
     // An empty column set has no load (the host never sends one; the helper still answers).
-    assert_eq!(prefill_load(&Default::default(), 8192), 0.0);
+    assert_eq!(c.prefill_load(&Default::default()), 0.0);
 }
 
 #[test]
@@ -86,6 +87,9 @@ fn step_times_come_from_one_place_the_candidate_s_budget_or_the_default() {
     );
     assert_eq!(own.budget, 2048.0);
     assert_eq!(other.budget, 8192.0);
+    // The per-decision shortcut at the model's speed gives the same figures.
+    let shared = c.model_step_times();
+    assert_eq!((shared(2048), shared(0)), (own, other));
     assert_eq!(own.prefill_ms, c.prefill_ms);
     // A 2,048-token budget splits 4,096 uncached tokens over two steps: two step constants.
     let mut h = Harness::<DefaultPolicy>::new();
