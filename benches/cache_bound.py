@@ -37,18 +37,23 @@ def prefix_len(blocks, cache):
     return n
 
 
+def use(blocks, cache, capacity):
+    """Marks `blocks` used in an LRU `cache`, evicting the least recently used past `capacity`."""
+    for b in blocks:
+        if b in cache:
+            cache.move_to_end(b)
+        else:
+            cache[b] = None
+            if len(cache) > capacity:
+                cache.popitem(last=False)
+
+
 def lru(requests, capacity):
     cache, hit, total = OrderedDict(), 0, 0
     for blocks in requests:
         hit += prefix_len(blocks, cache)
         total += len(blocks)
-        for b in blocks:
-            if b in cache:
-                cache.move_to_end(b)
-            else:
-                cache[b] = None
-                if len(cache) > capacity:
-                    cache.popitem(last=False)
+        use(blocks, cache, capacity)
     return hit / total
 
 
@@ -89,14 +94,7 @@ def partitioned(requests, workers, capacity, cold):
         hit += held[w]
         total += len(blocks)
         work[w] += len(blocks) - held[w]
-        cache = caches[w]
-        for b in blocks:
-            if b in cache:
-                cache.move_to_end(b)
-            else:
-                cache[b] = None
-                if len(cache) > capacity:
-                    cache.popitem(last=False)
+        use(blocks, caches[w], capacity)
     return hit / total
 
 
