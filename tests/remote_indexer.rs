@@ -72,14 +72,21 @@ fn register(s: &Server) {
     s.put_worker(4, &json!({}));
 }
 
-#[test]
-fn a_remote_indexer_router_decides_as_a_local_index_one_on_the_same_events() {
+/// A served indexer, a router with its own index and a router reading the indexer, each with
+/// the same workers registered.
+fn indexer_local_remote() -> (Server, Server, Server) {
     let indexer = Server::start(&["--serve-indexer"]);
     let local = Server::start(&[]);
     let remote = Server::start(&["--remote-indexer", &indexer.url("")]);
     for s in [&indexer, &local, &remote] {
         register(s);
     }
+    (indexer, local, remote)
+}
+
+#[test]
+fn a_remote_indexer_router_decides_as_a_local_index_one_on_the_same_events() {
+    let (indexer, local, remote) = indexer_local_remote();
     // The same events to the indexer and to the local-index router: prompt families of different
     // depths on different candidates, some shared (a longer and a shorter holder).
     let candidates = [(1, 0), (2, 0), (2, 1), (3, 0), (4, 0)];
@@ -168,12 +175,7 @@ fn a_remote_indexer_router_decides_as_a_local_index_one_on_the_same_events() {
 /// before any KV event arrives.
 #[test]
 fn a_remote_indexer_router_predicts_its_booked_prompts_as_a_local_index_one() {
-    let indexer = Server::start(&["--serve-indexer"]);
-    let local = Server::start(&[]);
-    let remote = Server::start(&["--remote-indexer", &indexer.url("")]);
-    for s in [&indexer, &local, &remote] {
-        register(s);
-    }
+    let (indexer, local, remote) = indexer_local_remote();
     // 3 of the prompt's 64 blocks (1,024 tokens) cached on (4, 0) alone: the one best candidate
     // for it. Long enough that, once the whole prompt is predicted there, its cache outweighs the
     // decode interference of the request booked on it.
