@@ -1,4 +1,4 @@
-//! End-to-end tests of HTTP API v1 (`shared/API.md`, `shared/SPEC.md` §6): each test starts the
+//! End-to-end tests of HTTP API v1 (docs/API.md, docs/SPEC.md §6): each test starts the
 //! real `kvroute` binary on a loopback port and drives it over real HTTP.
 
 use crate::support;

@@ -23,7 +23,7 @@ use rand::{Rng, SeedableRng};
 const B: usize = 64;
 
 pub(crate) fn traces_dir() -> PathBuf {
-    support::workspace_root().join("../shared/data/traces")
+    support::workspace_root().join("data/traces")
 }
 
 fn opts(workers: u32, sim: SimConfig) -> ReplayOptions {

@@ -2,7 +2,7 @@
 //! `dynamo-kv-router` 1.6.1). Every input comes from a seeded `SmallRng` or a counter, so both sides
 //! of every comparison see exactly the same prompts, events and loads, run after run.
 //!
-//! The index workload (see [`Workload`]) follows `../shared/DESIGN.md` ("Reference points"):
+//! The index workload (see [`Workload`]) follows the design reference points (docs/DEVELOPMENT.md):
 //! 4,096-token prompts (256 blocks at block size 16) that all start with the same 32-block prefix
 //! (a shared system prompt), about 1M (worker, block) entries, and a query prompt that some
 //! candidates hold to full depth, some to a partial depth and every other candidate only through the

@@ -1,4 +1,4 @@
-//! The HTTP API v1 (`../shared/API.md`): thin axum handlers over the routing core.
+//! The HTTP API v1 (docs/API.md): thin axum handlers over the routing core.
 //!
 //! Handlers parse and validate (naming the field at fault), call one method of the [`Router`] or the
 //! [`PolicyRegistry`], and map the result to the contract's JSON. State is passed explicitly in
