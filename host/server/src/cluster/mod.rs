@@ -199,32 +199,26 @@ pub(crate) fn render(registry: &prometheus::Registry, out: &mut String) {
     }
 }
 
-/// Opens a key-value bucket, creating its stream if missing. The stream is created as the
-/// client's `create_key_value` would (one value per key, rollups, direct gets), but directly:
-/// that call first asks for the account's limits, whose answer from nats-server 2.9 (Debian's)
-/// this client cannot read.
+/// Opens a key-value bucket, creating it (one value per key) if missing.
 async fn open_kv(js: &jetstream::Context, bucket: &str) -> Result<kv::Store, String> {
     if let Ok(s) = js.get_key_value(bucket).await {
         return Ok(s);
     }
     let created = js
-        .create_stream(jetstream::stream::Config {
-            name: format!("KV_{bucket}"),
-            subjects: vec![format!("$KV.{bucket}.>")],
-            max_messages_per_subject: 1,
-            allow_rollup: true,
-            deny_delete: true,
-            allow_direct: true,
-            discard: jetstream::stream::DiscardPolicy::New,
+        .create_key_value(kv::Config {
+            bucket: bucket.to_string(),
+            history: 1,
             num_replicas: 1,
             ..Default::default()
         })
         .await;
-    // Another replica may have created it in the meantime: open it either way.
-    js.get_key_value(bucket).await.map_err(|e| {
-        let why = created.err().map(|c| c.to_string()).unwrap_or_default();
-        format!("cannot open the key-value bucket {bucket}: {e} {why}")
-    })
+    match created {
+        Ok(store) => Ok(store),
+        // Another replica may have created it in the meantime: open it.
+        Err(c) => js.get_key_value(bucket).await.map_err(|e| {
+            format!("cannot open the key-value bucket {bucket}: {e} (creating it: {c})")
+        }),
+    }
 }
 
 /// A current-thread runtime on a thread of its own, kept for the process's life.
