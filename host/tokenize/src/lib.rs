@@ -23,7 +23,7 @@
 //! Pure Rust: the `tokenizers` crate is built with the `fancy-regex` backend instead of the
 //! Oniguruma C library, and without the C++ suffix array (only Unigram training needs it).
 
-mod chat;
+pub(crate) mod chat;
 mod completion;
 mod config;
 mod error;
