@@ -76,8 +76,9 @@ fn is_sequence(value: &Value) -> bool {
 }
 
 /// The source as minijinja can compile it: `transformers`' `{% generation %}` and
-/// `{% endgeneration %}` tags (which mark the assistant's tokens and otherwise render their body)
-/// become `{% if true %}` and `{% endif %}`, keeping their whitespace control.
+/// `{% endgeneration %}` tags (which mark the assistant's tokens and otherwise render their body,
+/// as a call block: in a scope of its own) become `{% with %}` and `{% endwith %}`, keeping their
+/// whitespace control.
 pub(crate) fn prepare(source: &str) -> String {
     let mut out = String::with_capacity(source.len());
     let mut rest = source;
@@ -93,8 +94,8 @@ pub(crate) fn prepare(source: &str) -> String {
                 .map(|_| &inside[inside.len() - 1..]);
             let word = inside[..inside.len() - close_ctl.map_or(0, str::len)].trim();
             let replacement = match word {
-                "generation" => "if true",
-                "endgeneration" => "endif",
+                "generation" => "with",
+                "endgeneration" => "endwith",
                 _ => return None,
             };
             let tag = format!(

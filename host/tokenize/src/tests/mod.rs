@@ -2,6 +2,7 @@
 
 mod chat;
 mod completion;
+mod parity;
 mod registry;
 mod template;
 mod tokenizer;
