@@ -113,15 +113,11 @@ impl Model {
     /// `"add_special_tokens": true`.
     pub fn chat_tokens(&self, body: &Json) -> Result<Vec<u32>, TokenizeError> {
         let text = self.render_chat(body)?;
+        // Read as vLLM's request model reads a boolean (`1`, "true"... are booleans).
         let add_special_tokens = match body.get("add_special_tokens") {
             None | Some(Json::Null) => false,
-            Some(Json::Bool(b)) => *b,
-            Some(_) => {
-                return Err(TokenizeError::new(
-                    "add_special_tokens",
-                    "expected a boolean",
-                ))
-            }
+            Some(value) => crate::chat::lax_bool(value)
+                .ok_or_else(|| TokenizeError::new("add_special_tokens", "expected a boolean"))?,
         };
         let ids = self.encode_as(&text, add_special_tokens, "messages")?;
         if ids.is_empty() {

@@ -385,11 +385,10 @@ fn flag(body: &Json, key: &str, default: bool) -> Result<bool, TokenizeError> {
 pub(crate) fn lax_bool(value: &Json) -> Option<bool> {
     match value {
         Json::Bool(b) => Some(*b),
-        Json::Number(n) => match n.as_f64() {
-            Some(v) if v == 0.0 => Some(false),
-            Some(v) if v == 1.0 => Some(true),
-            _ => None,
-        },
+        Json::Number(n) => n
+            .as_f64()
+            .filter(|v| *v == 0.0 || *v == 1.0)
+            .map(|v| v == 1.0),
         Json::String(s) => match s.to_ascii_lowercase().as_str() {
             "0" | "off" | "f" | "false" | "n" | "no" => Some(false),
             "1" | "on" | "t" | "true" | "y" | "yes" => Some(true),

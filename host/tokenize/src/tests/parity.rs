@@ -117,31 +117,47 @@ fn real_templates_render_plain_chats_as_vllm_does() {
 /// before `parameters`, unknown keys, no `type`.
 #[test]
 fn tools_render_as_vllm_normalizes_them() {
-    check(&["tools", "tools_reordered", "tools_only"]);
+    check(&["tools", "tools_reordered", "tools_only", "tool_choice_none"]);
 }
 
 /// Messages and tool calls normalized as vLLM does: tool-call key order, arguments that are not
 /// JSON, empty arguments, tool results as parts, names, reasoning, developer messages.
 #[test]
 fn messages_and_tool_calls_render_as_vllm_normalizes_them() {
-    check(&["tool_calls_messy", "named_and_reasoning", "developer"]);
+    check(&[
+        "tool_calls_messy",
+        "tool_arguments_values",
+        "named_and_reasoning",
+        "developer",
+    ]);
 }
 
 /// Content parts as vLLM hands them: joined for templates that take strings, as parts (with
-/// their unknown fields) for templates that loop over them.
+/// their unknown fields) for templates that loop over them; input/output text, refusals, the
+/// billing line of a system part; images refused by both.
 #[test]
 fn content_parts_reach_templates_as_vllm_hands_them() {
-    check(&["text_parts"]);
+    check(&[
+        "text_parts",
+        "other_text_parts",
+        "continue_parts",
+        "image_part",
+    ]);
 }
 
-/// add_generation_prompt, continue_final_message, add_special_tokens, chat_template_kwargs.
+/// add_generation_prompt, continue_final_message, add_special_tokens (also as pydantic reads
+/// "false" and 0), chat_template_kwargs, reasoning_effort, documents.
 #[test]
 fn generation_prompt_options_and_kwargs_act_as_in_vllm() {
     check(&[
         "no_generation_prompt",
         "continue_final_message",
         "add_special_tokens",
+        "lenient_flags",
         "kwargs",
+        "reasoning_effort",
+        "reasoning_effort_none",
+        "documents",
     ]);
 }
 

@@ -147,6 +147,47 @@ CASES = {
     "tool_calls_messy": {"tools": TOOLS, "messages": TOOL_CONVERSATION_MESSY},
     "reasoning_effort": {"reasoning_effort": "low",
                          "messages": [{"role": "user", "content": "Think about it."}]},
+    "reasoning_effort_none": {"reasoning_effort": "none",
+                              "chat_template_kwargs": {"reasoning_effort": "high"},
+                              "messages": [{"role": "user", "content": "Quick one."}]},
+    "lenient_flags": {"add_generation_prompt": "false", "add_special_tokens": 0,
+                      "messages": [{"role": "user", "content": "Hi"},
+                                   {"role": "assistant", "content": "Yes?"}]},
+    "other_text_parts": {"messages": [
+        {"role": "system", "content": [
+            {"type": "text", "text": "x-anthropic-billing-header: cch=123\nReal system text."}]},
+        {"role": "user", "content": [
+            {"type": "input_text", "text": "Input text."},
+            {"type": "text", "text": "Plain.", "name": "dropped", "x-meta": [1, 2]}]},
+        {"role": "assistant", "content": [
+            {"type": "output_text", "text": "Output text."},
+            {"type": "refusal", "refusal": "I refuse."}]},
+        {"role": "user", "content": "Why?"}]},
+    "continue_parts": {"add_generation_prompt": False, "continue_final_message": True,
+                       "messages": [{"role": "user", "content": "Go on."},
+                                    {"role": "assistant", "content": [
+                                        {"type": "text", "text": "Part one."},
+                                        {"type": "text", "text": "Part two "}]}]},
+    "documents": {"documents": [{"title": "Doc A", "text": "Alpha text."},
+                                {"title": "Doc B", "text": "Beta ü text."}],
+                  "messages": [{"role": "user", "content": "Summarize the documents."}]},
+    "image_part": {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What is this?"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}]},
+    "tool_choice_none": {"tools": TOOLS, "tool_choice": "none",
+                         "messages": [{"role": "user", "content": "No tools please."}]},
+    "tool_arguments_values": {"tools": TOOLS, "messages": [
+        {"role": "user", "content": "Go"},
+        {"role": "assistant", "tool_calls": [
+            {"id": "call00005", "type": "function", "function": {
+                "name": "get_weather",
+                "arguments": "{\"city\": \"Zürich <x> & 'y'\", \"days\": 1.0, \"n\": 1e5, "
+                             "\"big\": 12345678901234567890, \"nested\": {\"b\": [true, null, -0.5], "
+                             "\"a\": \"\\u00e9\\n\"}, \"dup\": 1, \"dup\": 2}"}},
+            {"id": "call00006", "type": "function",
+             "function": {"name": "search", "arguments": "[1, 2]"}}]},
+        {"role": "tool", "tool_call_id": "call00005", "name": "get_weather", "content": "ok"},
+        {"role": "tool", "tool_call_id": "call00006", "content": "ok"}]},
     "tools_only": {"tools": TOOLS_REORDERED,
                    "messages": [{"role": "user", "content": "What can you do?"}]},
 }
