@@ -3,6 +3,7 @@
 mod chat;
 mod completion;
 mod parity;
+mod properties;
 mod registry;
 mod template;
 mod tokenizer;

@@ -158,7 +158,19 @@ fn generation_prompt_options_and_kwargs_act_as_in_vllm() {
         "reasoning_effort",
         "reasoning_effort_none",
         "documents",
+        "kwargs_tools",
+        "kwargs_messages",
+        "empty_messages",
     ]);
+}
+
+/// Conversations drawn at random by gen_vectors.py (seeded): roles, string/part/null contents,
+/// tool calls and tools with keys in random order, awkward text.
+#[test]
+fn random_conversations_render_as_vllm_does() {
+    let names: Vec<String> = (0..8).map(|i| format!("random_{i}")).collect();
+    let names: Vec<&str> = names.iter().map(String::as_str).collect();
+    check(&names);
 }
 
 /// Every vector, so a case added to gen_vectors.py is covered without a new test.

@@ -272,6 +272,70 @@ def tool_dumps():
         dumps.append({"input": tools, "dump": [tool.model_dump() for tool in request.tools]})
     return dumps
 
+CASES.update({
+    "empty_messages": {"messages": []},
+    "kwargs_messages": {"chat_template_kwargs": {"messages": [{"role": "user", "content": "x"}]},
+                        "messages": [{"role": "user", "content": "Hi"}]},
+    "kwargs_tools": {"chat_template_kwargs": {"tools": [
+        {"function": {"parameters": {"type": "object"}, "name": "raw"}}]},
+        "messages": [{"role": "user", "content": "Hi"}]},
+})
+
+
+def random_conversation(rng):
+    """A conversation drawn at random (seeded): roles in a plausible order, contents as strings,
+    parts or null, tool calls with keys in random order, text with spaces, newlines and non-ASCII."""
+    words = ["whale", "Oslo", "über", "naïve", "日本", "  ", "\n", "<b>", "&", "'q'", '"dq"',
+             "x-anthropic-billing-header: z\n", "{{ not jinja }}", "%s", "end."]
+
+    def text():
+        return " ".join(rng.choice(words) for _ in range(rng.randint(1, 6)))
+
+    def shuffled(d):
+        items = list(d.items())
+        rng.shuffle(items)
+        return dict(items)
+
+    def content():
+        kind = rng.random()
+        if kind < 0.6:
+            return text()
+        return [shuffled({"type": rng.choice(["text", "text", "input_text"]), "text": text()})
+                for _ in range(rng.randint(1, 3))]
+
+    messages = []
+    if rng.random() < 0.5:
+        messages.append(shuffled({"role": "system", "content": content()}))
+    call = 0
+    for _ in range(rng.randint(1, 4)):
+        messages.append(shuffled({"role": "user", "content": content()}))
+        if rng.random() < 0.4:
+            calls = []
+            for _ in range(rng.randint(1, 2)):
+                call += 1
+                args = shuffled({"city": text(), "days": rng.randint(0, 9)})
+                calls.append(shuffled({
+                    "id": f"call{call:05d}", "type": "function",
+                    "function": shuffled({"name": "get_weather", "arguments": json.dumps(args)})}))
+            messages.append(shuffled({"role": "assistant", "content": rng.choice([None, text()]),
+                                      "tool_calls": calls}))
+            for c in calls:
+                messages.append(shuffled({"role": "tool", "tool_call_id": c["id"],
+                                          "content": content()}))
+        messages.append(shuffled({"role": "assistant", "content": content()}))
+    messages.append(shuffled({"role": "user", "content": content()}))
+    body = {"messages": messages}
+    if rng.random() < 0.5:
+        body["tools"] = [shuffled({"type": "function", "function": shuffled(dict(
+            t["function"], **({"strict": False} if rng.random() < 0.3 else {})))})
+            for t in TOOLS]
+    return body
+
+
+_RNG = __import__("random").Random(34)
+for _i in range(8):
+    CASES[f"random_{_i}"] = random_conversation(_RNG)
+
 
 def free_port():
     with socket.socket() as s:
