@@ -6,8 +6,9 @@ use std::fmt;
 use serde_json::Value as Json;
 use tokenizers::Tokenizer;
 
-use crate::chat::{template_sources, ChatTemplate};
+use crate::chat::{template_sources, ChatOptions, ChatTemplate};
 use crate::config::TokenizerConfig;
+use crate::template::ContentFormat;
 use crate::{completion, ModelSpec, TokenizeError};
 
 /// A loaded model. `Send + Sync`: share it in an `Arc` across request handlers.
@@ -67,9 +68,25 @@ impl Model {
         let chat = if templates.is_empty() {
             None
         } else {
+            let content_format = match spec.chat_template_content_format.as_deref() {
+                None | Some("auto") => None,
+                Some("string") => Some(ContentFormat::String),
+                Some("openai") => Some(ContentFormat::Parts),
+                Some(other) => {
+                    return Err(TokenizeError::new(
+                        format!("models.{name}.chat_template_content_format"),
+                        format!("expected \"auto\", \"string\" or \"openai\", not {other:?}"),
+                    ))
+                }
+            };
+            let options = ChatOptions {
+                content_format,
+                default_kwargs: spec.chat_template_kwargs.clone().unwrap_or_default(),
+            };
             Some(ChatTemplate::new(
                 templates,
                 config.special,
+                options,
                 &template_field,
             )?)
         };

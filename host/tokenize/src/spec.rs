@@ -19,6 +19,14 @@ pub struct ModelSpec {
     /// KV block size in tokens for this model's workers; `None` means the server's.
     #[serde(default)]
     pub block_size: Option<u32>,
+    /// vLLM's `--chat-template-content-format`: `"auto"` (the default: decided from the
+    /// template's syntax), `"string"` or `"openai"` (contents as lists of parts).
+    #[serde(default)]
+    pub chat_template_content_format: Option<String>,
+    /// vLLM's `--default-chat-template-kwargs`: template variables of every chat request, under
+    /// the request's own `chat_template_kwargs`.
+    #[serde(default)]
+    pub chat_template_kwargs: Option<serde_json::Map<String, serde_json::Value>>,
 }
 
 impl ModelSpec {
@@ -28,6 +36,8 @@ impl ModelSpec {
             tokenizer: tokenizer.into(),
             chat_template: None,
             block_size: None,
+            chat_template_content_format: None,
+            chat_template_kwargs: None,
         }
     }
 }

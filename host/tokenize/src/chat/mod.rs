@@ -1,12 +1,14 @@
 //! A model's chat template, compiled once at load, and rendering a chat body with it as vLLM
 //! 0.32 does (its request models, `parse_chat_messages`, then `transformers`' `apply_chat_template`):
 //! - `messages` (`messages.rs`) in the content format the template takes
-//!   (`template::content_format`), `tools` normalized by vLLM's tool model (`tools.rs`);
+//!   (`template::content_format`, or `[models.NAME] chat_template_content_format`), `tools` normalized by vLLM's tool model (`tools.rs`);
 //! - `developer` messages become `system` ones (merged into one first system message) when the
 //!   template never names the role `"developer"`;
 //! - the template's variables: the special tokens of `tokenizer_config.json` (`bos_token`...),
-//!   then `chat_template_kwargs` (which override them; entries whose value is null or "auto" are
-//!   dropped, as vLLM drops unset values), `reasoning_effort` (and `enable_thinking` = effort is
+//!   then the server's `[models.NAME] chat_template_kwargs` (vLLM's
+//!   `--default-chat-template-kwargs`) under the request's `chat_template_kwargs` (both override
+//!   the special tokens; request entries whose value is null or "auto" are dropped, as vLLM drops
+//!   unset values), `reasoning_effort` (and `enable_thinking` = effort is
 //!   not "none", unless the kwargs set it), then `messages`, `tools` (the kwargs' `tools` when
 //!   they have one, as in vLLM), `documents` and `add_generation_prompt` (default true);
 //! - `continue_final_message` as `transformers` 5 does it: the last message's text is marked,
@@ -42,12 +44,22 @@ struct Named {
     mentions_content: bool,
 }
 
+/// What the server configuration says about rendering (vLLM's flags of the same names).
+#[derive(Debug, Default, Clone)]
+pub(crate) struct ChatOptions {
+    /// `--chat-template-content-format` when not "auto".
+    pub content_format: Option<ContentFormat>,
+    /// `--default-chat-template-kwargs`.
+    pub default_kwargs: Map<String, Json>,
+}
+
 /// Compiled chat templates of one model: `default`, and for requests with tools `tool_use`
 /// when the model has one (the list form of `chat_template`), as `transformers` picks them.
 pub(crate) struct ChatTemplate {
     env: Environment<'static>,
     templates: Vec<Named>,
     special: BTreeMap<String, Json>,
+    default_kwargs: Map<String, Json>,
 }
 
 impl ChatTemplate {
@@ -55,12 +67,15 @@ impl ChatTemplate {
     pub fn new(
         templates: Vec<(String, String)>,
         special: BTreeMap<String, Json>,
+        options: ChatOptions,
         field: &str,
     ) -> Result<Self, TokenizeError> {
         let mut env = template::environment();
         let mut named = Vec::with_capacity(templates.len());
         for (name, source) in templates {
-            let format = template::content_format(&source, template::syntax());
+            let format = options
+                .content_format
+                .unwrap_or_else(|| template::content_format(&source, template::syntax()));
             let knows_developer =
                 source.contains("\"developer\"") || source.contains("'developer'");
             let mentions_content = source.contains("content");
@@ -85,6 +100,7 @@ impl ChatTemplate {
             env,
             templates: named,
             special,
+            default_kwargs: options.default_kwargs,
         })
     }
 
@@ -104,7 +120,10 @@ impl ChatTemplate {
                 "cannot be true together with add_generation_prompt",
             ));
         }
-        let kwargs = kwargs(body)?;
+        // The server's defaults, under the request's own.
+        let mut kwargs_all = self.default_kwargs.clone();
+        kwargs_all.extend(kwargs(body)?);
+        let kwargs = kwargs_all;
         let documents = match body.get("documents") {
             None | Some(Json::Null) => None,
             Some(documents @ Json::Array(items)) => {

@@ -400,3 +400,44 @@ fn a_tool_calling_template_renders_as_jinja2_does() {
         "roles must be user, assistant or tool after the system message, not narrator",
     );
 }
+
+/// `[models.NAME] chat_template_content_format` and `chat_template_kwargs`, as vLLM's
+/// `--chat-template-content-format` and `--default-chat-template-kwargs`: the format forces the
+/// parts form on a template that would take strings; the server's kwargs are under the request's
+/// (a request's null does not unset a server default: vLLM drops unset request values).
+#[test]
+fn server_content_format_and_default_kwargs_act_as_vllms_flags() {
+    let dir = TempDir::new();
+    let file = dir.path().join("t.jinja");
+    std::fs::write(&file, "{{ messages[0].content }}|{{ a }}|{{ b }}").unwrap();
+    let body = json!({"messages": [{"role": "user", "content": "hi"}],
+                      "chat_template_kwargs": {"a": null, "b": "request"}});
+    let load = |format: Option<&str>| {
+        model_with_config(Some(json!({"bos_token": "<s>"})), |spec| {
+            spec.chat_template = Some(file.clone());
+            spec.chat_template_content_format = format.map(String::from);
+            spec.chat_template_kwargs = Some(
+                json!({"a": "server", "b": "server"})
+                    .as_object()
+                    .unwrap()
+                    .clone(),
+            );
+        })
+    };
+    let (auto, _d) = load(None);
+    assert_eq!(
+        auto.unwrap().render_chat(&body).unwrap(),
+        "hi|server|request"
+    );
+    let (parts, _d) = load(Some("openai"));
+    assert_eq!(
+        parts.unwrap().render_chat(&body).unwrap(),
+        "[{'type': 'text', 'text': 'hi'}]|server|request"
+    );
+    let (bad, _d) = load(Some("parts"));
+    assert_error(
+        bad.unwrap_err(),
+        "models.m.chat_template_content_format",
+        "expected \"auto\", \"string\" or \"openai\"",
+    );
+}
