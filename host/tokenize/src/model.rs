@@ -82,6 +82,7 @@ impl Model {
             let options = ChatOptions {
                 content_format,
                 default_kwargs: spec.chat_template_kwargs.clone().unwrap_or_default(),
+                trust_request_chat_template: spec.trust_request_chat_template,
             };
             Some(ChatTemplate::new(
                 templates,

@@ -27,6 +27,11 @@ pub struct ModelSpec {
     /// the request's own `chat_template_kwargs`.
     #[serde(default)]
     pub chat_template_kwargs: Option<serde_json::Map<String, serde_json::Value>>,
+    /// vLLM's `--trust-request-chat-template`: a chat request's `chat_template` (a template, or
+    /// the name of one of the model's templates) is what the prompt is rendered with. Off, as in
+    /// vLLM, where such a request is refused.
+    #[serde(default)]
+    pub trust_request_chat_template: bool,
 }
 
 impl ModelSpec {
@@ -38,6 +43,7 @@ impl ModelSpec {
             block_size: None,
             chat_template_content_format: None,
             chat_template_kwargs: None,
+            trust_request_chat_template: false,
         }
     }
 }

@@ -19,6 +19,7 @@ mod source;
 pub(crate) mod tools;
 
 use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
 
 use minijinja::{Environment, Value};
 use serde_json::{Map, Value as Json};
@@ -51,6 +52,8 @@ pub(crate) struct ChatOptions {
     pub content_format: Option<ContentFormat>,
     /// `--default-chat-template-kwargs`.
     pub default_kwargs: Map<String, Json>,
+    /// `--trust-request-chat-template`: a request's `chat_template` is rendered with.
+    pub trust_request_chat_template: bool,
 }
 
 /// Compiled chat templates of one model: `default`, and for requests with tools `tool_use`
@@ -59,8 +62,14 @@ pub(crate) struct ChatTemplate {
     env: Environment<'static>,
     templates: Vec<Named>,
     special: BTreeMap<String, Json>,
-    default_kwargs: Map<String, Json>,
+    options: ChatOptions,
+    /// Templates requests brought (with `trust_request_chat_template`), by source; at most
+    /// [`REQUEST_TEMPLATES`], emptied when full (as vLLM bounds its cache).
+    request_templates: Mutex<Vec<(String, Arc<ChatTemplate>)>>,
 }
+
+/// How many request templates stay compiled.
+const REQUEST_TEMPLATES: usize = 32;
 
 impl ChatTemplate {
     /// Compiles `templates`; a syntax error is reported under `field`.
@@ -100,8 +109,50 @@ impl ChatTemplate {
             env,
             templates: named,
             special,
-            default_kwargs: options.default_kwargs,
+            options,
+            request_templates: Mutex::new(Vec::new()),
         })
+    }
+
+    /// The template a request's `chat_template` names (the name of one of the model's list of
+    /// templates) or is (a template source), when the server trusts request templates.
+    fn requested(&self, body: &Json) -> Result<Option<Requested<'_>>, TokenizeError> {
+        let source = match body.get("chat_template") {
+            None | Some(Json::Null) => return Ok(None),
+            Some(Json::String(source)) => source,
+            Some(_) => return Err(TokenizeError::new("chat_template", "expected a string")),
+        };
+        if !self.options.trust_request_chat_template {
+            // vLLM refuses such a request unless trusted; the engine answers it.
+            return Ok(None);
+        }
+        if self.templates.len() > 1 {
+            if let Some(named) = self.templates.iter().find(|t| &t.name == source) {
+                return Ok(Some(Requested::Named(named)));
+            }
+        }
+        let mut cache = self
+            .request_templates
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some((_, compiled)) = cache.iter().find(|(s, _)| s == source) {
+            return Ok(Some(Requested::Compiled(compiled.clone())));
+        }
+        let options = ChatOptions {
+            trust_request_chat_template: false,
+            ..self.options.clone()
+        };
+        let compiled = Arc::new(ChatTemplate::new(
+            vec![("default".to_string(), source.clone())],
+            self.special.clone(),
+            options,
+            "chat_template",
+        )?);
+        if cache.len() >= REQUEST_TEMPLATES {
+            cache.clear();
+        }
+        cache.push((source.clone(), compiled.clone()));
+        Ok(Some(Requested::Compiled(compiled)))
     }
 
     /// The prompt text of a chat body.
@@ -110,7 +161,11 @@ impl ChatTemplate {
             return Err(TokenizeError::new("body", "expected a JSON object"));
         }
         let tools = tools::tools(body)?;
-        let named = self.pick(tools.is_some())?;
+        let named = match self.requested(body)? {
+            None => self.pick(tools.is_some())?,
+            Some(Requested::Named(named)) => named,
+            Some(Requested::Compiled(compiled)) => return compiled.render(body),
+        };
         let mut conversation = messages::conversation(body, named.format)?;
         let add_generation_prompt = flag(body, "add_generation_prompt", true)?;
         let continue_final_message = flag(body, "continue_final_message", false)?;
@@ -121,7 +176,7 @@ impl ChatTemplate {
             ));
         }
         // The server's defaults, under the request's own.
-        let mut kwargs_all = self.default_kwargs.clone();
+        let mut kwargs_all = self.options.default_kwargs.clone();
         kwargs_all.extend(kwargs(body)?);
         let kwargs = kwargs_all;
         let documents = match body.get("documents") {
@@ -227,6 +282,14 @@ impl ChatTemplate {
             ),
         ))
     }
+}
+
+/// A request's own chat template.
+enum Requested<'a> {
+    /// One of the model's named templates.
+    Named(&'a Named),
+    /// A template source, compiled.
+    Compiled(Arc<ChatTemplate>),
 }
 
 /// A JSON value as a template value.

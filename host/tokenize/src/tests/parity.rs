@@ -247,3 +247,43 @@ fn content_format_detection_agrees_with_vllm_on_template_shapes() {
         assert_eq!(ours, probe["format"].as_str().unwrap(), "{source}");
     }
 }
+
+/// `[models.NAME] trust_request_chat_template`: the vectors' requests carried each template as
+/// their `chat_template` (that is how gen_vectors.py sent them), so a model whose own template
+/// is another one renders them id for id when it trusts request templates, and with its own
+/// template when it does not.
+#[test]
+fn request_chat_templates_render_as_vllm_does_when_trusted() {
+    let dir = TempDir::new();
+    let tokenizer = write_test_model(dir.path()).unwrap();
+    let mut spec = ModelSpec::new(&tokenizer);
+    spec.trust_request_chat_template = true;
+    let trusting = Model::load("m", &spec).unwrap();
+    let own = Model::load("m", &ModelSpec::new(&tokenizer)).unwrap();
+    let vectors = vectors();
+    FIXED_NOW.with(|n| n.set(Some(vectors["frozen_now"].as_i64().unwrap())));
+    let mut checked = 0;
+    for vector in vectors["cases"].as_array().unwrap() {
+        let case = vector["case"].as_str().unwrap();
+        if !["system_user", "tools_reordered", "text_parts"].contains(&case) {
+            continue;
+        }
+        let template = vector["template"].as_str().unwrap();
+        let source = std::fs::read_to_string(testdata().join("templates").join(template)).unwrap();
+        let mut body = vectors["case_bodies"][case].clone();
+        body["chat_template"] = Json::String(source);
+        let expected: Option<Vec<u32>> = vector["tokens"]
+            .as_array()
+            .map(|ids| ids.iter().map(|t| t.as_u64().unwrap() as u32).collect());
+        let ours = trusting.chat_tokens(&body).ok();
+        assert_eq!(ours, expected, "{template} / {case}");
+        assert_eq!(
+            own.chat_tokens(&body).ok(),
+            own.chat_tokens(&vectors["case_bodies"][case]).ok(),
+            "{template} / {case}: an untrusted request template is not used"
+        );
+        checked += 1;
+    }
+    FIXED_NOW.with(|n| n.set(None));
+    assert!(checked >= 120, "{checked}");
+}
