@@ -1,7 +1,11 @@
 //! A model's chat template, compiled once at load, and rendering a chat body with it as vLLM
-//! 0.32 does (its request models, `parse_chat_messages`, then `transformers`' `apply_chat_template`):
+//! 0.32 does (its request models, `parse_chat_messages`, then `transformers`'
+//! `apply_chat_template`):
 //! - `messages` (`messages.rs`) in the content format the template takes
-//!   (`template::content_format`, or `[models.NAME] chat_template_content_format`), `tools` normalized by vLLM's tool model (`tools.rs`);
+//!   (`template::content_format`, or `[models.NAME] chat_template_content_format`), `tools`
+//!   normalized by vLLM's tool model (`tools.rs`);
+//! - with `[models.NAME] trust_request_chat_template`, the request's `chat_template` (one of the
+//!   model's named templates, or a template source) instead of the model's;
 //! - `developer` messages become `system` ones (merged into one first system message) when the
 //!   template never names the role `"developer"`;
 //! - the template's variables: the special tokens of `tokenizer_config.json` (`bos_token`...),
@@ -52,7 +56,7 @@ pub(crate) struct ChatOptions {
     pub content_format: Option<ContentFormat>,
     /// `--default-chat-template-kwargs`.
     pub default_kwargs: Map<String, Json>,
-    /// `--trust-request-chat-template`: a request's `chat_template` is rendered with.
+    /// `--trust-request-chat-template`: a request's own `chat_template` renders its prompt.
     pub trust_request_chat_template: bool,
 }
 
