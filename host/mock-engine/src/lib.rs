@@ -66,9 +66,9 @@ pub fn cli_main(args: MockEngineArgs) -> ExitCode {
 async fn serve(args: MockEngineArgs) -> Result<(), String> {
     let sim = args.sim()?;
     let spec = kvroute_tokenize::ModelSpec {
-        tokenizer: args.tokenizer.clone(),
         chat_template: args.chat_template.clone(),
         block_size: Some(args.block_size),
+        ..kvroute_tokenize::ModelSpec::new(args.tokenizer.clone())
     };
     let model = kvroute_tokenize::Model::load(&args.model, &spec).map_err(|e| {
         // The tokenize crate names configuration fields; here they are flags.

@@ -8,7 +8,8 @@ use serde_json::Value as Json;
 
 use crate::TokenizeError;
 
-/// The special-token attributes `transformers` hands a chat template (its `special_tokens_map`).
+/// The special-token attributes `transformers` hands a chat template (its `special_tokens_map`;
+/// version 5 passes these named ones only).
 const SPECIAL_TOKENS: [&str; 7] = [
     "bos_token",
     "eos_token",
@@ -25,7 +26,8 @@ pub(crate) struct TokenizerConfig {
     /// `(name, source)`: the string form is one template named `default`; the list form keeps
     /// its names (`default`, `tool_use`, ...).
     pub templates: Vec<(String, String)>,
-    /// `bos_token` → `<s>`, ... and `additional_special_tokens` → a list.
+    /// `bos_token` → `<s>`, ...: the named special tokens only, as `transformers` 5 hands them to
+    /// templates (it no longer passes `additional_special_tokens`).
     pub special: BTreeMap<String, Json>,
 }
 
@@ -76,14 +78,6 @@ impl TokenizerConfig {
             if let Some(token) = json.get(key).and_then(token_content) {
                 special.insert(key.to_string(), Json::String(token));
             }
-        }
-        if let Some(Json::Array(extra)) = json.get("additional_special_tokens") {
-            let extra: Vec<Json> = extra
-                .iter()
-                .filter_map(token_content)
-                .map(Json::String)
-                .collect();
-            special.insert("additional_special_tokens".to_string(), Json::Array(extra));
         }
         Ok(Self { templates, special })
     }

@@ -8,10 +8,14 @@
 //!   one of those. Batches are refused: a batch is several requests with different prefixes and
 //!   would have to be routed one by one.
 //! - `/v1/chat/completions`: `messages` (and `tools`) rendered with the model's chat template as
-//!   Hugging Face `apply_chat_template` does (jinja2 with `trim_blocks`/`lstrip_blocks`, the
-//!   `raise_exception` and `strftime_now` globals, a Python-`json.dumps` `tojson` filter, Python
-//!   string and dict methods), then encoded WITHOUT adding special tokens again: the template
-//!   already wrote `bos_token`.
+//!   vLLM 0.32 renders them: first normalized as its request models do (`chat/tools.rs`,
+//!   `chat/messages.rs`; contents as strings or as parts, as the template's syntax asks,
+//!   `template/content_format.rs`), then through Hugging Face `apply_chat_template` (jinja2 with
+//!   `trim_blocks`/`lstrip_blocks`, the `raise_exception` and `strftime_now` globals, a
+//!   Python-`json.dumps` `tojson` filter, Python string and dict methods, Jinja2's tests where
+//!   minijinja's differ), then encoded WITHOUT adding special tokens again: the template already
+//!   wrote `bos_token`. `testdata/parity` holds what a real vLLM computes for real templates, and
+//!   `tests/parity.rs` holds this crate to it.
 //!
 //! # Pieces
 //! - [`ModelSpec`] (`spec.rs`): one `[models.NAME]` table of the server's configuration.
@@ -23,7 +27,7 @@
 //! Pure Rust: the `tokenizers` crate is built with the `fancy-regex` backend instead of the
 //! Oniguruma C library, and without the C++ suffix array (only Unigram training needs it).
 
-mod chat;
+pub(crate) mod chat;
 mod completion;
 mod config;
 mod error;

@@ -6,8 +6,9 @@ use std::fmt;
 use serde_json::Value as Json;
 use tokenizers::Tokenizer;
 
-use crate::chat::{template_sources, ChatTemplate};
+use crate::chat::{template_sources, ChatOptions, ChatTemplate};
 use crate::config::TokenizerConfig;
+use crate::template::ContentFormat;
 use crate::{completion, ModelSpec, TokenizeError};
 
 /// A loaded model. `Send + Sync`: share it in an `Arc` across request handlers.
@@ -67,9 +68,26 @@ impl Model {
         let chat = if templates.is_empty() {
             None
         } else {
+            let content_format = match spec.chat_template_content_format.as_deref() {
+                None | Some("auto") => None,
+                Some("string") => Some(ContentFormat::String),
+                Some("openai") => Some(ContentFormat::Parts),
+                Some(other) => {
+                    return Err(TokenizeError::new(
+                        format!("models.{name}.chat_template_content_format"),
+                        format!("expected \"auto\", \"string\" or \"openai\", not {other:?}"),
+                    ))
+                }
+            };
+            let options = ChatOptions {
+                content_format,
+                default_kwargs: spec.chat_template_kwargs.clone().unwrap_or_default(),
+                trust_request_chat_template: spec.trust_request_chat_template,
+            };
             Some(ChatTemplate::new(
                 templates,
                 config.special,
+                options,
                 &template_field,
             )?)
         };
@@ -113,15 +131,11 @@ impl Model {
     /// `"add_special_tokens": true`.
     pub fn chat_tokens(&self, body: &Json) -> Result<Vec<u32>, TokenizeError> {
         let text = self.render_chat(body)?;
+        // Read as vLLM's request model reads a boolean (`1`, "true"... are booleans).
         let add_special_tokens = match body.get("add_special_tokens") {
             None | Some(Json::Null) => false,
-            Some(Json::Bool(b)) => *b,
-            Some(_) => {
-                return Err(TokenizeError::new(
-                    "add_special_tokens",
-                    "expected a boolean",
-                ))
-            }
+            Some(value) => crate::chat::lax_bool(value)
+                .ok_or_else(|| TokenizeError::new("add_special_tokens", "expected a boolean"))?,
         };
         let ids = self.encode_as(&text, add_special_tokens, "messages")?;
         if ids.is_empty() {

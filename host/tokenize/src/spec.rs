@@ -19,6 +19,19 @@ pub struct ModelSpec {
     /// KV block size in tokens for this model's workers; `None` means the server's.
     #[serde(default)]
     pub block_size: Option<u32>,
+    /// vLLM's `--chat-template-content-format`: `"auto"` (the default: decided from the
+    /// template's syntax), `"string"` or `"openai"` (contents as lists of parts).
+    #[serde(default)]
+    pub chat_template_content_format: Option<String>,
+    /// vLLM's `--default-chat-template-kwargs`: template variables of every chat request, under
+    /// the request's own `chat_template_kwargs`.
+    #[serde(default)]
+    pub chat_template_kwargs: Option<serde_json::Map<String, serde_json::Value>>,
+    /// vLLM's `--trust-request-chat-template`: a chat request's `chat_template` (a template, or
+    /// the name of one of the model's templates) is what the prompt is rendered with. Off, as in
+    /// vLLM, where such a request is refused.
+    #[serde(default)]
+    pub trust_request_chat_template: bool,
 }
 
 impl ModelSpec {
@@ -28,6 +41,9 @@ impl ModelSpec {
             tokenizer: tokenizer.into(),
             chat_template: None,
             block_size: None,
+            chat_template_content_format: None,
+            chat_template_kwargs: None,
+            trust_request_chat_template: false,
         }
     }
 }

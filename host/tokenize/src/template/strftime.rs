@@ -31,7 +31,18 @@ const DAYS: [&str; 7] = [
     "Sunday",
 ];
 
+#[cfg(test)]
+thread_local! {
+    /// A fixed "now" for this thread's renderings (seconds since the epoch), so tests can hold
+    /// templates that print the date against vectors recorded with the same frozen clock.
+    pub(crate) static FIXED_NOW: std::cell::Cell<Option<i64>> = const { std::cell::Cell::new(None) };
+}
+
 pub(super) fn strftime_now(format: String) -> Result<String, Error> {
+    #[cfg(test)]
+    if let Some(now) = FIXED_NOW.with(std::cell::Cell::get) {
+        return strftime(&format, now);
+    }
     let now = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_err(|e| Error::new(ErrorKind::InvalidOperation, e.to_string()))?;

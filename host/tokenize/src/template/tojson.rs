@@ -70,7 +70,14 @@ pub(crate) fn to_python_json(value: &Value) -> Result<String, Error> {
 
 fn write_value(out: &mut String, value: &Value, style: &Style, depth: usize) -> Result<(), Error> {
     match value.kind() {
-        ValueKind::Undefined | ValueKind::None => out.push_str("null"),
+        // Jinja2's Undefined is no JSON value: `json.dumps` raises, and so does the render.
+        ValueKind::Undefined => {
+            return Err(Error::new(
+                ErrorKind::InvalidOperation,
+                "tojson: Object of type Undefined is not JSON serializable",
+            ))
+        }
+        ValueKind::None => out.push_str("null"),
         ValueKind::Bool => out.push_str(if value.is_true() { "true" } else { "false" }),
         ValueKind::Number if value.is_integer() => out.push_str(&value.to_string()),
         ValueKind::Number => write_float(out, f64::try_from(value.clone())?),

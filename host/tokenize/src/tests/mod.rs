@@ -2,6 +2,8 @@
 
 mod chat;
 mod completion;
+mod parity;
+mod properties;
 mod registry;
 mod template;
 mod tokenizer;
