@@ -24,6 +24,7 @@ mod policy_runtime;
 mod policy_stages;
 mod predict;
 mod proxy;
+mod real_engine;
 mod python_plugin;
 mod refusals;
 mod remote_indexer;

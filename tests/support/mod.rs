@@ -553,5 +553,6 @@ pub fn engine_hash(seq: u64) -> u64 {
 pub mod engines;
 pub mod nats;
 pub mod plugins;
+pub mod vllm;
 #[allow(unused_imports)]
 pub use plugins::{build_plugin, plugin_bytes, temp_dir, workspace_root};
