@@ -308,6 +308,7 @@ fn check_ids_with(
 /// of `tokens` there with what the engine reports for the same request sent again. Returns the
 /// engine's figure.
 #[track_caller]
+#[allow(clippy::too_many_arguments)]
 fn check_resend(
     case: &Case,
     class: &str,
@@ -729,6 +730,41 @@ fn chat_tool_calls_and_results() {
     );
 }
 
+/// Bodies vLLM itself refuses (400): kvroute refuses them too rather than routing a prompt the
+/// engine will never run.
+#[test]
+fn bodies_vllm_refuses() {
+    let case = Case::new("vllm_refuses");
+    let mut both = chat(json!([
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hel"},
+    ]));
+    both["add_generation_prompt"] = json!(true);
+    both["continue_final_message"] = json!(true);
+    let unknown_role = chat(json!([{"role": "narrator", "content": "Once upon a time"}]));
+    let mut failures = Vec::new();
+    for (what, body) in [
+        ("add_generation_prompt with continue_final_message", both),
+        ("a role the template refuses (raise_exception)", unknown_role),
+    ] {
+        let engine = engine_ids(case.engine(A), &body);
+        let kv = kvroute_ids(vllm::kvroute_model(), &body);
+        assert!(engine.is_err(), "vLLM now accepts {what}: {engine:?}");
+        if let Ok(ids) = kv {
+            failures.push(format!(
+                "{what}: vLLM refuses it ({}), kvroute tokenizes it ({} tokens)",
+                engine.unwrap_err().chars().take(200).collect::<String>(),
+                ids.len()
+            ));
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "[chat rendering] {}",
+        failures.join("; ")
+    );
+}
+
 // ---------------------------------------------------------------------------------------------
 // cache_salt and LoRA adapters: extra keys in a block's identity
 // ---------------------------------------------------------------------------------------------
@@ -1026,20 +1062,25 @@ fn proxy_routes_a_resend_to_its_cache() {
 // Real chat templates of public model families, as shipped in the installed vLLM wheel
 // ---------------------------------------------------------------------------------------------
 
-/// The chat templates inside the installed vLLM package (`*.jinja` anywhere under `vllm/`).
-fn wheel_templates() -> Vec<PathBuf> {
+/// The real chat templates the installed packages ship (`tests/realengine/templates.py`: vLLM's
+/// own, transformers' processor defaults, Mistral's generated official ones), written once.
+fn real_templates() -> Vec<PathBuf> {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("real-engine-templates-{}", std::process::id()));
     let out = std::process::Command::new(vllm::python())
-        .args([
-            "-c",
-            "import pathlib, vllm; print('\\n'.join(sorted(str(p) for p in \
-             pathlib.Path(vllm.__file__).parent.rglob('*.jinja'))))",
-        ])
+        .arg(vllm::scripts().join("templates.py"))
+        .arg(&dir)
         .env("HF_HUB_OFFLINE", "1")
         .output()
-        .expect("list vLLM's templates");
+        .expect("run templates.py");
+    assert!(
+        out.status.success(),
+        "templates.py failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     String::from_utf8_lossy(&out.stdout)
         .lines()
-        .filter(|l| !l.is_empty())
+        .filter(|l| l.ends_with(".jinja"))
         .map(PathBuf::from)
         .collect()
 }
@@ -1061,6 +1102,13 @@ fn template_conversations() -> Vec<(&'static str, Value)> {
             ]}),
         ),
         (
+            "content parts",
+            json!({"messages": [{"role": "user", "content": [
+                {"type": "text", "text": "First part."},
+                {"type": "text", "text": "Second part."},
+            ]}]}),
+        ),
+        (
             "tools",
             json!({"messages": [{"role": "user", "content": "Weather in Paris?"}],
                    "tools": [weather_tool()]}),
@@ -1069,12 +1117,12 @@ fn template_conversations() -> Vec<(&'static str, Value)> {
 }
 
 #[test]
-fn real_chat_templates_from_the_vllm_wheel() {
+fn real_chat_templates() {
     let case = Case::new("real_chat_templates");
-    let templates = wheel_templates();
+    let templates = real_templates();
     assert!(
         !templates.is_empty(),
-        "the installed vLLM ships chat templates"
+        "the installed packages ship chat templates"
     );
     let mut refused_by_vllm = Vec::new();
     let mut failures = Vec::new();
@@ -1093,6 +1141,10 @@ fn real_chat_templates_from_the_vllm_wheel() {
             body["model"] = json!(MODEL);
             body["chat_template"] = json!(text);
             let engine = match engine_ids(case.engine(A), &body) {
+                Ok(ids) if ids.is_empty() => {
+                    refused_by_vllm.push(format!("{name} [{conv}]: renders an empty prompt"));
+                    continue;
+                }
                 Ok(ids) => ids,
                 Err(e) => {
                     refused_by_vllm.push(format!("{name} [{conv}]: {}", e.chars().take(160).collect::<String>()));
@@ -1118,7 +1170,7 @@ fn real_chat_templates_from_the_vllm_wheel() {
     );
     assert!(
         failures.is_empty(),
-        "[template semantics] {} of the vLLM wheel's templates' renderings differ or fail in \
+        "[template semantics] {} renderings of real chat templates differ or fail in \
          kvroute ({passed} equal; vLLM itself refused {}):\n{}",
         failures.len(),
         refused_by_vllm.len(),
