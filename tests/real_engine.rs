@@ -202,7 +202,9 @@ fn engine_send(e: &Engine, path: &str, body: &Value) -> (u64, u64) {
     let r = e.post(path, &body);
     assert_eq!(r.status, 200, "{} {path} {body}: {r}", e.name);
     let usage = &r.body()["usage"];
-    let prompt = usage["prompt_tokens"].as_u64().expect("usage.prompt_tokens");
+    let prompt = usage["prompt_tokens"]
+        .as_u64()
+        .expect("usage.prompt_tokens");
     let cached = usage["prompt_tokens_details"]["cached_tokens"]
         .as_u64()
         .unwrap_or_else(|| panic!("no usage.prompt_tokens_details.cached_tokens in {r}"));
@@ -211,6 +213,11 @@ fn engine_send(e: &Engine, path: &str, body: &Value) -> (u64, u64) {
 
 /// vLLM's prompt ids for a completions or chat body (`POST /tokenize`).
 fn engine_ids(e: &Engine, body: &Value) -> Result<Vec<u32>, String> {
+    // `/tokenize` takes text only; a prompt of token ids is used as it is (check_resend holds the
+    // engine's prompt_tokens against its length).
+    if let Some(ids) = body.get("prompt").and_then(Value::as_array) {
+        return Ok(ids.iter().map(|t| t.as_u64().unwrap() as u32).collect());
+    }
     let mut req = json!({"model": body.get("model").cloned().unwrap_or(json!(MODEL))});
     for k in [
         "prompt",
@@ -346,7 +353,9 @@ fn check_resend(
 fn prose(skip: usize, tokens: usize) -> String {
     let model = vllm::kvroute_model();
     let mut words: Vec<&str> = Vec::new();
-    let all: Vec<&str> = kvroute_tokenize::testing::PROSE.split_whitespace().collect();
+    let all: Vec<&str> = kvroute_tokenize::testing::PROSE
+        .split_whitespace()
+        .collect();
     let mut i = skip;
     loop {
         words.push(all[i % all.len()]);
@@ -391,7 +400,16 @@ fn completion_text_ids_and_cache() {
     let case = Case::new("completion_text");
     let body = json!({"model": MODEL, "prompt": prose(0, 400)});
     let ids = check_ids(&case, "tokenizer", &body);
-    let cached = check_resend(&case, "cache", A, "/v1/completions", &body, &ids, None, None);
+    let cached = check_resend(
+        &case,
+        "cache",
+        A,
+        "/v1/completions",
+        &body,
+        &ids,
+        None,
+        None,
+    );
     assert!(
         cached >= BLOCK as u64,
         "a 400-token prompt has full blocks cached: {cached}"
@@ -403,7 +421,16 @@ fn completion_without_special_tokens() {
     let case = Case::new("completion_add_special_tokens_false");
     let body = json!({"model": MODEL, "prompt": prose(50, 300), "add_special_tokens": false});
     let ids = check_ids(&case, "tokenizer", &body);
-    check_resend(&case, "cache", B, "/v1/completions", &body, &ids, None, None);
+    check_resend(
+        &case,
+        "cache",
+        B,
+        "/v1/completions",
+        &body,
+        &ids,
+        None,
+        None,
+    );
 }
 
 #[test]
@@ -413,7 +440,16 @@ fn completion_token_ids() {
     let body = json!({"model": MODEL, "prompt": ids});
     let kv = check_ids(&case, "tokenizer", &body);
     assert_eq!(kv, ids);
-    check_resend(&case, "cache", A, "/v1/completions", &body, &ids, None, None);
+    check_resend(
+        &case,
+        "cache",
+        A,
+        "/v1/completions",
+        &body,
+        &ids,
+        None,
+        None,
+    );
 }
 
 #[test]
@@ -425,7 +461,16 @@ fn completion_non_ascii() {
     );
     let body = json!({"model": MODEL, "prompt": text});
     let ids = check_ids(&case, "tokenizer", &body);
-    check_resend(&case, "cache", B, "/v1/completions", &body, &ids, None, None);
+    check_resend(
+        &case,
+        "cache",
+        B,
+        "/v1/completions",
+        &body,
+        &ids,
+        None,
+        None,
+    );
 }
 
 /// vLLM reuses at most `prompt - 1` tokens, rounded down to a block: of a 256-token prompt
@@ -730,6 +775,74 @@ fn chat_tool_calls_and_results() {
     );
 }
 
+/// A long conversation: 20-odd blocks.
+#[test]
+fn chat_long_prompt() {
+    chat_case(
+        "chat_long_prompt",
+        "chat rendering",
+        chat(json!([
+            {"role": "system", "content": prose(2300, 1500)},
+            {"role": "user", "content": prose(2900, 1200)},
+        ])),
+        B,
+    );
+}
+
+/// The `developer` role (OpenAI's newer name for system): vLLM hands it to the template as sent;
+/// whatever the engine does with it (render or refuse), kvroute must do the same.
+#[test]
+fn chat_developer_role() {
+    let case = Case::new("chat_developer_role");
+    let body = chat(json!([
+        {"role": "developer", "content": prose(2400, 150)},
+        {"role": "user", "content": "Hello"},
+    ]));
+    let engine = engine_ids(case.engine(A), &body);
+    let kv = kvroute_ids(vllm::kvroute_model(), &body);
+    match (engine, kv) {
+        (Ok(e), Ok(k)) => assert!(
+            e == k,
+            "[chat rendering] developer role: {}",
+            diff(vllm::kvroute_model(), &e, &k)
+        ),
+        (Err(_), Err(_)) => {}
+        (e, k) => panic!(
+            "[chat rendering] developer role: vLLM {}, kvroute {}",
+            e.map(|ids| format!("renders {} tokens", ids.len()))
+                .unwrap_or_else(|e| format!(
+                    "refuses ({})",
+                    e.chars().take(200).collect::<String>()
+                )),
+            k.map(|ids| format!("renders {} tokens", ids.len()))
+                .unwrap_or_else(|e| format!("refuses ({e})"))
+        ),
+    }
+}
+
+/// A tool result whose content is a list of text parts.
+#[test]
+fn chat_tool_result_as_parts() {
+    let mut body = chat(json!([
+        {"role": "system", "content": prose(2500, 150)},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": null, "tool_calls": [
+            {"id": "call_9", "type": "function",
+             "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}},
+        ]},
+        {"role": "tool", "tool_call_id": "call_9", "content": [
+            {"type": "text", "text": "18 C"}, {"type": "text", "text": "cloudy"},
+        ]},
+    ]));
+    body["tools"] = json!([weather_tool()]);
+    chat_case(
+        "chat_tool_result_as_parts",
+        "template semantics: content parts",
+        body,
+        B,
+    );
+}
+
 /// Bodies vLLM itself refuses (400): kvroute refuses them too rather than routing a prompt the
 /// engine will never run.
 #[test]
@@ -745,7 +858,10 @@ fn bodies_vllm_refuses() {
     let mut failures = Vec::new();
     for (what, body) in [
         ("add_generation_prompt with continue_final_message", both),
-        ("a role the template refuses (raise_exception)", unknown_role),
+        (
+            "a role the template refuses (raise_exception)",
+            unknown_role,
+        ),
     ] {
         let engine = engine_ids(case.engine(A), &body);
         let kv = kvroute_ids(vllm::kvroute_model(), &body);
@@ -796,7 +912,10 @@ fn cache_salt_isolates_tenants() {
             ));
         }
         if salt == Some("tenant-a") {
-            assert!(engine >= BLOCK as u64, "the engine reuses its own salt's blocks");
+            assert!(
+                engine >= BLOCK as u64,
+                "the engine reuses its own salt's blocks"
+            );
         }
     }
     assert!(
@@ -861,6 +980,26 @@ fn lora_adapter_by_model_name() {
     );
 }
 
+/// An adapter and a salt together: the first block carries both (vLLM's `extra_keys`).
+#[test]
+fn lora_adapter_with_cache_salt() {
+    let case = Case::new("lora_with_salt");
+    let body = json!({"model": LORA, "prompt": prose(2600, 400), "cache_salt": "tenant-l"});
+    let ids = vllm::kvroute_model()
+        .completion_tokens(&json!({"prompt": body["prompt"]}))
+        .unwrap();
+    check_resend(
+        &case,
+        "LoRA + cache_salt",
+        A,
+        "/v1/completions",
+        &body,
+        &ids,
+        Some("tenant-l"),
+        Some(LORA),
+    );
+}
+
 /// The proxy takes a request for the adapter (`model: "tiny-lora"`) and hashes it with the
 /// adapter, so its resend is routed as a hit where the engine has it.
 #[test]
@@ -914,7 +1053,8 @@ fn eviction() {
     let kv = kvroute_cached(&case.router, B, &ids, None, None);
     let (engine, _) = engine_send(e, "/v1/completions", &first);
     assert_eq!(
-        kv, engine,
+        kv,
+        engine,
         "[eviction] {}: after {} blocks of other prompts: engine {engine}, kvroute {kv}",
         case.name,
         6 * 1800 / BLOCK
@@ -1044,17 +1184,34 @@ fn proxy_routes_a_resend_to_its_cache() {
     let ids = check_ids(&case, "chat rendering", &body);
     let r1 = case.router.post("/v1/chat/completions", &body);
     assert_eq!(r1.status, 200, "{r1}");
-    let w1: u64 = r1.header("x-kvroute-worker").unwrap().split('/').next().unwrap().parse().unwrap();
+    let w1: u64 = r1
+        .header("x-kvroute-worker")
+        .unwrap()
+        .split('/')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
     settle(&case.router, w1, None);
     let kv = kvroute_cached(&case.router, w1, &ids, None, None);
     let r2 = case.router.post("/v1/chat/completions", &body);
     assert_eq!(r2.status, 200, "{r2}");
-    let w2: u64 = r2.header("x-kvroute-worker").unwrap().split('/').next().unwrap().parse().unwrap();
+    let w2: u64 = r2
+        .header("x-kvroute-worker")
+        .unwrap()
+        .split('/')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
     let engine = r2.body()["usage"]["prompt_tokens_details"]["cached_tokens"]
         .as_u64()
         .unwrap();
     assert_eq!(w1, w2, "the resend follows its cache");
-    assert_eq!(kv, engine, "[cache] proxy resend: engine {engine}, kvroute {kv}");
+    assert_eq!(
+        kv, engine,
+        "[cache] proxy resend: engine {engine}, kvroute {kv}"
+    );
     assert!(engine >= BLOCK as u64);
 }
 
@@ -1142,12 +1299,15 @@ fn real_chat_templates() {
             body["chat_template"] = json!(text);
             let engine = match engine_ids(case.engine(A), &body) {
                 Ok(ids) if ids.is_empty() => {
-                    refused_by_vllm.push(format!("{name} [{conv}]: renders an empty prompt"));
+                    refused_by_vllm.push(format!("{name} [{conv}]: vLLM renders an empty prompt"));
                     continue;
                 }
                 Ok(ids) => ids,
                 Err(e) => {
-                    refused_by_vllm.push(format!("{name} [{conv}]: {}", e.chars().take(160).collect::<String>()));
+                    refused_by_vllm.push(format!(
+                        "{name} [{conv}]: {}",
+                        e.chars().take(160).collect::<String>()
+                    ));
                     continue;
                 }
             };
@@ -1155,7 +1315,9 @@ fn real_chat_templates() {
             let mut kv_body = body.clone();
             kv_body.as_object_mut().unwrap().remove("chat_template");
             match kvroute_ids(model, &kv_body) {
-                Err(e) => failures.push(format!("{name} [{conv}]: vLLM renders it, kvroute refuses: {e}")),
+                Err(e) => failures.push(format!(
+                    "{name} [{conv}]: vLLM renders it, kvroute refuses: {e}"
+                )),
                 Ok(kv) if kv != engine => {
                     failures.push(format!("{name} [{conv}]: {}", diff(model, &engine, &kv)))
                 }

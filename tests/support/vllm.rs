@@ -183,10 +183,8 @@ impl Engine {
         let port = free_port();
         let kv_port = free_port();
         let replay_port = free_port();
-        let log = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!(
-            "vllm-{name}-{}.log",
-            std::process::id()
-        ));
+        let log = Path::new(env!("CARGO_TARGET_TMPDIR"))
+            .join(format!("vllm-{name}-{}.log", std::process::id()));
         let engine = Engine {
             name: name.to_string(),
             port,
@@ -250,6 +248,9 @@ impl Engine {
             .args(["--max-num-seqs", "8"])
             .arg("--enable-prompt-tokens-details")
             .arg("--trust-request-chat-template")
+            // Chats with `tools` (tool_choice "auto" by default) are refused without a parser.
+            .arg("--enable-auto-tool-choice")
+            .args(["--tool-call-parser", "hermes"])
             .env("HF_HUB_OFFLINE", "1")
             .env("TRANSFORMERS_OFFLINE", "1")
             .env("VLLM_SERVER_DEV_MODE", "1")
