@@ -837,7 +837,7 @@ fn chat_tool_result_as_parts() {
     body["tools"] = json!([weather_tool()]);
     chat_case(
         "chat_tool_result_as_parts",
-        "template semantics: content parts",
+        "template semantics: tool calls and tool results as parts",
         body,
         B,
     );
@@ -1326,14 +1326,15 @@ fn real_chat_templates() {
         }
     }
     eprintln!(
-        "real chat templates: {} files, {passed} renderings equal; refused by vLLM itself: {:#?}",
+        "real chat templates: {} files, {passed} renderings equal; refused or rendered empty by \
+         vLLM itself: {:#?}",
         templates.len(),
         refused_by_vllm
     );
     assert!(
         failures.is_empty(),
         "[template semantics] {} renderings of real chat templates differ or fail in \
-         kvroute ({passed} equal; vLLM itself refused {}):\n{}",
+         kvroute ({passed} equal; {} refused or rendered empty by vLLM itself):\n{}",
         failures.len(),
         refused_by_vllm.len(),
         failures.join("\n")
