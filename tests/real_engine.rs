@@ -360,7 +360,7 @@ fn prose(skip: usize, tokens: usize) -> String {
     loop {
         words.push(all[i % all.len()]);
         i += 1;
-        if words.len() % 16 == 0 {
+        if words.len().is_multiple_of(16) {
             let n = model.encode(&words.join(" "), false).unwrap().len();
             if n >= tokens {
                 return words.join(" ");
