@@ -554,5 +554,6 @@ pub mod engines;
 pub mod nats;
 pub mod plugins;
 pub mod python;
+pub mod vllm;
 #[allow(unused_imports)]
 pub use plugins::{build_plugin, plugin_bytes, temp_dir, workspace_root};
