@@ -232,11 +232,13 @@ fn readme_demo_quick_start_runs_as_written() {
         .replace("localhost:8080", &host_port)
         .replace("curl -s ", "curl -sf ");
     // `python3` with the openai package: the tests' own environment, first on the PATH.
-    let venv_bin = crate::support::python::python().parent().unwrap().to_path_buf();
-    let path = std::env::join_paths(
-        std::iter::once(venv_bin)
-            .chain(std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())),
-    )
+    let venv_bin = crate::support::python::python()
+        .parent()
+        .unwrap()
+        .to_path_buf();
+    let path = std::env::join_paths(std::iter::once(venv_bin).chain(std::env::split_paths(
+        &std::env::var_os("PATH").unwrap_or_default(),
+    )))
     .unwrap();
     let out = Command::new("bash")
         .args(["-euo", "pipefail", "-c", &script])

@@ -257,9 +257,7 @@ impl Publisher {
         });
         let first = lines
             .recv_timeout(Duration::from_secs(20))
-            .unwrap_or_else(|_| {
-                panic!("{script} did not announce its ports (see stderr)")
-            });
+            .unwrap_or_else(|_| panic!("{script} did not announce its ports (see stderr)"));
         let v: Value = serde_json::from_str(&first).unwrap();
         let ports = |k: &str| -> Vec<u16> {
             v[k].as_array()

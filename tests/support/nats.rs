@@ -69,12 +69,7 @@ fn spawn(port: u16, dir: &Path) -> Child {
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
-        .unwrap_or_else(|e| {
-            panic!(
-                "cannot start {}: {e}",
-                binary()
-            )
-        });
+        .unwrap_or_else(|e| panic!("cannot start {}: {e}", binary()));
     let deadline = Instant::now() + Duration::from_secs(10);
     while TcpStream::connect(("127.0.0.1", port)).is_err() {
         assert!(
