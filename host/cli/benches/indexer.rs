@@ -461,12 +461,18 @@ fn concurrency(n: usize, wl: &Workload, ours: &Indexer, tp: &Tp) {
 /// `KVROUTE_PROFILE=store:64` (or `remove:1024`, ...): skip criterion and run only kvroute's half of
 /// the churn for 10 s, printing its rate — a clean target for `perf record`. A third field
 /// `:dynamo` runs Dynamo's `RadixTree` instead; `KVROUTE_PROFILE_CHUNKS=N` runs exactly N chunks
-/// (for callgrind: `valgrind --tool=callgrind --toggle-collect='*timed_half*' <bench> --bench`
-/// counts only the timed half).
+/// after one untimed warm-up chunk (for callgrind: `valgrind --tool=callgrind
+/// --toggle-collect='*timed_half*' <bench> --bench` counts only the timed half).
 fn profile_only(spec: &str) {
     let mut parts = spec.split(':');
-    let what = parts.next().expect("KVROUTE_PROFILE=store|remove:<candidates>[:dynamo]");
-    let n: usize = parts.next().expect("candidates").parse().expect("candidates");
+    let what = parts
+        .next()
+        .expect("KVROUTE_PROFILE=store|remove:<candidates>[:dynamo]");
+    let n: usize = parts
+        .next()
+        .expect("candidates")
+        .parse()
+        .expect("candidates");
     let dynamo = parts.next() == Some("dynamo");
     let max_chunks: Option<u64> = std::env::var("KVROUTE_PROFILE_CHUNKS")
         .ok()
@@ -475,6 +481,18 @@ fn profile_only(spec: &str) {
     let ours = (!dynamo).then(|| build_kvroute(&wl));
     let mut radix = dynamo.then(|| build_radix(&wl));
     let mut churn = Churn::new(&wl, 1);
+    // One chunk untimed first, as criterion's warm-up: the index's tables settle at their churn
+    // size (the first chunk may grow a table once).
+    {
+        let (stores, removes, _) = churn.next_chunk();
+        if let Some(ours) = &ours {
+            untimed_kvroute(ours, stores.iter().map(|s| kv_store(s, 0)).collect());
+            untimed_kvroute(ours, removes.iter().map(|s| kv_remove(s, 0)).collect());
+        } else if let Some(radix) = &mut radix {
+            untimed_dynamo(radix, stores.iter().map(|s| dyn_store(s, 0)).collect());
+            untimed_dynamo(radix, removes.iter().map(|s| dyn_remove(s, 0)).collect());
+        }
+    }
     let (mut timed, mut chunks) = (Duration::ZERO, 0u64);
     let start = Instant::now();
     let store = what == "store";
