@@ -118,8 +118,10 @@ fn utf16_start(memory: &[u8], ptr: usize, len: usize) -> wasmtime::Result<String
     let units = len.min(MAX_PLUGIN_TEXT);
     let mut start = String::new();
     let code_units = memory[ptr..][..units * 2]
-        .chunks_exact(2)
-        .map(|c| u16::from_le_bytes([c[0], c[1]]));
+        .as_chunks::<2>()
+        .0
+        .iter()
+        .map(|&c| u16::from_le_bytes(c));
     for c in char::decode_utf16(code_units) {
         match c {
             Ok(c) => start.push(c),
