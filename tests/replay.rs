@@ -49,7 +49,7 @@ fn reusable_fraction(trace: &Trace) -> f64 {
     for r in &trace.requests {
         all += r.tokens.len() as u64;
         let mut prev = 0u64;
-        for block in r.tokens.chunks_exact(B) {
+        for block in r.tokens.as_chunks::<B>().0 {
             let mut h = DefaultHasher::new();
             (prev, block).hash(&mut h);
             prev = h.finish();

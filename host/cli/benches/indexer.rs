@@ -459,41 +459,115 @@ fn concurrency(n: usize, wl: &Workload, ours: &Indexer, tp: &Tp) {
 }
 
 /// `KVROUTE_PROFILE=store:64` (or `remove:1024`, ...): skip criterion and run only kvroute's half of
-/// the churn for 10 s, printing its rate — a clean target for `perf record`.
+/// the churn for 10 s, printing its rate — a clean target for `perf record`. A third field
+/// `:dynamo` runs Dynamo's `RadixTree` instead; `KVROUTE_PROFILE_CHUNKS=N` runs exactly N chunks
+/// after one untimed warm-up chunk (for callgrind: `valgrind --tool=callgrind
+/// --toggle-collect='*timed_half*' <bench> --bench` counts only the timed half).
 fn profile_only(spec: &str) {
-    let (what, n) = spec
-        .split_once(':')
-        .expect("KVROUTE_PROFILE=store|remove:<candidates>");
-    let n: usize = n.parse().expect("candidates");
+    let mut parts = spec.split(':');
+    let what = parts
+        .next()
+        .expect("KVROUTE_PROFILE=store|remove:<candidates>[:dynamo]");
+    let n: usize = parts
+        .next()
+        .expect("candidates")
+        .parse()
+        .expect("candidates");
+    let dynamo = parts.next() == Some("dynamo");
+    let max_chunks: Option<u64> = std::env::var("KVROUTE_PROFILE_CHUNKS")
+        .ok()
+        .map(|v| v.parse().expect("KVROUTE_PROFILE_CHUNKS"));
     let wl = Workload::new(n);
-    let ours = build_kvroute(&wl);
+    let ours = (!dynamo).then(|| build_kvroute(&wl));
+    let mut radix = dynamo.then(|| build_radix(&wl));
     let mut churn = Churn::new(&wl, 1);
+    // One chunk untimed first, as criterion's warm-up: the index's tables settle at their churn
+    // size (the first chunk may grow a table once).
+    {
+        let (stores, removes, _) = churn.next_chunk();
+        if let Some(ours) = &ours {
+            untimed_kvroute(ours, stores.iter().map(|s| kv_store(s, 0)).collect());
+            untimed_kvroute(ours, removes.iter().map(|s| kv_remove(s, 0)).collect());
+        } else if let Some(radix) = &mut radix {
+            untimed_dynamo(radix, stores.iter().map(|s| dyn_store(s, 0)).collect());
+            untimed_dynamo(radix, removes.iter().map(|s| dyn_remove(s, 0)).collect());
+        }
+    }
     let (mut timed, mut chunks) = (Duration::ZERO, 0u64);
     let start = Instant::now();
-    while start.elapsed() < Duration::from_secs(10) {
+    let store = what == "store";
+    while max_chunks.map_or(start.elapsed() < Duration::from_secs(10), |m| chunks < m) {
         let (stores, removes, _) = churn.next_chunk();
-        let stores: Vec<_> = stores.iter().map(|s| kv_store(s, 0)).collect();
-        let removes: Vec<_> = removes.iter().map(|s| kv_remove(s, 0)).collect();
-        let t = Instant::now();
-        for e in stores {
-            ours.apply(&e).unwrap();
-        }
-        if what == "store" {
-            timed += t.elapsed();
-        }
-        let t = Instant::now();
-        for e in removes {
-            ours.apply(&e).unwrap();
-        }
-        if what == "remove" {
-            timed += t.elapsed();
+        if let Some(ours) = &ours {
+            let stores: Vec<_> = stores.iter().map(|s| kv_store(s, 0)).collect();
+            let removes: Vec<_> = removes.iter().map(|s| kv_remove(s, 0)).collect();
+            let t = Instant::now();
+            if store {
+                timed_half_kvroute(ours, stores);
+                timed += t.elapsed();
+            } else {
+                untimed_kvroute(ours, stores);
+            }
+            let t = Instant::now();
+            if store {
+                untimed_kvroute(ours, removes);
+            } else {
+                timed_half_kvroute(ours, removes);
+                timed += t.elapsed();
+            }
+        } else if let Some(radix) = &mut radix {
+            let stores: Vec<_> = stores.iter().map(|s| dyn_store(s, 0)).collect();
+            let removes: Vec<_> = removes.iter().map(|s| dyn_remove(s, 0)).collect();
+            let t = Instant::now();
+            if store {
+                timed_half_dynamo(radix, stores);
+                timed += t.elapsed();
+            } else {
+                untimed_dynamo(radix, stores);
+            }
+            let t = Instant::now();
+            if store {
+                untimed_dynamo(radix, removes);
+            } else {
+                timed_half_dynamo(radix, removes);
+                timed += t.elapsed();
+            }
         }
         chunks += 1;
     }
     println!(
-        "PROFILE {what}/{n}: {:.2} M blocks/s over {chunks} chunks",
+        "PROFILE {what}/{n}{}: {:.2} M blocks/s over {chunks} chunks",
+        if dynamo { " (dynamo RadixTree)" } else { "" },
         (chunks * Churn::BLOCKS as u64) as f64 / timed.as_secs_f64() / 1e6
     );
+}
+
+#[inline(never)]
+fn timed_half_kvroute(ours: &Indexer, events: Vec<kvroute_core::indexer::KvEvent>) {
+    for e in events {
+        ours.apply(&e).unwrap();
+    }
+}
+
+#[inline(never)]
+fn untimed_kvroute(ours: &Indexer, events: Vec<kvroute_core::indexer::KvEvent>) {
+    for e in events {
+        ours.apply(&e).unwrap();
+    }
+}
+
+#[inline(never)]
+fn timed_half_dynamo(radix: &mut RadixTree, events: Vec<dynamo_kv_router::protocols::RouterEvent>) {
+    for e in events {
+        radix.apply_event(e).unwrap();
+    }
+}
+
+#[inline(never)]
+fn untimed_dynamo(radix: &mut RadixTree, events: Vec<dynamo_kv_router::protocols::RouterEvent>) {
+    for e in events {
+        radix.apply_event(e).unwrap();
+    }
 }
 
 fn indexer(c: &mut Criterion) {

@@ -898,9 +898,10 @@ struct Case {
     probes: Vec<Path>,
     /// Local hashes appended to held paths to probe one block past them.
     exts: Vec<u64>,
-    /// Fill slots 0..=64 with idle candidates first (two of them freed), so the tested candidates'
-    /// slots straddle the first 64-bit word of the holder bitsets.
-    pad_slots: bool,
+    /// Fill slots `0..pad_slots` with idle candidates first (two of them freed), so the tested
+    /// candidates' slots straddle the first 64-bit word of the holder bitsets (65), or sit words
+    /// apart, past the words a holder set keeps inline (200).
+    pad_slots: u32,
 }
 
 impl fmt::Debug for Case {
@@ -930,7 +931,7 @@ fn case_strategy() -> impl Strategy<Value = Case> {
         prop::collection::vec(op_strategy(), 1..=60),
         prop::collection::vec(prop::collection::vec(0..6u64, 1..10), 3),
         prop::collection::vec(0..8u64, 4),
-        prop::bool::weighted(0.25),
+        prop_oneof![6 => Just(0u32), 1 => Just(65u32), 1 => Just(200u32)],
     )
         .prop_map(|(ops, probes, exts, pad_slots)| Case {
             ops,
@@ -964,10 +965,10 @@ macro_rules! ensure_eq {
 }
 
 impl Runner {
-    fn new(pad_slots: bool) -> Self {
+    fn new(pad_slots: u32) -> Self {
         let idx = Indexer::new();
-        if pad_slots {
-            for i in 0..65 {
+        if pad_slots > 0 {
+            for i in 0..u64::from(pad_slots) {
                 idx.slot(CandidateKey::new(1000 + i, 0));
             }
             idx.remove_candidate(CandidateKey::new(1001, 0));
@@ -1443,7 +1444,7 @@ fn model_check_fixed_sequences() {
             ops,
             probes: vec![vec![0, 1]],
             exts: vec![7],
-            pad_slots: false,
+            pad_slots: 0,
         };
         if let Err(e) = run_case(&case) {
             panic!("{e}");

@@ -37,6 +37,8 @@
 
 use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
 
+use std::collections::hash_map::Entry;
+
 use rustc_hash::{FxHashMap, FxHashSet};
 use smallvec::SmallVec;
 
@@ -92,6 +94,13 @@ impl SlotHandles {
             return Some(canonical);
         }
         self.odd.get(&block).copied().unwrap_or(Some(canonical))
+    }
+
+    /// Whether the slot names any held block other than canonically (without, unbinding a block
+    /// changes nothing).
+    #[inline]
+    fn has_exceptions(&self) -> bool {
+        !(self.named.is_empty() && self.odd.is_empty())
     }
 
     /// Drops the name of a block leaving the slot.
@@ -161,6 +170,11 @@ pub struct Tree {
     /// a later block stored under the same handle (engines that do not use content hashes) is
     /// named through its slots' `named` maps instead.
     canon: FxHashMap<u64, u32>,
+    /// Live blocks whose canonical handle [`Tree::canon`] does not resolve to them (another block
+    /// registered that handle first). Zero for engines whose handles are content hashes; while
+    /// it is, a block's canonical handle names it for every slot without exception entries,
+    /// which lets a removal find the blocks of one node without a map probe per handle.
+    shadowed: u64,
     /// Queries so far (wrapping): the clock of [`Node::matched`].
     clock: AtomicU32,
     held: u64,
@@ -187,6 +201,7 @@ impl Tree {
             free_blocks: Vec::new(),
             slots: Vec::new(),
             canon: FxHashMap::default(),
+            shadowed: 0,
             clock: AtomicU32::new(0),
             held: 0,
             stack: Vec::new(),
@@ -311,12 +326,25 @@ impl Tree {
         }
     }
 
-    /// Forgets the canonical registrations of blocks being freed.
+    /// Forgets the canonical registrations of blocks being freed (one map probe per block when
+    /// the block owns its handle's entry, the common case).
     #[inline]
-    fn unregister(canon: &mut FxHashMap<u64, u32>, blocks: &[u32], handles: &[u64]) {
-        for (&b, h) in blocks.iter().zip(handles) {
-            if canon.get(h) == Some(&b) {
-                canon.remove(h);
+    fn unregister(
+        canon: &mut FxHashMap<u64, u32>,
+        shadowed: &mut u64,
+        blocks: &[u32],
+        handles: &[u64],
+    ) {
+        for (&b, &h) in blocks.iter().zip(handles) {
+            match canon.remove(&h) {
+                Some(x) if x == b => {}
+                Some(x) => {
+                    // Another block owns the entry: put it back (no growth: a slot was just
+                    // freed on the same probe sequence).
+                    canon.insert(h, x);
+                    *shadowed -= 1;
+                }
+                None => *shadowed -= 1,
             }
         }
     }
@@ -502,15 +530,30 @@ impl Tree {
                         self.nodes[node as usize].children.insert(local, new);
                         new
                     };
-                    let start = self.nodes[target as usize].edge.len() as u32;
+                    let t = &mut self.nodes[target as usize];
+                    let start = t.edge.len() as u32;
+                    t.edge.extend(rest.iter().map(|b| b.local()));
+                    t.handles.extend(rest.iter().map(|b| b.handle()));
+                    t.blocks.reserve(rest.len());
                     for (off, b) in (start..).zip(rest) {
                         let id = self.alloc_block(target, off);
-                        let t = &mut self.nodes[target as usize];
-                        t.edge.push(b.local());
-                        t.blocks.push(id);
-                        t.handles.push(b.handle());
-                        self.canon.entry(b.handle()).or_insert(id);
-                        self.bind_new(slot, id, b.handle(), b.handle());
+                        self.nodes[target as usize].blocks.push(id);
+                        let registered = match self.canon.entry(b.handle()) {
+                            Entry::Vacant(e) => {
+                                e.insert(id);
+                                true
+                            }
+                            Entry::Occupied(_) => {
+                                self.shadowed += 1;
+                                false
+                            }
+                        };
+                        // A new block that owns its handle's canonical entry, for a slot without
+                        // exception names, is already named by that entry: `bind_new` would
+                        // change nothing (its look-ups would find this very block).
+                        if !registered || self.slots[slot as usize].has_exceptions() {
+                            self.bind_new(slot, id, b.handle(), b.handle());
+                        }
                     }
                     added += rest.len() as u32;
                     i = blocks.len();
@@ -545,10 +588,22 @@ impl Tree {
             };
             i += 1;
             let (node, mut off) = self.loc[block as usize];
+            // No shadowed block and no exception names: a block's canonical handle is the one
+            // name of it, so the handle of the block just before the cut names that block (what
+            // `lookup` would find, without its map probe): an engine evicting tail first.
+            let plain = self.shadowed == 0 && !self.slots[slot as usize].has_exceptions();
             // The next handles naming blocks of the same node: removing them one by one would cut
             // the node at each; cutting once at the lowest offset removes the same blocks. A block
             // at or past the cut is gone by its handle's turn: unknown then.
             while i < handles.len() {
+                if plain
+                    && off > 0
+                    && self.nodes[node as usize].handles[off as usize - 1] == handles[i]
+                {
+                    off -= 1;
+                    i += 1;
+                    continue;
+                }
                 let Some(b) = self.lookup(slot, handles[i]) else {
                     break;
                 };
@@ -589,14 +644,17 @@ impl Tree {
             slots,
             free_blocks,
             canon,
+            shadowed,
             ..
         } = self;
         let n = &mut nodes[node as usize];
         let h = &mut slots[slot as usize];
-        for (&b, &canonical) in n.blocks[off..].iter().zip(&n.handles[off..]) {
-            h.unbind(b, canonical);
+        if h.has_exceptions() {
+            for (&b, &canonical) in n.blocks[off..].iter().zip(&n.handles[off..]) {
+                h.unbind(b, canonical);
+            }
         }
-        Self::unregister(canon, &n.blocks[off..], &n.handles[off..]);
+        Self::unregister(canon, shadowed, &n.blocks[off..], &n.handles[off..]);
         free_blocks.extend_from_slice(&n.blocks[off..]);
         let cut = (n.edge.len() - off) as u64;
         n.edge.truncate(off);
@@ -666,8 +724,10 @@ impl Tree {
             node.holders.remove(slot);
             removed += node.blocks.len() as u64;
             let h = &mut self.slots[slot as usize];
-            for (&b, &canonical) in node.blocks.iter().zip(&node.handles) {
-                h.unbind(b, canonical);
+            if h.has_exceptions() {
+                for (&b, &canonical) in node.blocks.iter().zip(&node.handles) {
+                    h.unbind(b, canonical);
+                }
             }
             let pushed = stack.len();
             match &node.children {
@@ -740,7 +800,12 @@ impl Tree {
         self.nodes[node.parent as usize]
             .children
             .remove(node.edge[0]);
-        Self::unregister(&mut self.canon, &node.blocks, &node.handles);
+        Self::unregister(
+            &mut self.canon,
+            &mut self.shadowed,
+            &node.blocks,
+            &node.handles,
+        );
         self.free_blocks.extend_from_slice(&node.blocks);
         self.free_nodes.push(x);
     }
@@ -795,14 +860,35 @@ fn common_prefix(a: &[u64], b: &[u64]) -> usize {
 }
 
 /// Rejects blocks that repeat a handle or their parent's handle (a self-referencing store).
+/// Events of up to 32 blocks (engines send a few at a time) are checked in an open-addressing
+/// table of 64 handles on the stack: no allocation, about one probe per handle.
 pub fn check_whole_event<B: BlockPair>(
     parent: Option<u64>,
     blocks: &[B],
 ) -> Result<(), StoreError> {
-    if blocks.len() <= 16 {
-        for (i, b) in blocks.iter().enumerate() {
-            let h = b.handle();
-            if Some(h) == parent || blocks[..i].iter().any(|o| o.handle() == h) {
+    if blocks.len() <= 32 {
+        let mut keys = [0u64; 64];
+        let mut used = 0u64;
+        let mut insert = |h: u64| -> bool {
+            let mut i = (h.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 58) as u32;
+            loop {
+                let bit = 1u64 << i;
+                if used & bit == 0 {
+                    used |= bit;
+                    keys[i as usize] = h;
+                    return true;
+                }
+                if keys[i as usize] == h {
+                    return false;
+                }
+                i = (i + 1) & 63;
+            }
+        };
+        if let Some(p) = parent {
+            insert(p);
+        }
+        for b in blocks {
+            if !insert(b.handle()) {
                 return Err(StoreError::SelfReference);
             }
         }

@@ -79,6 +79,18 @@ impl Tree {
                 "canonical handle of {b}"
             );
         }
+        let mut shadowed = 0u64;
+        for (id, n) in self.nodes.iter().enumerate() {
+            if n.live && id != ROOT as usize {
+                for (&b, h) in n.blocks.iter().zip(&n.handles) {
+                    shadowed += u64::from(self.canon.get(h) != Some(&b));
+                }
+            }
+        }
+        assert_eq!(
+            shadowed, self.shadowed,
+            "blocks not owning their canonical entry"
+        );
         for (s, h) in self.slots.iter().enumerate() {
             let s = s as Slot;
             assert_eq!(h.blocks, per_slot.get(&s).copied().unwrap_or(0));

@@ -96,3 +96,24 @@ fn long_paths_compare_in_chunks() {
     assert_eq!(matches(&t, &path), vec![(0, 300)]);
     assert_eq!(matches(&t, &path[..17]), vec![(0, 17)]);
 }
+
+proptest::proptest! {
+    /// The self-reference check (a small table on the stack up to 32 blocks, a hash set past
+    /// that) answers as a pairwise comparison does, around both sizes and with many repeats.
+    #[test]
+    fn self_reference_check_matches_pairwise(
+        handles in proptest::collection::vec(0u64..48, 0..40),
+        parent in proptest::option::of(0u64..48),
+        spread in proptest::bool::ANY,
+    ) {
+        // Spread handles over the whole u64 range too (table positions come from the top bits).
+        let h = |x: u64| if spread { x.wrapping_mul(0xD6E8_FEB8_6659_FD93) } else { x };
+        let blocks: Vec<(u64, u64)> = handles.iter().map(|&x| (h(x), 0)).collect();
+        let parent = parent.map(h);
+        let repeats = blocks.iter().enumerate().any(|(i, b)| {
+            Some(b.0) == parent || blocks[..i].iter().any(|o| o.0 == b.0)
+        });
+        let want = if repeats { Err(StoreError::SelfReference) } else { Ok(()) };
+        proptest::prop_assert_eq!(check_whole_event(parent, &blocks), want);
+    }
+}
