@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Install a real vLLM (CPU build) into a virtual environment, as ../shared/REAL_ENGINES.md measured it.
+"""Install a real vLLM (CPU build) into a virtual environment, the way docs/ENGINES.md describes.
 
     python3 tests/realengine/install_vllm.py DEST
 
