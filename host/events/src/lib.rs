@@ -78,6 +78,7 @@
 mod batch;
 pub mod decode;
 mod emit;
+mod identity;
 mod nesting;
 pub mod publish;
 pub mod subscriber;

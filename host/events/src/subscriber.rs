@@ -127,8 +127,9 @@ impl PayloadApplier {
     }
 
     /// Empties every rank this applier has written to, in every tier (engine restart, lost events).
-    pub fn clear(&self) -> u64 {
+    pub fn clear(&mut self) -> u64 {
         self.stats.clears.fetch_add(1, Relaxed);
+        self.decoder.forget_identities();
         self.ranks
             .iter()
             .map(|&r| {

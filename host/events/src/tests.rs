@@ -440,6 +440,302 @@ fn lora_name_and_cache_salt_seed_the_local_hash() {
     );
 }
 
+// ---- vLLM's extra_keys: cache salt, LoRA, multimodal (issue 34) ---------------------------------
+
+/// A vLLM 0.32 store in map form, with `extra_keys` (one entry per block) and `lora_name`.
+fn vllm_store(
+    hashes: &[u64],
+    parent: Option<u64>,
+    tokens: &[u64],
+    lora: Option<&str>,
+    extra: V,
+) -> V {
+    m(&[
+        ("type", s("BlockStored")),
+        ("block_hashes", ua(hashes)),
+        ("parent_block_hash", parent.map_or(V::Nil, V::U)),
+        ("token_ids", ua(tokens)),
+        ("block_size", V::U(2)),
+        ("lora_id", lora.map_or(V::Nil, |_| V::U(1))),
+        ("medium", s("GPU")),
+        ("lora_name", lora.map_or(V::Nil, s)),
+        ("extra_keys", extra),
+        ("group_idx", V::U(0)),
+        ("kv_cache_spec_kind", s("full_attention")),
+    ])
+}
+
+fn keys(entries: Vec<Vec<V>>) -> V {
+    V::A(
+        entries
+            .into_iter()
+            .map(|e| if e.is_empty() { V::Nil } else { V::A(e) })
+            .collect(),
+    )
+}
+
+fn tokens_hashes(b: &Batch) -> Vec<u64> {
+    b.events
+        .iter()
+        .flat_map(|e| stored_blocks(e).1.iter().map(|x| x.tokens_hash))
+        .collect()
+}
+
+#[test]
+fn a_salt_on_the_first_block_seeds_every_block_and_continuations_inherit_it() {
+    let salted = request_seed(None, Some("tenant-a"));
+    let mut d = Decoder::new(2);
+    // The request's first event: the salt in block 0's extra keys only, as vLLM sends it.
+    let p = batch(vec![vllm_store(
+        &[10, 11],
+        None,
+        &[1, 2, 3, 4],
+        None,
+        keys(vec![vec![s("tenant-a")], vec![]]),
+    )]);
+    let b = d.decode(&p).unwrap();
+    assert_eq!(
+        tokens_hashes(&b),
+        vec![local_hash(&[1, 2], salted), local_hash(&[3, 4], salted)]
+    );
+    // Decode's next block, or another request of the tenant extending the prefix: the event
+    // names no salt; the parent block had it.
+    let p = batch(vec![vllm_store(
+        &[12],
+        Some(11),
+        &[5, 6],
+        None,
+        keys(vec![vec![]]),
+    )]);
+    assert_eq!(
+        tokens_hashes(&d.decode(&p).unwrap()),
+        vec![local_hash(&[5, 6], salted)]
+    );
+    // extra_keys nil altogether (older vLLM, or a plain request): the same inheritance.
+    let p = batch(vec![vllm_store(&[13], Some(12), &[7, 8], None, V::Nil)]);
+    assert_eq!(
+        tokens_hashes(&d.decode(&p).unwrap()),
+        vec![local_hash(&[7, 8], salted)]
+    );
+    // A plain request's blocks, and blocks under a plain parent, are plain.
+    let p = batch(vec![
+        vllm_store(&[20], None, &[1, 2], None, V::Nil),
+        vllm_store(&[21], Some(20), &[3, 4], None, keys(vec![vec![]])),
+    ]);
+    assert_eq!(
+        tokens_hashes(&d.decode(&p).unwrap()),
+        vec![
+            local_hash(&[1, 2], BASE_SEED),
+            local_hash(&[3, 4], BASE_SEED)
+        ]
+    );
+    // Evicting the salted blocks forgets them; a clear forgets everything.
+    let p = batch(vec![m(&[
+        ("type", s("BlockRemoved")),
+        ("block_hashes", ua(&[12, 13])),
+        ("medium", s("GPU")),
+    ])]);
+    d.decode(&p).unwrap();
+    assert_eq!(d.em_identities(), 2);
+    d.decode(&batch(vec![m(&[("type", s("AllBlocksCleared"))])]))
+        .unwrap();
+    assert_eq!(d.em_identities(), 0);
+}
+
+#[test]
+fn lora_name_and_salt_in_extra_keys_give_the_route_sides_seed() {
+    let seed = request_seed(Some("my-lora"), Some("tenant-a"));
+    let mut d = Decoder::new(2);
+    let p = batch(vec![vllm_store(
+        &[10, 11],
+        None,
+        &[1, 2, 3, 4],
+        Some("my-lora"),
+        keys(vec![vec![s("my-lora"), s("tenant-a")], vec![s("my-lora")]]),
+    )]);
+    assert_eq!(
+        tokens_hashes(&d.decode(&p).unwrap()),
+        vec![local_hash(&[1, 2], seed), local_hash(&[3, 4], seed)]
+    );
+    let p = batch(vec![vllm_store(
+        &[12],
+        Some(11),
+        &[5, 6],
+        Some("my-lora"),
+        keys(vec![vec![s("my-lora")]]),
+    )]);
+    assert_eq!(
+        tokens_hashes(&d.decode(&p).unwrap()),
+        vec![local_hash(&[5, 6], seed)]
+    );
+    // An adapter without a salt: the SPEC §2 vector.
+    let p = batch(vec![vllm_store(
+        &[30],
+        None,
+        &[1, 2],
+        Some("my-lora"),
+        keys(vec![vec![s("my-lora")]]),
+    )]);
+    assert_eq!(
+        tokens_hashes(&d.decode(&p).unwrap()),
+        vec![local_hash(&[1, 2], request_seed(Some("my-lora"), None))]
+    );
+    // The same in the array form (position 8).
+    let p = batch(vec![stored_array(
+        ua(&[40]),
+        V::Nil,
+        ua(&[1, 2]),
+        V::U(2),
+        s("GPU"),
+        s("my-lora"),
+        keys(vec![vec![s("my-lora"), s("tenant-a")]]),
+        vec![V::U(0), s("full_attention")],
+    )]);
+    assert_eq!(
+        tokens_hashes(&Decoder::new(2).decode(&p).unwrap()),
+        vec![local_hash(&[1, 2], seed)]
+    );
+}
+
+#[test]
+fn multimodal_keys_make_a_block_unmatchable_by_text() {
+    let mut d = Decoder::new(2);
+    let image = |h: &str, off: u64| V::A(vec![s(h), V::U(off)]);
+    let p = batch(vec![vllm_store(
+        &[10, 11, 12],
+        None,
+        &[1, 2, 3, 4, 5, 6],
+        None,
+        keys(vec![vec![], vec![image("img-a", 1)], vec![]]),
+    )]);
+    let h = tokens_hashes(&d.decode(&p).unwrap());
+    assert_eq!(
+        h[0],
+        local_hash(&[1, 2], BASE_SEED),
+        "text before the image"
+    );
+    assert_ne!(h[1], local_hash(&[3, 4], BASE_SEED), "the image's block");
+    assert_eq!(
+        h[2],
+        local_hash(&[5, 6], BASE_SEED),
+        "hangs under the image"
+    );
+    // Another image, or the same at another offset, is another identity; the same is the same.
+    let other = |k: V| {
+        let p = batch(vec![vllm_store(
+            &[10, 11],
+            None,
+            &[1, 2, 3, 4],
+            None,
+            keys(vec![vec![], vec![k]]),
+        )]);
+        tokens_hashes(&Decoder::new(2).decode(&p).unwrap())[1]
+    };
+    assert_eq!(other(image("img-a", 1)), h[1]);
+    assert_ne!(other(image("img-b", 1)), h[1]);
+    assert_ne!(other(image("img-a", 0)), h[1]);
+    // A prompt-embedding digest (bytes) too.
+    assert_ne!(other(V::B(vec![7; 32])), local_hash(&[3, 4], BASE_SEED));
+    // A string the router cannot place (not the adapter, not on the first block): unmatchable.
+    assert_ne!(other(s("what")), local_hash(&[3, 4], BASE_SEED));
+    // Dynamo's block_mm_infos at position 9: a non-nil entry is the same kind of key.
+    let p = batch(vec![stored_array(
+        ua(&[50, 51]),
+        V::Nil,
+        ua(&[1, 2, 3, 4]),
+        V::U(2),
+        s("GPU"),
+        V::Nil,
+        V::Nil,
+        vec![
+            V::A(vec![V::Nil, m(&[("mm_objects", V::A(vec![V::U(99)]))])]),
+            V::U(0),
+            s("full_attention"),
+        ],
+    )]);
+    let h = tokens_hashes(&Decoder::new(2).decode(&p).unwrap());
+    assert_eq!(h[0], local_hash(&[1, 2], BASE_SEED));
+    assert_ne!(h[1], local_hash(&[3, 4], BASE_SEED));
+}
+
+#[test]
+fn extra_keys_of_the_wrong_length_or_a_conflicting_salt_are_malformed() {
+    let p = batch(vec![vllm_store(
+        &[10, 11],
+        None,
+        &[1, 2, 3, 4],
+        None,
+        keys(vec![vec![s("a")]]),
+    )]);
+    let b = Decoder::new(2).decode(&p).unwrap();
+    assert_eq!(b.dropped.get(DropReason::MalformedEvent), 1);
+    // SGLang's explicit salt and vLLM's first-block salt disagree.
+    let mut ev = vllm_store(&[10], None, &[1, 2], None, keys(vec![vec![s("a")]]));
+    if let V::M(kv) = &mut ev {
+        kv.push((s("cache_salt"), s("b")));
+    }
+    let b = Decoder::new(2).decode(&batch(vec![ev])).unwrap();
+    assert_eq!(b.dropped.get(DropReason::MalformedEvent), 1);
+}
+
+/// The isolation rule (SPEC §2) end to end through the router: a tenant's blocks match only that
+/// tenant's prompts.
+#[test]
+fn salted_blocks_match_only_the_same_salt() {
+    use kvroute_core::router::RouteRequest;
+    let router = router_with_worker(2, 1);
+    let stats = Arc::new(IngestStats::default());
+    let mut a = PayloadApplier::new(router.clone(), stats, 1, 0);
+    let stop = AtomicBool::new(false);
+    // Tenant a's request: 2 blocks, then its decode adds a third under them.
+    a.apply(
+        0,
+        &batch(vec![vllm_store(
+            &[10, 11],
+            None,
+            &[1, 2, 3, 4],
+            None,
+            keys(vec![vec![s("tenant-a")], vec![]]),
+        )]),
+        &stop,
+    );
+    a.apply(
+        1,
+        &batch(vec![vllm_store(
+            &[12],
+            Some(11),
+            &[5, 6],
+            None,
+            keys(vec![vec![]]),
+        )]),
+        &stop,
+    );
+    let cached = |salt: Option<&str>| {
+        let mut r = RouteRequest::tokens(vec![1, 2, 3, 4, 5, 6, 7]);
+        r.cache_salt = salt.map(str::to_string);
+        r.book = false;
+        router.route_now(r).unwrap().cached_tokens
+    };
+    assert_eq!(cached(Some("tenant-a")), 6);
+    assert_eq!(cached(Some("tenant-b")), 0, "another tenant");
+    assert_eq!(cached(None), 0, "no salt");
+    // And the reverse: plain blocks are no hit for a salted prompt.
+    a.apply(
+        2,
+        &batch(vec![vllm_store(
+            &[20, 21],
+            None,
+            &[1, 2, 3, 4],
+            None,
+            V::Nil,
+        )]),
+        &stop,
+    );
+    assert_eq!(cached(None), 4);
+    assert_eq!(cached(Some("tenant-b")), 0);
+    assert_eq!(cached(Some("tenant-a")), 6);
+}
+
 #[test]
 fn eagle_pairs_flatten_to_firsts_plus_last_second() {
     // Two blocks of 2: pairs (10,11) (11,12) (12,13) (13,14) → tokens 10 11 12 13 (+14 dropped).
