@@ -74,6 +74,8 @@ pub struct FeedCell {
     /// `u64::MAX` = none yet.
     last_seq: AtomicU64,
     dead: AtomicBool,
+    /// The block size of the engine's last store when it is not the router's (0 = none).
+    engine_block_size: AtomicU64,
     epoch: Option<Instant>,
 }
 
@@ -97,6 +99,12 @@ impl FeedCell {
         self.last_seq.store(seq, Relaxed);
     }
 
+    /// The engine's stores have block size `engine` (`Some`) while the router's is another, so
+    /// they are dropped; `None` once its stores have the router's block size again.
+    pub fn set_engine_block_size(&self, engine: Option<u64>) {
+        self.engine_block_size.store(engine.unwrap_or(0), Relaxed);
+    }
+
     /// What `GET /v1/workers` shows.
     pub fn status(&self) -> FeedStatus {
         let now = self.now();
@@ -107,6 +115,10 @@ impl FeedCell {
             last_event_age_ms: (last > 0).then(|| now.saturating_sub(last)),
             last_seq: (seq != u64::MAX).then_some(seq),
             dead: self.dead.load(Relaxed),
+            engine_block_size: match self.engine_block_size.load(Relaxed) {
+                0 => None,
+                b => Some(b),
+            },
         }
     }
 }
@@ -120,6 +132,11 @@ pub struct FeedStatus {
     /// Sequence number of the last message (`None`: none yet).
     pub last_seq: Option<u64>,
     pub dead: bool,
+    /// Present while the engine's stores carry a block size other than the router's: the
+    /// engine's (every store is dropped, `block_size_mismatch`; start the engine with the
+    /// router's `block_size`, or the router with the engine's).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub engine_block_size: Option<u64>,
 }
 
 /// Every subscribed candidate's feed, and the dead set the decision path reads.
