@@ -104,8 +104,9 @@ impl Decoder {
         self.em.block_size as u32
     }
 
-    /// The block size of the last stored event dropped for not being the router's, if any
-    /// (`block_size_mismatch`): what the engine was started with.
+    /// The block size of the last stored event when it was not the router's (the event was
+    /// dropped, `block_size_mismatch`): what the engine was started with. `None` again once a
+    /// store with the router's block size arrives.
     pub fn foreign_block_size(&self) -> Option<u64> {
         self.em.foreign_block_size
     }

@@ -116,6 +116,7 @@ impl Emitter {
                 self.foreign_block_size = Some(bs);
                 return Err(DropReason::BlockSizeMismatch);
             }
+            self.foreign_block_size = None;
         }
         let hashes = f.hashes.ok_or(DropReason::MalformedEvent)?;
         if !f.has_tokens {

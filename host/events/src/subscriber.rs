@@ -52,6 +52,10 @@ pub struct PayloadApplier {
     batch: Batch,
     /// Ranks this applier has written to (its own plus payload overrides), for clearing.
     ranks: SmallVec<[DpRank; 4]>,
+    /// The feed's state, for what the events say about the engine (its block size).
+    feed: Option<Arc<FeedCell>>,
+    /// The engine block size last logged as a mismatch (logged once per feed and size).
+    logged_block_size: Option<u64>,
 }
 
 /// Most distinct ranks remembered per subscription (payload overrides beyond it are still applied;
@@ -76,6 +80,37 @@ impl PayloadApplier {
             decoder: Decoder::new(block_size),
             batch: Batch::default(),
             ranks,
+            feed: None,
+            logged_block_size: None,
+        }
+    }
+
+    /// Reports what the events say about the engine to its feed's state.
+    pub fn with_feed(mut self, feed: Arc<FeedCell>) -> Self {
+        self.feed = Some(feed);
+        self
+    }
+
+    /// After a payload: an engine whose stores have another block size than the router's is
+    /// logged (once per feed and size, naming both) and shown in the feed's state.
+    fn check_block_size(&mut self) {
+        let engine = self.decoder.foreign_block_size();
+        if let Some(feed) = &self.feed {
+            feed.set_engine_block_size(engine);
+        }
+        if let Some(bs) = engine {
+            if self.logged_block_size != Some(bs) {
+                self.logged_block_size = Some(bs);
+                tracing::warn!(
+                    worker_id = self.worker_id,
+                    dp_rank = self.rank,
+                    engine_block_size = bs,
+                    router_block_size = self.decoder.block_size(),
+                    "KV events: the engine's blocks are {bs} tokens but the router's block_size is {}; every store is dropped until they agree (start the engine with --block-size {} or the router with block_size = {bs})",
+                    self.decoder.block_size(),
+                    self.decoder.block_size(),
+                );
+            }
         }
     }
 
@@ -87,6 +122,10 @@ impl PayloadApplier {
             self.stats.dropped(reason, 1);
             out.dropped = 1;
             return out;
+        }
+        if self.batch.dropped.get(DropReason::BlockSizeMismatch) > 0 || self.batch.stored_blocks > 0
+        {
+            self.check_block_size();
         }
         for r in DropReason::ALL {
             let n = self.batch.dropped.get(r);
@@ -484,7 +523,8 @@ pub(crate) async fn run_subscription(
     stop: Arc<AtomicBool>,
     feed: Arc<FeedCell>,
 ) {
-    let applier = PayloadApplier::new(router, stats.clone(), spec.worker_id, spec.dp_rank);
+    let applier = PayloadApplier::new(router, stats.clone(), spec.worker_id, spec.dp_rank)
+        .with_feed(feed.clone());
     let replayer = spec
         .replay_endpoint
         .clone()

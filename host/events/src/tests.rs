@@ -737,6 +737,76 @@ fn salted_blocks_match_only_the_same_salt() {
 }
 
 #[test]
+fn a_block_size_mismatch_shows_in_the_feed_state_until_the_sizes_agree() {
+    use kvroute_core::feeds::{FeedConfig, Feeds};
+    let router = router_with_worker(2, 1);
+    let feeds = Feeds::new(FeedConfig::default());
+    let cell = feeds.open(CandidateKey::new(1, 0));
+    let mut a = PayloadApplier::new(router.clone(), Arc::new(IngestStats::default()), 1, 0)
+        .with_feed(cell.clone());
+    let stop = AtomicBool::new(false);
+    let store = |bs: u64, n: usize| {
+        batch(vec![stored_array(
+            ua(&[7]),
+            V::Nil,
+            ua(&(1..=n as u64).collect::<Vec<_>>()),
+            V::U(bs),
+            s("GPU"),
+            V::Nil,
+            V::Nil,
+            vec![],
+        )])
+    };
+    assert_eq!(cell.status().engine_block_size, None);
+    let o = a.apply(0, &store(128, 128), &stop);
+    assert_eq!(o.dropped, 1);
+    assert_eq!(cell.status().engine_block_size, Some(128));
+    // A removal says nothing about the block size.
+    a.apply(
+        1,
+        &batch(vec![V::A(vec![s("BlockRemoved"), ua(&[7])])]),
+        &stop,
+    );
+    assert_eq!(cell.status().engine_block_size, Some(128));
+    a.apply(2, &store(2, 2), &stop);
+    assert_eq!(cell.status().engine_block_size, None);
+}
+
+/// Bytes a real vLLM 0.32 published for salted, plain and LoRA requests (testdata/): every block
+/// hashes as the route side hashes the same request, and the salted prompt's continuation (whose
+/// event names no salt) inherits the salt from its parent.
+#[test]
+fn real_vllm_payloads_hash_as_the_route_side() {
+    let payloads: BTreeMap<u64, Vec<u8>> = include_str!("testdata/vllm-0.32-salt-lora.txt")
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+        .map(|l| {
+            let (seq, h) = l.split_once(' ').unwrap();
+            (seq.parse().unwrap(), hex(h))
+        })
+        .collect();
+    let prompt: Vec<u32> = (10..310).chain(400..500).collect();
+    let want = |seed: u64, blocks: std::ops::Range<usize>| -> Vec<u64> {
+        blocks
+            .map(|i| local_hash(&prompt[i * 128..(i + 1) * 128], seed))
+            .collect()
+    };
+    let salted = request_seed(None, Some("tenant-a"));
+    let mut d = Decoder::new(128);
+    let b = d.decode(&payloads[&0]).unwrap();
+    assert_eq!(tokens_hashes(&b), want(salted, 0..2));
+    let b = d.decode(&payloads[&1]).unwrap();
+    assert_eq!(tokens_hashes(&b), want(BASE_SEED, 0..2));
+    let b = d.decode(&payloads[&2]).unwrap();
+    assert_eq!(
+        tokens_hashes(&b),
+        want(request_seed(Some("tiny-lora"), Some("tenant-a")), 0..2)
+    );
+    let b = d.decode(&payloads[&5]).unwrap();
+    assert_eq!(tokens_hashes(&b), want(salted, 2..3));
+}
+
+#[test]
 fn eagle_pairs_flatten_to_firsts_plus_last_second() {
     // Two blocks of 2: pairs (10,11) (11,12) (12,13) (13,14) → tokens 10 11 12 13 (+14 dropped).
     let pairs = V::A(
