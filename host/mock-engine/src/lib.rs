@@ -69,6 +69,7 @@ async fn serve(args: MockEngineArgs) -> Result<(), String> {
         tokenizer: args.tokenizer.clone(),
         chat_template: args.chat_template.clone(),
         block_size: Some(args.block_size),
+        adapters: Vec::new(),
     };
     let model = kvroute_tokenize::Model::load(&args.model, &spec).map_err(|e| {
         // The tokenize crate names configuration fields; here they are flags.

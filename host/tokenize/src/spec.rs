@@ -19,6 +19,11 @@ pub struct ModelSpec {
     /// KV block size in tokens for this model's workers; `None` means the server's.
     #[serde(default)]
     pub block_size: Option<u32>,
+    /// LoRA adapters served on this model (vLLM's `--lora-modules NAME=PATH` names): a request
+    /// whose `model` is one of them is tokenized as this model and hashed with that adapter's
+    /// name (SPEC §2), and is served by this model's workers.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub adapters: Vec<String>,
 }
 
 impl ModelSpec {
@@ -28,6 +33,7 @@ impl ModelSpec {
             tokenizer: tokenizer.into(),
             chat_template: None,
             block_size: None,
+            adapters: Vec::new(),
         }
     }
 }
