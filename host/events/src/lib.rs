@@ -573,6 +573,19 @@ impl EventIngestion {
             );
         }
         out.push_str(
+            "# HELP kvroute_kv_feed_trust How far the rank's index can be trusted to be the \
+             engine's cache: 0 exact, 1 recovering (joining, reconnecting or replaying a gap), 2 \
+             degraded (events lost for good; the index holds only what was stored since).\n\
+             # TYPE kvroute_kv_feed_trust gauge\n",
+        );
+        for (w, r, f) in &ups {
+            let _ = writeln!(
+                out,
+                "kvroute_kv_feed_trust{{worker_id=\"{w}\",dp_rank=\"{r}\"}} {}",
+                f.trust.code()
+            );
+        }
+        out.push_str(
             "# HELP kvroute_kv_last_event_age_seconds Seconds since the rank's last KV event message \
              (absent until the first).\n# TYPE kvroute_kv_last_event_age_seconds gauge\n",
         );

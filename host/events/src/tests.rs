@@ -1799,6 +1799,126 @@ fn the_last_sequence_number_again_is_dropped_not_a_restart() {
     assert_eq!(ss.tracker.next_expected(), Some(4));
 }
 
+fn synced_session(
+    router: &Arc<Router>,
+    buffer: &[u64],
+) -> (
+    Session<Script>,
+    Arc<IngestStats>,
+    Arc<kvroute_core::feeds::FeedCell>,
+) {
+    use kvroute_core::feeds::{FeedConfig, Feeds};
+    let mut script = Script::default();
+    for &i in buffer {
+        script.buffer.insert(i, store_payload(i));
+    }
+    let stats = Arc::new(IngestStats::default());
+    let cell = Feeds::new(FeedConfig::default()).open(CandidateKey::new(1, 0));
+    let applier = PayloadApplier::new(router.clone(), stats.clone(), 1, 0).with_feed(cell.clone());
+    (
+        Session::new(applier, Some(script), Arc::new(AtomicBool::new(false))),
+        stats,
+        cell,
+    )
+}
+
+/// Issue 34: a router started after the engine cached blocks sees them at once (on connect), not
+/// at the engine's next event; live copies of what the sync applied are duplicates.
+#[test]
+fn connecting_syncs_from_the_replay_buffer_at_once() {
+    use kvroute_core::feeds::Trust;
+    let router = router_with_worker(2, 1);
+    let (mut ss, stats, cell) = synced_session(&router, &[0, 1, 2]);
+    assert_eq!(cell.trust(), Trust::Recovering, "a new feed");
+    block_on(ss.sync());
+    assert_eq!(overlap(&router, 3), 3);
+    assert_eq!(cell.trust(), Trust::Exact);
+    assert_eq!(ss.tracker.next_expected(), Some(3));
+    assert_eq!(ss.replayer_ref().unwrap().asked, vec![0]);
+    block_on(async {
+        // Published while the sync ran: already applied, not a restart.
+        ss.on_message(2, &store_payload(2)).await;
+        ss.on_message(3, &store_payload(3)).await;
+    });
+    assert_eq!(stats.restarts.load(Relaxed), 0);
+    assert_eq!(overlap(&router, 4), 4);
+}
+
+/// Issue 34: on a reconnection the same engine is resumed from its buffer; a restarted one (its
+/// buffer no longer holds the last message applied) has its stale blocks dropped at once.
+#[test]
+fn reconnecting_resumes_the_same_engine_and_clears_a_restarted_one() {
+    use kvroute_core::feeds::Trust;
+    let router = router_with_worker(2, 1);
+    let (mut ss, stats, cell) = synced_session(&router, &[0, 1, 2]);
+    block_on(async {
+        for i in 0..3 {
+            ss.on_message(i, &store_payload(i)).await;
+        }
+    });
+    assert_eq!(cell.trust(), Trust::Exact);
+    // The same engine published 3 while we were away.
+    ss.replayer_mut()
+        .unwrap()
+        .buffer
+        .insert(3, store_payload(3));
+    block_on(ss.sync());
+    assert_eq!(ss.replayer_ref().unwrap().asked, vec![2]);
+    assert_eq!((overlap(&router, 4), stats.restarts.load(Relaxed)), (4, 0));
+    // Now the engine restarts: a fresh process with a fresh buffer, another prompt at seq 0.
+    let other = batch(vec![stored_array(
+        ua(&[9]),
+        V::Nil,
+        ua(&[50, 51]),
+        V::U(2),
+        s("GPU"),
+        V::Nil,
+        V::Nil,
+        vec![],
+    )]);
+    let buf = &mut ss.replayer_mut().unwrap().buffer;
+    buf.clear();
+    buf.insert(0, other);
+    block_on(ss.sync());
+    assert_eq!(stats.restarts.load(Relaxed), 1);
+    assert_eq!(
+        overlap(&router, 4),
+        0,
+        "the stale blocks are gone before any new event"
+    );
+    assert_eq!(
+        router.indexer().candidate_blocks(CandidateKey::new(1, 0))[0],
+        1
+    );
+    assert_eq!(ss.tracker.next_expected(), Some(1));
+    assert_eq!(cell.trust(), Trust::Exact);
+    // A restarted engine whose buffer is empty: cleared too.
+    ss.replayer_mut().unwrap().buffer.clear();
+    block_on(ss.sync());
+    assert_eq!(stats.restarts.load(Relaxed), 2);
+    assert_eq!(
+        router.indexer().candidate_blocks(CandidateKey::new(1, 0))[0],
+        0
+    );
+}
+
+#[test]
+fn a_join_whose_buffer_rolled_over_is_degraded_and_a_failed_sync_changes_nothing() {
+    use kvroute_core::feeds::Trust;
+    let router = router_with_worker(2, 1);
+    let (mut ss, _stats, cell) = synced_session(&router, &[2, 3]);
+    block_on(ss.sync());
+    assert_eq!(cell.trust(), Trust::Degraded);
+    assert_eq!(ss.tracker.next_expected(), Some(4));
+    // An AllBlocksCleared makes the index exact again (the engine holds nothing).
+    block_on(ss.on_message(4, &batch(vec![V::A(vec![s("AllBlocksCleared")])])));
+    assert_eq!(cell.trust(), Trust::Exact);
+    ss.replayer_mut().unwrap().fail = true;
+    block_on(ss.sync());
+    assert_eq!(cell.trust(), Trust::Exact);
+    assert_eq!(ss.tracker.next_expected(), Some(5));
+}
+
 #[test]
 fn a_sequence_going_back_is_an_engine_restart() {
     let router = router_with_worker(2, 1);
