@@ -480,7 +480,8 @@ mod tests {
             serde_json::json!({"model": "base", "prompt": "hi", "cache_salt": "a"}),
             &[("x-kvroute-cache-salt", "b")],
         )
-        .err().expect("refused");
+        .err()
+        .expect("refused");
         assert_eq!(e.0.status, StatusCode::BAD_REQUEST);
         assert!(
             e.0.message.contains("x-kvroute-cache-salt"),
@@ -507,7 +508,8 @@ mod tests {
                 serde_json::json!({"model": "base", "prompt": "hi", "cache_salt": bad}),
                 &[],
             )
-            .err().expect("refused");
+            .err()
+            .expect("refused");
             assert_eq!(field_of(e), "cache_salt");
         }
     }
@@ -543,9 +545,12 @@ mod tests {
             serde_json::json!({"model": "sql-lora", "prompt": "hi"}),
             &[("x-kvroute-lora-name", "other")],
         )
-        .err().expect("refused");
+        .err()
+        .expect("refused");
         assert_eq!(field_of(e), "model");
-        let e = run(serde_json::json!({"model": "nope", "prompt": "hi"}), &[]).err().expect("refused");
+        let e = run(serde_json::json!({"model": "nope", "prompt": "hi"}), &[])
+            .err()
+            .expect("refused");
         assert!(e.0.message.contains("sql-lora"), "{}", e.0.message);
     }
 }
