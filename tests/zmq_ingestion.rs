@@ -630,15 +630,28 @@ fn vllm_salted_and_adapter_blocks_match_only_their_own_requests() {
     let h = map_pub.store(&a[..12], None, json!({"cache_salt": "tenant-a"}));
     server.wait_overlap(&a, Some("tenant-a"), 1, 0, 3);
     assert_eq!(server.overlap(&a, None, 1, 0), 0, "no salt: no hit");
-    assert_eq!(server.overlap(&a, Some("tenant-b"), 1, 0), 0, "another tenant: no hit");
+    assert_eq!(
+        server.overlap(&a, Some("tenant-b"), 1, 0),
+        0,
+        "another tenant: no hit"
+    );
     // The decode's next block: its event says nothing of the salt (extra_keys [nil]).
-    let a2: Vec<u32> = a[..12].iter().copied().chain(tokens(900, 4)).chain([7]).collect();
+    let a2: Vec<u32> = a[..12]
+        .iter()
+        .copied()
+        .chain(tokens(900, 4))
+        .chain([7])
+        .collect();
     map_pub.store(&a2[12..16], Some(h[2]), json!({"extra_keys": [null]}));
     server.wait_overlap(&a2, Some("tenant-a"), 1, 0, 4);
     let r = server.route(&a2, Some("tenant-b"));
     assert_eq!(r["cached_tokens"], 0, "{r}");
     let r = server.route(&a2, Some("tenant-a"));
-    assert_eq!((r["worker_id"].as_u64(), r["cached_tokens"].as_u64()), (Some(1), Some(16)), "{r}");
+    assert_eq!(
+        (r["worker_id"].as_u64(), r["cached_tokens"].as_u64()),
+        (Some(1), Some(16)),
+        "{r}"
+    );
     // The reverse: an unsalted copy of the prompt is no hit for the tenant... until it is theirs.
     let b = tokens(3000, 8);
     map_pub.store(&b, None, json!({}));
@@ -648,7 +661,11 @@ fn vllm_salted_and_adapter_blocks_match_only_their_own_requests() {
     // An adapter with a salt, in the array form (extra_keys at position 8): matches only a request
     // with the same adapter and salt.
     let c = tokens(5000, 8);
-    arr_pub.store(&c, None, json!({"lora_name": "sql-lora", "cache_salt": "tenant-a"}));
+    arr_pub.store(
+        &c,
+        None,
+        json!({"lora_name": "sql-lora", "cache_salt": "tenant-a"}),
+    );
     let with = |lora: Option<&str>, salt: Option<&str>| {
         let v = server.json(
             "POST",
