@@ -333,7 +333,9 @@ fn enforce_on_and_off_with_and_without_prefill_workers() {
 
 #[test]
 fn isl_bounding_bypasses_at_its_thresholds() {
-    let s = start("bypass = \"isl_bounding\"\nbypass_max_uncached_tokens = 1000");
+    let s = start(
+        "bypass = \"isl_bounding\"\nbypass_max_uncached_tokens = 1000\nbypass_max_uncached_ratio = 0.7",
+    );
     // 1,600-token prompts (100 blocks). Decode A holds some: bypass when uncached < 1,000 and
     // uncached / 1,600 < 0.7 (< 1,120): the absolute bound decides here. 37 blocks cached =
     // 1,008 uncached: split. 38 = 992: bypass, prefilled on D_A.
@@ -359,7 +361,7 @@ fn isl_bounding_bypasses_at_its_thresholds() {
     assert!(d.get("prefill").is_none());
     assert_eq!(load(&s, D_A, "active_prefill_tokens"), 992);
     assert!(idle(&s, P_A) && idle(&s, P_B));
-    // The ratio bound (default 0.7), on 200-token prompts (12 full blocks and 8 tokens): 4 blocks
+    // The ratio bound (Dynamo's 0.7, set above; off by default), on 200-token prompts (12 full blocks and 8 tokens): 4 blocks
     // cached = 136 uncached (0.68): bypass; 3 = 152 (0.76): split.
     let (a, b) = (tokens(200, 11), tokens(200, 12));
     store(&s, D_B, &a, 4, 3);
@@ -411,10 +413,27 @@ fn prefill_load_bypasses_past_its_threshold() {
     }
 }
 
+/// kvroute's default isl_bounding has no ratio bound (issue 34): a fresh short prompt prefills where
+/// it decodes instead of travelling to a prefill worker and back; a long uncached one still splits.
+#[test]
+fn isl_bounding_keeps_a_fresh_short_prompt_local_by_default() {
+    let s = start("bypass = \"isl_bounding\"");
+    let d = s.route_ok(&json!({"tokens": tokens(64, 50), "book": false}));
+    assert_eq!(
+        (&d["disaggregated"], &d["bypass"], &d["cached_tokens"]),
+        (&json!(false), &json!("isl_bounding"), &json!(0)),
+        "{d}"
+    );
+    let d = s.route_ok(&json!({"tokens": tokens(2048, 51), "book": false}));
+    assert_eq!(d["disaggregated"], true, "{d}");
+}
+
 #[test]
 fn isl_or_load_bypasses_on_either_rule() {
-    let s = start("bypass = \"isl_or_load\"\nbypass_max_prefill_load = 0.5");
-    // isl_bounding (default bounds) holds: 320 tokens, 15 of 20 blocks cached on D_B.
+    let s = start(
+        "bypass = \"isl_or_load\"\nbypass_max_prefill_load = 0.5\nbypass_max_uncached_ratio = 0.7",
+    );
+    // isl_bounding (Dynamo's bounds) holds: 320 tokens, 15 of 20 blocks cached on D_B.
     let t = tokens(320, 40);
     store(&s, D_B, &t, 15, 1);
     assert_eq!(

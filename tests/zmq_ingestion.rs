@@ -580,6 +580,89 @@ fn sglang_one_block_events_with_cache_salt() {
     server.wait_overlap(&b, None, 5, 0, 2);
 }
 
+/// Issue 34: vLLM 0.32 names a request's cache_salt only in the first block's `extra_keys` and the
+/// adapter in `lora_name` (and first in every block's `extra_keys`). A tenant's blocks are a hit for
+/// that tenant only — never for another salt or for no salt, nor the reverse — and the blocks a
+/// later event hangs under them (no salt in that event) are the tenant's too.
+#[test]
+fn vllm_salted_and_adapter_blocks_match_only_their_own_requests() {
+    let server = Server::start();
+    let mut map_pub = Publisher::spawn("vllm_publisher.py", &["--form", "map"]);
+    let mut arr_pub = Publisher::spawn("vllm_publisher.py", &["--form", "array"]);
+    server.register_with_events(1, &map_pub, json!({}));
+    server.register_with_events(2, &arr_pub, json!({}));
+    map_pub.wait_sub();
+    arr_pub.wait_sub();
+
+    // Tenant a's prompt: 3 blocks and a tail, salted on block 0 only.
+    let a = tokens(1, 13);
+    let h = map_pub.store(&a[..12], None, json!({"cache_salt": "tenant-a"}));
+    server.wait_overlap(&a, Some("tenant-a"), 1, 0, 3);
+    assert_eq!(server.overlap(&a, None, 1, 0), 0, "no salt: no hit");
+    assert_eq!(
+        server.overlap(&a, Some("tenant-b"), 1, 0),
+        0,
+        "another tenant: no hit"
+    );
+    // The decode's next block: its event says nothing of the salt (extra_keys [nil]).
+    let a2: Vec<u32> = a[..12]
+        .iter()
+        .copied()
+        .chain(tokens(900, 4))
+        .chain([7])
+        .collect();
+    map_pub.store(&a2[12..16], Some(h[2]), json!({"extra_keys": [null]}));
+    server.wait_overlap(&a2, Some("tenant-a"), 1, 0, 4);
+    let r = server.route(&a2, Some("tenant-b"));
+    assert_eq!(r["cached_tokens"], 0, "{r}");
+    let r = server.route(&a2, Some("tenant-a"));
+    assert_eq!(
+        (r["worker_id"].as_u64(), r["cached_tokens"].as_u64()),
+        (Some(1), Some(16)),
+        "{r}"
+    );
+    // The reverse: an unsalted copy of the prompt is no hit for the tenant... until it is theirs.
+    let b = tokens(3000, 8);
+    map_pub.store(&b, None, json!({}));
+    server.wait_overlap(&b, None, 1, 0, 2);
+    assert_eq!(server.overlap(&b, Some("tenant-a"), 1, 0), 0);
+
+    // An adapter with a salt, in the array form (extra_keys at position 8): matches only a request
+    // with the same adapter and salt.
+    let c = tokens(5000, 8);
+    arr_pub.store(
+        &c,
+        None,
+        json!({"lora_name": "sql-lora", "cache_salt": "tenant-a"}),
+    );
+    let with = |lora: Option<&str>, salt: Option<&str>| {
+        let v = server.json(
+            "POST",
+            "/v1/overlap",
+            Some(json!({"tokens": c, "lora_name": lora, "cache_salt": salt})),
+        );
+        v["workers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|w| w["worker_id"] == 2)
+            .map_or(0, |w| w["device_blocks"].as_u64().unwrap())
+    };
+    eventually("the adapter's blocks", || {
+        (with(Some("sql-lora"), Some("tenant-a")) == 2).then_some(())
+    });
+    assert_eq!(with(Some("sql-lora"), None), 0);
+    assert_eq!(with(None, Some("tenant-a")), 0);
+    assert_eq!(with(Some("other"), Some("tenant-a")), 0);
+
+    // An image's block (a multimodal key in extra_keys): no text prompt matches it or past it.
+    let d = tokens(7000, 12);
+    arr_pub.store(&d, None, json!({"mm": {"1": ["img-hash", 2]}}));
+    eventually("the text block before the image", || {
+        (server.overlap(&d, None, 2, 0) == 1).then_some(())
+    });
+}
+
 #[test]
 fn data_parallel_ranks_subscribe_on_consecutive_ports() {
     let server = Server::start();

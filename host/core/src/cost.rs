@@ -45,6 +45,23 @@ pub fn prompt_blocks(prompt_tokens: u32, block_size: u32) -> u32 {
     prompt_tokens.div_ceil(block_size.max(1))
 }
 
+/// The most prompt blocks an engine reuses from its cache: vLLM (and SGLang) always compute at
+/// least the prompt's last token, so at most `prompt_tokens - 1` tokens are reused, rounded down
+/// to a block: a block-aligned prompt's last block is recomputed even when it is cached
+/// (SPEC §5). Every overlap the router credits or reports is capped here.
+#[inline]
+pub fn reusable_blocks(prompt_tokens: u32, block_size: u32) -> u32 {
+    prompt_tokens.saturating_sub(1) / block_size.max(1)
+}
+
+/// The prompt tokens an overlap of `overlap_blocks` saves: at most [`reusable_blocks`] blocks.
+#[inline]
+pub fn cached_tokens(overlap_blocks: u32, prompt_tokens: u32, block_size: u32) -> u32 {
+    overlap_blocks
+        .min(reusable_blocks(prompt_tokens, block_size))
+        .saturating_mul(block_size)
+}
+
 /// Cache credit of one candidate, in blocks.
 #[inline]
 pub fn cache_credit(device: u32, host: u32, disk: u32, w: &CostWeights) -> f64 {

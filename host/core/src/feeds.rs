@@ -12,7 +12,7 @@
 //! for `dead_after`. A connected feed that is silent is not dead: engines publish only when their
 //! cache changes, so an idle engine's index is current.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -46,6 +46,45 @@ impl DeadFeedRule {
     }
 }
 
+/// How far a candidate's index can be trusted to be the engine's cache (SPEC §4.4).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Trust {
+    /// Every event since the engine started (or since it last cleared) has been applied in order.
+    #[default]
+    Exact,
+    /// Events are being recovered: the subscription has just joined a running engine or
+    /// reconnected, or a gap is being replayed.
+    Recovering,
+    /// Events were lost for good (no replay endpoint, the engine's replay buffer had rolled over,
+    /// the replay failed): the index was cleared and holds only what the engine stored since, until
+    /// a replay fills it again or the engine clears its cache.
+    Degraded,
+}
+
+impl Trust {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Trust::Exact => "exact",
+            Trust::Recovering => "recovering",
+            Trust::Degraded => "degraded",
+        }
+    }
+
+    /// The value of the `kvroute_kv_feed_trust` gauge: 0 exact, 1 recovering, 2 degraded.
+    pub fn code(self) -> u8 {
+        self as u8
+    }
+
+    fn from_code(c: u8) -> Trust {
+        match c {
+            0 => Trust::Exact,
+            1 => Trust::Recovering,
+            _ => Trust::Degraded,
+        }
+    }
+}
+
 /// The dead-feed rule and when a feed counts as dead.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct FeedConfig {
@@ -74,6 +113,10 @@ pub struct FeedCell {
     /// `u64::MAX` = none yet.
     last_seq: AtomicU64,
     dead: AtomicBool,
+    /// The block size of the engine's last store when it is not the router's (0 = none).
+    engine_block_size: AtomicU64,
+    /// [`Trust`] as its code; a new feed is `recovering` until its first sync.
+    trust: AtomicU8,
     epoch: Option<Instant>,
 }
 
@@ -97,6 +140,21 @@ impl FeedCell {
         self.last_seq.store(seq, Relaxed);
     }
 
+    /// The engine's stores have block size `engine` (`Some`) while the router's is another, so
+    /// they are dropped; `None` once its stores have the router's block size again.
+    pub fn set_engine_block_size(&self, engine: Option<u64>) {
+        self.engine_block_size.store(engine.unwrap_or(0), Relaxed);
+    }
+
+    /// How far the candidate's index can be trusted.
+    pub fn set_trust(&self, t: Trust) {
+        self.trust.store(t.code(), Relaxed);
+    }
+
+    pub fn trust(&self) -> Trust {
+        Trust::from_code(self.trust.load(Relaxed))
+    }
+
     /// What `GET /v1/workers` shows.
     pub fn status(&self) -> FeedStatus {
         let now = self.now();
@@ -107,6 +165,11 @@ impl FeedCell {
             last_event_age_ms: (last > 0).then(|| now.saturating_sub(last)),
             last_seq: (seq != u64::MAX).then_some(seq),
             dead: self.dead.load(Relaxed),
+            engine_block_size: match self.engine_block_size.load(Relaxed) {
+                0 => None,
+                b => Some(b),
+            },
+            trust: self.trust(),
         }
     }
 }
@@ -120,6 +183,13 @@ pub struct FeedStatus {
     /// Sequence number of the last message (`None`: none yet).
     pub last_seq: Option<u64>,
     pub dead: bool,
+    /// Present while the engine's stores carry a block size other than the router's: the
+    /// engine's (every store is dropped, `block_size_mismatch`; start the engine with the
+    /// router's `block_size`, or the router with the engine's).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub engine_block_size: Option<u64>,
+    /// How far the index can be trusted to be the engine's cache.
+    pub trust: Trust,
 }
 
 /// Every subscribed candidate's feed, and the dead set the decision path reads.
@@ -149,6 +219,7 @@ impl Feeds {
     pub fn open(&self, key: CandidateKey) -> Arc<FeedCell> {
         let cell = Arc::new(FeedCell {
             last_seq: AtomicU64::new(u64::MAX),
+            trust: AtomicU8::new(Trust::Recovering.code()),
             epoch: Some(self.epoch),
             ..Default::default()
         });

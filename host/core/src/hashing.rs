@@ -47,6 +47,21 @@ pub fn local_hash(block: &[u32], seed: u64) -> u64 {
     }
 }
 
+/// The local hash of a block whose identity also carries a key that no text prompt has: a
+/// multimodal item (an image's hash and its offset in the block), a prompt-embedding digest, or an
+/// identity the router could not establish (SPEC §2, "Isolation"). It is
+/// `xxh3_64_with_seed(LE(tokens) ‖ LE64(key), seed)`: the input is 8 bytes longer than any
+/// block's own, so it never equals a [`local_hash`] of the same size's tokens except by a 2^-64
+/// accident, and no prompt without that key can match the block.
+pub fn keyed_local_hash(block: &[u32], seed: u64, key: u64) -> u64 {
+    let mut bytes = Vec::with_capacity(block.len() * 4 + 8);
+    for t in block {
+        bytes.extend_from_slice(&t.to_le_bytes());
+    }
+    bytes.extend_from_slice(&key.to_le_bytes());
+    xxh3_64_with_seed(&bytes, seed)
+}
+
 /// Local hashes of every complete block of `tokens`, appended to `out` (which is cleared first).
 ///
 /// # Panics
@@ -157,6 +172,20 @@ mod tests {
         );
         assert!(local_block_hashes(&[1, 2, 3], 4, BASE_SEED).is_empty());
         assert!(local_block_hashes(&[1, 2, 3], 0, BASE_SEED).is_empty());
+    }
+
+    #[test]
+    fn keyed_hashes_differ_from_plain_ones_and_by_key() {
+        let block = [1, 2, 3, 4];
+        let plain = local_hash(&block, BASE_SEED);
+        let a = keyed_local_hash(&block, BASE_SEED, 7);
+        let b = keyed_local_hash(&block, BASE_SEED, 8);
+        assert_ne!(a, plain);
+        assert_ne!(a, b);
+        assert_eq!(a, keyed_local_hash(&block, BASE_SEED, 7));
+        let mut bytes: Vec<u8> = block.iter().flat_map(|t: &u32| t.to_le_bytes()).collect();
+        bytes.extend_from_slice(&7u64.to_le_bytes());
+        assert_eq!(a, xxh3_64_with_seed(&bytes, BASE_SEED));
     }
 
     #[test]

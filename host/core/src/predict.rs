@@ -16,6 +16,15 @@
 //!   at once (matching stops there, so the blocks after it on the path stop counting too);
 //! - a **cleared** candidate, or a removed worker, loses all its predictions.
 //!
+//! # Mispredictions: the tell-tale of a parity bug
+//! Predict-on-route assumes the router's tokens (and hashes) are the engine's. When they are not
+//! (a chat template rendered differently, a salt or adapter the router hashed otherwise), the
+//! engine stores the request's blocks under other local hashes: its events keep storing blocks on
+//! the candidate, yet never the predicted ones. A prediction that reaches its TTL unconfirmed
+//! while its candidate's engine stored other blocks after it was recorded is counted as
+//! **mispredicted**; when, over a window of at least [`MISPREDICT_MIN_SAMPLES`] expiries, more than
+//! [`MISPREDICT_THRESHOLD`] of them were, a warning is logged (at most once a minute).
+//!
 //! # Memory and cost
 //! Entries are (candidate, sequence hash) pairs. Every entry expires after the TTL; expired entries
 //! are purged (oldest first, from a queue in expiry order) whenever a prediction is recorded, and
@@ -41,6 +50,14 @@ use rustc_hash::FxHashMap;
 use smallvec::SmallVec;
 
 use crate::candidate::{CandidateKey, WorkerId};
+
+/// Share of expired predictions mispredicted (see the module doc) above which a warning is logged.
+pub const MISPREDICT_THRESHOLD: f64 = 0.5;
+/// Fewest expiries in a window before the share is judged.
+pub const MISPREDICT_MIN_SAMPLES: u64 = 32;
+/// The window over which the share is judged, and the least time between two warnings.
+const MISPREDICT_WINDOW_US: u64 = 10_000_000;
+const MISPREDICT_WARN_EVERY_US: u64 = 60_000_000;
 
 /// Settings of predict-on-route.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -73,6 +90,13 @@ struct State {
     queue: VecDeque<(u64, CandidateKey, u64, u64)>,
     /// Live (candidate, block) entries.
     live: usize,
+    /// (candidate, sequence hash) entries a stored event confirmed.
+    confirmed: rustc_hash::FxHashSet<(CandidateKey, u64)>,
+    /// When each candidate's engine last stored blocks on device (router clock, µs).
+    last_store_us: FxHashMap<CandidateKey, u64>,
+    /// The current misprediction window: its start, expiries and mispredictions in it.
+    window: (u64, u64, u64),
+    last_warn_us: Option<u64>,
 }
 
 impl State {
@@ -92,6 +116,7 @@ impl State {
         if h.is_empty() {
             self.holders.remove(&seq);
         }
+        self.confirmed.remove(&(c, seq));
         if let Some(s) = self.by_local.get_mut(&(c, local)) {
             s.retain(|x| *x != seq);
             if s.is_empty() {
@@ -126,6 +151,8 @@ impl State {
             !h.is_empty()
         });
         self.by_local.retain(|(k, _), _| !which(*k));
+        self.confirmed.retain(|(k, _)| !which(*k));
+        self.last_store_us.retain(|k, _| !which(*k));
         self.live -= n as usize;
         n
     }
@@ -144,6 +171,9 @@ pub struct PredictStats {
     pub contradicted: u64,
     /// Predictions dropped at their TTL or past the cap.
     pub expired: u64,
+    /// Predictions that expired unconfirmed while their candidate's engine stored other blocks
+    /// (counted in `expired` too): the tell-tale of a parity bug.
+    pub mispredicted: u64,
 }
 
 #[derive(Debug, Default)]
@@ -152,6 +182,7 @@ struct Counters {
     confirmed: AtomicU64,
     contradicted: AtomicU64,
     expired: AtomicU64,
+    mispredicted: AtomicU64,
 }
 
 /// The predicted holdings of routed prompts. `Send + Sync`.
@@ -183,7 +214,24 @@ impl Predictions {
         }
         let expiry = now_us.saturating_add(self.config.ttl.as_micros() as u64);
         let mut st = self.state.write();
-        let mut gone = st.pop_while(|_, e| e <= now_us);
+        let ttl = self.config.ttl.as_micros() as u64;
+        let mut mispredicted = 0u64;
+        let mut gone = 0u64;
+        while let Some(&(e, c, sq, l)) = st.queue.front() {
+            if e > now_us {
+                break;
+            }
+            st.queue.pop_front();
+            let confirmed = st.confirmed.contains(&(c, sq));
+            if st.drop_entry(c, sq, l, Some(e)) {
+                gone += 1;
+                let recorded_at = e.saturating_sub(ttl);
+                if !confirmed && st.last_store_us.get(&c).is_some_and(|&t| t > recorded_at) {
+                    mispredicted += 1;
+                }
+            }
+        }
+        self.judge(&mut st, gone, mispredicted, now_us);
         for (&s, &l) in seq.iter().zip(local) {
             let h = st.holders.entry(s).or_default();
             match h.iter_mut().find(|(k, _)| *k == candidate) {
@@ -241,17 +289,61 @@ impl Predictions {
         out.sort_unstable();
     }
 
-    /// A stored event's blocks (by local hash) on `candidate`: counts those predicted there.
-    pub fn confirm(&self, candidate: CandidateKey, stored_locals: impl Iterator<Item = u64>) {
-        let st = self.state.read();
-        if st.live == 0 {
+    /// A stored event's blocks (by local hash) on `candidate`, at `now_us`: counts and marks those
+    /// predicted there.
+    pub fn confirm(
+        &self,
+        candidate: CandidateKey,
+        stored_locals: impl Iterator<Item = u64>,
+        now_us: u64,
+    ) {
+        if self.state.read().live == 0 {
             return;
         }
-        let n = stored_locals
-            .filter(|l| st.by_local.contains_key(&(candidate, *l)))
-            .count();
+        let mut st = self.state.write();
+        st.last_store_us.insert(candidate, now_us);
+        let mut n = 0u64;
+        for l in stored_locals {
+            let Some(seqs) = st.by_local.get(&(candidate, l)).cloned() else {
+                continue;
+            };
+            n += 1;
+            for sq in seqs {
+                st.confirmed.insert((candidate, sq));
+            }
+        }
         if n > 0 {
-            self.counters.confirmed.fetch_add(n as u64, Relaxed);
+            self.counters.confirmed.fetch_add(n, Relaxed);
+        }
+    }
+
+    /// Counts the expiries and mispredictions of a purge, and warns when the window's share of
+    /// mispredictions is past [`MISPREDICT_THRESHOLD`].
+    fn judge(&self, st: &mut State, expired: u64, mispredicted: u64, now_us: u64) {
+        if mispredicted > 0 {
+            self.counters.mispredicted.fetch_add(mispredicted, Relaxed);
+        }
+        let (start, n, bad) = &mut st.window;
+        if now_us.saturating_sub(*start) > MISPREDICT_WINDOW_US {
+            *start = now_us;
+            *n = 0;
+            *bad = 0;
+        }
+        *n += expired;
+        *bad += mispredicted;
+        let (n, bad) = (*n, *bad);
+        if n >= MISPREDICT_MIN_SAMPLES
+            && bad as f64 > MISPREDICT_THRESHOLD * n as f64
+            && st
+                .last_warn_us
+                .is_none_or(|t| now_us.saturating_sub(t) >= MISPREDICT_WARN_EVERY_US)
+        {
+            st.last_warn_us = Some(now_us);
+            tracing::warn!(
+                expired = n,
+                mispredicted = bad,
+                "predict-on-route: {bad} of {n} predicted blocks expired unconfirmed while their engines stored other blocks: the engines' block hashes differ from the router's (tokenization, chat template, cache_salt or LoRA parity); see kvroute_predictions_total{{outcome=\"mispredicted\"}}"
+            );
         }
     }
 
@@ -301,6 +393,7 @@ impl Predictions {
             confirmed: self.counters.confirmed.load(Relaxed),
             contradicted: self.counters.contradicted.load(Relaxed),
             expired: self.counters.expired.load(Relaxed),
+            mispredicted: self.counters.mispredicted.load(Relaxed),
         }
     }
 }
@@ -329,6 +422,29 @@ mod tests {
 
     const A: CandidateKey = CandidateKey::new(1, 0);
     const B: CandidateKey = CandidateKey::new(2, 0);
+
+    #[test]
+    fn predictions_the_engine_never_stores_while_storing_others_are_mispredicted() {
+        let p = preds(2000, 1 << 20);
+        // 40 one-block prompts predicted on A at t = 1 s.
+        for i in 0..40u64 {
+            let (l, s) = prompt(&[1000 + i]);
+            p.record(A, &l, &s, 1_000_000);
+        }
+        // A's engine confirms 10 of them, and stores blocks the router never predicted.
+        p.confirm(A, (1000..1010u64).chain([5, 6]), 1_500_000);
+        // Predictions on B, whose engine stores nothing: expired, not mispredicted (a slow or
+        // idle engine is no parity bug).
+        let (l, s) = prompt(&[7]);
+        p.record(B, &l, &s, 1_000_000);
+        // Past the TTL a new record purges them all.
+        let (l, s) = prompt(&[8]);
+        p.record(B, &l, &s, 3_100_000);
+        let st = p.stats();
+        assert_eq!(st.expired, 41);
+        assert_eq!(st.mispredicted, 30);
+        assert_eq!(st.confirmed, 10);
+    }
 
     #[test]
     fn a_prediction_matches_its_prefix_until_its_ttl() {
@@ -371,7 +487,7 @@ mod tests {
         let (l, s) = prompt(&[1, 2, 3, 4]);
         p.record(A, &l, &s, 0);
         p.record(B, &l, &s, 0);
-        p.confirm(A, [1u64, 2, 77].into_iter());
+        p.confirm(A, [1u64, 2, 77].into_iter(), 1_000_000);
         assert_eq!(p.stats().confirmed, 2);
         assert_eq!(matches(&p, &s, 10), vec![(A, 4), (B, 4)]);
         // A evicts block 3: its prediction stops at 2; B's is untouched.

@@ -94,12 +94,32 @@ impl Decoder {
             em: Emitter {
                 block_size: block_size.max(1) as usize,
                 tokens: Vec::new(),
+                identities: Default::default(),
+                foreign_block_size: None,
             },
         }
     }
 
     pub fn block_size(&self) -> u32 {
         self.em.block_size as u32
+    }
+
+    /// The block size of the last stored event when it was not the router's (the event was
+    /// dropped, `block_size_mismatch`): what the engine was started with. `None` again once a
+    /// store with the router's block size arrives.
+    pub fn foreign_block_size(&self) -> Option<u64> {
+        self.em.foreign_block_size
+    }
+
+    #[cfg(test)]
+    pub(crate) fn em_identities(&self) -> usize {
+        self.em.identities.len()
+    }
+
+    /// Forgets the blocks' identities (LoRA, cache salt) remembered for events that continue
+    /// them: the rank's index was cleared, so nothing can hang under them any more.
+    pub fn forget_identities(&mut self) {
+        self.em.identities.clear();
     }
 
     /// Decodes one payload into a new batch. `Err` = the whole payload is dropped for that reason.

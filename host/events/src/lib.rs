@@ -78,6 +78,7 @@
 mod batch;
 pub mod decode;
 mod emit;
+mod identity;
 mod nesting;
 pub mod publish;
 pub mod subscriber;
@@ -569,6 +570,19 @@ impl EventIngestion {
                 out,
                 "kvroute_kv_feed_dead{{worker_id=\"{w}\",dp_rank=\"{r}\"}} {}",
                 u8::from(f.dead)
+            );
+        }
+        out.push_str(
+            "# HELP kvroute_kv_feed_trust How far the rank's index can be trusted to be the \
+             engine's cache: 0 exact, 1 recovering (joining, reconnecting or replaying a gap), 2 \
+             degraded (events lost for good; the index holds only what was stored since).\n\
+             # TYPE kvroute_kv_feed_trust gauge\n",
+        );
+        for (w, r, f) in &ups {
+            let _ = writeln!(
+                out,
+                "kvroute_kv_feed_trust{{worker_id=\"{w}\",dp_rank=\"{r}\"}} {}",
+                f.trust.code()
             );
         }
         out.push_str(

@@ -19,9 +19,10 @@ use zeromq::{Socket, SocketEvent, SocketOptions, SocketRecv, SocketSend, ZmqMess
 use super::decode::{Batch, Decoder, DropReason};
 use super::{IngestConfig, IngestStats, SubscriptionSpec};
 use kvroute_core::candidate::{CandidateKey, DpRank, WorkerId};
-use kvroute_core::feeds::FeedCell;
+use kvroute_core::feeds::{FeedCell, Trust};
 use kvroute_core::indexer::KvEvent;
 use kvroute_core::router::Router;
+use xxhash_rust::xxh3::xxh3_64;
 
 /// The sequence number that ends a replay (`-1` as 8 big-endian bytes).
 pub const END_SEQ: u64 = u64::MAX;
@@ -38,6 +39,8 @@ pub struct PayloadOutcome {
     pub dropped: u32,
     /// Blocks in the stored events handed to the index.
     pub blocks: u64,
+    /// The payload held an `AllBlocksCleared`.
+    pub engine_cleared: bool,
 }
 
 /// Decodes payloads of one worker rank and applies them through [`Router::apply_event`], so events
@@ -52,6 +55,10 @@ pub struct PayloadApplier {
     batch: Batch,
     /// Ranks this applier has written to (its own plus payload overrides), for clearing.
     ranks: SmallVec<[DpRank; 4]>,
+    /// The feed's state, for what the events say about the engine (its block size).
+    feed: Option<Arc<FeedCell>>,
+    /// The engine block size last logged as a mismatch (logged once per feed and size).
+    logged_block_size: Option<u64>,
 }
 
 /// Most distinct ranks remembered per subscription (payload overrides beyond it are still applied;
@@ -76,6 +83,37 @@ impl PayloadApplier {
             decoder: Decoder::new(block_size),
             batch: Batch::default(),
             ranks,
+            feed: None,
+            logged_block_size: None,
+        }
+    }
+
+    /// Reports what the events say about the engine to its feed's state.
+    pub fn with_feed(mut self, feed: Arc<FeedCell>) -> Self {
+        self.feed = Some(feed);
+        self
+    }
+
+    /// After a payload: an engine whose stores have another block size than the router's is
+    /// logged (once per feed and size, naming both) and shown in the feed's state.
+    fn check_block_size(&mut self) {
+        let engine = self.decoder.foreign_block_size();
+        if let Some(feed) = &self.feed {
+            feed.set_engine_block_size(engine);
+        }
+        if let Some(bs) = engine {
+            if self.logged_block_size != Some(bs) {
+                self.logged_block_size = Some(bs);
+                tracing::warn!(
+                    worker_id = self.worker_id,
+                    dp_rank = self.rank,
+                    engine_block_size = bs,
+                    router_block_size = self.decoder.block_size(),
+                    "KV events: the engine's blocks are {bs} tokens but the router's block_size is {}; every store is dropped until they agree (start the engine with --block-size {} or the router with block_size = {bs})",
+                    self.decoder.block_size(),
+                    self.decoder.block_size(),
+                );
+            }
         }
     }
 
@@ -87,6 +125,10 @@ impl PayloadApplier {
             self.stats.dropped(reason, 1);
             out.dropped = 1;
             return out;
+        }
+        if self.batch.dropped.get(DropReason::BlockSizeMismatch) > 0 || self.batch.stored_blocks > 0
+        {
+            self.check_block_size();
         }
         for r in DropReason::ALL {
             let n = self.batch.dropped.get(r);
@@ -100,6 +142,15 @@ impl PayloadApplier {
             self.ranks.push(rank);
         }
         let candidate = CandidateKey::new(self.worker_id, rank);
+        if self
+            .batch
+            .events
+            .iter()
+            .any(|e| matches!(e.data, kvroute_core::indexer::KvEventData::Cleared))
+        {
+            // The engine holds nothing: the index is exactly its cache again.
+            out.engine_cleared = true;
+        }
         for ev in self.batch.events.drain(..) {
             if stop.load(Relaxed) {
                 break;
@@ -127,8 +178,9 @@ impl PayloadApplier {
     }
 
     /// Empties every rank this applier has written to, in every tier (engine restart, lost events).
-    pub fn clear(&self) -> u64 {
+    pub fn clear(&mut self) -> u64 {
         self.stats.clears.fetch_add(1, Relaxed);
+        self.decoder.forget_identities();
         self.ranks
             .iter()
             .map(|&r| {
@@ -141,6 +193,16 @@ impl PayloadApplier {
 
     pub fn worker_id(&self) -> WorkerId {
         self.worker_id
+    }
+
+    fn set_trust(&self, t: Trust) {
+        if let Some(f) = &self.feed {
+            f.set_trust(t);
+        }
+    }
+
+    fn trust(&self) -> Option<Trust> {
+        self.feed.as_ref().map(|f| f.trust())
     }
 }
 
@@ -224,6 +286,12 @@ pub(crate) struct Session<R> {
     replayer: Option<R>,
     stats: Arc<IngestStats>,
     stop: Arc<AtomicBool>,
+    /// The last message applied: its sequence number and a hash of its payload (to tell, on a
+    /// reconnection, the same engine from a restarted one).
+    last: Option<(u64, u64)>,
+    /// Messages applied by the last sync, by sequence number → payload hash: their live copies
+    /// (published while the sync ran) are dropped as duplicates, not taken for a restart.
+    synced: std::collections::HashMap<u64, u64>,
 }
 
 impl<R: Replayer> Session<R> {
@@ -235,12 +303,156 @@ impl<R: Replayer> Session<R> {
             replayer,
             stats,
             stop,
+            last: None,
+            synced: Default::default(),
         }
+    }
+
+    /// Applies one message and remembers it as the last one.
+    fn apply_one(&mut self, seq: u64, payload: &[u8]) {
+        let o = self.applier.apply(seq, payload, &self.stop);
+        self.last = Some((seq, xxh3_64(payload)));
+        if o.engine_cleared {
+            self.applier.set_trust(Trust::Exact);
+        }
+    }
+
+    /// On connect and on every reconnection: asks the engine's replay endpoint at once for what
+    /// this subscription has not applied, instead of waiting for the engine's next event (SPEC
+    /// §4.3). A subscription that has applied nothing yet (a router joining a running engine)
+    /// applies the engine's whole buffer. One that has asks from its last message: if the
+    /// engine's buffer still holds that message unchanged, it is the same engine and what follows
+    /// is applied; otherwise the engine restarted, and its stale blocks are dropped at once, then
+    /// its buffer is applied as on a join. Without a replay endpoint nothing is asked.
+    pub(crate) async fn sync(&mut self) {
+        if self.replayer.is_none() || self.stop.load(Relaxed) {
+            return;
+        }
+        let before = self.applier.trust();
+        self.applier.set_trust(Trust::Recovering);
+        self.synced.clear();
+        if let (Some(n), Some((last_seq, last_hash))) = (self.tracker.next_expected(), self.last) {
+            match self.resume(n, last_seq, last_hash).await {
+                Ok(true) => return,
+                Ok(false) => {
+                    self.stats.restarts.fetch_add(1, Relaxed);
+                    tracing::warn!(
+                        worker_id = self.applier.worker_id,
+                        dp_rank = self.applier.rank,
+                        last_seq,
+                        "KV events: the engine no longer has the last message applied: it restarted; clearing its index"
+                    );
+                    self.applier.clear();
+                    self.tracker.reset();
+                    self.last = None;
+                }
+                Err(()) => {
+                    if let Some(t) = before {
+                        self.applier.set_trust(t);
+                    }
+                    return;
+                }
+            }
+        }
+        self.stats.catch_ups.fetch_add(1, Relaxed);
+        if self.replay_all(0, None).await.is_err() {
+            if let Some(t) = before {
+                self.applier.set_trust(t);
+            }
+        }
+    }
+
+    /// Replays from the last message applied (`last_seq`, `n = last_seq + 1`): `Ok(true)` = the
+    /// same engine (what followed is applied), `Ok(false)` = a restarted one (nothing applied).
+    async fn resume(&mut self, n: u64, last_seq: u64, last_hash: u64) -> Result<bool, ()> {
+        debug_assert_eq!(n, last_seq.saturating_add(1));
+        self.replay_all(last_seq, Some(last_hash)).await
+    }
+
+    /// Asks for every buffered message from `from` and applies them in order, from the first one
+    /// the subscription has not applied. `check`: the first reply must be `from` with this
+    /// payload hash, else nothing is applied and the answer is `Ok(false)`. A buffer that does not
+    /// reach back to what is needed clears the ranks first (degraded).
+    async fn replay_all(&mut self, from: u64, check: Option<u64>) -> Result<bool, ()> {
+        let Some(replayer) = self.replayer.as_mut() else {
+            return Err(());
+        };
+        self.stats.replays.fetch_add(1, Relaxed);
+        if let Err(e) = replayer.start(from).await {
+            tracing::warn!(worker_id = self.applier.worker_id, error = %e, "KV event replay (sync) failed");
+            self.stats.replay_failed.fetch_add(1, Relaxed);
+            return Err(());
+        }
+        let mut checked = check.is_none();
+        let mut lost = false;
+        let mut msgs = Vec::new();
+        loop {
+            if self.stop.load(Relaxed) {
+                return Err(());
+            }
+            let r = match self.replayer.as_mut() {
+                Some(rp) => rp.next().await,
+                None => return Err(()),
+            };
+            match r {
+                Ok(None) => break,
+                Ok(Some((seq, payload))) => {
+                    if !checked {
+                        if seq != from || Some(xxh3_64(&payload)) != check {
+                            // Drain what is left of the reply stream before answering.
+                            while let Some(rp) = self.replayer.as_mut() {
+                                match rp.next().await {
+                                    Ok(Some(_)) => continue,
+                                    _ => break,
+                                }
+                            }
+                            return Ok(false);
+                        }
+                        checked = true;
+                        continue;
+                    }
+                    msgs.push((seq, payload));
+                }
+                Err(e) => {
+                    tracing::warn!(worker_id = self.applier.worker_id, error = %e, "KV event replay (sync) failed");
+                    self.stats.replay_failed.fetch_add(1, Relaxed);
+                    return Err(());
+                }
+            }
+        }
+        if !checked {
+            // The engine's buffer does not even hold the last message: a restarted engine.
+            return Ok(false);
+        }
+        let mut next = self.tracker.next_expected().unwrap_or(0);
+        for (seq, payload) in msgs {
+            if seq < next {
+                continue;
+            }
+            if seq > next && !lost {
+                // The buffer no longer has `next..seq`: what the engine did then is lost.
+                lost = true;
+                self.applier.clear();
+            }
+            self.apply_one(seq, &payload);
+            self.synced.insert(seq, xxh3_64(&payload));
+            self.stats.replayed_messages.fetch_add(1, Relaxed);
+            self.tracker.advance(seq);
+            next = seq + 1;
+        }
+        self.applier
+            .set_trust(if lost { Trust::Degraded } else { Trust::Exact });
+        Ok(true)
     }
 
     #[cfg(test)]
     pub(crate) fn replayer_ref(&self) -> Option<&R> {
         self.replayer.as_ref()
+    }
+
+    #[cfg(test)]
+    pub(crate) fn replayer_mut(&mut self) -> Option<&mut R> {
+        self.replayer.as_mut()
     }
 
     /// Handles one message of the SUB socket: `[topic, seq, payload]`.
@@ -261,6 +473,18 @@ impl<R: Replayer> Session<R> {
         if self.stop.load(Relaxed) {
             return;
         }
+        if !self.synced.is_empty() {
+            match self.tracker.next_expected() {
+                Some(n) if seq < n => {
+                    if self.synced.get(&seq) == Some(&xxh3_64(payload)) {
+                        // Published while the sync ran: already applied from the buffer.
+                        self.stats.duplicates.fetch_add(1, Relaxed);
+                        return;
+                    }
+                }
+                _ => self.synced.clear(),
+            }
+        }
         let mut action = self.tracker.classify(seq);
         if action == SeqAction::Duplicate {
             self.stats.duplicates.fetch_add(1, Relaxed);
@@ -277,7 +501,12 @@ impl<R: Replayer> Session<R> {
             );
             self.applier.clear();
             self.tracker.reset();
+            self.last = None;
             action = self.tracker.classify(seq);
+        }
+        if action == SeqAction::Apply && self.tracker.next_expected().is_none() && seq == 0 {
+            // The engine's first message: the index holds all it ever published.
+            self.applier.set_trust(Trust::Exact);
         }
         if let SeqAction::Replay { from, catch_up } = action {
             if catch_up {
@@ -293,12 +522,17 @@ impl<R: Replayer> Session<R> {
                     "KV events lost (sequence gap); replaying them, or clearing the rank's index if they cannot be"
                 );
             }
+            self.applier.set_trust(Trust::Recovering);
+            let cleared_before = self.stats.clears.load(Relaxed);
             self.replay(from, seq, catch_up).await;
+            let lost = self.stats.clears.load(Relaxed) != cleared_before;
+            self.applier
+                .set_trust(if lost { Trust::Degraded } else { Trust::Exact });
         }
         if self.stop.load(Relaxed) {
             return;
         }
-        self.applier.apply(seq, payload, &self.stop);
+        self.apply_one(seq, payload);
         self.tracker.advance(seq);
     }
 
@@ -483,7 +717,8 @@ pub(crate) async fn run_subscription(
     stop: Arc<AtomicBool>,
     feed: Arc<FeedCell>,
 ) {
-    let applier = PayloadApplier::new(router, stats.clone(), spec.worker_id, spec.dp_rank);
+    let applier = PayloadApplier::new(router, stats.clone(), spec.worker_id, spec.dp_rank)
+        .with_feed(feed.clone());
     let replayer = spec
         .replay_endpoint
         .clone()
@@ -536,6 +771,8 @@ pub(crate) async fn run_subscription(
         feed.set_connected(true);
         tracing::info!(worker_id = spec.worker_id, dp_rank = spec.dp_rank, endpoint = %spec.endpoint, topic = %spec.topic, "KV events: subscribed");
         backoff = config.backoff_initial;
+        // Join or rejoin: what the engine holds now, without waiting for its next event.
+        session.sync().await;
         loop {
             let received = tokio::select! {
                 r = socket.recv() => r,
@@ -545,7 +782,14 @@ pub(crate) async fn run_subscription(
                             feed.set_connected(false);
                             tracing::warn!(worker_id = spec.worker_id, dp_rank = spec.dp_rank, endpoint = %spec.endpoint, "KV events: the engine's publisher went away; reconnecting");
                         }
-                        Some(SocketEvent::Connected(..)) => feed.set_connected(true),
+                        Some(SocketEvent::Connected(..)) => {
+                            let was_up = feed.status().connected;
+                            feed.set_connected(true);
+                            if !was_up {
+                                // The engine came back (maybe restarted): catch up at once.
+                                session.sync().await;
+                            }
+                        }
                         _ => {}
                     }
                     continue;

@@ -440,6 +440,372 @@ fn lora_name_and_cache_salt_seed_the_local_hash() {
     );
 }
 
+// ---- vLLM's extra_keys: cache salt, LoRA, multimodal (issue 34) ---------------------------------
+
+/// A vLLM 0.32 store in map form, with `extra_keys` (one entry per block) and `lora_name`.
+fn vllm_store(
+    hashes: &[u64],
+    parent: Option<u64>,
+    tokens: &[u64],
+    lora: Option<&str>,
+    extra: V,
+) -> V {
+    m(&[
+        ("type", s("BlockStored")),
+        ("block_hashes", ua(hashes)),
+        ("parent_block_hash", parent.map_or(V::Nil, V::U)),
+        ("token_ids", ua(tokens)),
+        ("block_size", V::U(2)),
+        ("lora_id", lora.map_or(V::Nil, |_| V::U(1))),
+        ("medium", s("GPU")),
+        ("lora_name", lora.map_or(V::Nil, s)),
+        ("extra_keys", extra),
+        ("group_idx", V::U(0)),
+        ("kv_cache_spec_kind", s("full_attention")),
+    ])
+}
+
+fn keys(entries: Vec<Vec<V>>) -> V {
+    V::A(
+        entries
+            .into_iter()
+            .map(|e| if e.is_empty() { V::Nil } else { V::A(e) })
+            .collect(),
+    )
+}
+
+fn tokens_hashes(b: &Batch) -> Vec<u64> {
+    b.events
+        .iter()
+        .flat_map(|e| stored_blocks(e).1.iter().map(|x| x.tokens_hash))
+        .collect()
+}
+
+#[test]
+fn a_salt_on_the_first_block_seeds_every_block_and_continuations_inherit_it() {
+    let salted = request_seed(None, Some("tenant-a"));
+    let mut d = Decoder::new(2);
+    // The request's first event: the salt in block 0's extra keys only, as vLLM sends it.
+    let p = batch(vec![vllm_store(
+        &[10, 11],
+        None,
+        &[1, 2, 3, 4],
+        None,
+        keys(vec![vec![s("tenant-a")], vec![]]),
+    )]);
+    let b = d.decode(&p).unwrap();
+    assert_eq!(
+        tokens_hashes(&b),
+        vec![local_hash(&[1, 2], salted), local_hash(&[3, 4], salted)]
+    );
+    // Decode's next block, or another request of the tenant extending the prefix: the event
+    // names no salt; the parent block had it.
+    let p = batch(vec![vllm_store(
+        &[12],
+        Some(11),
+        &[5, 6],
+        None,
+        keys(vec![vec![]]),
+    )]);
+    assert_eq!(
+        tokens_hashes(&d.decode(&p).unwrap()),
+        vec![local_hash(&[5, 6], salted)]
+    );
+    // extra_keys nil altogether (older vLLM, or a plain request): the same inheritance.
+    let p = batch(vec![vllm_store(&[13], Some(12), &[7, 8], None, V::Nil)]);
+    assert_eq!(
+        tokens_hashes(&d.decode(&p).unwrap()),
+        vec![local_hash(&[7, 8], salted)]
+    );
+    // A plain request's blocks, and blocks under a plain parent, are plain.
+    let p = batch(vec![
+        vllm_store(&[20], None, &[1, 2], None, V::Nil),
+        vllm_store(&[21], Some(20), &[3, 4], None, keys(vec![vec![]])),
+    ]);
+    assert_eq!(
+        tokens_hashes(&d.decode(&p).unwrap()),
+        vec![
+            local_hash(&[1, 2], BASE_SEED),
+            local_hash(&[3, 4], BASE_SEED)
+        ]
+    );
+    // Evicting the salted blocks forgets them; a clear forgets everything.
+    let p = batch(vec![m(&[
+        ("type", s("BlockRemoved")),
+        ("block_hashes", ua(&[12, 13])),
+        ("medium", s("GPU")),
+    ])]);
+    d.decode(&p).unwrap();
+    assert_eq!(d.em_identities(), 2);
+    d.decode(&batch(vec![m(&[("type", s("AllBlocksCleared"))])]))
+        .unwrap();
+    assert_eq!(d.em_identities(), 0);
+}
+
+#[test]
+fn lora_name_and_salt_in_extra_keys_give_the_route_sides_seed() {
+    let seed = request_seed(Some("my-lora"), Some("tenant-a"));
+    let mut d = Decoder::new(2);
+    let p = batch(vec![vllm_store(
+        &[10, 11],
+        None,
+        &[1, 2, 3, 4],
+        Some("my-lora"),
+        keys(vec![vec![s("my-lora"), s("tenant-a")], vec![s("my-lora")]]),
+    )]);
+    assert_eq!(
+        tokens_hashes(&d.decode(&p).unwrap()),
+        vec![local_hash(&[1, 2], seed), local_hash(&[3, 4], seed)]
+    );
+    let p = batch(vec![vllm_store(
+        &[12],
+        Some(11),
+        &[5, 6],
+        Some("my-lora"),
+        keys(vec![vec![s("my-lora")]]),
+    )]);
+    assert_eq!(
+        tokens_hashes(&d.decode(&p).unwrap()),
+        vec![local_hash(&[5, 6], seed)]
+    );
+    // An adapter without a salt: the SPEC §2 vector.
+    let p = batch(vec![vllm_store(
+        &[30],
+        None,
+        &[1, 2],
+        Some("my-lora"),
+        keys(vec![vec![s("my-lora")]]),
+    )]);
+    assert_eq!(
+        tokens_hashes(&d.decode(&p).unwrap()),
+        vec![local_hash(&[1, 2], request_seed(Some("my-lora"), None))]
+    );
+    // The same in the array form (position 8).
+    let p = batch(vec![stored_array(
+        ua(&[40]),
+        V::Nil,
+        ua(&[1, 2]),
+        V::U(2),
+        s("GPU"),
+        s("my-lora"),
+        keys(vec![vec![s("my-lora"), s("tenant-a")]]),
+        vec![V::U(0), s("full_attention")],
+    )]);
+    assert_eq!(
+        tokens_hashes(&Decoder::new(2).decode(&p).unwrap()),
+        vec![local_hash(&[1, 2], seed)]
+    );
+}
+
+#[test]
+fn multimodal_keys_make_a_block_unmatchable_by_text() {
+    let mut d = Decoder::new(2);
+    let image = |h: &str, off: u64| V::A(vec![s(h), V::U(off)]);
+    let p = batch(vec![vllm_store(
+        &[10, 11, 12],
+        None,
+        &[1, 2, 3, 4, 5, 6],
+        None,
+        keys(vec![vec![], vec![image("img-a", 1)], vec![]]),
+    )]);
+    let h = tokens_hashes(&d.decode(&p).unwrap());
+    assert_eq!(
+        h[0],
+        local_hash(&[1, 2], BASE_SEED),
+        "text before the image"
+    );
+    assert_ne!(h[1], local_hash(&[3, 4], BASE_SEED), "the image's block");
+    assert_eq!(
+        h[2],
+        local_hash(&[5, 6], BASE_SEED),
+        "hangs under the image"
+    );
+    // Another image, or the same at another offset, is another identity; the same is the same.
+    let other = |k: V| {
+        let p = batch(vec![vllm_store(
+            &[10, 11],
+            None,
+            &[1, 2, 3, 4],
+            None,
+            keys(vec![vec![], vec![k]]),
+        )]);
+        tokens_hashes(&Decoder::new(2).decode(&p).unwrap())[1]
+    };
+    assert_eq!(other(image("img-a", 1)), h[1]);
+    assert_ne!(other(image("img-b", 1)), h[1]);
+    assert_ne!(other(image("img-a", 0)), h[1]);
+    // A prompt-embedding digest (bytes) too.
+    assert_ne!(other(V::B(vec![7; 32])), local_hash(&[3, 4], BASE_SEED));
+    // A string the router cannot place (not the adapter, not on the first block): unmatchable.
+    assert_ne!(other(s("what")), local_hash(&[3, 4], BASE_SEED));
+    // Dynamo's block_mm_infos at position 9: a non-nil entry is the same kind of key.
+    let p = batch(vec![stored_array(
+        ua(&[50, 51]),
+        V::Nil,
+        ua(&[1, 2, 3, 4]),
+        V::U(2),
+        s("GPU"),
+        V::Nil,
+        V::Nil,
+        vec![
+            V::A(vec![V::Nil, m(&[("mm_objects", V::A(vec![V::U(99)]))])]),
+            V::U(0),
+            s("full_attention"),
+        ],
+    )]);
+    let h = tokens_hashes(&Decoder::new(2).decode(&p).unwrap());
+    assert_eq!(h[0], local_hash(&[1, 2], BASE_SEED));
+    assert_ne!(h[1], local_hash(&[3, 4], BASE_SEED));
+}
+
+#[test]
+fn extra_keys_of_the_wrong_length_or_a_conflicting_salt_are_malformed() {
+    let p = batch(vec![vllm_store(
+        &[10, 11],
+        None,
+        &[1, 2, 3, 4],
+        None,
+        keys(vec![vec![s("a")]]),
+    )]);
+    let b = Decoder::new(2).decode(&p).unwrap();
+    assert_eq!(b.dropped.get(DropReason::MalformedEvent), 1);
+    // SGLang's explicit salt and vLLM's first-block salt disagree.
+    let mut ev = vllm_store(&[10], None, &[1, 2], None, keys(vec![vec![s("a")]]));
+    if let V::M(kv) = &mut ev {
+        kv.push((s("cache_salt"), s("b")));
+    }
+    let b = Decoder::new(2).decode(&batch(vec![ev])).unwrap();
+    assert_eq!(b.dropped.get(DropReason::MalformedEvent), 1);
+}
+
+/// The isolation rule (SPEC §2) end to end through the router: a tenant's blocks match only that
+/// tenant's prompts.
+#[test]
+fn salted_blocks_match_only_the_same_salt() {
+    use kvroute_core::router::RouteRequest;
+    let router = router_with_worker(2, 1);
+    let stats = Arc::new(IngestStats::default());
+    let mut a = PayloadApplier::new(router.clone(), stats, 1, 0);
+    let stop = AtomicBool::new(false);
+    // Tenant a's request: 2 blocks, then its decode adds a third under them.
+    a.apply(
+        0,
+        &batch(vec![vllm_store(
+            &[10, 11],
+            None,
+            &[1, 2, 3, 4],
+            None,
+            keys(vec![vec![s("tenant-a")], vec![]]),
+        )]),
+        &stop,
+    );
+    a.apply(
+        1,
+        &batch(vec![vllm_store(
+            &[12],
+            Some(11),
+            &[5, 6],
+            None,
+            keys(vec![vec![]]),
+        )]),
+        &stop,
+    );
+    let cached = |salt: Option<&str>| {
+        let mut r = RouteRequest::tokens(vec![1, 2, 3, 4, 5, 6, 7]);
+        r.cache_salt = salt.map(str::to_string);
+        r.book = false;
+        router.route_now(r).unwrap().cached_tokens
+    };
+    assert_eq!(cached(Some("tenant-a")), 6);
+    assert_eq!(cached(Some("tenant-b")), 0, "another tenant");
+    assert_eq!(cached(None), 0, "no salt");
+    // And the reverse: plain blocks are no hit for a salted prompt.
+    a.apply(
+        2,
+        &batch(vec![vllm_store(
+            &[20, 21],
+            None,
+            &[1, 2, 3, 4],
+            None,
+            V::Nil,
+        )]),
+        &stop,
+    );
+    assert_eq!(cached(None), 4);
+    assert_eq!(cached(Some("tenant-b")), 0);
+    assert_eq!(cached(Some("tenant-a")), 6);
+}
+
+#[test]
+fn a_block_size_mismatch_shows_in_the_feed_state_until_the_sizes_agree() {
+    use kvroute_core::feeds::{FeedConfig, Feeds};
+    let router = router_with_worker(2, 1);
+    let feeds = Feeds::new(FeedConfig::default());
+    let cell = feeds.open(CandidateKey::new(1, 0));
+    let mut a = PayloadApplier::new(router.clone(), Arc::new(IngestStats::default()), 1, 0)
+        .with_feed(cell.clone());
+    let stop = AtomicBool::new(false);
+    let store = |bs: u64, n: usize| {
+        batch(vec![stored_array(
+            ua(&[7]),
+            V::Nil,
+            ua(&(1..=n as u64).collect::<Vec<_>>()),
+            V::U(bs),
+            s("GPU"),
+            V::Nil,
+            V::Nil,
+            vec![],
+        )])
+    };
+    assert_eq!(cell.status().engine_block_size, None);
+    let o = a.apply(0, &store(128, 128), &stop);
+    assert_eq!(o.dropped, 1);
+    assert_eq!(cell.status().engine_block_size, Some(128));
+    // A removal says nothing about the block size.
+    a.apply(
+        1,
+        &batch(vec![V::A(vec![s("BlockRemoved"), ua(&[7])])]),
+        &stop,
+    );
+    assert_eq!(cell.status().engine_block_size, Some(128));
+    a.apply(2, &store(2, 2), &stop);
+    assert_eq!(cell.status().engine_block_size, None);
+}
+
+/// Bytes a real vLLM 0.32 published for salted, plain and LoRA requests (testdata/): every block
+/// hashes as the route side hashes the same request, and the salted prompt's continuation (whose
+/// event names no salt) inherits the salt from its parent.
+#[test]
+fn real_vllm_payloads_hash_as_the_route_side() {
+    let payloads: BTreeMap<u64, Vec<u8>> = include_str!("testdata/vllm-0.32-salt-lora.txt")
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+        .map(|l| {
+            let (seq, h) = l.split_once(' ').unwrap();
+            (seq.parse().unwrap(), hex(h))
+        })
+        .collect();
+    let prompt: Vec<u32> = (10..310).chain(400..500).collect();
+    let want = |seed: u64, blocks: std::ops::Range<usize>| -> Vec<u64> {
+        blocks
+            .map(|i| local_hash(&prompt[i * 128..(i + 1) * 128], seed))
+            .collect()
+    };
+    let salted = request_seed(None, Some("tenant-a"));
+    let mut d = Decoder::new(128);
+    let b = d.decode(&payloads[&0]).unwrap();
+    assert_eq!(tokens_hashes(&b), want(salted, 0..2));
+    let b = d.decode(&payloads[&1]).unwrap();
+    assert_eq!(tokens_hashes(&b), want(BASE_SEED, 0..2));
+    let b = d.decode(&payloads[&2]).unwrap();
+    assert_eq!(
+        tokens_hashes(&b),
+        want(request_seed(Some("tiny-lora"), Some("tenant-a")), 0..2)
+    );
+    let b = d.decode(&payloads[&5]).unwrap();
+    assert_eq!(tokens_hashes(&b), want(salted, 2..3));
+}
+
 #[test]
 fn eagle_pairs_flatten_to_firsts_plus_last_second() {
     // Two blocks of 2: pairs (10,11) (11,12) (12,13) (13,14) → tokens 10 11 12 13 (+14 dropped).
@@ -1431,6 +1797,126 @@ fn the_last_sequence_number_again_is_dropped_not_a_restart() {
         "nothing removed, 3 applied in order"
     );
     assert_eq!(ss.tracker.next_expected(), Some(4));
+}
+
+fn synced_session(
+    router: &Arc<Router>,
+    buffer: &[u64],
+) -> (
+    Session<Script>,
+    Arc<IngestStats>,
+    Arc<kvroute_core::feeds::FeedCell>,
+) {
+    use kvroute_core::feeds::{FeedConfig, Feeds};
+    let mut script = Script::default();
+    for &i in buffer {
+        script.buffer.insert(i, store_payload(i));
+    }
+    let stats = Arc::new(IngestStats::default());
+    let cell = Feeds::new(FeedConfig::default()).open(CandidateKey::new(1, 0));
+    let applier = PayloadApplier::new(router.clone(), stats.clone(), 1, 0).with_feed(cell.clone());
+    (
+        Session::new(applier, Some(script), Arc::new(AtomicBool::new(false))),
+        stats,
+        cell,
+    )
+}
+
+/// Issue 34: a router started after the engine cached blocks sees them at once (on connect), not
+/// at the engine's next event; live copies of what the sync applied are duplicates.
+#[test]
+fn connecting_syncs_from_the_replay_buffer_at_once() {
+    use kvroute_core::feeds::Trust;
+    let router = router_with_worker(2, 1);
+    let (mut ss, stats, cell) = synced_session(&router, &[0, 1, 2]);
+    assert_eq!(cell.trust(), Trust::Recovering, "a new feed");
+    block_on(ss.sync());
+    assert_eq!(overlap(&router, 3), 3);
+    assert_eq!(cell.trust(), Trust::Exact);
+    assert_eq!(ss.tracker.next_expected(), Some(3));
+    assert_eq!(ss.replayer_ref().unwrap().asked, vec![0]);
+    block_on(async {
+        // Published while the sync ran: already applied, not a restart.
+        ss.on_message(2, &store_payload(2)).await;
+        ss.on_message(3, &store_payload(3)).await;
+    });
+    assert_eq!(stats.restarts.load(Relaxed), 0);
+    assert_eq!(overlap(&router, 4), 4);
+}
+
+/// Issue 34: on a reconnection the same engine is resumed from its buffer; a restarted one (its
+/// buffer no longer holds the last message applied) has its stale blocks dropped at once.
+#[test]
+fn reconnecting_resumes_the_same_engine_and_clears_a_restarted_one() {
+    use kvroute_core::feeds::Trust;
+    let router = router_with_worker(2, 1);
+    let (mut ss, stats, cell) = synced_session(&router, &[0, 1, 2]);
+    block_on(async {
+        for i in 0..3 {
+            ss.on_message(i, &store_payload(i)).await;
+        }
+    });
+    assert_eq!(cell.trust(), Trust::Exact);
+    // The same engine published 3 while we were away.
+    ss.replayer_mut()
+        .unwrap()
+        .buffer
+        .insert(3, store_payload(3));
+    block_on(ss.sync());
+    assert_eq!(ss.replayer_ref().unwrap().asked, vec![2]);
+    assert_eq!((overlap(&router, 4), stats.restarts.load(Relaxed)), (4, 0));
+    // Now the engine restarts: a fresh process with a fresh buffer, another prompt at seq 0.
+    let other = batch(vec![stored_array(
+        ua(&[9]),
+        V::Nil,
+        ua(&[50, 51]),
+        V::U(2),
+        s("GPU"),
+        V::Nil,
+        V::Nil,
+        vec![],
+    )]);
+    let buf = &mut ss.replayer_mut().unwrap().buffer;
+    buf.clear();
+    buf.insert(0, other);
+    block_on(ss.sync());
+    assert_eq!(stats.restarts.load(Relaxed), 1);
+    assert_eq!(
+        overlap(&router, 4),
+        0,
+        "the stale blocks are gone before any new event"
+    );
+    assert_eq!(
+        router.indexer().candidate_blocks(CandidateKey::new(1, 0))[0],
+        1
+    );
+    assert_eq!(ss.tracker.next_expected(), Some(1));
+    assert_eq!(cell.trust(), Trust::Exact);
+    // A restarted engine whose buffer is empty: cleared too.
+    ss.replayer_mut().unwrap().buffer.clear();
+    block_on(ss.sync());
+    assert_eq!(stats.restarts.load(Relaxed), 2);
+    assert_eq!(
+        router.indexer().candidate_blocks(CandidateKey::new(1, 0))[0],
+        0
+    );
+}
+
+#[test]
+fn a_join_whose_buffer_rolled_over_is_degraded_and_a_failed_sync_changes_nothing() {
+    use kvroute_core::feeds::Trust;
+    let router = router_with_worker(2, 1);
+    let (mut ss, _stats, cell) = synced_session(&router, &[2, 3]);
+    block_on(ss.sync());
+    assert_eq!(cell.trust(), Trust::Degraded);
+    assert_eq!(ss.tracker.next_expected(), Some(4));
+    // An AllBlocksCleared makes the index exact again (the engine holds nothing).
+    block_on(ss.on_message(4, &batch(vec![V::A(vec![s("AllBlocksCleared")])])));
+    assert_eq!(cell.trust(), Trust::Exact);
+    ss.replayer_mut().unwrap().fail = true;
+    block_on(ss.sync());
+    assert_eq!(cell.trust(), Trust::Exact);
+    assert_eq!(ss.tracker.next_expected(), Some(5));
 }
 
 #[test]

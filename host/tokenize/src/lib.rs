@@ -39,7 +39,7 @@ pub mod testing;
 
 pub use error::TokenizeError;
 pub use model::Model;
-pub use registry::ModelRegistry;
+pub use registry::{ModelRegistry, Resolved};
 pub use spec::ModelSpec;
 
 #[cfg(test)]

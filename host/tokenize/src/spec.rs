@@ -32,6 +32,11 @@ pub struct ModelSpec {
     /// vLLM, where such a request is refused.
     #[serde(default)]
     pub trust_request_chat_template: bool,
+    /// LoRA adapters served on this model (vLLM's `--lora-modules NAME=PATH` names): a request
+    /// whose `model` is one of them is tokenized as this model and hashed with that adapter's
+    /// name (SPEC §2), and is served by this model's workers.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub adapters: Vec<String>,
 }
 
 impl ModelSpec {
@@ -44,6 +49,7 @@ impl ModelSpec {
             chat_template_content_format: None,
             chat_template_kwargs: None,
             trust_request_chat_template: false,
+            adapters: Vec::new(),
         }
     }
 }

@@ -136,8 +136,7 @@ impl Router {
             .map(|&(_, blocks)| blocks)
             .max()
             .unwrap_or(0);
-        let tokens = u64::from(best) * u64::from(self.config.block_size);
-        tokens.min(u64::from(p.prompt_tokens)) as u32
+        crate::cost::cached_tokens(best, p.prompt_tokens, self.config.block_size)
     }
 
     /// Routes without waiting: a busy fleet is an immediate retryable error. For callers without an

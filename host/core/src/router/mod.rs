@@ -665,7 +665,11 @@ impl Router {
         match &event.data {
             KvEventData::Cleared => p.remove_candidate(event.candidate),
             KvEventData::Stored { blocks, .. } => {
-                p.confirm(event.candidate, blocks.iter().map(|b| b.tokens_hash));
+                p.confirm(
+                    event.candidate,
+                    blocks.iter().map(|b| b.tokens_hash),
+                    self.now_us(),
+                );
             }
             KvEventData::Removed { block_hashes } => {
                 if p.holds_any(event.candidate) {

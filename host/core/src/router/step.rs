@@ -39,6 +39,9 @@ pub(super) struct Scratch {
     eligible: Vec<u32>,
     /// With `explain`: the excluded candidates.
     excluded: Vec<Excluded>,
+    /// The eligible candidates' device overlaps before the reuse cap (whether the index holds
+    /// the whole prompt).
+    uncapped_device: Vec<u32>,
 }
 
 /// Why the filter kept candidates out: the error's material when nobody is left.
@@ -104,6 +107,7 @@ impl Router {
         s.fill_columns(
             input.pool,
             self.config.block_size,
+            crate::cost::reusable_blocks(p.prompt_tokens, self.config.block_size),
             &self.learned_cols.read(),
         );
         if self.config.feeds.dead_feed == DeadFeedRule::Unknown {
@@ -119,15 +123,20 @@ impl Router {
         let pick = self.pick(outcome, &preq, p.temperature, &s.cols, &mut s.costs);
         let policy_time = tp.elapsed();
         let chosen = pick.chosen;
-        let overlap = s.cols.device_overlap[chosen];
+        // What the index (and predictions) hold; the columns carry it capped at what the
+        // engine reuses, and so does `cached_tokens`.
+        let overlap = s.uncapped_device[chosen];
         Ok(Step {
             candidate: s.cols.key(chosen),
             overlap,
             // The combined overlap is the index's when the prediction is shallower.
-            indexed_whole: overlap as usize == p.seq.len() && s.predicted_col[chosen] < overlap,
-            cached_tokens: overlap
-                .saturating_mul(self.config.block_size)
-                .min(p.prompt_tokens),
+            indexed_whole: s.uncapped_device[chosen] as usize == p.seq.len()
+                && s.predicted_col[chosen] < s.uncapped_device[chosen],
+            cached_tokens: crate::cost::cached_tokens(
+                s.cols.device_overlap[chosen],
+                p.prompt_tokens,
+                self.config.block_size,
+            ),
             load: s.loads[chosen],
             max_num_batched_tokens: s.cols.max_num_batched_tokens[chosen],
             label,
@@ -341,6 +350,7 @@ impl Scratch {
         &mut self,
         pool: &[CandidateEntry],
         block_size: u32,
+        reusable: u32,
         learned: &rustc_hash::FxHashMap<crate::candidate::WorkerId, [f64; 2]>,
     ) {
         let Scratch {
@@ -351,20 +361,24 @@ impl Scratch {
             depths,
             loads,
             eligible,
+            uncapped_device,
             ..
         } = self;
         cols.clear();
         predicted_col.clear();
         predicted_col.resize(eligible.len(), 0);
+        uncapped_device.clear();
         cols.taint_offsets.push(0);
         for (&i, l) in eligible.iter().zip(loads.iter()) {
             let c = &pool[i as usize];
             let [d, h, k] = dense.get(c.slot);
             cols.worker_id.push(c.key.worker_id);
             cols.dp_rank.push(c.key.dp_rank);
-            cols.device_overlap.push(d);
-            cols.host_overlap.push(h);
-            cols.disk_overlap.push(k);
+            // The engine reuses at most `reusable` blocks of this prompt, whatever it holds.
+            uncapped_device.push(d);
+            cols.device_overlap.push(d.min(reusable));
+            cols.host_overlap.push(h.min(reusable));
+            cols.disk_overlap.push(k.min(reusable));
             cols.active_prefill_tokens.push(l.active_prefill_tokens);
             cols.active_decode_blocks.push(l.active_decode_blocks);
             cols.active_requests.push(l.active_requests);
@@ -394,6 +408,8 @@ impl Scratch {
         for &(key, depth) in predicted.iter() {
             if let Ok(j) = eligible.binary_search_by_key(&key, |&i| pool[i as usize].key) {
                 predicted_col[j] = depth;
+                uncapped_device[j] = uncapped_device[j].max(depth);
+                let depth = depth.min(reusable);
                 let event = cols.device_overlap[j];
                 if depth > event {
                     cols.device_overlap[j] = depth;

@@ -87,6 +87,48 @@ fn seeded_rng_is_splitmix64() {
 }
 
 #[test]
+fn cached_tokens_never_exceed_what_the_engine_reuses() {
+    use crate::cost::{cached_tokens, reusable_blocks};
+    // vLLM: at most prompt - 1 tokens, rounded down to a block.
+    assert_eq!(reusable_blocks(256, 16), 15);
+    assert_eq!(reusable_blocks(257, 16), 16);
+    assert_eq!(reusable_blocks(16, 16), 0);
+    assert_eq!(reusable_blocks(1, 16), 0);
+    assert_eq!(reusable_blocks(0, 16), 0);
+    assert_eq!(cached_tokens(16, 256, 16), 240);
+    assert_eq!(cached_tokens(16, 260, 16), 256);
+    assert_eq!(cached_tokens(3, 260, 16), 48);
+    // Through a decision: a 17-token prompt whose first block is cached is credited 16 tokens,
+    // a 16-token one nothing, and its native cost counts the whole prompt as prefill.
+    let r = router(RouterConfig::default());
+    r.upsert_worker(1, worker(&[], 0)).unwrap();
+    r.upsert_worker(2, worker(&[], 0)).unwrap();
+    let p17: Vec<u32> = (1..=17).collect();
+    store(&r, 1, &p17, 1);
+    let route = |t: &[u32]| {
+        let mut q = RouteRequest::tokens(t.to_vec());
+        q.book = false;
+        q.explain = true;
+        r.route_now(q).unwrap()
+    };
+    let d = route(&p17);
+    assert_eq!((d.candidate.worker_id, d.cached_tokens), (1, 16));
+    let d = route(&p17[..16]);
+    assert_eq!(d.cached_tokens, 0);
+    assert_eq!(
+        d.overlap_blocks,
+        if d.candidate.worker_id == 1 { 1 } else { 0 }
+    );
+    let rows = d.candidates.as_ref().unwrap();
+    assert!(rows.iter().all(|row| row.overlap_blocks == 0), "{rows:?}");
+    let costs: Vec<f64> = rows.iter().map(|row| row.base_cost).collect();
+    assert_eq!(
+        costs[0], costs[1],
+        "no credit for a block the engine recomputes"
+    );
+}
+
+#[test]
 fn routes_to_the_cached_worker_and_books_load() {
     let r = router(RouterConfig::default());
     for w in 1..=4 {
@@ -97,13 +139,15 @@ fn routes_to_the_cached_worker_and_books_load() {
     let d = r.route_now(RouteRequest::tokens(p.clone())).unwrap();
     assert_eq!(d.candidate, CandidateKey::new(3, 0));
     assert_eq!(d.overlap_blocks, 16);
-    assert_eq!(d.cached_tokens, 256);
+    // The engine reuses at most prompt - 1 tokens rounded down to a block: the last block of this
+    // block-aligned prompt is recomputed (SPEC §5), and booked as prefill.
+    assert_eq!(d.cached_tokens, 240);
     assert!(!d.fallback);
     assert_eq!(d.policy.name, "host-native");
     let l = r.load_of(CandidateKey::new(3, 0));
     assert_eq!(l.active_requests, 1);
     assert_eq!(l.active_decode_blocks, 16);
-    assert_eq!(l.active_prefill_tokens, 0);
+    assert_eq!(l.active_prefill_tokens, 16);
     // Lifecycle.
     r.prefill_complete(&d.request_id).unwrap();
     assert!(r.free(&d.request_id).unwrap().is_some());

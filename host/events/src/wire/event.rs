@@ -14,7 +14,9 @@ use super::value::{
 };
 use super::Key;
 use crate::batch::{Batch, DropReason};
-use crate::emit::{Emitter, EventKind, Fields};
+use crate::emit::{fold, BlockExtra, Emitter, EventKind, Fields};
+use kvroute_core::hashing::chain;
+use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 /// Why reading an event stopped early: the wire failed (the payload is dropped) or the event is
 /// dropped for a reason (the rest of it is consumed, then it is counted).
@@ -95,9 +97,12 @@ impl<'s> EventSeed<'s> {
         name_slot(next!(seq, PhantomData::<Slot>), true, f)?;
         name_slot(next!(seq, PhantomData::<Slot>), false, f)?;
         // Metadata starts at position 9, or 10 when 9 is Dynamo's block_mm_infos array.
-        let group = match next!(seq, PhantomData::<Val>) {
-            Val::Array => next!(seq, PhantomData::<Val>),
-            v => v,
+        let group = match next!(seq, PhantomData::<Ninth>) {
+            Ninth::MmInfos(m) => {
+                f.mm_infos = Some(m);
+                next!(seq, PhantomData::<Val>)
+            }
+            Ninth::Val(v) => v,
         };
         f.group_idx = opt_uint(group)?;
         f.spec_kind = opt_str(next!(seq, PhantomData::<Val>))?;
@@ -168,6 +173,7 @@ impl<'s> EventSeed<'s> {
                 Key::Medium => f.medium = opt_str(map.next_value().map_err(w)?)?,
                 Key::LoraName => f.lora_name = opt_str(map.next_value().map_err(w)?)?,
                 Key::CacheSalt => f.cache_salt = opt_str(map.next_value().map_err(w)?)?,
+                Key::ExtraKeys => name_slot(map.next_value::<Slot>().map_err(w)?, false, f)?,
                 Key::GroupIdx => f.group_idx = opt_uint(map.next_value().map_err(w)?)?,
                 Key::SpecKind => f.spec_kind = opt_str(map.next_value().map_err(w)?)?,
                 _ => {
@@ -384,11 +390,13 @@ impl<'de> Visitor<'de> for TokensSeed<'_> {
 // ---- positions 7 and 8 of a stored array ------------------------------------------------------
 
 /// Position 7 (`lora_name`) or 8 (`extra_keys`): a string, SGLang's `{cache_salt, lora_name?}`
-/// map (each name present: `Some`, maybe of nil), nil, or anything else.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// map (each name present: `Some`, maybe of nil), vLLM's `extra_keys` (an array with one entry
+/// per block), nil, or anything else.
+#[derive(Clone, Debug, PartialEq, Eq)]
 enum Slot<'de> {
     Nil,
     Name(&'de str),
+    Extra(Vec<BlockExtra<'de>>),
     Salted {
         cache_salt: Option<Option<&'de str>>,
         lora_name: Option<Option<&'de str>>,
@@ -439,7 +447,16 @@ impl<'de> Visitor<'de> for SlotVisitor {
         })
     }
 
-    otherwise!(Slot::Other; bool int float str bytes seq ext);
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Slot<'de>, A::Error> {
+        // Every entry takes at least one byte of the payload.
+        let mut out = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(1024));
+        while let Some(e) = seq.next_element::<BlockExtra<'de>>()? {
+            out.push(e);
+        }
+        Ok(Slot::Extra(out))
+    }
+
+    otherwise!(Slot::Other; bool int float str bytes ext);
 }
 
 impl<'de> Deserialize<'de> for Slot<'de> {
@@ -473,8 +490,261 @@ fn name_slot<'de>(
             }
             Ok(())
         }
+        Slot::Extra(keys) if !is_lora_slot => {
+            f.extra_keys = Some(keys);
+            Ok(())
+        }
         Slot::Bad => Err(DropReason::MalformedEvent),
         _ if is_lora_slot => Err(DropReason::MalformedEvent),
         _ => Ok(()),
+    }
+}
+
+// ---- extra keys and multimodal infos ------------------------------------------------------------
+
+/// Any value folded into one `u64`: its scalars and its shape (order matters). Used for the
+/// identity keys the router cannot reproduce from a prompt (multimodal hashes and offsets,
+/// prompt-embedding digests, Dynamo's `block_mm_infos` entries): equal values fold equal.
+struct FoldVisitor;
+
+fn fold_scalar(bytes: &[u8], tag: u64) -> u64 {
+    xxh3_64_with_seed(bytes, tag)
+}
+
+impl<'de> Visitor<'de> for FoldVisitor {
+    type Value = u64;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("any value")
+    }
+
+    fn visit_unit<E: de::Error>(self) -> Result<u64, E> {
+        Ok(fold_scalar(&[], 9))
+    }
+
+    fn visit_bool<E: de::Error>(self, v: bool) -> Result<u64, E> {
+        Ok(fold_scalar(&[u8::from(v)], 8))
+    }
+
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<u64, E> {
+        Ok(fold_scalar(&v.to_le_bytes(), 3))
+    }
+
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<u64, E> {
+        match u64::try_from(v) {
+            Ok(u) => self.visit_u64(u),
+            Err(_) => Ok(fold_scalar(&v.to_le_bytes(), 4)),
+        }
+    }
+
+    fn visit_f64<E: de::Error>(self, v: f64) -> Result<u64, E> {
+        Ok(fold_scalar(&v.to_bits().to_le_bytes(), 5))
+    }
+
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<u64, E> {
+        Ok(fold_scalar(v.as_bytes(), 6))
+    }
+
+    fn visit_bytes<E: de::Error>(self, v: &[u8]) -> Result<u64, E> {
+        Ok(fold_scalar(v, 7))
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<u64, A::Error> {
+        let mut acc = fold_scalar(b"[", 10);
+        while let Some(Folded(x)) = seq.next_element()? {
+            acc = chain(acc, x);
+        }
+        Ok(acc)
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<u64, A::Error> {
+        let mut acc = fold_scalar(b"{", 10);
+        while let Some((Folded(k), Folded(v))) = map.next_entry()? {
+            acc = chain(chain(acc, k), v);
+        }
+        Ok(acc)
+    }
+
+    fn visit_newtype_struct<D: Deserializer<'de>>(self, d: D) -> Result<u64, D::Error> {
+        let Folded(x) = Folded::deserialize(d)?;
+        Ok(chain(fold_scalar(b"ext", 10), x))
+    }
+}
+
+struct Folded(u64);
+
+impl<'de> Deserialize<'de> for Folded {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(FoldVisitor).map(Folded)
+    }
+}
+
+/// One key of a block's `extra_keys` tuple: a string (LoRA name, cache salt) or anything else,
+/// folded.
+enum ExtraKey<'de> {
+    Str(&'de str),
+    Other(u64),
+}
+
+struct ExtraKeyVisitor;
+
+/// Visitor methods that fold the value with [`FoldVisitor`] and wrap it with `$wrap`.
+macro_rules! fold_into {
+    ($wrap:expr; $($kind:ident)*) => { $( fold_into!(@ $kind $wrap); )* };
+    (@ unit $w:expr) => {
+        fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> { FoldVisitor.visit_unit().map($w) }
+    };
+    (@ bool $w:expr) => {
+        fn visit_bool<E: de::Error>(self, v: bool) -> Result<Self::Value, E> { FoldVisitor.visit_bool(v).map($w) }
+    };
+    (@ int $w:expr) => {
+        fn visit_u64<E: de::Error>(self, v: u64) -> Result<Self::Value, E> { FoldVisitor.visit_u64(v).map($w) }
+        fn visit_i64<E: de::Error>(self, v: i64) -> Result<Self::Value, E> { FoldVisitor.visit_i64(v).map($w) }
+    };
+    (@ float $w:expr) => {
+        fn visit_f64<E: de::Error>(self, v: f64) -> Result<Self::Value, E> { FoldVisitor.visit_f64(v).map($w) }
+    };
+    (@ str $w:expr) => {
+        fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> { FoldVisitor.visit_str(v).map($w) }
+    };
+    (@ bytes $w:expr) => {
+        fn visit_bytes<E: de::Error>(self, v: &[u8]) -> Result<Self::Value, E> { FoldVisitor.visit_bytes(v).map($w) }
+    };
+    (@ seq $w:expr) => {
+        fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Self::Value, A::Error> { FoldVisitor.visit_seq(seq).map($w) }
+    };
+    (@ map $w:expr) => {
+        fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> { FoldVisitor.visit_map(map).map($w) }
+    };
+    (@ ext $w:expr) => {
+        fn visit_newtype_struct<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> { FoldVisitor.visit_newtype_struct(d).map($w) }
+    };
+}
+
+impl<'de> Visitor<'de> for ExtraKeyVisitor {
+    type Value = ExtraKey<'de>;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("an extra key")
+    }
+
+    fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<ExtraKey<'de>, E> {
+        Ok(ExtraKey::Str(v))
+    }
+
+    fold_into!(ExtraKey::Other; unit bool int float str bytes seq map ext);
+}
+
+impl<'de> Deserialize<'de> for ExtraKey<'de> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(ExtraKeyVisitor)
+    }
+}
+
+/// Most string keys kept per block (vLLM has at most two: the LoRA name and the salt); more are
+/// folded into the opaque part.
+const MAX_BLOCK_STRS: usize = 4;
+
+struct BlockExtraVisitor;
+
+fn opaque_only<'de>(k: u64) -> BlockExtra<'de> {
+    BlockExtra {
+        strs: Default::default(),
+        opaque: Some(k),
+    }
+}
+
+impl<'de> Visitor<'de> for BlockExtraVisitor {
+    type Value = BlockExtra<'de>;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a block's extra keys: a tuple or nil")
+    }
+
+    fn visit_unit<E: de::Error>(self) -> Result<BlockExtra<'de>, E> {
+        Ok(BlockExtra::default())
+    }
+
+    fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<BlockExtra<'de>, E> {
+        let mut e = BlockExtra::default();
+        e.strs.push(v);
+        Ok(e)
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<BlockExtra<'de>, A::Error> {
+        let mut e = BlockExtra::default();
+        while let Some(k) = seq.next_element::<ExtraKey<'de>>()? {
+            match k {
+                ExtraKey::Str(s) if e.strs.len() < MAX_BLOCK_STRS => e.strs.push(s),
+                ExtraKey::Str(s) => e.opaque = Some(fold(e.opaque, fold_scalar(s.as_bytes(), 6))),
+                ExtraKey::Other(x) => e.opaque = Some(fold(e.opaque, x)),
+            }
+        }
+        Ok(e)
+    }
+
+    fold_into!(opaque_only; bool int float str bytes map ext);
+}
+
+impl<'de> Deserialize<'de> for BlockExtra<'de> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(BlockExtraVisitor)
+    }
+}
+
+/// Position 9 of a stored array: Dynamo's `block_mm_infos` (an array, one entry per block, nil
+/// for a block without multimodal content) or the first metadata field.
+enum Ninth<'de> {
+    MmInfos(Vec<Option<u64>>),
+    Val(Val<'de>),
+}
+
+struct NinthVisitor;
+
+impl<'de> Visitor<'de> for NinthVisitor {
+    type Value = Ninth<'de>;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("block_mm_infos or group_idx")
+    }
+
+    fn visit_unit<E: de::Error>(self) -> Result<Ninth<'de>, E> {
+        Ok(Ninth::Val(Val::Nil))
+    }
+
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<Ninth<'de>, E> {
+        Ok(Ninth::Val(Val::UInt(v)))
+    }
+
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<Ninth<'de>, E> {
+        Ok(Ninth::Val(match u64::try_from(v) {
+            Ok(u) => Val::UInt(u),
+            Err(_) => Val::Int(v),
+        }))
+    }
+
+    fn visit_f64<E: de::Error>(self, v: f64) -> Result<Ninth<'de>, E> {
+        Ok(Ninth::Val(Val::Float(v)))
+    }
+
+    fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Ninth<'de>, E> {
+        Ok(Ninth::Val(Val::Str(v)))
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Ninth<'de>, A::Error> {
+        let mut out = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(1024));
+        while let Some(Folded(x)) = seq.next_element()? {
+            // A nil entry folds to the nil constant: no multimodal content in that block.
+            out.push((x != fold_scalar(&[], 9)).then_some(x));
+        }
+        Ok(Ninth::MmInfos(out))
+    }
+
+    otherwise!(Ninth::Val(Val::Other); bool str bytes map ext);
+}
+
+impl<'de> Deserialize<'de> for Ninth<'de> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(NinthVisitor)
     }
 }

@@ -421,13 +421,16 @@ fn render_learned(out: &mut String, router: &Router) {
             out,
             "kvroute_predictions_total",
             "Predicted blocks by outcome: recorded at routing, confirmed by a stored event, \
-             contradicted by a removed one, expired at the TTL (or the cap).",
+             contradicted by a removed one, expired at the TTL (or the cap); mispredicted: expired \
+             unconfirmed while the candidate's engine stored other blocks (counted in expired too), \
+             the tell-tale of a router/engine hashing (parity) mismatch.",
         );
         for (outcome, n) in [
             ("recorded", p.recorded),
             ("confirmed", p.confirmed),
             ("contradicted", p.contradicted),
             ("expired", p.expired),
+            ("mispredicted", p.mispredicted),
         ] {
             let _ = writeln!(
                 out,

@@ -442,11 +442,15 @@ pub async fn models(State(s): State<ProxyState>) -> Response {
         )
         .into_response();
     };
-    let data: Vec<serde_json::Value> = p
+    let mut data: Vec<serde_json::Value> = p
         .models
         .names()
         .into_iter()
-        .map(|n| serde_json::json!({"id": n, "object": "model", "created": 0, "owned_by": "kvroute"}))
+        .map(|n| serde_json::json!({"id": n, "object": "model", "created": 0, "owned_by": "kvroute", "root": n, "parent": null}))
         .collect();
+    // LoRA adapters as vLLM lists them: their own id, the model they are served on as parent.
+    data.extend(p.models.adapters().map(|(a, base)| {
+        serde_json::json!({"id": a, "object": "model", "created": 0, "owned_by": "kvroute", "root": a, "parent": base})
+    }));
     Json(serde_json::json!({"object": "list", "data": data})).into_response()
 }

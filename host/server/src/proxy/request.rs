@@ -18,6 +18,14 @@
 //! | `x-kvroute-pinned-worker` | `pinned_worker` (`ID` or `ID/RANK`) |
 //! | `x-kvroute-disaggregation` | `disaggregation` (`auto`, `off`, `required`) |
 //! | `x-kvroute-lora-name`, `x-kvroute-cache-salt` | `lora_name`, `cache_salt` |
+//!
+//! A `model` that names a LoRA adapter (`[models.NAME] adapters`) is tokenized as its model and
+//! hashed with the adapter's name, as vLLM keys its blocks; a different `lora_name` beside it is a
+//! 400 naming `model`.
+//!
+//! The body's own `cache_salt` (vLLM's field) is the request's salt. The `kvroute` object's or the
+//! header's may say it instead, and is then written into the body the engine receives, so the
+//! router and the engine always salt alike; two that differ are a 400 naming `cache_salt`.
 
 use std::sync::Arc;
 
@@ -97,9 +105,9 @@ pub async fn prepare(
         ));
     };
     let ext = obj.remove("kvroute");
-    let model = match obj.get("model") {
-        None | Some(Value::Null) => models.resolve(None)?,
-        Some(Value::String(name)) => models.resolve(Some(name))?,
+    let resolved = match obj.get("model") {
+        None | Some(Value::Null) => models.resolve_request(None)?,
+        Some(Value::String(name)) => models.resolve_request(Some(name))?,
         Some(_) => {
             return Err(ProxyError::field(
                 StatusCode::BAD_REQUEST,
@@ -109,6 +117,7 @@ pub async fn prepare(
             ))
         }
     };
+    let model = resolved.model;
     let stream = match obj.get("stream") {
         None | Some(Value::Null) => false,
         Some(Value::Bool(b)) => *b,
@@ -125,7 +134,55 @@ pub async fn prepare(
         .iter()
         .find_map(|k| obj.get(*k).and_then(Value::as_u64))
         .map(|n| n.min(u64::from(u32::MAX)) as u32);
-    let forward_body = if ext.is_some() {
+    let body_salt = body_cache_salt(obj.get("cache_salt"))?;
+    let ext_salt = ext
+        .as_ref()
+        .and_then(|e| e.get("cache_salt"))
+        .is_some_and(|s| !s.is_null());
+    let mut rb = route_body(ext.clone(), headers)?;
+    // One salt for the router and the engine (SPEC §2, "Isolation"): the body's (vLLM's field),
+    // or the kvroute object's or header's, which is then written into the body the engine gets.
+    // An adapter chosen by `model` (vLLM's way) is the request's LoRA; the kvroute object or
+    // header may only repeat it.
+    if let Some(adapter) = resolved.lora_name {
+        match rb.lora_name.as_deref().filter(|s| !s.is_empty()) {
+            Some(other) if other != adapter => {
+                return Err(bad(
+                    "model",
+                    format!(
+                        "names the LoRA adapter {adapter:?} but the request's lora_name (kvroute object or x-kvroute-lora-name) is {other:?}"
+                    ),
+                ))
+            }
+            _ => rb.lora_name = Some(adapter),
+        }
+    }
+    let mut inject_salt = None;
+    match (
+        body_salt,
+        rb.cache_salt.as_deref().filter(|s| !s.is_empty()),
+    ) {
+        (Some(b), Some(other)) if b != other => {
+            let place = if ext_salt {
+                "kvroute.cache_salt"
+            } else {
+                "x-kvroute-cache-salt"
+            };
+            return Err(bad(
+                "cache_salt",
+                format!(
+                    "the body's cache_salt and {place} differ; send the salt once (the engine salts with the body's)"
+                ),
+            ));
+        }
+        (Some(b), _) => rb.cache_salt = Some(b.to_string()),
+        (None, Some(other)) => inject_salt = Some(other.to_string()),
+        (None, None) => rb.cache_salt = None,
+    }
+    if let Some(salt) = &inject_salt {
+        obj.insert("cache_salt".into(), Value::String(salt.clone()));
+    }
+    let forward_body = if ext.is_some() || inject_salt.is_some() {
         Bytes::from(serde_json::to_vec(&v).expect("a JSON value serializes"))
     } else {
         body.clone()
@@ -144,7 +201,6 @@ pub async fn prepare(
     } else {
         tokenize(endpoint, &model, &v)?
     };
-    let mut rb = route_body(ext, headers)?;
     rb.request_id = Some(request_id);
     rb.tokens = Some(tokens);
     rb.book = Some(true);
@@ -160,6 +216,16 @@ pub async fn prepare(
         route,
         forward_body,
     })
+}
+
+/// The body's `cache_salt` (vLLM's field): absent or null, or a non-empty string, as vLLM
+/// accepts it.
+fn body_cache_salt(v: Option<&Value>) -> Result<Option<&str>, ProxyError> {
+    match v {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) if !s.is_empty() => Ok(Some(s)),
+        Some(_) => Err(bad("cache_salt", "expected a non-empty string".into())),
+    }
 }
 
 fn tokenize(endpoint: Endpoint, model: &Model, body: &Value) -> Result<Vec<u32>, ProxyError> {
@@ -318,4 +384,173 @@ fn bad(field: &str, message: String) -> ProxyError {
         field,
         format!("{field}: {message}"),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvroute_core::router::Prompt;
+
+    fn models() -> ModelRegistry {
+        let dir = std::env::temp_dir().join(format!("kvroute-request-unit-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let spec = kvroute_tokenize::testing::test_model_spec(&dir).unwrap();
+        let mut specs = std::collections::BTreeMap::new();
+        specs.insert(
+            "base".to_string(),
+            kvroute_tokenize::ModelSpec {
+                adapters: vec!["sql-lora".into()],
+                ..spec
+            },
+        );
+        ModelRegistry::load_all(&specs).unwrap()
+    }
+
+    fn run(body: Value, hdrs: &[(&'static str, &str)]) -> Result<Inbound, ProxyError> {
+        let mut headers = HeaderMap::new();
+        for (k, v) in hdrs {
+            headers.insert(*k, v.parse().unwrap());
+        }
+        let limits = BodyLimits {
+            max_allowed_worker_ids: 64,
+            max_request_taints: 64,
+        };
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        rt.block_on(prepare(
+            Endpoint::Completions,
+            &models(),
+            &headers,
+            Bytes::from(serde_json::to_vec(&body).unwrap()),
+            "r1".into(),
+            &limits,
+        ))
+    }
+
+    fn field_of(e: ProxyError) -> String {
+        e.0.field.unwrap_or_default()
+    }
+
+    fn forwarded(i: &Inbound) -> Value {
+        serde_json::from_slice(&i.forward_body).unwrap()
+    }
+
+    #[test]
+    fn the_bodys_cache_salt_salts_the_route_and_is_forwarded_untouched() {
+        let body =
+            serde_json::json!({"model": "base", "prompt": "hello there", "cache_salt": "t-a"});
+        let i = run(body.clone(), &[]).unwrap();
+        assert_eq!(i.route.cache_salt.as_deref(), Some("t-a"));
+        assert_eq!(
+            i.forward_body,
+            Bytes::from(serde_json::to_vec(&body).unwrap())
+        );
+        // The same salt in the header too: fine.
+        let i = run(body.clone(), &[("x-kvroute-cache-salt", "t-a")]).unwrap();
+        assert_eq!(i.route.cache_salt.as_deref(), Some("t-a"));
+        // No salt anywhere.
+        let i = run(serde_json::json!({"model": "base", "prompt": "hello"}), &[]).unwrap();
+        assert_eq!(i.route.cache_salt, None);
+    }
+
+    #[test]
+    fn a_header_or_kvroute_salt_is_written_into_the_engines_body() {
+        let i = run(
+            serde_json::json!({"model": "base", "prompt": "hello"}),
+            &[("x-kvroute-cache-salt", "t-b")],
+        )
+        .unwrap();
+        assert_eq!(i.route.cache_salt.as_deref(), Some("t-b"));
+        assert_eq!(forwarded(&i)["cache_salt"], "t-b");
+        let i = run(
+            serde_json::json!({"model": "base", "prompt": "hello", "kvroute": {"cache_salt": "t-c"}}),
+            &[],
+        )
+        .unwrap();
+        assert_eq!(i.route.cache_salt.as_deref(), Some("t-c"));
+        let f = forwarded(&i);
+        assert_eq!(f["cache_salt"], "t-c");
+        assert!(f.get("kvroute").is_none());
+    }
+
+    #[test]
+    fn conflicting_or_bad_salts_are_400s_naming_cache_salt() {
+        let e = run(
+            serde_json::json!({"model": "base", "prompt": "hi", "cache_salt": "a"}),
+            &[("x-kvroute-cache-salt", "b")],
+        )
+        .err()
+        .expect("refused");
+        assert_eq!(e.0.status, StatusCode::BAD_REQUEST);
+        assert!(
+            e.0.message.contains("x-kvroute-cache-salt"),
+            "{}",
+            e.0.message
+        );
+        assert_eq!(field_of(e), "cache_salt");
+        let e = run(
+            serde_json::json!({"model": "base", "prompt": "hi", "cache_salt": "a", "kvroute": {"cache_salt": "b"}}),
+            &[],
+        )
+        .err().expect("refused");
+        assert!(
+            e.0.message.contains("kvroute.cache_salt"),
+            "{}",
+            e.0.message
+        );
+        for bad in [
+            serde_json::json!(""),
+            serde_json::json!(3),
+            serde_json::json!(["a"]),
+        ] {
+            let e = run(
+                serde_json::json!({"model": "base", "prompt": "hi", "cache_salt": bad}),
+                &[],
+            )
+            .err()
+            .expect("refused");
+            assert_eq!(field_of(e), "cache_salt");
+        }
+    }
+
+    #[test]
+    fn an_adapter_as_model_tokenizes_as_its_base_and_hashes_with_its_name() {
+        let plain = run(
+            serde_json::json!({"model": "base", "prompt": "hello there"}),
+            &[],
+        )
+        .unwrap();
+        let i = run(
+            serde_json::json!({"model": "sql-lora", "prompt": "hello there"}),
+            &[],
+        )
+        .unwrap();
+        assert_eq!(i.model.name(), "base");
+        assert_eq!(i.route.lora_name.as_deref(), Some("sql-lora"));
+        let tokens = |x: &Inbound| match &x.route.prompt {
+            Prompt::Tokens(t) => t.clone(),
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(tokens(&i), tokens(&plain));
+        // The engine selects the adapter by `model`: the body goes as sent.
+        assert_eq!(forwarded(&i)["model"], "sql-lora");
+        // The header may repeat it, not contradict it.
+        run(
+            serde_json::json!({"model": "sql-lora", "prompt": "hi"}),
+            &[("x-kvroute-lora-name", "sql-lora")],
+        )
+        .unwrap();
+        let e = run(
+            serde_json::json!({"model": "sql-lora", "prompt": "hi"}),
+            &[("x-kvroute-lora-name", "other")],
+        )
+        .err()
+        .expect("refused");
+        assert_eq!(field_of(e), "model");
+        let e = run(serde_json::json!({"model": "nope", "prompt": "hi"}), &[])
+            .err()
+            .expect("refused");
+        assert!(e.0.message.contains("sql-lora"), "{}", e.0.message);
+    }
 }

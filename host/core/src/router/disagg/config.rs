@@ -55,8 +55,10 @@ impl BypassRule {
 
 /// Dynamo's default absolute bound of the isl_bounding rule (tokens).
 pub const DEFAULT_BYPASS_MAX_UNCACHED_TOKENS: u32 = 2048;
-/// Dynamo's default ratio bound of the isl_bounding rule.
-pub const DEFAULT_BYPASS_MAX_UNCACHED_RATIO: f64 = 0.7;
+/// Dynamo's default ratio bound of the isl_bounding rule; kvroute's is none (issue 34: a short
+/// fresh prompt is cheaper to prefill where it decodes than to send to a prefill worker and back,
+/// however little of it is cached), and `bypass_max_uncached_ratio = 0.7` restores Dynamo's rule.
+pub const DYNAMO_BYPASS_MAX_UNCACHED_RATIO: f64 = 0.7;
 
 /// Settings of disaggregated routing (API.md, "Disaggregated prefill/decode").
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -73,8 +75,8 @@ pub struct DisaggConfig {
     pub bypass: BypassRule,
     /// isl_bounding: the uncached prompt tokens on the decode worker must be below this...
     pub bypass_max_uncached_tokens: u32,
-    /// ...and below this share of the prompt.
-    pub bypass_max_uncached_ratio: f64,
+    /// ...and, when set, below this share of the prompt (off by default; Dynamo's is 0.7).
+    pub bypass_max_uncached_ratio: Option<f64>,
     /// prefill_load: the chosen prefill worker is loaded when its unprefilled tokens exceed this
     /// fraction of its `max_num_batched_tokens`.
     pub bypass_max_prefill_load: Option<f64>,
@@ -89,7 +91,7 @@ impl Default for DisaggConfig {
             enforce: false,
             bypass: BypassRule::Never,
             bypass_max_uncached_tokens: DEFAULT_BYPASS_MAX_UNCACHED_TOKENS,
-            bypass_max_uncached_ratio: DEFAULT_BYPASS_MAX_UNCACHED_RATIO,
+            bypass_max_uncached_ratio: None,
             bypass_max_prefill_load: None,
         }
     }
@@ -121,11 +123,12 @@ impl DisaggConfig {
                 "kv_transfer_preferred_weight must be strictly between 0 and 1, got {w}"
             ));
         }
-        let r = self.bypass_max_uncached_ratio;
-        if !(r.is_finite() && r > 0.0) {
-            return Err(format!(
-                "bypass_max_uncached_ratio must be a finite number > 0, got {r}"
-            ));
+        if let Some(r) = self.bypass_max_uncached_ratio {
+            if !(r.is_finite() && r > 0.0) {
+                return Err(format!(
+                    "bypass_max_uncached_ratio must be a finite number > 0, got {r}"
+                ));
+            }
         }
         match self.bypass_max_prefill_load {
             Some(l) if !(l.is_finite() && l > 0.0) => {
@@ -162,7 +165,7 @@ mod tests {
         assert_eq!(d.validate(), Ok(()));
         assert_eq!(
             (d.bypass_max_uncached_tokens, d.bypass_max_uncached_ratio),
-            (2048, 0.7)
+            (2048, None)
         );
         assert_eq!(d.kv_transfer_preferred_weight, 0.5);
         let refused = |c: DisaggConfig, key: &str| {
@@ -201,7 +204,7 @@ mod tests {
         );
         refused(
             DisaggConfig {
-                bypass_max_uncached_ratio: 0.0,
+                bypass_max_uncached_ratio: Some(0.0),
                 ..Default::default()
             },
             "bypass_max_uncached_ratio",

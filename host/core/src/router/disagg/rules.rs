@@ -90,20 +90,24 @@ pub fn merge_decode_topology_constraints(
 }
 
 /// isl_bounding: bypass when the prompt tokens the decode worker lacks (`prompt - cached`, the
-/// "effective ISL") are below `max_uncached_tokens` *and* below `max_uncached_ratio` of the prompt.
-/// Both bounds are strict.
+/// "effective ISL") are below `max_uncached_tokens` *and*, when a ratio is set, below
+/// `max_uncached_ratio` of the prompt. Both bounds are strict. Without a ratio (the default) a
+/// short prompt prefills where it decodes however little of it is cached.
 pub fn isl_bounding_holds(
     prompt_tokens: u32,
     decode_cached_tokens: u32,
     max_uncached_tokens: u32,
-    max_uncached_ratio: f64,
+    max_uncached_ratio: Option<f64>,
 ) -> bool {
     let uncached = prompt_tokens.saturating_sub(decode_cached_tokens.min(prompt_tokens));
     if uncached >= max_uncached_tokens {
         return false;
     }
+    let Some(max_ratio) = max_uncached_ratio else {
+        return true;
+    };
     let ratio = f64::from(uncached) / f64::from(prompt_tokens.max(1));
-    ratio < max_uncached_ratio
+    ratio < max_ratio
 }
 
 /// prefill_load's signal: whether a prefill worker is loaded, i.e. its unprefilled tokens exceed
@@ -207,20 +211,26 @@ mod tests {
     #[test]
     fn isl_bounding_at_its_thresholds() {
         // Dynamo's cases, with 64-token blocks: 1000 tokens, 14 blocks cached -> 104 uncached.
-        assert!(isl_bounding_holds(1000, 14 * 64, 2048, 0.7));
+        assert!(isl_bounding_holds(1000, 14 * 64, 2048, Some(0.7)));
         // A large uncached part does not bypass even with a low ratio.
-        assert!(!isl_bounding_holds(100_000, 1000 * 64, 2048, 0.99));
+        assert!(!isl_bounding_holds(100_000, 1000 * 64, 2048, Some(0.99)));
         // Small but nothing cached: the ratio (1.0) is at or above the bound.
-        assert!(!isl_bounding_holds(200, 0, 2048, 0.7));
+        assert!(!isl_bounding_holds(200, 0, 2048, Some(0.7)));
         // Exactly at the absolute bound: no bypass; one token below: bypass.
-        assert!(!isl_bounding_holds(2048, 0, 2048, 0.99 + 0.02));
-        assert!(isl_bounding_holds(2047, 0, 2048, 1.01));
+        assert!(!isl_bounding_holds(2048, 0, 2048, Some(0.99 + 0.02)));
+        assert!(isl_bounding_holds(2047, 0, 2048, Some(1.01)));
         // Exactly at the ratio bound: 70 of 100 uncached is not below 0.7; 69 is.
-        assert!(!isl_bounding_holds(100, 30, 2048, 0.7));
-        assert!(isl_bounding_holds(100, 31, 2048, 0.7));
+        assert!(!isl_bounding_holds(100, 30, 2048, Some(0.7)));
+        assert!(isl_bounding_holds(100, 31, 2048, Some(0.7)));
         // Cached beyond the prompt clamps to 0 uncached; an empty prompt does not divide by 0.
-        assert!(isl_bounding_holds(500, 640, 2048, 0.7));
-        assert!(isl_bounding_holds(0, 0, 2048, 0.7));
+        assert!(isl_bounding_holds(500, 640, 2048, Some(0.7)));
+        assert!(isl_bounding_holds(0, 0, 2048, Some(0.7)));
+        // Without a ratio (the default): a fresh 64-token prompt stays where it decodes, a long
+        // uncached one does not.
+        assert!(isl_bounding_holds(64, 0, 2048, None));
+        assert!(isl_bounding_holds(2047, 0, 2048, None));
+        assert!(!isl_bounding_holds(2048, 0, 2048, None));
+        assert!(!isl_bounding_holds(100_000, 1000 * 64, 2048, None));
     }
 
     #[test]

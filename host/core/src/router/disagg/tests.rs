@@ -82,7 +82,8 @@ fn prefill_is_kv_aware_and_decode_follows_the_prefill_workers_zone() {
     assert!(d.disaggregated);
     assert_eq!(
         (p.candidate.worker_id, p.overlap_blocks, p.cached_tokens),
-        (PREFILL_B, 8, 128)
+        (PREFILL_B, 8, 112),
+        "the last block of a block-aligned prompt is recomputed"
     );
     assert_eq!(d.candidate.worker_id, DECODE_B);
     assert_eq!(
@@ -298,12 +299,31 @@ fn lifecycle_releases_each_half() {
     }
 }
 
+/// A fleet with Dynamo's isl_bounding bounds (the ratio 0.7 on; kvroute's default has none).
 fn bypass_fleet(rule: BypassRule, max_load: Option<f64>) -> Router {
     fleet(DisaggConfig {
         bypass: rule,
         bypass_max_prefill_load: max_load,
+        bypass_max_uncached_ratio: Some(
+            crate::router::disagg::config::DYNAMO_BYPASS_MAX_UNCACHED_RATIO,
+        ),
         ..Default::default()
     })
+}
+
+#[test]
+fn isl_bounding_without_a_ratio_keeps_a_fresh_short_prompt_local() {
+    let r = fleet(DisaggConfig {
+        bypass: BypassRule::IslBounding,
+        ..Default::default()
+    });
+    // Nothing cached anywhere: 64 uncached tokens < 2,048, and no ratio bound by default.
+    let d = r.route_now(req("short", prompt(64))).unwrap();
+    assert_eq!(d.bypass, Some("isl_bounding"));
+    assert!(!d.disaggregated && d.prefill.is_none());
+    // A long uncached prompt still goes to a prefill worker.
+    let d = r.route_now(req("long", other(5, 3000))).unwrap();
+    assert!(d.disaggregated && d.bypass.is_none());
 }
 
 #[test]

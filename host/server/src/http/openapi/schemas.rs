@@ -220,11 +220,13 @@ pub fn schemas() -> Value {
                 "cached_blocks": u64_int("Blocks the index holds for this rank on device."),
                 "host_cached_blocks": u64_int("… in host memory."),
                 "disk_cached_blocks": u64_int("… on disk and external storage."),
-                "kv_feed": d(object(&["connected", "last_event_age_ms", "last_seq", "dead"], json!({
+                "kv_feed": d(object(&["connected", "last_event_age_ms", "last_seq", "dead", "trust"], json!({
                     "connected": boolean("The subscription is connected to the engine's publisher."),
                     "last_event_age_ms": d(json!({"type": ["integer", "null"]}), "Milliseconds since its last message (null: none yet)."),
                     "last_seq": d(json!({"type": ["integer", "null"]}), "Sequence number of its last message (null: none yet)."),
                     "dead": boolean("Down for routing.dead_feed_after_ms: routing.dead_feed applies (SPEC §4.4)."),
+                    "trust": d(json!({"type": "string", "enum": ["exact", "recovering", "degraded"]}), "How far the rank's index can be trusted to be the engine's cache (SPEC §4.4)."),
+                    "engine_block_size": d(json!({"type": "integer"}), "Present while the engine's stores carry another block size than the router's: the engine's (its stores are dropped)."),
                 })), "With kv_events only: the rank's KV event subscription."),
             })), "One per rank, in order."),
         })),
