@@ -32,6 +32,10 @@ pub struct ModelSpec {
     /// vLLM, where such a request is refused.
     #[serde(default)]
     pub trust_request_chat_template: bool,
+    /// The tokenizer cache's budget in bytes (parts of prompts and whole requests already
+    /// encoded); 0 turns it off. Default [`crate::DEFAULT_CACHE_BYTES`] (64 MiB).
+    #[serde(default)]
+    pub tokenizer_cache_bytes: Option<u64>,
 }
 
 impl ModelSpec {
@@ -44,6 +48,7 @@ impl ModelSpec {
             chat_template_content_format: None,
             chat_template_kwargs: None,
             trust_request_chat_template: false,
+            tokenizer_cache_bytes: None,
         }
     }
 }
