@@ -90,7 +90,10 @@ fn cache(c: &mut Criterion) {
     let probe = model.render_chat(&next_turn(&history, 0, &mut p)).unwrap();
     let full = model.encode_uncached(&probe, false).unwrap();
     let cached = model.encode(&probe, false).unwrap();
-    assert_eq!(full, cached, "the cache's ids differ from the full encode's");
+    assert_eq!(
+        full, cached,
+        "the cache's ids differ from the full encode's"
+    );
     let before = model.cache_stats();
     eprintln!(
         "next turn: {} messages, {} tokens, {} bytes; cache {before:?}",
@@ -181,6 +184,39 @@ fn cache(c: &mut Criterion) {
         )
     });
     group.finish();
+
+    // The same, alternated call by call on fresh prompts (a loaded machine drifts between
+    // criterion's groups): the median of the per-round ratios.
+    let mut ratios = Vec::new();
+    let (mut full_ms, mut cached_ms) = (Vec::new(), Vec::new());
+    for round in 0..30 {
+        let (a, b) = (fresh(), fresh());
+        let time = |f: &dyn Fn() -> Vec<u32>| {
+            let start = std::time::Instant::now();
+            std::hint::black_box(f());
+            start.elapsed().as_secs_f64() * 1e3
+        };
+        let (full, cached) = if round % 2 == 0 {
+            let f = time(&|| model.encode_uncached(&a, false).unwrap());
+            (f, time(&|| model.encode(&b, false).unwrap()))
+        } else {
+            let c = time(&|| model.encode(&b, false).unwrap());
+            (time(&|| model.encode_uncached(&a, false).unwrap()), c)
+        };
+        ratios.push(cached / full);
+        full_ms.push(full);
+        cached_ms.push(cached);
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    eprintln!(
+        "first seen, alternated (30 rounds): full encode {:.2} ms, cached {:.2} ms (medians); cached / full, median of rounds: {:.3}",
+        median(&mut full_ms),
+        median(&mut cached_ms),
+        median(&mut ratios)
+    );
     eprintln!("cache after: {:?}", model.cache_stats());
     let _ = std::fs::remove_dir_all(&dir);
 }

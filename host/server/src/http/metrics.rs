@@ -406,7 +406,12 @@ pub fn render_tokenizer_caches(out: &mut String, models: &kvroute_tokenize::Mode
             );
         }
     }
-    type Figure = (&'static str, &'static str, &'static str, fn(&kvroute_tokenize::CacheStats) -> u64);
+    type Figure = (
+        &'static str,
+        &'static str,
+        &'static str,
+        fn(&kvroute_tokenize::CacheStats) -> u64,
+    );
     let figures: [Figure; 6] = [
         ("kvroute_tokenizer_cache_evictions_total", "counter", "Tokenizer cache entries evicted (or refused as larger than the budget allows).", |s| s.evictions),
         ("kvroute_tokenizer_cache_unsplit_total", "counter", "Texts encoded whole because the model's tokenizer configuration makes a split unsafe.", |s| s.unsplit),
