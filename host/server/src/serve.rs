@@ -302,6 +302,12 @@ pub async fn run(
     } else {
         None
     };
+    if let Some(models) = &models {
+        let models = models.clone();
+        metrics.add_renderer(Arc::new(move |out: &mut String| {
+            crate::http::metrics::render_tokenizer_caches(out, &models)
+        }));
+    }
     let proxy = match (&models, config.proxy.enabled) {
         (Some(models), true) => {
             let proxy = Arc::new(crate::proxy::Proxy::new(

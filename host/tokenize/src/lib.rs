@@ -21,12 +21,16 @@
 //! - [`ModelSpec`] (`spec.rs`): one `[models.NAME]` table of the server's configuration.
 //! - [`Model`] (`model.rs`): a loaded tokenizer and its chat template; `completion.rs` and
 //!   `chat/` read request bodies; `template/` is the Jinja environment.
+//! - the tokenizer cache (`cache.rs`): a prompt text cut before its special tokens, where the
+//!   tokenizer cannot merge across, each part's ids cached by its text and each request's by its
+//!   body; exact by construction (the argument is in the module), bounded by a byte budget.
 //! - [`ModelRegistry`] (`registry.rs`): every configured model by name.
 //! - [`testing`]: a small BPE tokenizer trained at test time, so no test downloads anything.
 //!
 //! Pure Rust: the `tokenizers` crate is built with the `fancy-regex` backend instead of the
 //! Oniguruma C library, and without the C++ suffix array (only Unigram training needs it).
 
+mod cache;
 pub(crate) mod chat;
 mod completion;
 mod config;
@@ -37,6 +41,7 @@ mod spec;
 mod template;
 pub mod testing;
 
+pub use cache::{CacheStats, DEFAULT_CACHE_BYTES};
 pub use error::TokenizeError;
 pub use model::Model;
 pub use registry::{ModelRegistry, Resolved};

@@ -6,6 +6,7 @@ use std::fmt;
 use serde_json::Value as Json;
 use tokenizers::Tokenizer;
 
+use crate::cache::{self, CacheStats, TokenCache, CHAT_REQUEST, COMPLETION_REQUEST};
 use crate::chat::{template_sources, ChatOptions, ChatTemplate};
 use crate::config::TokenizerConfig;
 use crate::template::ContentFormat;
@@ -19,6 +20,8 @@ pub struct Model {
     vocab_size: u32,
     chat: Option<ChatTemplate>,
     block_size: Option<u32>,
+    /// Prompt texts' parts and whole requests already encoded (`cache.rs`).
+    cache: TokenCache,
 }
 
 impl fmt::Debug for Model {
@@ -28,6 +31,7 @@ impl fmt::Debug for Model {
             .field("vocab_size", &self.vocab_size)
             .field("has_chat_template", &self.chat.is_some())
             .field("block_size", &self.block_size)
+            .field("cache", &self.cache.stats())
             .finish()
     }
 }
@@ -92,12 +96,18 @@ impl Model {
             )?)
         };
         let vocab_size = u32::try_from(tokenizer.get_vocab_size(true)).unwrap_or(u32::MAX);
+        let cache = TokenCache::new(
+            &tokenizer,
+            spec.tokenizer_cache_bytes
+                .unwrap_or(cache::DEFAULT_CACHE_BYTES),
+        );
         Ok(Model {
             name: name.to_string(),
             tokenizer,
             vocab_size,
             chat,
             block_size: spec.block_size,
+            cache,
         })
     }
 
@@ -123,13 +133,32 @@ impl Model {
     /// those. A string is encoded with special tokens unless the body says
     /// `"add_special_tokens": false` (vLLM's default and switch). Batches are refused.
     pub fn completion_tokens(&self, body: &Json) -> Result<Vec<u32>, TokenizeError> {
-        completion::prompt_tokens(self, body)
+        let text_prompt = match body.get("prompt") {
+            Some(Json::String(_)) => true,
+            Some(Json::Array(items)) => items.len() == 1 && items[0].is_string(),
+            _ => false,
+        };
+        if !text_prompt {
+            return completion::prompt_tokens(self, body);
+        }
+        self.cache.request(COMPLETION_REQUEST, body, || {
+            completion::prompt_tokens(self, body).map(|ids| (ids, true))
+        })
     }
 
     /// `/v1/chat/completions`: the chat template's rendering of the body, encoded without
     /// adding special tokens again (the template wrote them), unless the body says
     /// `"add_special_tokens": true`.
     pub fn chat_tokens(&self, body: &Json) -> Result<Vec<u32>, TokenizeError> {
+        self.cache.request(CHAT_REQUEST, body, || {
+            // A template that read the clock renders another prompt tomorrow: not kept.
+            let clock = crate::template::clock_reads();
+            let ids = self.chat_tokens_uncached(body)?;
+            Ok((ids, crate::template::clock_reads() == clock))
+        })
+    }
+
+    fn chat_tokens_uncached(&self, body: &Json) -> Result<Vec<u32>, TokenizeError> {
         let text = self.render_chat(body)?;
         // Read as vLLM's request model reads a boolean (`1`, "true"... are booleans).
         let add_special_tokens = match body.get("add_special_tokens") {
@@ -174,11 +203,32 @@ impl Model {
         add_special_tokens: bool,
         field: &str,
     ) -> Result<Vec<u32>, TokenizeError> {
-        // encode_fast: no character offsets, which nothing here needs.
-        self.tokenizer
-            .encode_fast(text, add_special_tokens)
-            .map(|encoding| encoding.get_ids().to_vec())
+        // Through the cache: the ids of `encode_fast` (no character offsets, which nothing here
+        // needs), reusing parts of the text seen before.
+        self.cache
+            .encode(&self.tokenizer, text, add_special_tokens)
             .map_err(|e| TokenizeError::new(field, format!("cannot tokenize: {e}")))
+    }
+
+    /// [`Model::encode`] without the cache: the whole text through the tokenizer.
+    pub fn encode_uncached(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+    ) -> Result<Vec<u32>, TokenizeError> {
+        cache::full(&self.tokenizer, text, add_special_tokens)
+            .map_err(|e| TokenizeError::new("text", format!("cannot tokenize: {e}")))
+    }
+
+    /// The tokenizer cache's counters and size.
+    pub fn cache_stats(&self) -> CacheStats {
+        self.cache.stats()
+    }
+
+    /// Why this model's texts are encoded whole rather than in cached parts, if they are
+    /// (the tokenizer's configuration makes a split unsafe; `cache.rs`).
+    pub fn cache_unsplit_reason(&self) -> Option<&str> {
+        self.cache.unsplit_reason()
     }
 
     /// The text of `ids`, special tokens left out (vLLM's default for generated text).

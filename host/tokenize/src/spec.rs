@@ -37,6 +37,10 @@ pub struct ModelSpec {
     /// name (SPEC §2), and is served by this model's workers.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub adapters: Vec<String>,
+    /// The tokenizer cache's budget in bytes (parts of prompts and whole requests already
+    /// encoded); 0 turns it off. Default [`crate::DEFAULT_CACHE_BYTES`] (64 MiB).
+    #[serde(default)]
+    pub tokenizer_cache_bytes: Option<u64>,
 }
 
 impl ModelSpec {
@@ -50,6 +54,7 @@ impl ModelSpec {
             chat_template_kwargs: None,
             trust_request_chat_template: false,
             adapters: Vec::new(),
+            tokenizer_cache_bytes: None,
         }
     }
 }

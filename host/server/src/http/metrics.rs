@@ -374,6 +374,60 @@ impl Metrics {
     }
 }
 
+/// Per model, its tokenizer cache (`kvroute_tokenize`'s `cache.rs`): look-ups of prompt parts and
+/// whole requests by result, evictions, texts encoded whole, and its size against its budget.
+pub fn render_tokenizer_caches(out: &mut String, models: &kvroute_tokenize::ModelRegistry) {
+    use std::fmt::Write;
+    let stats: Vec<(String, kvroute_tokenize::CacheStats)> = models
+        .names()
+        .into_iter()
+        .filter_map(|name| {
+            let label = name
+                .replace('\\', "\\\\")
+                .replace('"', "\\\"")
+                .replace('\n', "\\n");
+            models.get(name).map(|m| (label, m.cache_stats()))
+        })
+        .collect();
+    if stats.is_empty() {
+        return;
+    }
+    out.push_str("# HELP kvroute_tokenizer_cache_lookups_total Tokenizer cache look-ups by model, kind (part: a prompt text's part between special tokens; request: a whole body) and result.\n# TYPE kvroute_tokenizer_cache_lookups_total counter\n");
+    for (name, s) in &stats {
+        for (kind, result, n) in [
+            ("part", "hit", s.part_hits),
+            ("part", "miss", s.part_misses),
+            ("request", "hit", s.request_hits),
+            ("request", "miss", s.request_misses),
+        ] {
+            let _ = writeln!(
+                out,
+                "kvroute_tokenizer_cache_lookups_total{{model=\"{name}\",kind=\"{kind}\",result=\"{result}\"}} {n}"
+            );
+        }
+    }
+    type Figure = (
+        &'static str,
+        &'static str,
+        &'static str,
+        fn(&kvroute_tokenize::CacheStats) -> u64,
+    );
+    let figures: [Figure; 6] = [
+        ("kvroute_tokenizer_cache_evictions_total", "counter", "Tokenizer cache entries evicted (or refused as larger than the budget allows).", |s| s.evictions),
+        ("kvroute_tokenizer_cache_unsplit_total", "counter", "Texts encoded whole because the model's tokenizer configuration makes a split unsafe.", |s| s.unsplit),
+        ("kvroute_tokenizer_cache_mismatches_total", "counter", "Texts encoded whole because a part did not start with its special token (never expected).", |s| s.mismatches),
+        ("kvroute_tokenizer_cache_entries", "gauge", "Tokenizer cache entries.", |s| s.entries),
+        ("kvroute_tokenizer_cache_bytes", "gauge", "Tokenizer cache size in bytes (keys and ids).", |s| s.bytes),
+        ("kvroute_tokenizer_cache_capacity_bytes", "gauge", "Tokenizer cache budget in bytes ([models.NAME] tokenizer_cache_bytes).", |s| s.capacity_bytes),
+    ];
+    for (metric, kind, help, read) in figures {
+        let _ = writeln!(out, "# HELP {metric} {help}\n# TYPE {metric} {kind}");
+        for (name, s) in &stats {
+            let _ = writeln!(out, "{metric}{{model=\"{name}\"}} {}", read(s));
+        }
+    }
+}
+
 /// A learned figure exported as a per-worker gauge: its metric name, its help text, and how to
 /// read it from a worker's [`Learned`] figures.
 type LearnedGauge = (&'static str, &'static str, fn(&Learned) -> f64);

@@ -153,6 +153,7 @@ pub(crate) fn describe(err: &Error) -> String {
     out
 }
 
+pub(crate) use strftime::clock_reads;
 #[cfg(test)]
 pub(crate) use strftime::{strftime, FIXED_NOW};
 #[cfg(test)]

@@ -38,7 +38,19 @@ thread_local! {
     pub(crate) static FIXED_NOW: std::cell::Cell<Option<i64>> = const { std::cell::Cell::new(None) };
 }
 
+thread_local! {
+    /// How many times this thread's renderings read the clock: a prompt rendered without reading
+    /// it depends on the request alone (the tokenizer cache keeps only those).
+    static CLOCK_READS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// This thread's clock reads so far (see `CLOCK_READS`).
+pub(crate) fn clock_reads() -> u64 {
+    CLOCK_READS.with(std::cell::Cell::get)
+}
+
 pub(super) fn strftime_now(format: String) -> Result<String, Error> {
+    CLOCK_READS.with(|n| n.set(n.get() + 1));
     #[cfg(test)]
     if let Some(now) = FIXED_NOW.with(std::cell::Cell::get) {
         return strftime(&format, now);
