@@ -565,7 +565,7 @@ mod tests {
             ),
         ] {
             for i in 0..body.len() {
-                for repl in [b',', b' ', b'0', b'9', b'-', b']', b'.', b'\n'] {
+                for repl in *b", 09-].\n" {
                     let mut bytes = body.as_bytes().to_vec();
                     bytes[i] = repl;
                     same_as_serde(std::str::from_utf8(&bytes).unwrap());
@@ -652,9 +652,7 @@ mod tests {
                 }
             }
             for i in 0..body.len() {
-                for repl in [
-                    b'"', b'[', b']', b',', b'{', b'}', b'\\', b'-', b'0', b'9', b' ', b'x',
-                ] {
+                for repl in *b"\"[],{}\\-09 x" {
                     let mut bytes = body.as_bytes().to_vec();
                     bytes[i] = repl;
                     same_as_serde(std::str::from_utf8(&bytes).unwrap());
