@@ -54,7 +54,7 @@ fn router_config(engines: &[Engine; 2], extra: &str, block_size: usize) -> PathB
         "block_size = {block_size}\n\
          [routing]\npredict_on_route = false\n\
          [proxy]\nenabled = true\n\
-         [models.{MODEL}]\ntokenizer = {:?}\n",
+         [models.{MODEL}]\ntokenizer = {:?}\nadapters = [{LORA:?}]\n",
         vllm::tokenizer_json().display().to_string()
     );
     for (id, e) in [(A, &engines[0]), (B, &engines[1])] {
@@ -1011,7 +1011,8 @@ fn lora_adapter_through_the_proxy() {
     assert!(
         r.status == 200,
         "[LoRA] {}: the proxy refuses a request for the engine's adapter {LORA:?} (vLLM serves \
-         it, /v1/models lists it with parent {MODEL:?}): {r}",
+         it; the router's [models.{MODEL}] lists it in `adapters`, as the engine's --lora-modules \
+         does): {r}",
         case.name
     );
     let ids = vllm::kvroute_model()

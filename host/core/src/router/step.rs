@@ -337,7 +337,9 @@ impl Scratch {
         for (j, &i) in self.eligible.iter().enumerate() {
             if dead.contains(&pool[i as usize].key) {
                 // The router's own predictions stand: they do not come from the dead feed.
-                self.cols.device_overlap[j] = self.predicted_col[j];
+                self.cols.device_overlap[j] =
+                    self.predicted_col[j].min(self.cols.device_overlap[j]);
+                self.uncapped_device[j] = self.predicted_col[j];
                 self.cols.host_overlap[j] = 0;
                 self.cols.disk_overlap[j] = 0;
             }
