@@ -142,7 +142,9 @@ fn required_transfer_domain_merges_and_decodes_in_the_prefill_workers_zone() {
             &d["prefill"]["overlap_blocks"],
             &d["prefill"]["cached_tokens"]
         ),
-        (&json!(P_B), &json!(8), &json!(128))
+        // P_B holds all 8 blocks; the engine reuses at most prompt - 1 tokens rounded down to a
+        // block, so 7 blocks (112 tokens) of this block-aligned prompt are cached (SPEC §5).
+        (&json!(P_B), &json!(8), &json!(112))
     );
     assert_eq!(d["worker_id"], D_B);
     assert_eq!(
@@ -523,7 +525,9 @@ fn explain_shows_both_steps() {
             )
         })
         .collect();
-    assert_eq!(rows, vec![(P_A, 0, false), (P_B, 4, true)], "{d}");
+    // P_B holds the 4 blocks of this block-aligned 64-token prompt; candidates are shown with the
+    // 3 its engine reuses (prompt - 1 tokens, rounded down to a block: SPEC §5).
+    assert_eq!(rows, vec![(P_A, 0, false), (P_B, 3, true)], "{d}");
     assert_eq!(
         p["excluded"],
         json!([
