@@ -279,21 +279,25 @@ fn a_bypassed_request_runs_whole_on_its_decode_worker() {
     let a: Vec<u32> = (0..320).collect();
     let mut b = a.clone();
     b.extend(9000..9010);
-    // The first request leaves its prompt cached on the decode engine; the second lacks only 10
-    // tokens there, under isl_bounding's bounds, so it prefills where it decodes.
+    // The first request is fresh but short: its 320 uncached tokens are under isl_bounding's
+    // token bound, so it prefills where it decodes (no trip to a prefill worker and back), which
+    // leaves its prompt cached on the decode engine; the second lacks only 10 tokens there, so it
+    // prefills there too.
     let t = trace(vec![(0.0, a, 2), (5_000.0, b, 2)]);
     let disagg = DisaggConfig {
         bypass: BypassRule::IslBounding,
         ..DisaggConfig::default()
     };
     let (out, router) = run_split(&t, &split_fleet(1, 1, 1), &cfg, disagg);
-    assert_eq!(out.requests[0].prefill_worker, Some(0));
+    let first = &out.requests[0];
+    assert!(first.bypassed);
+    assert_eq!((first.prefill_worker, first.worker), (None, Some(1)));
     let o = &out.requests[1];
     assert!(o.bypassed);
     assert_eq!((o.prefill_worker, o.worker), (None, Some(1)));
     assert!(o.transfer_ms.is_nan());
     assert_eq!(o.hit_tokens, 320);
-    assert_eq!(out.workers[1].prefill_tokens, 10, "{:?}", out.workers);
+    assert_eq!(out.workers[1].prefill_tokens, 320 + 10, "{:?}", out.workers);
     assert_eq!(router.active_bookings(), 0);
 }
 
