@@ -176,10 +176,10 @@ fn a_remote_indexer_router_decides_as_a_local_index_one_on_the_same_events() {
 #[test]
 fn a_remote_indexer_router_predicts_its_booked_prompts_as_a_local_index_one() {
     let (indexer, local, remote) = indexer_local_remote();
-    // 3 of the prompt's 64 blocks (1,024 tokens) cached on (4, 0) alone: the one best candidate
+    // 3 of the prompt's 128 blocks (2,048 tokens) cached on (4, 0) alone: the one best candidate
     // for it. Long enough that, once the whole prompt is predicted there, its cache outweighs the
     // decode interference of the request booked on it.
-    const BLOCKS: usize = 64;
+    const BLOCKS: usize = 128;
     let p = prompt(BLOCKS, 77);
     let full = local_hashes(&p, 16, BASE_SEED);
     for s in [&indexer, &local] {
@@ -194,7 +194,7 @@ fn a_remote_indexer_router_predicts_its_booked_prompts_as_a_local_index_one() {
             "nothing predicted before the first booking: {d}"
         );
     }
-    // The same prompt again, with no KV event since: both predict its 64 blocks on (4, 0), see
+    // The same prompt again, with no KV event since: both predict its 128 blocks on (4, 0), see
     // the same overlaps on every candidate and choose it.
     let again = json!({"tokens": p, "book": false, "explain": true});
     let (a, b) = (local.route_ok(&again), remote.route_ok(&again));
@@ -203,7 +203,7 @@ fn a_remote_indexer_router_predicts_its_booked_prompts_as_a_local_index_one() {
     assert_eq!(predicted(&a)[&(4, 0)], BLOCKS as u64, "{a}");
     assert_eq!(predicted(&a), predicted(&b), "predicted overlaps");
     // Explain's overlap is what the engine reuses of this block-aligned prompt: all but its
-    // last block (SPEC §5); the prediction itself covers all 64.
+    // last block (SPEC §5); the prediction itself covers all of them.
     assert_eq!(explained(&b)[&(4, 0)], [BLOCKS as u64 - 1, 0, 0], "{b}");
     assert_eq!(explained(&a), explained(&b), "every candidate's overlaps");
     assert_eq!(lowest_cost(&a), vec![(4, 0)], "{a}");
