@@ -311,6 +311,18 @@ fn check_ids_with(
     kv
 }
 
+/// [`check_resend`] for a request with neither a cache salt nor an adapter.
+fn check_plain_resend(
+    case: &Case,
+    class: &str,
+    id: u64,
+    path: &str,
+    body: &Value,
+    tokens: &[u32],
+) -> u64 {
+    check_resend(case, class, id, path, body, tokens, None, None)
+}
+
 /// Asserts the cached view: serve `body` on worker `id`, then compare what kvroute says is cached
 /// of `tokens` there with what the engine reports for the same request sent again. Returns the
 /// engine's figure.
@@ -400,16 +412,7 @@ fn completion_text_ids_and_cache() {
     let case = Case::new("completion_text");
     let body = json!({"model": MODEL, "prompt": prose(0, 400)});
     let ids = check_ids(&case, "tokenizer", &body);
-    let cached = check_resend(
-        &case,
-        "cache",
-        A,
-        "/v1/completions",
-        &body,
-        &ids,
-        None,
-        None,
-    );
+    let cached = check_plain_resend(&case, "cache", A, "/v1/completions", &body, &ids);
     assert!(
         cached >= BLOCK as u64,
         "a 400-token prompt has full blocks cached: {cached}"
@@ -421,16 +424,7 @@ fn completion_without_special_tokens() {
     let case = Case::new("completion_add_special_tokens_false");
     let body = json!({"model": MODEL, "prompt": prose(50, 300), "add_special_tokens": false});
     let ids = check_ids(&case, "tokenizer", &body);
-    check_resend(
-        &case,
-        "cache",
-        B,
-        "/v1/completions",
-        &body,
-        &ids,
-        None,
-        None,
-    );
+    check_plain_resend(&case, "cache", B, "/v1/completions", &body, &ids);
 }
 
 #[test]
@@ -440,16 +434,7 @@ fn completion_token_ids() {
     let body = json!({"model": MODEL, "prompt": ids});
     let kv = check_ids(&case, "tokenizer", &body);
     assert_eq!(kv, ids);
-    check_resend(
-        &case,
-        "cache",
-        A,
-        "/v1/completions",
-        &body,
-        &ids,
-        None,
-        None,
-    );
+    check_plain_resend(&case, "cache", A, "/v1/completions", &body, &ids);
 }
 
 #[test]
@@ -461,16 +446,7 @@ fn completion_non_ascii() {
     );
     let body = json!({"model": MODEL, "prompt": text});
     let ids = check_ids(&case, "tokenizer", &body);
-    check_resend(
-        &case,
-        "cache",
-        B,
-        "/v1/completions",
-        &body,
-        &ids,
-        None,
-        None,
-    );
+    check_plain_resend(&case, "cache", B, "/v1/completions", &body, &ids);
 }
 
 /// vLLM reuses at most `prompt - 1` tokens, rounded down to a block: of a 256-token prompt
@@ -482,15 +458,13 @@ fn block_aligned_prompt() {
         .map(|i| 150 + (i * 13) % 600)
         .collect();
     let body = json!({"model": MODEL, "prompt": ids});
-    let cached = check_resend(
+    let cached = check_plain_resend(
         &case,
         "block-aligned prompt",
         A,
         "/v1/completions",
         &body,
         &ids,
-        None,
-        None,
     );
     assert_eq!(cached, BLOCK as u64, "the engine recomputes the last block");
 }
