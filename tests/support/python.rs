@@ -104,6 +104,7 @@ fn ensure_venv(dir: &Path, requirements: &Path) {
                 "--quiet",
                 "--disable-pip-version-check",
                 "--no-input",
+                "--no-cache-dir",
                 "-r",
             ])
             .arg(requirements),
