@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::{Mutex, OnceLock};
 
-/// The workspace root (two levels above `host/cli`, whose tests and benches these are).
+/// The workspace root (two levels above the crate whose tests or benches these are: `host/cli`, `host/policy`).
 pub fn workspace_root() -> PathBuf {
     let cli = Path::new(env!("CARGO_MANIFEST_DIR"));
     cli.ancestors().nth(2).unwrap_or(cli).to_path_buf()

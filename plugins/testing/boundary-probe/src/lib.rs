@@ -1,4 +1,4 @@
-//! `boundary-probe`: the component behind `host/benches/boundary.rs`. Every export does as little
+//! `boundary-probe`: the component behind `host/policy/benches/boundary.rs`. Every export does as little
 //! as its signature allows, so a bench row is the price of the call's shape on the host: entering
 //! the guest, copying arguments in (each list or string is one call into the guest's allocator
 //! first), lifting a result and the post-return call that frees it.

@@ -1,7 +1,7 @@
 //! What a component call costs on this host, part by part: the floor under every Wasm policy
 //! decision, whatever the policy does.
 //!
-//! `cargo bench -p kvroute-host --bench boundary -- --warm-up-time 1 --measurement-time 3`
+//! `cargo bench -p kvroute-policy --bench boundary -- --warm-up-time 1 --measurement-time 3`
 //!
 //! The probe component (`plugins/testing/boundary-probe`) does no work, so each row is the price
 //! of a call's *shape* on the policy engine (`kvroute_policy::engine_config`): one entry

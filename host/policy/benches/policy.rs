@@ -1,7 +1,7 @@
 //! Policy runtime benchmarks: the native decision path vs the same cost as a Wasm component, swap
 //! latency, and the first decision after a swap vs steady state.
 //!
-//! `cargo bench -p kvroute-host --bench policy -- --warm-up-time 1 --measurement-time 3`
+//! `cargo bench -p kvroute-policy --bench policy -- --warm-up-time 1 --measurement-time 3`
 //!
 //! The Wasm component is `plugins/native-cost` (built here for wasm32-wasip2, release), which
 //! recomputes SPEC §7's cost from the columns, preferred taints included — the same work as the
