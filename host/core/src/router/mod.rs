@@ -51,7 +51,8 @@ pub use overlap_source::{
     CandidateOverlap, OverlapFuture, OverlapOrigin, OverlapSource, OverlapSourceError,
 };
 pub use replicas::{
-    BookedHalf, BookingEvent, BookingObserver, BookingRecord, OriginBookings, RemoteBookingError,
+    BookedHalf, BookingEvent, BookingObserver, BookingRecord, MoveBookingError, OriginBookings,
+    RemoteBookingError,
 };
 pub use request::{preferred_taint_weight, DisaggMode, Pin, Prompt, RouteRequest};
 

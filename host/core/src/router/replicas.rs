@@ -253,6 +253,98 @@ impl Router {
             })
             .count()
     }
+
+    /// Moves a request's booking to the candidate that actually served it (an endpoint picker
+    /// named fallbacks and the gateway's retry landed on one): freed where it was booked and
+    /// booked on `to` with the same prompt and block hashes, `cached_tokens` of the prompt cached
+    /// there (capped at the prompt), its age, prefill completion and output progress carried over.
+    /// Announced as a free and a booking (then its progress), so other replicas move it too.
+    /// Returns the candidate it left; moving to where it already is changes nothing.
+    pub fn move_booking(
+        &self,
+        request_id: &str,
+        to: CandidateKey,
+        cached_tokens: u32,
+    ) -> Result<CandidateKey, MoveBookingError> {
+        if self.registry.snapshot().candidate(to).is_none() {
+            return Err(MoveBookingError::UnknownCandidate(to));
+        }
+        let mut load = self.load.lock();
+        let Some(b) = load.get(request_id).cloned() else {
+            return Err(MoveBookingError::UnknownRequest(request_id.into()));
+        };
+        if load.get(&booking::prefill_half(request_id)).is_some() {
+            return Err(MoveBookingError::Disaggregated(request_id.into()));
+        }
+        if b.candidate == to {
+            return Ok(to);
+        }
+        let origin = load.origin(request_id).map(str::to_owned);
+        load.free(request_id).expect("looked up under the lock");
+        let cached = cached_tokens.min(b.prompt_tokens);
+        load.book(
+            request_id,
+            to,
+            b.prompt_tokens,
+            cached,
+            &b.block_hashes,
+            b.block_size,
+            b.booked_at,
+        )
+        .expect("freed under the lock just now");
+        if b.prefill_done {
+            let _ = load.prefill_complete(request_id);
+        }
+        if b.output_tokens > 0 {
+            let _ = load.output_progress(request_id, b.output_tokens);
+        }
+        if let Some(o) = &origin {
+            let _ = load.set_origin(request_id, o);
+        }
+        drop(load);
+        self.announce(|| BookingEvent::Freed {
+            request_id: request_id.to_owned(),
+        });
+        self.announce(|| {
+            BookingEvent::Booked(BookingRecord {
+                request_id: request_id.to_owned(),
+                whole_or_decode: BookedHalf {
+                    candidate: to,
+                    prompt_tokens: b.prompt_tokens,
+                    cached_tokens: cached,
+                },
+                prefill: None,
+                block_hashes: Arc::from(&b.block_hashes[..]),
+                local_hashes: None,
+            })
+        });
+        if b.prefill_done {
+            self.announce(|| BookingEvent::PrefillComplete {
+                request_id: request_id.to_owned(),
+            });
+        }
+        if b.output_tokens > 0 {
+            self.announce(|| BookingEvent::Output {
+                request_id: request_id.to_owned(),
+                tokens: b.output_tokens,
+            });
+        }
+        // The candidate it left has room now.
+        self.pump();
+        Ok(b.candidate)
+    }
+}
+
+/// Why [`Router::move_booking`] did not move a booking.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum MoveBookingError {
+    #[error("no booked request has id {0:?}")]
+    UnknownRequest(String),
+    /// A disaggregated request's two halves stay where they were placed.
+    #[error("request {0:?} is disaggregated: its halves are not moved")]
+    Disaggregated(String),
+    #[error("candidate {0} is not registered")]
+    UnknownCandidate(CandidateKey),
 }
 
 #[cfg(test)]

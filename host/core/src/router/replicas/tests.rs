@@ -262,3 +262,55 @@ fn approximate_replicas_learn_each_others_placements_and_event_fed_ones_send_no_
     };
     assert!(rec.local_hashes.is_none());
 }
+
+#[test]
+fn a_moved_booking_leaves_its_candidate_with_its_progress_and_the_other_replica_follows() {
+    let (a, a_out) = replica();
+    let (b, _b_out) = replica();
+    let from = book(&a, "r1", 64);
+    let to = CandidateKey::new(if from.worker_id == 1 { 2 } else { 1 }, 0);
+    a.prefill_complete("r1").unwrap();
+    a.output_progress("r1", 40).unwrap();
+    deliver("a", a_out.take(), &b);
+    let booked = a.load_of(from);
+    assert!(a.load_of(to).is_zero());
+    // Served by the other worker, which had 16 of the 64 prompt tokens cached.
+    assert_eq!(a.move_booking("r1", to, 16), Ok(from));
+    assert!(a.load_of(from).is_zero(), "{:?}", a.load_of(from));
+    // Prefill done and 40 output tokens carried over: the same decode load, now on `to`.
+    assert_eq!(a.load_of(to), booked);
+    assert_eq!(a.active_bookings(), 1);
+    let events = a_out.take();
+    assert!(
+        matches!(&events[..], [BookingEvent::Freed { .. }, BookingEvent::Booked(rec),
+            BookingEvent::PrefillComplete { .. }, BookingEvent::Output { tokens: 40, .. }]
+            if rec.whole_or_decode.candidate == to && rec.whole_or_decode.cached_tokens == 16),
+        "{events:?}"
+    );
+    deliver("a", events, &b);
+    assert_eq!(b.load_of(to), a.load_of(to));
+    assert!(b.load_of(from).is_zero());
+    // Moving to where it is changes nothing; unknown ids and candidates are named.
+    assert_eq!(a.move_booking("r1", to, 0), Ok(to));
+    assert!(a_out.take().is_empty());
+    assert_eq!(
+        a.move_booking("nope", to, 0),
+        Err(MoveBookingError::UnknownRequest("nope".into()))
+    );
+    assert_eq!(
+        a.move_booking("r1", CandidateKey::new(9, 0), 0),
+        Err(MoveBookingError::UnknownCandidate(CandidateKey::new(9, 0)))
+    );
+    a.free("r1").unwrap();
+    assert!(a.load_of(to).is_zero() && a.active_bookings() == 0);
+}
+
+#[test]
+fn a_moved_uncompleted_prefill_loads_the_new_candidate_by_its_own_cache() {
+    let (a, _out) = replica();
+    let from = book(&a, "r1", 64);
+    let to = CandidateKey::new(if from.worker_id == 1 { 2 } else { 1 }, 0);
+    a.move_booking("r1", to, 16).unwrap();
+    assert_eq!(a.load_of(to).active_prefill_tokens, 48);
+    assert!(a.load_of(from).is_zero());
+}
