@@ -454,6 +454,7 @@ impl ServeConfig {
             .validate()
             .map_err(|e| format!("disaggregation.{e}"))?;
         self.proxy.validate()?;
+        self.ext_proc.validate()?;
         if self.proxy.enabled && self.models.is_empty() {
             return Err(
                 "the proxy (--proxy / proxy.enabled) needs at least one [models.NAME] with a tokenizer"

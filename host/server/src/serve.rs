@@ -341,6 +341,7 @@ pub async fn run(
                 limits,
                 config.limits.max_body_bytes,
                 metrics.clone(),
+                config.ext_proc.clone(),
             ));
             {
                 let e = ext.clone();

@@ -22,6 +22,14 @@ pub const DESTINATION_NAMESPACE: &str = "envoy.lb";
 pub const SUBSET_NAMESPACE: &str = "envoy.lb.subset_hint";
 pub const SUBSET: &str = "x-gateway-destination-endpoint-subset";
 
+/// The `envoy.lb` key (in the response path's filter metadata) naming the endpoint that served.
+pub const SERVED: &str = "x-gateway-destination-endpoint-served";
+/// The conformance suite's request header restricting the candidates: `IP` or `IP:PORT`
+/// entries, comma-separated (`[ext_proc] conformance_hooks`).
+pub const TEST_SELECTION: &str = "test-epp-endpoint-selection";
+/// The conformance suite's response header: the endpoint that served, as the gateway reported it.
+pub const CONFORMANCE_SERVED: &str = "x-conformance-test-served-endpoint";
+
 /// Envoy's request headers: the pseudo-headers (`:path`, `:method`, `:status`) apart, the rest as
 /// an HTTP header map (names Envoy sends are lower case; one that is not a valid header is
 /// skipped, as an HTTP server would refuse it).
@@ -85,6 +93,59 @@ pub fn subset_hint(metadata: Option<&Metadata>) -> Option<Vec<String>> {
     Some(out)
 }
 
+/// The endpoint that served the request, from the response path's filter metadata
+/// (`envoy.lb` / `x-gateway-destination-endpoint-served`): `None` when the gateway did not say.
+/// A list (or a comma-separated string) is read as its first entry.
+pub fn served_endpoint(metadata: Option<&Metadata>) -> Option<String> {
+    let v = metadata?
+        .filter_metadata
+        .get(DESTINATION_NAMESPACE)?
+        .fields
+        .get(SERVED)?;
+    match &v.kind {
+        Some(Kind::StringValue(s)) => split(s).next(),
+        Some(Kind::ListValue(l)) => l.values.iter().find_map(|x| match &x.kind {
+            Some(Kind::StringValue(s)) => split(s).next(),
+            _ => None,
+        }),
+        _ => None,
+    }
+}
+
+/// The test selection header's entries (`IP` or `IP:PORT`), `None` when absent or empty.
+pub fn test_selection(map: &HeaderMap) -> Option<Vec<String>> {
+    let v = map.get(TEST_SELECTION)?.to_str().ok()?;
+    let out: Vec<String> = split(v).collect();
+    (!out.is_empty()).then_some(out)
+}
+
+/// Whether `address` (`IP:PORT`) is named by `entries`: the same `IP:PORT`, or its host alone
+/// (every port of that host, as the conformance suite names pods by IP).
+pub fn selected(address: &str, entries: &[String]) -> bool {
+    let host = split_port(address).map_or(address, |(h, _)| h);
+    entries.iter().any(|e| e == address || e == host)
+}
+
+/// `HOST:PORT` (`[V6]:PORT` too) split at the port.
+pub fn split_port(address: &str) -> Option<(&str, u16)> {
+    let (host, port) = address.rsplit_once(':')?;
+    if host.contains(':') && !host.starts_with('[') {
+        return None;
+    }
+    Some((host, port.parse().ok()?))
+}
+
+/// The address of a worker's data-parallel rank when each rank listens on its own port: the
+/// endpoint's port plus the rank's offset in the worker (`None` past port 65535).
+pub fn rank_address(address: &str, offset: u32) -> Option<String> {
+    if offset == 0 {
+        return Some(address.to_string());
+    }
+    let (host, port) = split_port(address)?;
+    let port = u16::try_from(u32::from(port) + offset).ok()?;
+    Some(format!("{host}:{port}"))
+}
+
 fn split(s: &str) -> impl Iterator<Item = String> + '_ {
     s.split(',')
         .map(str::trim)
@@ -138,7 +199,8 @@ pub fn mutation(set: &[(&str, String)]) -> HeaderMutation {
     }
 }
 
-/// `{"envoy.lb": {"x-gateway-destination-endpoint": "IP:PORT"}}`.
+/// `{"envoy.lb": {"x-gateway-destination-endpoint": "IP:PORT[,IP:PORT...]"}}`: the same value
+/// as the header (the protocol forbids the two to differ).
 pub fn destination_metadata(address: &str) -> Struct {
     let inner = Struct {
         fields: [(DESTINATION.to_string(), string(address))].into(),
@@ -278,6 +340,72 @@ mod tests {
         assert_eq!(r.path, "/v1/completions?x=1");
         assert_eq!(r.map.get("x-kvroute-priority").unwrap(), "3");
         assert_eq!(r.map.len(), 1);
+    }
+
+    #[test]
+    fn the_served_endpoint_is_read_from_the_envoy_lb_metadata() {
+        let md = |v: Value| Metadata {
+            filter_metadata: [(
+                DESTINATION_NAMESPACE.to_string(),
+                Struct {
+                    fields: [(SERVED.to_string(), v)].into(),
+                },
+            )]
+            .into(),
+            ..Default::default()
+        };
+        assert_eq!(served_endpoint(None), None);
+        assert_eq!(served_endpoint(Some(&Metadata::default())), None);
+        assert_eq!(
+            served_endpoint(Some(&md(string(" 10.0.0.2:8000 ")))).as_deref(),
+            Some("10.0.0.2:8000")
+        );
+        let list = Value {
+            kind: Some(Kind::ListValue(ListValue {
+                values: vec![string("10.0.0.3:8000")],
+            })),
+        };
+        assert_eq!(
+            served_endpoint(Some(&md(list))).as_deref(),
+            Some("10.0.0.3:8000")
+        );
+        // The subset hint's namespace is not the served endpoint's.
+        assert_eq!(served_endpoint(Some(&hint(string("10.0.0.1:80")))), None);
+    }
+
+    #[test]
+    fn selection_entries_name_an_address_or_every_port_of_a_host() {
+        let e = vec!["10.0.0.1".to_string(), "10.0.0.2:8001".to_string()];
+        assert!(selected("10.0.0.1:8000", &e));
+        assert!(selected("10.0.0.1:9999", &e));
+        assert!(selected("10.0.0.2:8001", &e));
+        assert!(!selected("10.0.0.2:8000", &e));
+        assert!(!selected("10.0.0.10:8000", &e));
+        assert!(selected("[::1]:80", &["[::1]".to_string()]));
+        let mut map = HeaderMap::new();
+        assert_eq!(test_selection(&map), None);
+        map.insert(TEST_SELECTION, HttpValue::from_static(" , "));
+        assert_eq!(test_selection(&map), None);
+        map.insert(
+            TEST_SELECTION,
+            HttpValue::from_static("10.0.0.1, 10.0.0.2:8001"),
+        );
+        assert_eq!(test_selection(&map), Some(e));
+    }
+
+    #[test]
+    fn a_rank_port_is_the_endpoint_port_plus_the_rank_offset() {
+        assert_eq!(
+            rank_address("10.0.0.1:8000", 0).as_deref(),
+            Some("10.0.0.1:8000")
+        );
+        assert_eq!(
+            rank_address("10.0.0.1:8000", 3).as_deref(),
+            Some("10.0.0.1:8003")
+        );
+        assert_eq!(rank_address("[::1]:8000", 1).as_deref(), Some("[::1]:8001"));
+        assert_eq!(rank_address("10.0.0.1:65535", 1), None);
+        assert_eq!(split_port("::1"), None);
     }
 
     #[test]

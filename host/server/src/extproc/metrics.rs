@@ -36,6 +36,8 @@ pub struct ExtProcMetrics {
     requests: IntCounterVec,
     ttft: HistogramVec,
     tokens: IntCounterVec,
+    served: IntCounterVec,
+    moved: IntCounterVec,
     streams: Arc<AtomicI64>,
 }
 
@@ -106,6 +108,22 @@ impl ExtProcMetrics {
             &["direction"],
         )
         .expect("valid metric");
+        let served = IntCounterVec::new(
+            Opts::new(
+                "kvroute_ext_proc_served_total",
+                "Picked requests by which endpoint the gateway reported served them (x-gateway-destination-endpoint-served): primary, fallback (a later entry of the list), unlisted (not in the list).",
+            ),
+            &["by"],
+        )
+        .expect("valid metric");
+        let moved = IntCounterVec::new(
+            Opts::new(
+                "kvroute_ext_proc_bookings_moved_total",
+                "Bookings moved from the primary to the worker that served the request, by how it was served (fallback, unlisted).",
+            ),
+            &["by"],
+        )
+        .expect("valid metric");
         for c in [
             Box::new(messages.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(decisions.clone()),
@@ -114,6 +132,8 @@ impl ExtProcMetrics {
             Box::new(requests.clone()),
             Box::new(ttft.clone()),
             Box::new(tokens.clone()),
+            Box::new(served.clone()),
+            Box::new(moved.clone()),
         ] {
             registry.register(c).expect("unique metric");
         }
@@ -126,6 +146,8 @@ impl ExtProcMetrics {
             requests,
             ttft,
             tokens,
+            served,
+            moved,
             streams: Arc::new(AtomicI64::new(0)),
         }
     }
@@ -154,6 +176,16 @@ impl ExtProcMetrics {
                 self.decision_seconds.with_label_values(&[ep]).observe(s);
             }
         }
+    }
+
+    /// Where the gateway said a request was served (`primary`, `fallback`, `unlisted`).
+    pub fn served(&self, by: &str) {
+        self.served.with_label_values(&[by]).inc();
+    }
+
+    /// A booking moved to the worker that served.
+    pub fn moved(&self, by: &str) {
+        self.moved.with_label_values(&[by]).inc();
     }
 
     pub fn stream_opened(&self) {

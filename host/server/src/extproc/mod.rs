@@ -11,8 +11,12 @@
 //! read as the proxy reads it ([`crate::proxy::request::prepare`]: parse, the `kvroute` object and
 //! `x-kvroute-*` headers, tokenize), routed and booked exactly as the proxy does among the workers
 //! that serve the model (and that the request's subset hint names), and the answer is the header
-//! `x-gateway-destination-endpoint: IP:PORT` plus the same in the `envoy.lb` dynamic metadata
-//! ([`headers`]). A full fleet or no eligible worker is an immediate response (429 / 503) with the
+//! `x-gateway-destination-endpoint: IP:PORT[,IP:PORT...]` (the primary, then up to
+//! `[ext_proc] fallbacks` runners-up of the decision) plus the same in the `envoy.lb` dynamic
+//! metadata ([`headers`]). On the response path the gateway reports which endpoint served
+//! (`x-gateway-destination-endpoint-served`); a fallback that served takes the booking over
+//! (`Router::move_booking`). A worker's data-parallel ranks may each be a target on a port of
+//! its own (`dp_rank_ports`), and the conformance suite's hooks are behind `conformance_hooks`. A full fleet or no eligible worker is an immediate response (429 / 503) with the
 //! proxy's OpenAI-style body. The booking is the proxy's [`Lifecycle`]: the first response body
 //! chunk Envoy reports marks `prefill_complete`, and the end of the response body, a reset, or
 //! the stream closing or being dropped frees it.
@@ -34,6 +38,7 @@ use std::time::Instant;
 use axum::http::{HeaderMap, StatusCode};
 use bytes::Bytes;
 
+use kvroute_core::candidate::{CandidateKey, WorkerId};
 use kvroute_core::router::Router;
 use kvroute_tokenize::ModelRegistry;
 
@@ -57,19 +62,41 @@ pub struct ExtProc {
     router_metrics: Metrics,
     pub metrics: ExtProcMetrics,
     recorder: Arc<dyn Recorder>,
+    settings: ExtProcSection,
+}
+
+/// One endpoint Envoy may send a request to: a worker's rank, at its address.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Target {
+    pub key: CandidateKey,
+    /// `IP:PORT`.
+    pub address: String,
+    /// Prompt tokens the candidate holds cached (what its booking counts as cached if it serves).
+    pub cached_tokens: u32,
 }
 
 /// A request routed and booked: its guard, and what Envoy is told.
 pub(crate) struct Pick {
     pub life: Lifecycle,
-    /// `IP:PORT` of the chosen worker's engine.
-    pub address: String,
+    /// The primary first, then the fallbacks, in the order Envoy is to try them.
+    pub targets: Vec<Target>,
     /// Headers set on the request Envoy forwards (the destination first).
     pub set: Vec<(&'static str, String)>,
     /// The body for the engine (the client's, minus the `kvroute` object) and whether it differs.
     pub forward_body: Bytes,
     pub body_changed: bool,
 }
+
+impl Pick {
+    /// `IP:PORT[,IP:PORT...]`: the header's and the metadata's value.
+    pub fn destination(&self) -> String {
+        let v: Vec<&str> = self.targets.iter().map(|t| t.address.as_str()).collect();
+        v.join(",")
+    }
+}
+
+/// Which rows of a candidate filter keep a request's choice within: the `(worker, rank)`s named.
+type Kept = Vec<CandidateKey>;
 
 impl ExtProc {
     pub fn new(
@@ -78,6 +105,7 @@ impl ExtProc {
         limits: BodyLimits,
         max_body_bytes: usize,
         router_metrics: Metrics,
+        settings: ExtProcSection,
     ) -> Self {
         let metrics = ExtProcMetrics::new();
         Self {
@@ -88,12 +116,76 @@ impl ExtProc {
             limits,
             max_body_bytes,
             router_metrics,
+            settings,
         }
     }
 
     /// Largest request body accepted (`limits.max_body_bytes`).
     pub fn max_body_bytes(&self) -> usize {
         self.max_body_bytes
+    }
+
+    pub fn settings(&self) -> &ExtProcSection {
+        &self.settings
+    }
+
+    pub(crate) fn router(&self) -> &Arc<Router> {
+        &self.router
+    }
+
+    /// Readiness (the gRPC health service's `readiness` and the ext_proc service's status): the
+    /// models are loaded (they are before the server listens) and at least one registered
+    /// worker with an endpoint serves one of them, so a request for it can be routed.
+    pub fn ready(&self) -> bool {
+        self.models
+            .names()
+            .iter()
+            .any(|m| crate::proxy::serving(&self.router, &self.models, m, None).is_ok())
+    }
+
+    /// The `IP:PORT` of a candidate: its worker's endpoint, or with `dp_rank_ports` the rank's
+    /// own port.
+    pub(crate) fn address(&self, w: &kvroute_core::workers::Worker, rank: u32) -> Option<String> {
+        let base = address_of(w.endpoint.as_deref()?)?;
+        if self.settings.dp_rank_ports {
+            headers::rank_address(&base, rank.checked_sub(w.dp_start)?)
+        } else {
+            Some(base)
+        }
+    }
+
+    /// The candidate Envoy reports at `address`: the worker's rank there (its first rank when
+    /// every rank shares one address).
+    pub(crate) fn candidate_at(&self, address: &str) -> Option<CandidateKey> {
+        let snap = self.router.registry().snapshot();
+        snap.workers.values().find_map(|w| {
+            w.ranks()
+                .find(|&r| self.address(w, r).as_deref() == Some(address))
+                .map(|r| CandidateKey::new(w.worker_id, r))
+        })
+    }
+
+    /// Keeps the candidates of `allowed` whose addresses `keep` accepts: the workers left, and
+    /// the `(worker, rank)`s when only some ranks of a worker are (`None`: whole workers).
+    fn restrict(&self, allowed: &mut Vec<WorkerId>, keep: impl Fn(&str) -> bool) -> Option<Kept> {
+        let snap = self.router.registry().snapshot();
+        let mut kept = Vec::new();
+        let mut partial = false;
+        allowed.retain(|id| {
+            let Some(w) = snap.workers.get(id) else {
+                return false;
+            };
+            let before = kept.len();
+            for r in w.ranks() {
+                if self.address(w, r).is_some_and(|a| keep(&a)) {
+                    kept.push(CandidateKey::new(w.worker_id, r));
+                }
+            }
+            let n = kept.len() - before;
+            partial |= n > 0 && n < w.dp_size as usize;
+            n > 0
+        });
+        partial.then_some(kept)
     }
 
     /// Reads, routes and books one request. `subset`: the `IP:PORT`s of the subset hint, when
@@ -119,15 +211,21 @@ impl ExtProc {
         .await?;
         let model = inbound.model.name().to_string();
         let mut allowed = crate::proxy::serving(&self.router, &self.models, &model, None)?;
+        // Candidate filters by address; `kept` holds the ranks when a filter names only some of
+        // a worker's (with `dp_rank_ports`).
+        let mut kept: Option<Kept> = None;
+        let mut narrow = |allowed: &mut Vec<WorkerId>, k: Option<Kept>| {
+            kept = match (kept.take(), k) {
+                (Some(a), Some(b)) => Some(a.into_iter().filter(|x| b.contains(x)).collect()),
+                (a, b) => a.or(b),
+            };
+            if let Some(k) = &kept {
+                allowed.retain(|w| k.iter().any(|c| c.worker_id == *w));
+            }
+        };
         if let Some(subset) = subset {
-            let snap = self.router.registry().snapshot();
-            allowed.retain(|w| {
-                snap.workers
-                    .get(w)
-                    .and_then(|x| x.endpoint.as_deref())
-                    .and_then(address_of)
-                    .is_some_and(|a| subset.contains(&a))
-            });
+            let k = self.restrict(&mut allowed, |a| subset.iter().any(|s| s == a));
+            narrow(&mut allowed, k);
             if allowed.is_empty() {
                 return Err(ProxyError::field(
                     StatusCode::SERVICE_UNAVAILABLE,
@@ -138,6 +236,23 @@ impl ExtProc {
                         subset.join(",")
                     ),
                 ));
+            }
+        }
+        if self.settings.conformance_hooks {
+            if let Some(sel) = headers::test_selection(headers) {
+                let k = self.restrict(&mut allowed, |a| headers::selected(a, &sel));
+                narrow(&mut allowed, k);
+                if allowed.is_empty() {
+                    return Err(ProxyError::field(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "no_eligible_worker",
+                        headers::TEST_SELECTION,
+                        format!(
+                            "no worker serving model {model:?} is in the test selection [{}]",
+                            sel.join(",")
+                        ),
+                    ));
+                }
             }
         }
         if let Some(asked) = &inbound.route.allowed_worker_ids {
@@ -151,9 +266,22 @@ impl ExtProc {
                 ));
             }
         }
+        if let Some(k) = &mut kept {
+            k.retain(|c| allowed.contains(&c.worker_id));
+        }
         let mut route = inbound.route;
         route.allowed_worker_ids = Some(allowed);
-        let (d, life) = route_and_guard(
+        // The fallbacks are the decision's runners-up: the explained rows carry each
+        // candidate's cost and overlap.
+        let fallbacks = self.settings.fallbacks;
+        route.explain |= fallbacks > 0;
+        let block_size = self.router.config().block_size;
+        let prompt_tokens = inbound.prompt_tokens as u64;
+        let retry = kept.as_ref().map(|_| route.clone());
+        // The rows fallbacks are ranked from: the decision's, or the first one's when the
+        // request was routed again pinned (a pinned decision ranks only the pinned rank).
+        let mut ranked = None;
+        let (mut d, mut life) = route_and_guard(
             &self.router,
             &self.router_metrics,
             &self.recorder,
@@ -161,17 +289,53 @@ impl ExtProc {
             request_id,
             endpoint.label(),
             started,
-            inbound.prompt_tokens as u64,
+            prompt_tokens,
             inbound.stream,
         )
         .await?;
+        if let (Some(k), Some(mut again)) = (&kept, retry) {
+            if !k.contains(&d.candidate) {
+                // A rank the filters did not name: the named rank the decision ranked best
+                // (explained), else the same worker's first named rank, pinned.
+                let best = d
+                    .candidates
+                    .iter()
+                    .flatten()
+                    .filter(|r| k.contains(&CandidateKey::new(r.worker_id, r.dp_rank)));
+                let best = best
+                    .min_by(|a, b| a.cost.total_cmp(&b.cost))
+                    .map(|r| CandidateKey::new(r.worker_id, r.dp_rank));
+                let Some(rank) = best.or_else(|| {
+                    k.iter()
+                        .find(|c| c.worker_id == d.candidate.worker_id)
+                        .copied()
+                }) else {
+                    unreachable!("the filters keep a rank of every allowed worker")
+                };
+                life.abandon();
+                ranked = d.candidates.take();
+                again.pinned = Some(kvroute_core::router::Pin {
+                    worker_id: rank.worker_id,
+                    dp_rank: Some(rank.dp_rank),
+                });
+                (d, life) = route_and_guard(
+                    &self.router,
+                    &self.router_metrics,
+                    &self.recorder,
+                    again,
+                    request_id,
+                    endpoint.label(),
+                    started,
+                    prompt_tokens,
+                    inbound.stream,
+                )
+                .await?;
+            }
+        }
         let (w, rank) = (d.candidate.worker_id, d.candidate.dp_rank);
         let snap = self.router.registry().snapshot();
         let worker = snap.workers.get(&w);
-        let Some(address) = worker
-            .and_then(|x| x.endpoint.as_deref())
-            .and_then(address_of)
-        else {
+        let Some(address) = worker.and_then(|x| self.address(x, rank)) else {
             // Removed (or its endpoint unset) between the decision and now.
             life.abandon();
             return Err(ProxyError::new(
@@ -180,19 +344,75 @@ impl ExtProc {
                 format!("worker {w} was removed while the request was routed"),
             ));
         };
+        // The rank header goes to whichever target serves: a fallback is listed only if the
+        // same headers are right for it (the same rank header, or none), and never for a split
+        // request (its prefill worker is named in headers too).
+        let rank_header = |x: &kvroute_core::workers::Worker, r: u32| {
+            (!self.settings.dp_rank_ports && x.dp_size > 1).then_some(r)
+        };
+        let primary_rank_header = worker.and_then(|x| rank_header(x, rank));
+        let mut targets = vec![Target {
+            key: d.candidate,
+            address,
+            cached_tokens: d.cached_tokens,
+        }];
+        if fallbacks > 0 && !d.disaggregated {
+            let primary = d.candidate;
+            let mut rows: Vec<_> = ranked
+                .as_ref()
+                .or(d.candidates.as_ref())
+                .into_iter()
+                .flatten()
+                .filter(|r| CandidateKey::new(r.worker_id, r.dp_rank) != primary)
+                .collect();
+            rows.sort_by(|a, b| a.cost.total_cmp(&b.cost));
+            for r in rows {
+                if targets.len() > fallbacks {
+                    break;
+                }
+                let key = CandidateKey::new(r.worker_id, r.dp_rank);
+                if kept.as_ref().is_some_and(|k| !k.contains(&key)) {
+                    continue;
+                }
+                let Some(x) = snap.workers.get(&r.worker_id) else {
+                    continue;
+                };
+                if rank_header(x, r.dp_rank) != primary_rank_header {
+                    continue;
+                }
+                let Some(a) = self.address(x, r.dp_rank) else {
+                    continue;
+                };
+                if targets.iter().any(|t| t.address == a) {
+                    continue;
+                }
+                let cached = (u64::from(r.overlap_blocks) * u64::from(block_size))
+                    .min(u64::from(d.prompt_tokens)) as u32;
+                targets.push(Target {
+                    key,
+                    address: a,
+                    cached_tokens: cached,
+                });
+            }
+        }
+        let destination = targets
+            .iter()
+            .map(|t| t.address.as_str())
+            .collect::<Vec<_>>()
+            .join(",");
         let mut set = vec![
-            (headers::DESTINATION, address.clone()),
+            (headers::DESTINATION, destination),
             ("x-kvroute-worker", format!("{w}/{rank}")),
             ("x-request-id", request_id.to_string()),
         ];
-        if worker.is_some_and(|x| x.dp_size > 1) {
-            set.push((crate::proxy::upstream::DP_RANK_HEADER, rank.to_string()));
+        if let Some(r) = primary_rank_header {
+            set.push((crate::proxy::upstream::DP_RANK_HEADER, r.to_string()));
         }
         set.extend(crate::proxy::prefill_headers(&d, &snap));
         let body_changed = inbound.forward_body != original;
         Ok(Pick {
             life,
-            address,
+            targets,
             set,
             forward_body: inbound.forward_body,
             body_changed,

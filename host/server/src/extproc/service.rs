@@ -4,9 +4,13 @@
 //! A stream's task owns its [`Exchange`] (and so the request's booking). It ends when Envoy
 //! closes its side (the HTTP request is over), when the stream is reset (Envoy cancelled it: the
 //! client went away, a timeout), or when Envoy stops reading our answers (the response stream
-//! is dropped); whichever it is, the exchange ends and frees what it booked. The health service
-//! answers `SERVING` for the server (`""`), `envoy.service.ext_proc.v3.ExternalProcessor`,
-//! `liveness` and `readiness` (the names the inference extension's protocol lists).
+//! is dropped); whichever it is, the exchange ends and frees what it booked.
+//!
+//! The health service answers for the names the inference extension's protocol lists:
+//! `liveness` (and the server, `""`) is `SERVING` while the process answers; `readiness` and
+//! `envoy.service.ext_proc.v3.ExternalProcessor` are `SERVING` only while [`ExtProc::ready`]
+//! (the models are loaded and a registered worker with an endpoint serves one of them), else
+//! `NOT_SERVING`, re-checked every [`READINESS_EVERY`].
 
 use std::future::Future;
 use std::sync::Arc;
@@ -22,6 +26,12 @@ use tonic::{Request, Response, Status, Streaming};
 
 use super::stream::{Exchange, Step};
 use super::ExtProc;
+
+/// How often readiness is re-checked (workers come and go through the HTTP API).
+pub const READINESS_EVERY: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// The gRPC name of the ext_proc service, as health checks ask for it.
+pub const SERVICE_NAME: &str = "envoy.service.ext_proc.v3.ExternalProcessor";
 
 /// Answers queued per stream before the stream's task waits for Envoy to read them.
 const QUEUED_ANSWERS: usize = 16;
@@ -97,24 +107,45 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), String> {
     let (reporter, health) = tonic_health::server::health_reporter();
-    reporter
-        .set_serving::<ExternalProcessorServer<Service>>()
-        .await;
-    for name in ["", "liveness", "readiness"] {
+    for name in ["", "liveness"] {
         reporter
             .set_service_status(name, tonic_health::ServingStatus::Serving)
             .await;
     }
+    let readiness = {
+        let ext = ext.clone();
+        let mut last = None;
+        tokio::spawn(async move {
+            loop {
+                let ready = ext.ready();
+                if last != Some(ready) {
+                    last = Some(ready);
+                    let status = if ready {
+                        tonic_health::ServingStatus::Serving
+                    } else {
+                        tonic_health::ServingStatus::NotServing
+                    };
+                    for name in ["readiness", SERVICE_NAME] {
+                        reporter.set_service_status(name, status).await;
+                    }
+                    tracing::info!(ready, "ext_proc readiness");
+                }
+                tokio::time::sleep(READINESS_EVERY).await;
+            }
+        })
+    };
     // A buffered body arrives in one message, and may come back in one: room for the largest.
     let max = ext.max_body_bytes().saturating_add(64 * 1024);
     let svc = ExternalProcessorServer::new(Service { ext })
         .max_decoding_message_size(max)
         .max_encoding_message_size(max);
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
-    tonic::transport::Server::builder()
+    let served = tonic::transport::Server::builder()
         .add_service(health)
         .add_service(svc)
         .serve_with_incoming_shutdown(incoming, shutdown)
         .await
-        .map_err(|e| format!("the ext_proc server failed: {e}"))
+        .map_err(|e| format!("the ext_proc server failed: {e}"));
+    readiness.abort();
+    served
 }

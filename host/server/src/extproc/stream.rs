@@ -72,6 +72,10 @@ pub struct Exchange {
     decided: bool,
     status: Option<u16>,
     life: Option<Lifecycle>,
+    /// Where the request may be served: the primary first, then the fallbacks.
+    targets: Vec<super::Target>,
+    /// The served endpoint has been read (from the first response message that carried it).
+    served: bool,
 }
 
 impl Exchange {
@@ -90,6 +94,8 @@ impl Exchange {
             decided: false,
             status: None,
             life: None,
+            targets: Vec::new(),
+            served: false,
         }
     }
 
@@ -143,15 +149,35 @@ impl Exchange {
             Some(Request::ResponseHeaders(h)) => {
                 m.message("response_headers");
                 self.status = Headers::read(h.headers.as_ref()).status;
+                let served = headers::served_endpoint(req.metadata_context.as_ref());
+                self.attribute(served.as_deref());
                 if h.end_of_stream {
                     self.end(self.outcome());
                 }
-                Step::Reply(vec![reply(Response::ResponseHeaders(
-                    HeadersResponse::default(),
-                ))])
+                let answer = if self.ext.settings().conformance_hooks {
+                    // As the suite's reference picker answers: what the gateway reported.
+                    let v = served.unwrap_or_else(|| {
+                        "fail: missing destination endpoint served metadata".to_string()
+                    });
+                    HeadersResponse {
+                        response: Some(CommonResponse {
+                            header_mutation: Some(headers::mutation(&[(
+                                headers::CONFORMANCE_SERVED,
+                                v,
+                            )])),
+                            ..Default::default()
+                        }),
+                    }
+                } else {
+                    HeadersResponse::default()
+                };
+                Step::Reply(vec![reply(Response::ResponseHeaders(answer))])
             }
             Some(Request::ResponseBody(b)) => {
                 m.message("response_body");
+                // A gateway that skips the response headers' message reports it here.
+                let served = headers::served_endpoint(req.metadata_context.as_ref());
+                self.attribute(served.as_deref());
                 self.on_response_body(b)
             }
             Some(Request::ResponseTrailers(_)) => {
@@ -266,8 +292,9 @@ impl Exchange {
             }
         };
         let had_length = self.headers.contains_key("content-length");
+        let destination = pick.destination();
         let mut set = pick.set;
-        let metadata = Some(headers::destination_metadata(&pick.address));
+        let metadata = Some(headers::destination_metadata(&destination));
         let mut out = Vec::new();
         match self.mode {
             Mode::Buffered => {
@@ -324,13 +351,64 @@ impl Exchange {
             .picked(endpoint.label(), t0.elapsed().as_secs_f64());
         tracing::debug!(
             request_id = %self.request_id,
-            destination = %pick.address,
+            destination = %destination,
             worker_id = pick.life.worker,
             dp_rank = pick.life.dp_rank,
             "ext_proc picked"
         );
         self.life = Some(pick.life);
+        self.targets = pick.targets;
         Step::Reply(out)
+    }
+
+    /// The gateway reported which endpoint served (the protocol's
+    /// `x-gateway-destination-endpoint-served`): when it is not the primary, the booking moves
+    /// to the candidate that served, with the prompt tokens that one had cached (none when the
+    /// gateway went outside the list), and the metrics count where requests were served.
+    fn attribute(&mut self, served: Option<&str>) {
+        if self.served || self.targets.is_empty() {
+            return;
+        }
+        let m = &self.ext.metrics;
+        let Some(served) = served else {
+            // Reported on a later message, or not at all.
+            return;
+        };
+        self.served = true;
+        let primary = &self.targets[0];
+        if served == primary.address {
+            m.served("primary");
+            return;
+        }
+        let (label, to, cached) = match self.targets.iter().find(|t| t.address == served) {
+            Some(t) => ("fallback", Some(t.key), t.cached_tokens),
+            None => ("unlisted", self.ext.candidate_at(served), 0),
+        };
+        m.served(label);
+        let (Some(to), Some(life)) = (to, self.life.as_mut()) else {
+            tracing::warn!(request_id = %self.request_id, served, "ext_proc: the endpoint that served is not a known worker; the booking stays");
+            return;
+        };
+        if life.is_done() {
+            return;
+        }
+        match self.ext.router().move_booking(&life.request_id, to, cached) {
+            Ok(from) => {
+                m.moved(label);
+                life.worker = to.worker_id;
+                life.dp_rank = to.dp_rank;
+                tracing::info!(
+                    request_id = %self.request_id,
+                    served,
+                    from = %from,
+                    to = %to,
+                    "ext_proc: served by a fallback, booking moved"
+                );
+            }
+            Err(e) => {
+                tracing::warn!(request_id = %self.request_id, served, error = %e, "ext_proc: the booking was not moved");
+            }
+        }
     }
 
     fn on_response_body(&mut self, b: HttpBody) -> Step {

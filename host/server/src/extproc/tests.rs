@@ -17,14 +17,22 @@ use crate::http::dto::BodyLimits;
 use crate::http::metrics::Metrics;
 
 fn ext() -> Arc<ExtProc> {
+    ext_with(1, Default::default())
+}
+
+/// `n` workers at `10.0.0.(i+1):8000`.
+fn ext_with(n: usize, settings: super::ExtProcSection) -> Arc<ExtProc> {
     let dir = std::env::temp_dir().join(format!("kvroute-extproc-unit-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let tokenizer = kvroute_tokenize::testing::write_test_model(&dir).unwrap();
-    let config: ServeConfig = toml::from_str(&format!(
-        "[models.m]\ntokenizer = {:?}\n\n[workers.0]\nendpoint = \"http://10.0.0.1:8000/v1\"\nmodel = \"m\"\ntotal_kv_blocks = 1000\nmax_num_batched_tokens = 8192\n",
-        tokenizer
-    ))
-    .unwrap();
+    let mut toml = format!("[models.m]\ntokenizer = {tokenizer:?}\n");
+    for i in 0..n {
+        toml += &format!(
+            "\n[workers.{i}]\nendpoint = \"http://10.0.0.{}:8000/v1\"\nmodel = \"m\"\ntotal_kv_blocks = 1000\nmax_num_batched_tokens = 8192\n",
+            i + 1
+        );
+    }
+    let config: ServeConfig = toml::from_str(&toml).unwrap();
     let router = Arc::new(kvroute_core::router::Router::new(config.router_config()).unwrap());
     config.register_workers(&router).unwrap();
     let models = kvroute_tokenize::ModelRegistry::load_all(&config.models).unwrap();
@@ -38,6 +46,7 @@ fn ext() -> Arc<ExtProc> {
         limits,
         1 << 20,
         Metrics::new(),
+        settings,
     ))
 }
 
@@ -155,4 +164,104 @@ async fn buffered_in_chunks_continues_each_and_answers_the_last_with_the_destina
     assert_eq!(ext.router.active_bookings(), 1);
     drop(ex);
     assert_eq!(ext.router.active_bookings(), 0);
+}
+
+fn response_headers(served: Option<&str>) -> ProcessingRequest {
+    let mut m = ProcessingRequest {
+        request: Some(Request::ResponseHeaders(HttpHeaders {
+            headers: Some(EnvoyHeaders {
+                headers: vec![HeaderValue {
+                    key: ":status".into(),
+                    raw_value: b"200".to_vec(),
+                    ..Default::default()
+                }],
+            }),
+            ..Default::default()
+        })),
+        ..Default::default()
+    };
+    if let Some(s) = served {
+        use envoy_types::pb::envoy::config::core::v3::Metadata;
+        use envoy_types::pb::google::protobuf::{value::Kind, Struct, Value};
+        m.metadata_context = Some(Metadata {
+            filter_metadata: [(
+                "envoy.lb".to_string(),
+                Struct {
+                    fields: [(
+                        "x-gateway-destination-endpoint-served".to_string(),
+                        Value {
+                            kind: Some(Kind::StringValue(s.to_string())),
+                        },
+                    )]
+                    .into(),
+                },
+            )]
+            .into(),
+            ..Default::default()
+        });
+    }
+    m
+}
+
+/// The destination header of a full-duplex answer.
+fn destination(out: &[ProcessingResponse]) -> String {
+    let Some(Response::RequestHeaders(h)) = &out[0].response else {
+        panic!("{out:?}")
+    };
+    let set = &h
+        .response
+        .as_ref()
+        .unwrap()
+        .header_mutation
+        .as_ref()
+        .unwrap()
+        .set_headers;
+    String::from_utf8(set[0].header.as_ref().unwrap().raw_value.clone()).unwrap()
+}
+
+#[tokio::test]
+async fn a_fallback_that_served_takes_the_booking_and_the_primary_keeps_its_own() {
+    use kvroute_core::candidate::CandidateKey;
+    let ext = ext_with(
+        2,
+        super::ExtProcSection {
+            fallbacks: 1,
+            ..Default::default()
+        },
+    );
+    let load = |w| ext.router.load_of(CandidateKey::new(w, 0)).active_requests;
+    // Served by the fallback.
+    let mut ex = Exchange::new(ext.clone());
+    ex.on_message(headers(BodySendMode::FullDuplexStreamed, false))
+        .await;
+    let out = replies(ex.on_message(body(BODY, true)).await);
+    let dest = destination(&out);
+    let (primary, fallback) = dest.split_once(',').expect("a primary and a fallback");
+    let (p, f) = if primary.starts_with("10.0.0.1:") {
+        (0, 1)
+    } else {
+        (1, 0)
+    };
+    assert_eq!((load(p), load(f)), (1, 0));
+    replies(ex.on_message(response_headers(Some(fallback))).await);
+    assert_eq!((load(p), load(f)), (0, 1), "moved to {fallback}");
+    ex.end("ok");
+    assert_eq!(ext.router.active_bookings(), 0);
+    // Served by the primary, or not reported: it stays.
+    for served in [Some(primary), None] {
+        let mut ex = Exchange::new(ext.clone());
+        ex.on_message(headers(BodySendMode::FullDuplexStreamed, false))
+            .await;
+        let out = replies(ex.on_message(body(BODY, true)).await);
+        let dest = destination(&out);
+        let first = dest.split(',').next().unwrap().to_string();
+        let w = if first.starts_with("10.0.0.1:") { 0 } else { 1 };
+        replies(
+            ex.on_message(response_headers(served.map(|_| first.as_str())))
+                .await,
+        );
+        assert_eq!(load(w), 1, "{served:?}");
+        drop(ex);
+        assert_eq!(ext.router.active_bookings(), 0);
+    }
 }
