@@ -23,6 +23,8 @@ use serde_json::{json, Value};
 use crate::support::engines::{eventually, model, model_dir, prose, BLOCK, MODEL};
 use crate::support::{self, Server};
 
+mod gie;
+
 /// The Envoy stand-in: a Python child reading commands, answering one JSON line each.
 struct Envoy {
     child: Child,
@@ -77,6 +79,22 @@ impl Envoy {
 
     fn respond(&mut self, id: &str, chunks: &[&str], end: bool) -> Value {
         self.call(json!({"op": "respond", "id": id, "status": 200, "chunks": chunks, "end": end}))
+    }
+
+    /// The whole answer, with the gateway reporting `served` as the endpoint that served it.
+    fn respond_served(&mut self, id: &str, served: &str) -> Value {
+        self.call(
+            json!({"op": "respond", "id": id, "status": 200, "chunks": SSE, "end": true,
+                         "served": served}),
+        )
+    }
+
+    /// Response body chunks after the response headers were sent on their own.
+    fn body(&mut self, id: &str, chunks: &[&str], end: bool) -> Value {
+        self.call(
+            json!({"op": "respond", "id": id, "chunks": chunks, "end": end,
+                         "skip_headers": true}),
+        )
     }
 
     fn health(&mut self, service: &str) -> String {

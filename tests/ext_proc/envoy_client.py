@@ -11,16 +11,22 @@ Reads one JSON command per line on stdin and answers one JSON line each on stdou
       when buffered) and answers the picker's decision:
       {"destination", "metadata", "set_headers", "body"} or {"immediate": {"status", "body",
       "headers", "details"}}
-  {"op": "respond", "id": ID, "status": 200, "chunks": [TEXT, ...], "end": true}
-      sends the engine's response as Envoy reports it (headers, then body chunks, the last with
-      end_of_stream when "end", then the stream's end), answering {"echoed": [TEXT, ...]} (full
-      duplex echoes chunks)
+  {"op": "respond", "id": ID, "status": 200, "chunks": [TEXT, ...], "end": true,
+   "served": IP:PORT | null, "skip_headers": false}
+      sends the engine's response as Envoy reports it (headers, with the endpoint that served in
+      the `envoy.lb` filter metadata when "served" is given, then body chunks, the last with
+      end_of_stream when "end", then the stream's end), answering {"echoed": [TEXT, ...],
+      "response_set_headers": {...}} (full duplex echoes chunks; the headers the picker set on
+      the response; "skip_headers" when "respond_headers" sent them)
+  {"op": "respond_headers", "id": ID, "status": 200, "served": IP:PORT | null}
+      only the response headers message (the booking is then moved, but not yet ended),
+      answering {"response_set_headers": {...}}
   {"op": "reset", "id": ID}     cancels the stream (RST_STREAM), as Envoy does on a client abort
   {"op": "close", "id": ID}     closes Envoy's side of the stream before the response ended
   {"op": "drop", "id": ID}      closes the connection under the stream (no end, no reset frame)
 
-The gRPC health check is sent as raw bytes (its two messages are one string and one enum), so
-no health package is needed. Usage: envoy_client.py HOST:PORT
+The gRPC health check uses grpcio's health stub (`grpcio-health-checking`). Usage:
+envoy_client.py HOST:PORT
 """
 
 import json
@@ -33,6 +39,7 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf import json_format
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 MODE = processing_mode_pb2.ProcessingMode
 TIMEOUT = 60
@@ -140,11 +147,21 @@ def immediate(r):
                           "headers": mutation_of(i.headers), "details": i.details}}
 
 
-def respond(s, cmd):
+def respond_headers(s, cmd):
     pairs = [(":status", str(cmd.get("status", 200))), ("content-type", "text/event-stream")]
-    s.send(pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=headers_of(pairs))))
+    m = pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=headers_of(pairs)))
+    if cmd.get("served") is not None:
+        # What a conforming gateway reports on the response path (protocol v1.0).
+        m.metadata_context.filter_metadata["envoy.lb"].update(
+            {"x-gateway-destination-endpoint-served": cmd["served"]})
+    s.send(m)
     r = s.recv()
     assert r.HasField("response_headers"), r
+    return {"response_set_headers": mutation_of(r.response_headers.response.header_mutation)}
+
+
+def respond(s, cmd):
+    out = {} if cmd.get("skip_headers") else respond_headers(s, cmd)
     chunks = cmd.get("chunks", [])
     echoed = []
     for i, c in enumerate(chunks):
@@ -161,22 +178,19 @@ def respond(s, cmd):
         s.send(None)
         for _ in s.call:
             pass
-    return {"echoed": echoed}
+    out["echoed"] = echoed
+    return out
 
 
 def health(addr, service):
     with grpc.insecure_channel(addr) as ch:
-        check = ch.unary_unary("/grpc.health.v1.Health/Check",
-                               request_serializer=lambda b: b, response_deserializer=lambda b: b)
-        name = service.encode()
-        req = (b"\x0a" + bytes([len(name)]) + name) if name else b""
+        stub = health_pb2_grpc.HealthStub(ch)
         try:
-            raw = check(req, timeout=10)
+            r = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
         except grpc.RpcError as e:
-            return {"error": str(e.code())}
-        # HealthCheckResponse { ServingStatus status = 1; }: 0x08 then the varint.
-        status = raw[1] if len(raw) >= 2 and raw[0] == 0x08 else 0
-        return {"status": {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE_UNKNOWN"}[status]}
+            # An unknown service is NOT_FOUND, as the health protocol says.
+            return {"status": str(e.code().name)}
+        return {"status": health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)}
 
 
 def main():
@@ -192,6 +206,8 @@ def main():
                 out = open_stream(addr, streams, cmd)
             elif op == "respond":
                 out = respond(streams[cmd["id"]], cmd)
+            elif op == "respond_headers":
+                out = respond_headers(streams[cmd["id"]], cmd)
             elif op == "reset":
                 streams.pop(cmd["id"]).call.cancel()
                 out = {"ok": True}
