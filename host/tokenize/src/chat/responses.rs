@@ -18,7 +18,10 @@
 //!   function; other tool types are not shown to the model; none at all (or an empty list) is no
 //!   `tools`;
 //! - `reasoning.effort` is the `reasoning_effort` (and `enable_thinking`), `chat_template_kwargs`
-//!   and `cache_salt` pass through.
+//!   and `cache_salt` pass through;
+//! - the rendered prompt is encoded WITH the tokenizer's special tokens (vLLM's Responses path
+//!   leaves `add_special_tokens` at its default, true, unlike chat's): a template that writes
+//!   `bos_token` gets a second one, as the engine's prompt has.
 //!
 //! A `previous_response_id` names history stored on the engine that served it; only `input` is
 //! rendered here (the engine's prompt is longer: the router sees its tail's blocks only).
@@ -73,6 +76,10 @@ pub(crate) fn to_chat(body: &Json) -> Result<Json, TokenizeError> {
         chat.insert("model".into(), model.clone());
     }
     chat.insert("messages".into(), Json::Array(messages));
+    // The Responses request's tokenize parameters leave `add_special_tokens` at its default
+    // (true): the rendered prompt is encoded with the tokenizer's special tokens again, so a
+    // template that writes `bos_token` gets a second one, as in vLLM.
+    chat.insert("add_special_tokens".into(), Json::Bool(true));
     if continue_final {
         chat.insert("add_generation_prompt".into(), Json::Bool(false));
         chat.insert("continue_final_message".into(), Json::Bool(true));

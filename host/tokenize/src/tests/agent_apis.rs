@@ -249,7 +249,8 @@ fn responses_input_string_and_instructions() {
     assert_eq!(
         chat,
         json!({"model": "m", "messages": [{"role": "system", "content": "Be brief."},
-            {"role": "user", "content": "hi"}], "cache_salt": "s", "reasoning_effort": "low"})
+            {"role": "user", "content": "hi"}], "add_special_tokens": true, "cache_salt": "s",
+            "reasoning_effort": "low"})
     );
 }
 
@@ -338,5 +339,9 @@ fn responses_tokens_render_the_converted_body() {
         .unwrap();
     let chat = json!({"messages": [{"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Have you seen any whales?"}]});
-    assert_eq!(ids, model.chat_tokens(&chat).unwrap());
+    let chat_ids = model.chat_tokens(&chat).unwrap();
+    // Encoded with the special tokens again, as vLLM's Responses path does: a second BOS.
+    let bos = model.encode(crate::testing::BOS, false).unwrap()[0];
+    assert_eq!(ids[0], bos);
+    assert_eq!(&ids[1..], &chat_ids[..]);
 }
