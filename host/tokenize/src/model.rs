@@ -233,7 +233,7 @@ impl Model {
     /// with `reasoning_effort: "none"` the same as with some thinking effort (or refuses
     /// "none"), then "low". Computed once.
     pub fn disabled_thinking_effort(&self) -> &'static str {
-        *self.disabled_effort.get_or_init(|| {
+        self.disabled_effort.get_or_init(|| {
             let render = |effort: &str| {
                 self.render_chat(&serde_json::json!({
                     "messages": [{"role": "user", "content": "Hi"}],

@@ -19,7 +19,7 @@
 //!   rendered, and the prompt cut where the mark is.
 
 pub(crate) mod anthropic;
-mod messages;
+pub(crate) mod messages;
 pub(crate) mod responses;
 mod source;
 pub(crate) mod tools;

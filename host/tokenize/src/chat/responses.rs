@@ -19,6 +19,8 @@
 //!   `tools`;
 //! - `reasoning.effort` is the `reasoning_effort` (and `enable_thinking`), `chat_template_kwargs`
 //!   and `cache_salt` pass through;
+//! - the tool calls reach the template as built, `{"id", "function": {"name", "arguments"},
+//!   "type"}` (plain dicts: no request model reorders them as chat's does);
 //! - the rendered prompt is encoded WITH the tokenizer's special tokens (vLLM's Responses path
 //!   leaves `add_special_tokens` at its default, true, unlike chat's): a template that writes
 //!   `bos_token` gets a second one, as the engine's prompt has.
@@ -80,6 +82,8 @@ pub(crate) fn to_chat(body: &Json) -> Result<Json, TokenizeError> {
     // (true): the rendered prompt is encoded with the tokenizer's special tokens again, so a
     // template that writes `bos_token` gets a second one, as in vLLM.
     chat.insert("add_special_tokens".into(), Json::Bool(true));
+    // Its tool calls reach the template as built, not reordered by the chat request model.
+    chat.insert(super::messages::RAW_TOOL_CALLS.into(), Json::Bool(true));
     if continue_final {
         chat.insert("add_generation_prompt".into(), Json::Bool(false));
         chat.insert("continue_final_message".into(), Json::Bool(true));

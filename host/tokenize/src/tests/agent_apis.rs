@@ -249,7 +249,8 @@ fn responses_input_string_and_instructions() {
     assert_eq!(
         chat,
         json!({"model": "m", "messages": [{"role": "system", "content": "Be brief."},
-            {"role": "user", "content": "hi"}], "add_special_tokens": true, "cache_salt": "s",
+            {"role": "user", "content": "hi"}], "add_special_tokens": true,
+            (crate::chat::messages::RAW_TOOL_CALLS): true, "cache_salt": "s",
             "reasoning_effort": "low"})
     );
 }
