@@ -467,3 +467,80 @@ fn bookings_are_released_after_end_reset_close_and_drop() {
     assert!(status.success(), "{status:?}\n{}", p.server.stderr());
     drop(envoy);
 }
+
+/// Anthropic's Messages API and OpenAI's Responses API through the endpoint picker: each request
+/// goes to the worker holding its prompt's blocks as vLLM renders them (issue 35), its booking
+/// ends with the engine's event stream, and refusals come in each API's error shape.
+#[test]
+fn messages_and_responses_are_picked_by_their_cached_prefix() {
+    let p = Picker::start(
+        3,
+        "total_kv_blocks = 16384\nmax_num_batched_tokens = 8192",
+        "",
+    );
+    let mut envoy = p.envoy();
+    let messages = json!({"model": MODEL, "max_tokens": 4, "system": prose(0, 150), "stream": true,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "Summarize."}]}]});
+    p.cache(1, 1, &model().messages_tokens(&messages).unwrap());
+    let responses = json!({"model": MODEL, "instructions": prose(400, 150), "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "Summarize."}]}]});
+    p.cache(2, 2, &model().responses_tokens(&responses).unwrap());
+
+    let r = envoy.picked(
+        "m",
+        json!({"path": "/v1/messages", "body": messages, "mode": "duplex", "chunks": 2}),
+    );
+    assert_eq!(r["destination"], address(1), "{r}");
+    assert_eq!(p.bookings(), 1.0);
+    let events = [
+        "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"usage\":{\"input_tokens\":5,\"output_tokens\":0}}}\n\n",
+        "event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"text_delta\",\"text\":\"a\"}}\n\n",
+        "event: message_delta\ndata: {\"type\":\"message_delta\",\"usage\":{\"output_tokens\":1,\"cache_read_input_tokens\":0}}\n\nevent: message_stop\ndata: {\"type\":\"message_stop\"}\n\n",
+    ];
+    envoy.respond("m", &events, true);
+    p.wait_bookings(0.0, "a Messages stream's end");
+    assert_eq!(
+        p.metric("kvroute_ext_proc_requests_total{endpoint=\"messages\",outcome=\"ok\"}"),
+        1.0
+    );
+
+    let r = envoy.picked(
+        "r",
+        json!({"path": "/v1/responses", "body": responses, "mode": "buffered"}),
+    );
+    assert_eq!(r["destination"], address(2), "{r}");
+    envoy.respond(
+        "r",
+        &["{\"object\":\"response\",\"usage\":{\"input_tokens\":9,\"output_tokens\":3,\"input_tokens_details\":{\"cached_tokens\":0}}}"],
+        true,
+    );
+    p.wait_bookings(0.0, "a Responses answer");
+    assert_eq!(
+        p.metric("kvroute_ext_proc_requests_total{endpoint=\"responses\",outcome=\"ok\"}"),
+        1.0
+    );
+
+    // Refusals: Anthropic's error shape on /v1/messages, OpenAI's on /v1/responses.
+    let r = envoy.open(
+        "x",
+        json!({"path": "/v1/messages", "body": {"model": "nope", "max_tokens": 1,
+               "messages": [{"role": "user", "content": "x"}]}, "mode": "duplex"}),
+    );
+    assert_eq!(r["immediate"]["status"], 404, "{r}");
+    assert_eq!(r["immediate"]["body"]["type"], "error", "{r}");
+    assert_eq!(
+        r["immediate"]["body"]["error"]["type"], "not_found_error",
+        "{r}"
+    );
+    let r = envoy.open(
+        "y",
+        json!({"path": "/v1/responses", "body": {"model": MODEL, "input": [{"type": "bogus"}]},
+               "mode": "buffered"}),
+    );
+    assert_eq!(r["immediate"]["status"], 400, "{r}");
+    assert_eq!(
+        r["immediate"]["body"]["error"]["param"], "input[0].type",
+        "{r}"
+    );
+    assert_eq!(p.bookings(), 0.0);
+}

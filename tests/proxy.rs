@@ -21,7 +21,7 @@ use crate::support::engines::{eventually, model, model_dir, prose, Demo, MockEng
 use crate::support::{self, Server};
 
 /// The openai driver: a Python child reading commands, answering one JSON line each.
-struct Driver {
+pub(crate) struct Driver {
     child: Child,
     stdin: ChildStdin,
     out: BufReader<ChildStdout>,
@@ -29,7 +29,15 @@ struct Driver {
 
 impl Driver {
     fn start(base_url: &str) -> Driver {
-        let script = support::plugins::workspace_root().join("tests/proxy/openai_driver.py");
+        Self::start_script("openai_driver.py", base_url)
+    }
+
+    /// A driver script of tests/proxy/ on `url`.
+    pub(crate) fn start_script(script: &str, url: &str) -> Driver {
+        let script = support::plugins::workspace_root()
+            .join("tests/proxy")
+            .join(script);
+        let base_url = url;
         let mut child = support::python::command()
             .arg(script)
             .arg(base_url)
@@ -43,7 +51,7 @@ impl Driver {
         Driver { child, stdin, out }
     }
 
-    fn call(&mut self, cmd: Value) -> Value {
+    pub(crate) fn call(&mut self, cmd: Value) -> Value {
         writeln!(self.stdin, "{cmd}").expect("write to the driver");
         self.stdin.flush().unwrap();
         let mut line = String::new();
@@ -53,7 +61,7 @@ impl Driver {
     }
 
     /// A command that must succeed.
-    fn ok(&mut self, cmd: Value) -> Value {
+    pub(crate) fn ok(&mut self, cmd: Value) -> Value {
         let r = self.call(cmd.clone());
         assert!(r.get("error").is_none(), "{cmd} failed: {r}");
         r
@@ -68,13 +76,13 @@ impl Drop for Driver {
 }
 
 /// A router proxying to `n` mock engines, with its KV event subscriptions connected.
-struct Fleet {
-    server: Server,
-    engines: Vec<MockEngine>,
+pub(crate) struct Fleet {
+    pub(crate) server: Server,
+    pub(crate) engines: Vec<MockEngine>,
 }
 
 impl Fleet {
-    fn start(n: usize, engine_args: &[&str], proxy: &str) -> Fleet {
+    pub(crate) fn start(n: usize, engine_args: &[&str], proxy: &str) -> Fleet {
         Self::start_with(n, engine_args, proxy, "")
     }
 
@@ -108,34 +116,39 @@ impl Fleet {
         Driver::start(&self.server.url("/v1"))
     }
 
-    fn bookings(&self) -> f64 {
+    pub(crate) fn bookings(&self) -> f64 {
         support::metric(&self.server.metrics(), "kvroute_active_bookings").expect("bookings")
     }
 
     /// Waits until nothing is booked (a freed booking may trail the client's last byte a moment).
-    fn no_bookings(&self, after: &str) {
+    pub(crate) fn no_bookings(&self, after: &str) {
         eventually(&format!("no booking left after {after}"), || {
             (self.bookings() == 0.0).then_some(())
         });
     }
 
     fn proxied(&self, outcome: &str) -> f64 {
+        self.proxied_at("chat_completions", outcome)
+    }
+
+    /// Requests to `endpoint` that ended with `outcome`.
+    pub(crate) fn proxied_at(&self, endpoint: &str, outcome: &str) -> f64 {
         support::metric(
             &self.server.metrics(),
             &format!(
-                "kvroute_proxy_requests_total{{endpoint=\"chat_completions\",outcome=\"{outcome}\"}}"
+                "kvroute_proxy_requests_total{{endpoint=\"{endpoint}\",outcome=\"{outcome}\"}}"
             ),
         )
         .unwrap_or(0.0)
     }
 
-    fn worker(&self, id: usize) -> Value {
+    pub(crate) fn worker(&self, id: usize) -> Value {
         self.server.workers()[&(id as u64)].clone()
     }
 }
 
 /// `"2/0"` -> 2.
-fn worker_of(r: &Value) -> usize {
+pub(crate) fn worker_of(r: &Value) -> usize {
     let w = r["worker"]
         .as_str()
         .unwrap_or_else(|| panic!("no x-kvroute-worker: {r}"));

@@ -1191,6 +1191,275 @@ fn proxy_routes_a_resend_to_its_cache() {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Anthropic Messages and OpenAI Responses (issue 35)
+// ---------------------------------------------------------------------------------------------
+
+/// Which of the two agent APIs a body is for.
+#[derive(Clone, Copy)]
+enum AgentApi {
+    Messages,
+    Responses,
+}
+
+impl AgentApi {
+    fn path(self) -> &'static str {
+        match self {
+            AgentApi::Messages => "/v1/messages",
+            AgentApi::Responses => "/v1/responses",
+        }
+    }
+}
+
+/// vLLM's prompt ids for a Messages or Responses body: its render endpoint
+/// (`/v1/messages/render`, `/v1/responses/render`), which converts and renders exactly as the
+/// generation endpoint does and answers the token ids.
+fn engine_render_ids(e: &Engine, api: AgentApi, body: &Value) -> Result<Vec<u32>, String> {
+    let r = e.post(&format!("{}/render", api.path()), body);
+    if r.status != 200 {
+        return Err(format!("{r}"));
+    }
+    Ok(r.body()["token_ids"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no token_ids in {r}"))
+        .iter()
+        .map(|t| t.as_u64().unwrap() as u32)
+        .collect())
+}
+
+fn kvroute_agent_ids(api: AgentApi, body: &Value) -> Result<Vec<u32>, String> {
+    let model = vllm::kvroute_model();
+    match api {
+        AgentApi::Messages => model.messages_tokens(body),
+        AgentApi::Responses => model.responses_tokens(body),
+    }
+    .map_err(|e| e.to_string())
+}
+
+/// The ids view for a Messages or Responses body: kvroute's ids equal vLLM's render endpoint's.
+#[track_caller]
+fn check_agent_ids(case: &Case, api: AgentApi, body: &Value) -> Vec<u32> {
+    let engine = engine_render_ids(case.engine(A), api, body).unwrap_or_else(|e| {
+        panic!(
+            "[agent api rendering] {}: vLLM refused the body: {e}",
+            case.name
+        )
+    });
+    let kv = kvroute_agent_ids(api, body).unwrap_or_else(|e| {
+        panic!(
+            "[agent api rendering] {}: kvroute refuses a body vLLM renders ({} tokens): {e}",
+            case.name,
+            engine.len()
+        )
+    });
+    assert!(
+        engine == kv,
+        "[agent api rendering] {}: prompt token ids differ: {}",
+        case.name,
+        diff(vllm::kvroute_model(), &engine, &kv)
+    );
+    kv
+}
+
+/// One Messages or Responses request (one output token): the engine's (cached, prompt) tokens
+/// from its usage: Anthropic's `cache_read_input_tokens` and `input_tokens` (which leave the
+/// cached ones out), the Responses API's `input_tokens_details.cached_tokens` and `input_tokens`.
+fn engine_send_agent(e: &Engine, api: AgentApi, body: &Value) -> (u64, u64) {
+    let mut body = body.clone();
+    match api {
+        AgentApi::Messages => body["max_tokens"] = json!(1),
+        AgentApi::Responses => body["max_output_tokens"] = json!(1),
+    }
+    body["temperature"] = json!(0);
+    let r = e.post(api.path(), &body);
+    assert_eq!(r.status, 200, "{} {} {body}: {r}", e.name, api.path());
+    let u = &r.body()["usage"];
+    match api {
+        AgentApi::Messages => {
+            let cached = u["cache_read_input_tokens"]
+                .as_u64()
+                .unwrap_or_else(|| panic!("no usage.cache_read_input_tokens in {r}"));
+            let created = u["cache_creation_input_tokens"].as_u64().unwrap_or(0);
+            let input = u["input_tokens"].as_u64().expect("usage.input_tokens");
+            (cached, input + cached + created)
+        }
+        AgentApi::Responses => {
+            let cached = u["input_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap_or_else(|| panic!("no usage.input_tokens_details.cached_tokens in {r}"));
+            (
+                cached,
+                u["input_tokens"].as_u64().expect("usage.input_tokens"),
+            )
+        }
+    }
+}
+
+/// The cached view on Messages or Responses: serve `body` on worker `id`, then compare what
+/// kvroute says is cached of `tokens` there with what the engine's usage reports on a resend.
+#[track_caller]
+fn check_agent_resend(case: &Case, id: u64, api: AgentApi, body: &Value, tokens: &[u32]) -> u64 {
+    let e = case.engine(id);
+    let before = last_seq(&case.router, id);
+    let (_, prompt) = engine_send_agent(e, api, body);
+    assert_eq!(
+        prompt,
+        tokens.len() as u64,
+        "[agent api rendering] {}: the engine counts {prompt} prompt tokens, kvroute {}",
+        case.name,
+        tokens.len()
+    );
+    settle(&case.router, id, before);
+    let kv = kvroute_cached(&case.router, id, tokens, None, None);
+    let (engine, _) = engine_send_agent(e, api, body);
+    assert_eq!(
+        kv,
+        engine,
+        "[cache] {}: cached tokens of a {}-token prompt on a resend: engine {engine}, kvroute {kv}",
+        case.name,
+        tokens.len()
+    );
+    engine
+}
+
+fn anthropic_weather_tool() -> Value {
+    let t = weather_tool();
+    json!({"name": t["function"]["name"], "description": t["function"]["description"],
+           "input_schema": t["function"]["parameters"]})
+}
+
+#[test]
+fn messages_plain_ids_and_cache() {
+    let case = Case::new("messages_plain");
+    let body = json!({"model": MODEL, "max_tokens": 8, "system": prose(300, 300),
+        "messages": [{"role": "user", "content": "Summarize the story."}]});
+    let ids = check_agent_ids(&case, AgentApi::Messages, &body);
+    let cached = check_agent_resend(&case, A, AgentApi::Messages, &body, &ids);
+    assert!(cached >= BLOCK as u64, "{cached}");
+}
+
+#[test]
+fn messages_multi_turn_tool_use_and_thinking_ids_and_cache() {
+    let case = Case::new("messages_tools");
+    let body = json!({"model": MODEL, "max_tokens": 8,
+    "system": [
+        {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1; cch=9f1e"},
+        {"type": "text", "text": prose(700, 200)},
+        {"type": "text", "text": " Answer briefly.", "cache_control": {"type": "ephemeral"}}],
+    "tools": [anthropic_weather_tool()],
+    "tool_choice": {"type": "auto"},
+    "messages": [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": "The user wants the weather. ", "signature": "c2ln"},
+            {"type": "thinking", "thinking": "Call the tool.", "signature": "c2ln"},
+            {"type": "text", "text": "Let me check."},
+            {"type": "tool_use", "id": "toolu_01", "name": "get_weather",
+             "input": {"city": "Paris", "unit": "celsius"}}]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_01",
+             "content": [{"type": "text", "text": "18 degrees"}, {"type": "text", "text": "sunny"}]},
+            {"type": "text", "text": "And tomorrow?"}]},
+        {"role": "assistant", "content": [{"type": "redacted_thinking", "data": "b3BhcXVl"},
+            {"type": "tool_use", "id": "toolu_02", "name": "get_weather", "input": {"city": "Paris"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_02", "content": "rain"}]},
+    ]});
+    let ids = check_agent_ids(&case, AgentApi::Messages, &body);
+    check_agent_resend(&case, B, AgentApi::Messages, &body, &ids);
+    // Inline system messages (Claude Code's reminders), a named tool choice, thinking enabled.
+    let body = json!({"model": MODEL, "max_tokens": 2100, "system": "Be brief.",
+        "tools": [anthropic_weather_tool()],
+        "tool_choice": {"type": "tool", "name": "get_weather"},
+        "thinking": {"type": "enabled", "budget_tokens": 2048},
+        "messages": [
+            {"role": "user", "content": "Hi"},
+            {"role": "system", "content": "<reminder>Stay on topic.</reminder>"},
+            {"role": "assistant", "content": "Hello."},
+            {"role": "user", "content": "Weather in Rome?"}]});
+    check_agent_ids(&case, AgentApi::Messages, &body);
+}
+
+#[test]
+fn responses_plain_ids_and_cache() {
+    let case = Case::new("responses_plain");
+    let body = json!({"model": MODEL, "instructions": prose(1100, 300),
+        "input": "Summarize the story."});
+    let ids = check_agent_ids(&case, AgentApi::Responses, &body);
+    let cached = check_agent_resend(&case, A, AgentApi::Responses, &body, &ids);
+    assert!(cached >= BLOCK as u64, "{cached}");
+}
+
+#[test]
+fn responses_items_tool_calls_and_reasoning_ids_and_cache() {
+    let case = Case::new("responses_items");
+    let t = weather_tool();
+    let tool = json!({"type": "function", "name": t["function"]["name"],
+        "description": t["function"]["description"], "parameters": t["function"]["parameters"]});
+    let body = json!({"model": MODEL, "instructions": prose(1500, 200), "tools": [tool],
+    "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "What is the weather in Paris?"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": [],
+         "content": [{"type": "reasoning_text", "text": "Call the tool."}]},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+         "arguments": "{\"city\": \"Paris\"}", "id": "fc_1", "status": "completed"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "18 degrees"},
+        {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+         "content": [{"type": "output_text", "text": "It is 18 degrees.", "annotations": []}]},
+        {"role": "user", "content": "And tomorrow?"},
+    ]});
+    let ids = check_agent_ids(&case, AgentApi::Responses, &body);
+    check_agent_resend(&case, B, AgentApi::Responses, &body, &ids);
+    // A developer message, reasoning effort, and a last assistant message to continue.
+    let body = json!({"model": MODEL, "reasoning": {"effort": "low"},
+    "input": [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": "Tell a story."},
+        {"type": "message", "role": "assistant", "id": "msg_2", "status": "incomplete",
+         "content": [{"type": "output_text", "text": "Once upon", "annotations": []}]},
+    ]});
+    check_agent_ids(&case, AgentApi::Responses, &body);
+}
+
+/// A Messages conversation through the proxy: the second turn goes where the first went and the
+/// engine's `cache_read_input_tokens` is what kvroute routed on.
+#[test]
+fn proxy_routes_a_messages_second_turn_to_its_cache() {
+    let case = Case::new("proxy_messages_turn");
+    let system = prose(2300, 300);
+    let first = json!({"model": MODEL, "max_tokens": 1, "system": system,
+        "messages": [{"role": "user", "content": "Summarize."}]});
+    let r1 = case.router.post("/v1/messages", &first);
+    assert_eq!(r1.status, 200, "{r1}");
+    let worker = |r: &crate::support::Resp| -> u64 {
+        r.header("x-kvroute-worker")
+            .unwrap()
+            .split('/')
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    let w1 = worker(&r1);
+    settle(&case.router, w1, None);
+    let second = json!({"model": MODEL, "max_tokens": 1, "system": system, "messages": [
+        {"role": "user", "content": "Summarize."},
+        {"role": "assistant", "content": r1.body()["content"]},
+        {"role": "user", "content": "Shorter."}]});
+    let ids = check_agent_ids(&case, AgentApi::Messages, &second);
+    let kv = kvroute_cached(&case.router, w1, &ids, None, None);
+    let r2 = case.router.post("/v1/messages", &second);
+    assert_eq!(r2.status, 200, "{r2}");
+    assert_eq!(worker(&r2), w1, "the second turn follows its cache");
+    let engine = r2.body()["usage"]["cache_read_input_tokens"]
+        .as_u64()
+        .unwrap();
+    assert_eq!(
+        kv, engine,
+        "[cache] proxy second turn: engine {engine}, kvroute {kv}"
+    );
+    assert!(engine >= BLOCK as u64);
+}
+
+// ---------------------------------------------------------------------------------------------
 // Real chat templates of public model families, as shipped in the installed vLLM wheel
 // ---------------------------------------------------------------------------------------------
 

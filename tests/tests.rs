@@ -7,6 +7,7 @@
 
 mod support;
 
+mod agent_apis;
 mod builtins;
 mod cli;
 mod cluster;

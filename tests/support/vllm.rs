@@ -248,6 +248,9 @@ impl Engine {
             .args(["--max-num-seqs", "8"])
             .arg("--enable-prompt-tokens-details")
             .arg("--trust-request-chat-template")
+            // The render endpoints (`/v1/messages/render`, `/v1/responses/render`): the prompt ids
+            // vLLM computes for the Anthropic and Responses APIs.
+            .arg("--enable-scale-out")
             // Chats with `tools` (tool_choice "auto" by default) are refused without a parser.
             .arg("--enable-auto-tool-choice")
             .args(["--tool-call-parser", "hermes"])

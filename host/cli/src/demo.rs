@@ -227,6 +227,7 @@ fn run(args: DemoArgs) -> Result<(), String> {
                 println!("  engine {i}: {u}");
             }
             println!("  OpenAI base URL: http://{addr}/v1   model: {model}");
+            println!("  Anthropic base URL: http://{addr}   (/v1/messages; /v1/responses too)");
             println!();
             println!("  curl http://{addr}/v1/chat/completions -H 'content-type: application/json' \\");
             println!("    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}], \"stream\": true}}'");

@@ -1,6 +1,8 @@
 //! The OpenAI-compatible HTTP server in front of the engine loop: what vLLM's `vllm serve`
 //! answers, for the parts a router and its clients use.
 //!
+//! - `POST /v1/messages` (Anthropic) and `POST /v1/responses`: the same, tokenized as vLLM
+//!   renders them (`kvroute_tokenize`) and answered in their own wire shapes (`agent_apis`).
 //! - `POST /v1/completions`, `POST /v1/chat/completions`: the body is tokenized (the prompt the
 //!   engine caches is the one the router hashes), submitted, and answered whole or streamed as SSE
 //!   (`data: {chunk}\n\n` per token, each sent at the end of the engine step that made it,
@@ -28,6 +30,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::Value;
 
+use crate::agent_apis;
 use crate::engine_loop::{Delivery, EngineLoop, Submission};
 use crate::error::ApiError;
 use crate::metrics;
@@ -76,6 +79,8 @@ pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat))
+        .route("/v1/messages", post(messages))
+        .route("/v1/responses", post(responses))
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))
@@ -129,6 +134,22 @@ async fn chat(
     generate(s, Api::Chat, &headers, &body).await
 }
 
+async fn messages(State(s): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
+    match generate(s, Api::Messages, &headers, &body).await {
+        Ok(r) => r,
+        // Anthropic's clients read Anthropic's error shape.
+        Err(e) => (e.status, Json(agent_apis::anthropic_error(&e))).into_response(),
+    }
+}
+
+async fn responses(
+    State(s): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    generate(s, Api::Responses, &headers, &body).await
+}
+
 /// Everything one generation needs after its first delivery.
 struct Generation {
     state: Arc<AppState>,
@@ -142,6 +163,10 @@ struct Generation {
     include_usage: bool,
     generated: u32,
     cached: u32,
+    /// The answer so far (the Messages and Responses streams repeat it at the end).
+    answer: String,
+    /// The Responses stream's event count.
+    seq: u64,
 }
 
 impl Generation {
@@ -172,6 +197,8 @@ async fn generate(
     let (prompt, field) = match api {
         Api::Completions => (state.tokenizer.completion_tokens(&body)?, "prompt"),
         Api::Chat => (state.tokenizer.chat_tokens(&body)?, "messages"),
+        Api::Messages => (state.tokenizer.messages_tokens(&body)?, "messages"),
+        Api::Responses => (state.tokenizer.responses_tokens(&body)?, "input"),
     };
     if prompt.is_empty() {
         return Err(crate::tokenizer::FieldError::new(field, "the prompt has no tokens").into());
@@ -209,6 +236,8 @@ async fn generate(
         include_usage: params.include_usage,
         generated: 0,
         cached: 0,
+        answer: String::new(),
+        seq: 0,
     };
     if params.stream {
         Ok(stream(gen, first))
@@ -241,7 +270,12 @@ async fn whole(mut g: Generation, first: Delivery) -> Result<Response, ApiError>
         }
         next = g.sub.deliveries.recv().await;
     }
-    let body = openai::full_answer(&g.meta, &text, "length", g.usage());
+    let body = match g.meta.api {
+        Api::Messages | Api::Responses => {
+            agent_apis::full_answer(&g.meta, &text, g.prompt_tokens, g.generated, g.cached)
+        }
+        _ => openai::full_answer(&g.meta, &text, "length", g.usage()),
+    };
     Ok(Json(body).into_response())
 }
 
@@ -278,6 +312,30 @@ fn stream(g: Generation, first: Delivery) -> Response {
                             if n == 1 {
                                 g.cached = cached_tokens;
                             }
+                            if matches!(g.meta.api, Api::Messages | Api::Responses) {
+                                let text = g.text(n);
+                                g.answer.push_str(&text);
+                                let (prompt, cached) = (g.prompt_tokens, g.cached);
+                                let mut ev = agent_apis::Events {
+                                    meta: &g.meta,
+                                    seq: &mut g.seq,
+                                };
+                                let mut out = if n == 1 {
+                                    ev.start(prompt, cached)
+                                } else {
+                                    Vec::new()
+                                };
+                                out.push(ev.token(&text));
+                                if done {
+                                    out.extend(ev.end(&g.answer, prompt, n, cached));
+                                }
+                                let next = if done {
+                                    Phase::End
+                                } else {
+                                    Phase::Tokens(None)
+                                };
+                                return Some((Ok(Bytes::from(out.concat())), (g, next)));
+                            }
                             let finish = done.then_some("length");
                             let c = openai::chunk(&g.meta, &g.text(n), n == 1, finish);
                             let next = match (done, g.include_usage) {
@@ -289,7 +347,15 @@ fn stream(g: Generation, first: Delivery) -> Response {
                         }
                         Some(Delivery::Refused) | None => {
                             let e = ApiError::refused(g.field);
-                            (sse(&e.body()), Phase::Done)
+                            if matches!(g.meta.api, Api::Messages | Api::Responses) {
+                                let mut ev = agent_apis::Events {
+                                    meta: &g.meta,
+                                    seq: &mut g.seq,
+                                };
+                                (ev.error(&e), Phase::End)
+                            } else {
+                                (sse(&e.body()), Phase::Done)
+                            }
                         }
                     }
                 }

@@ -8,13 +8,15 @@
 //!
 //! # Pieces (each calls only those below it)
 //! - [`config`]: the command line and the engine model's settings.
-//! - [`http`]: the OpenAI routes; [`openai`] the wire types; [`error`] the error body;
+//! - [`http`]: the OpenAI routes; [`openai`] the wire types ([`agent_apis`] those of Anthropic's
+//!   Messages and OpenAI's Responses APIs); [`error`] the error body;
 //!   [`metrics`] the Prometheus text.
 //! - [`engine_loop`]: the task that steps the engine in real time and delivers tokens.
 //! - `table`: each live request's block hashes and its blocks' tokens (KV events carry tokens).
 //! - [`publisher`]: the ZMQ PUB socket and the replay ROUTER socket.
 //! - [`tokenizer`]: the tokenizer as the server needs it ([`PromptTokenizer`]).
 
+pub mod agent_apis;
 pub mod config;
 pub mod engine_loop;
 pub mod error;

@@ -14,6 +14,10 @@ pub enum Api {
     Completions,
     /// `POST /v1/chat/completions`
     Chat,
+    /// `POST /v1/messages` (Anthropic's Messages API)
+    Messages,
+    /// `POST /v1/responses` (OpenAI's Responses API)
+    Responses,
 }
 
 impl Api {
@@ -22,6 +26,8 @@ impl Api {
             (Api::Completions, _) => "text_completion",
             (Api::Chat, false) => "chat.completion",
             (Api::Chat, true) => "chat.completion.chunk",
+            (Api::Messages, _) => "message",
+            (Api::Responses, _) => "response",
         }
     }
 
@@ -29,6 +35,8 @@ impl Api {
         match self {
             Api::Completions => "cmpl",
             Api::Chat => "chatcmpl",
+            Api::Messages => "msg",
+            Api::Responses => "resp",
         }
     }
 }
@@ -97,10 +105,10 @@ pub fn params(body: &Value, api: Api, default_max_tokens: u32) -> Result<Params,
             ));
         }
     }
-    let max_tokens = opt_count(body, "max_tokens")?;
     let max_tokens = match api {
-        Api::Chat => opt_count(body, "max_completion_tokens")?.or(max_tokens),
-        Api::Completions => max_tokens,
+        Api::Chat => opt_count(body, "max_completion_tokens")?.or(opt_count(body, "max_tokens")?),
+        Api::Completions | Api::Messages => opt_count(body, "max_tokens")?,
+        Api::Responses => opt_count(body, "max_output_tokens")?,
     };
     Ok(Params {
         model,
@@ -147,6 +155,7 @@ pub fn full_answer(meta: &Meta, text: &str, finish: &str, usage: Value) -> Value
         Api::Completions => json!({
             "index": 0, "text": text, "logprobs": null, "finish_reason": finish, "stop_reason": null,
         }),
+        Api::Messages | Api::Responses => unreachable!("agent_apis.rs answers these"),
         Api::Chat => json!({
             "index": 0,
             "message": {"role": "assistant", "content": text, "tool_calls": []},
@@ -169,6 +178,7 @@ pub fn chunk(meta: &Meta, text: &str, first: bool, finish: Option<&str>) -> Valu
         Api::Completions => json!({
             "index": 0, "text": text, "logprobs": null, "finish_reason": finish, "stop_reason": null,
         }),
+        Api::Messages | Api::Responses => unreachable!("agent_apis.rs streams these"),
         Api::Chat => {
             let delta = if first {
                 json!({"role": "assistant", "content": text})

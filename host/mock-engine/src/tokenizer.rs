@@ -30,6 +30,20 @@ pub trait PromptTokenizer: Send + Sync + 'static {
     fn completion_tokens(&self, body: &Value) -> Result<Vec<u32>, FieldError>;
     /// `/v1/chat/completions`: the chat template's rendering of the body, tokenized.
     fn chat_tokens(&self, body: &Value) -> Result<Vec<u32>, FieldError>;
+    /// `/v1/messages` (Anthropic): the chat rendering of the chat request vLLM converts it to.
+    fn messages_tokens(&self, _body: &Value) -> Result<Vec<u32>, FieldError> {
+        Err(FieldError::new(
+            "messages",
+            "this tokenizer has no chat template",
+        ))
+    }
+    /// `/v1/responses`: the chat rendering of its instructions and input.
+    fn responses_tokens(&self, _body: &Value) -> Result<Vec<u32>, FieldError> {
+        Err(FieldError::new(
+            "input",
+            "this tokenizer has no chat template",
+        ))
+    }
     /// One token's text.
     fn token_text(&self, id: u32) -> String;
     /// A special token (`<s>`, `<|im_start|>`...): generated text leaves these out.
@@ -46,6 +60,16 @@ impl PromptTokenizer for kvroute_tokenize::Model {
 
     fn chat_tokens(&self, body: &Value) -> Result<Vec<u32>, FieldError> {
         kvroute_tokenize::Model::chat_tokens(self, body)
+            .map_err(|e| FieldError::new(e.field, e.reason))
+    }
+
+    fn messages_tokens(&self, body: &Value) -> Result<Vec<u32>, FieldError> {
+        kvroute_tokenize::Model::messages_tokens(self, body)
+            .map_err(|e| FieldError::new(e.field, e.reason))
+    }
+
+    fn responses_tokens(&self, body: &Value) -> Result<Vec<u32>, FieldError> {
+        kvroute_tokenize::Model::responses_tokens(self, body)
             .map_err(|e| FieldError::new(e.field, e.reason))
     }
 
@@ -88,6 +112,19 @@ impl PromptTokenizer for ByteTokenizer {
             out.extend(c.bytes().map(u32::from));
         }
         Ok(out)
+    }
+
+    /// The messages' string contents' bytes (as for chat).
+    fn messages_tokens(&self, body: &Value) -> Result<Vec<u32>, FieldError> {
+        self.chat_tokens(body)
+    }
+
+    /// A string `input`'s bytes.
+    fn responses_tokens(&self, body: &Value) -> Result<Vec<u32>, FieldError> {
+        match body.get("input") {
+            Some(Value::String(s)) => Ok(s.bytes().map(u32::from).collect()),
+            _ => Err(FieldError::new("input", "must be a string")),
+        }
     }
 
     fn token_text(&self, id: u32) -> String {

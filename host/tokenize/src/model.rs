@@ -22,6 +22,8 @@ pub struct Model {
     block_size: Option<u32>,
     /// Prompt texts' parts and whole requests already encoded (`cache.rs`).
     cache: TokenCache,
+    /// The `reasoning_effort` an Anthropic `thinking: {"type": "disabled"}` stands for.
+    disabled_effort: std::sync::OnceLock<&'static str>,
 }
 
 impl fmt::Debug for Model {
@@ -108,6 +110,7 @@ impl Model {
             chat,
             block_size: spec.block_size,
             cache,
+            disabled_effort: std::sync::OnceLock::new(),
         })
     }
 
@@ -189,6 +192,67 @@ impl Model {
                 ),
             )),
         }
+    }
+
+    /// `/v1/messages` (Anthropic): the chat completions body vLLM converts the body to
+    /// (`chat/anthropic.rs`), rendered and encoded as [`Model::chat_tokens`] does.
+    pub fn messages_tokens(&self, body: &Json) -> Result<Vec<u32>, TokenizeError> {
+        self.chat_tokens(&self.messages_as_chat(body)?)
+    }
+
+    /// The chat completions body of an Anthropic Messages body.
+    pub fn messages_as_chat(&self, body: &Json) -> Result<Json, TokenizeError> {
+        let Some(chat) = &self.chat else {
+            return self.render_chat(body).map(|_| Json::Null);
+        };
+        let disabled = body
+            .get("thinking")
+            .and_then(|t| t.get("type"))
+            .and_then(Json::as_str)
+            == Some("disabled");
+        let effort = if disabled {
+            self.disabled_thinking_effort()
+        } else {
+            "none"
+        };
+        crate::chat::anthropic::to_chat(body, chat.requires_system_first(), effort)
+    }
+
+    /// `/v1/responses`: the chat completions body vLLM renders for the body
+    /// (`chat/responses.rs`), rendered and encoded as [`Model::chat_tokens`] does.
+    pub fn responses_tokens(&self, body: &Json) -> Result<Vec<u32>, TokenizeError> {
+        self.chat_tokens(&self.responses_as_chat(body)?)
+    }
+
+    /// The chat completions body of a Responses body.
+    pub fn responses_as_chat(&self, body: &Json) -> Result<Json, TokenizeError> {
+        crate::chat::responses::to_chat(body)
+    }
+
+    /// vLLM's `_probe_disabled_thinking_effort`: "none" unless the template renders a "Hi"
+    /// with `reasoning_effort: "none"` the same as with some thinking effort (or refuses
+    /// "none"), then "low". Computed once.
+    pub fn disabled_thinking_effort(&self) -> &'static str {
+        self.disabled_effort.get_or_init(|| {
+            let render = |effort: &str| {
+                self.render_chat(&serde_json::json!({
+                    "messages": [{"role": "user", "content": "Hi"}],
+                    "reasoning_effort": effort,
+                }))
+                .ok()
+            };
+            let Some(none) = render("none") else {
+                return "low";
+            };
+            if crate::chat::anthropic::EFFORTS
+                .iter()
+                .any(|e| render(e).as_deref() == Some(none.as_str()))
+            {
+                "low"
+            } else {
+                "none"
+            }
+        })
     }
 
     /// `text`'s token ids; `add_special_tokens` applies the tokenizer's post-processor (a

@@ -150,3 +150,124 @@ async fn bad_requests_name_their_field() {
         assert_eq!(v["error"]["param"], param, "{body}: {text}");
     }
 }
+
+/// An event stream's `(event, data)` pairs.
+fn named_events(body: &str) -> Vec<(String, Value)> {
+    body.split("\n\n")
+        .filter(|e| !e.is_empty())
+        .map(|e| {
+            let (name, data) = e.split_once('\n').unwrap();
+            (
+                name.strip_prefix("event: ").unwrap().to_string(),
+                serde_json::from_str(data.strip_prefix("data: ").unwrap()).unwrap(),
+            )
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_answer_in_anthropics_shapes_whole_and_streamed() {
+    let (addr, _engine) = serve().await;
+    let (status, body) = request(
+        &addr,
+        "/v1/messages",
+        r#"{"model": "fake", "max_tokens": 4, "messages": [{"role": "user", "content": "hello"}]}"#,
+    )
+    .await;
+    assert!(status.contains("200"), "{status} {body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["type"], "message");
+    assert_eq!(v["role"], "assistant");
+    assert_eq!(v["content"][0]["text"], "hell");
+    assert_eq!(v["stop_reason"], "max_tokens");
+    assert_eq!(v["usage"]["output_tokens"], 4);
+    // The same prompt again: its cached tokens leave input_tokens.
+    let (_, body) = request(
+        &addr,
+        "/v1/messages",
+        r#"{"model": "fake", "max_tokens": 3, "stream": true, "messages": [{"role": "user", "content": "hello"}]}"#,
+    )
+    .await;
+    let events = named_events(&body);
+    let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "message_start",
+            "content_block_start",
+            "content_block_delta",
+            "content_block_delta",
+            "content_block_delta",
+            "content_block_stop",
+            "message_delta",
+            "message_stop"
+        ]
+    );
+    for (name, data) in &events {
+        assert_eq!(data["type"], name.as_str());
+    }
+    let text: String = events[2..5]
+        .iter()
+        .map(|(_, d)| d["delta"]["text"].as_str().unwrap())
+        .collect();
+    assert_eq!(text, "hel");
+    let usage = &events[6].1["usage"];
+    assert_eq!(usage["output_tokens"], 3);
+    let cached = usage["cache_read_input_tokens"].as_u64().unwrap();
+    assert_eq!(cached, 4, "one whole 4-token block of 5 cached: {usage}");
+    assert_eq!(usage["input_tokens"], 5 - cached);
+    // Errors in Anthropic's shape.
+    let (status, body) = request(&addr, "/v1/messages", r#"{"messages": 3}"#).await;
+    assert!(status.contains("400"), "{status}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["type"], "error");
+    assert_eq!(v["error"]["type"], "invalid_request_error");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn responses_answer_in_the_responses_shapes_whole_and_streamed() {
+    let (addr, _engine) = serve().await;
+    let (status, body) = request(
+        &addr,
+        "/v1/responses",
+        r#"{"model": "fake", "max_output_tokens": 4, "input": "hello"}"#,
+    )
+    .await;
+    assert!(status.contains("200"), "{status} {body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["object"], "response");
+    assert_eq!(v["output"][0]["content"][0]["type"], "output_text");
+    assert_eq!(v["output"][0]["content"][0]["text"], "hell");
+    assert_eq!(v["usage"]["input_tokens"], 5);
+    assert_eq!(v["usage"]["output_tokens"], 4);
+    let (_, body) = request(
+        &addr,
+        "/v1/responses",
+        r#"{"max_output_tokens": 2, "stream": true, "input": "hello"}"#,
+    )
+    .await;
+    let events = named_events(&body);
+    let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "response.created",
+            "response.output_item.added",
+            "response.content_part.added",
+            "response.output_text.delta",
+            "response.output_text.delta",
+            "response.output_text.done",
+            "response.content_part.done",
+            "response.output_item.done",
+            "response.completed"
+        ]
+    );
+    for (i, (name, data)) in events.iter().enumerate() {
+        assert_eq!(data["type"], name.as_str());
+        assert_eq!(data["sequence_number"], i);
+    }
+    assert_eq!(events[5].1["text"], "he");
+    let usage = &events[8].1["response"]["usage"];
+    assert_eq!(usage["output_tokens"], 2);
+    assert_eq!(usage["input_tokens_details"]["cached_tokens"], 4);
+}

@@ -12,7 +12,7 @@ use envoy_types::pb::envoy::r#type::v3::HttpStatus;
 use envoy_types::pb::envoy::service::ext_proc::v3::{HeaderMutation, ImmediateResponse};
 use envoy_types::pb::google::protobuf::{value::Kind, Struct, Value};
 
-use crate::proxy::error::ProxyError;
+use crate::proxy::error::{ErrorShape, ProxyError};
 
 /// The header (and `envoy.lb` metadata key) naming the chosen endpoint, `IP:PORT`.
 pub const DESTINATION: &str = "x-gateway-destination-endpoint";
@@ -222,9 +222,10 @@ fn string(s: &str) -> Value {
     }
 }
 
-/// The answer Envoy sends the client instead of forwarding: the proxy's OpenAI-style error body,
-/// its status, `Retry-After` when the error has one, and the request id.
-pub fn immediate(e: &ProxyError, request_id: &str) -> ImmediateResponse {
+/// The answer Envoy sends the client instead of forwarding: the proxy's error body (in the shape
+/// of the endpoint's clients), its status, `Retry-After` when the error has one, and the request
+/// id.
+pub fn immediate(e: &ProxyError, request_id: &str, shape: ErrorShape) -> ImmediateResponse {
     let mut set = vec![("content-type", "application/json".to_string())];
     if let Some(s) = e.0.retry_after {
         set.push(("retry-after", s.to_string()));
@@ -237,7 +238,7 @@ pub fn immediate(e: &ProxyError, request_id: &str) -> ImmediateResponse {
             code: i32::from(e.status().as_u16()),
         }),
         headers: Some(mutation(&set)),
-        body: e.body(),
+        body: e.body_for(shape),
         grpc_status: None,
         details: e.code().to_string(),
     }

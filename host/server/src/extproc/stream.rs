@@ -33,7 +33,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 
 use super::headers::{self, Headers};
 use super::ExtProc;
-use crate::proxy::error::ProxyError;
+use crate::proxy::error::{ErrorShape, ProxyError};
 use crate::proxy::lifecycle::Lifecycle;
 use crate::proxy::request::Endpoint;
 
@@ -196,15 +196,14 @@ impl Exchange {
         self.request_id = crate::proxy::request_id(&read.map);
         self.headers = read.map;
         let path = read.path.split('?').next().unwrap_or_default();
-        self.endpoint = match path {
-            "/v1/completions" => Some(Endpoint::Completions),
-            "/v1/chat/completions" => Some(Endpoint::ChatCompletions),
-            _ => {
+        self.endpoint = match Endpoint::from_path(path) {
+            Some(e) => Some(e),
+            None => {
                 return self.refuse(ProxyError::new(
                     StatusCode::NOT_FOUND,
                     "not_found",
                     format!(
-                        "the endpoint picker routes POST /v1/completions and POST /v1/chat/completions, not {} {path}",
+                        "the endpoint picker routes POST /v1/completions, /v1/chat/completions, /v1/messages and /v1/responses, not {} {path}",
                         read.method
                     ),
                 ))
@@ -476,7 +475,12 @@ impl Exchange {
             "ext_proc immediate response"
         );
         Step::Immediate(Box::new(reply(Response::ImmediateResponse(
-            headers::immediate(e, &self.request_id),
+            headers::immediate(
+                e,
+                &self.request_id,
+                self.endpoint
+                    .map_or(ErrorShape::OpenAi, Endpoint::error_shape),
+            ),
         ))))
     }
 }

@@ -203,6 +203,12 @@ fn add_data_path(doc: &mut Value) {
     paths["/v1/completions"] =
         openai("serve --proxy: an OpenAI completion, tokenized, routed, booked and forwarded.");
     paths["/v1/chat/completions"] = openai("serve --proxy: an OpenAI chat completion, rendered with the model's chat template, tokenized, routed, booked and forwarded.");
+    paths["/v1/responses"] = openai("serve --proxy: an OpenAI Responses request, its instructions and input rendered as vLLM renders them, tokenized, routed, booked and forwarded (its event stream relayed).");
+    let mut messages = openai("serve --proxy: an Anthropic Messages request, converted to the chat request vLLM renders for it, tokenized, routed, booked and forwarded (Anthropic's event stream relayed). Errors in Anthropic's shape: {\"type\": \"error\", \"error\": {\"type\", \"message\", \"code\", \"param\"}}.");
+    messages["post"]["requestBody"]["content"]["application/json"]["schema"]["description"] = json!("Anthropic's Messages request body, plus an optional `kvroute` object with the routing fields of RouteRequest (not tokens, block_hashes, book, explain, request_id); x-kvroute-* headers fill fields it leaves out.");
+    messages["post"]["responses"]["400"]["description"] =
+        json!("Bad body or routing field (Anthropic error shape, `error.param` names the field).");
+    paths["/v1/messages"] = messages;
     paths["/v1/models"] = json!({"get": {"summary": "serve --proxy: the configured models, in OpenAI's list shape.", "responses": {"200": {"description": "{\"object\": \"list\", \"data\": [{\"id\", \"object\", \"created\", \"owned_by\"}]}"}, "404": {"description": "The server runs without --proxy (`not_found`)."}}}});
 }
 

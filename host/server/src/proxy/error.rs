@@ -1,4 +1,5 @@
-//! The proxy's error answer: OpenAI's shape, so an OpenAI client raises its usual exceptions.
+//! The proxy's error answer: OpenAI's shape, so an OpenAI client raises its usual exceptions
+//! (Anthropic's for `/v1/messages`, [`ErrorShape`]).
 //!
 //! `{"error": {"message", "type", "param", "code"}}` with `code` one of kvroute's stable error
 //! codes (API.md §2) or the proxy's own (`model_not_found`, `no_worker_for_model`,
@@ -45,6 +46,56 @@ impl ProxyError {
         }
     }
 
+    /// Anthropic's error `type` for a status.
+    fn anthropic_kind(&self) -> &'static str {
+        match self.0.status.as_u16() {
+            401 => "authentication_error",
+            403 => "permission_error",
+            404 => "not_found_error",
+            413 => "request_too_large",
+            429 => "rate_limit_error",
+            503 | 529 => "overloaded_error",
+            s if s >= 500 => "api_error",
+            _ => "invalid_request_error",
+        }
+    }
+
+    /// The body in the shape of `api`'s clients: Anthropic's `{"type": "error", "error":
+    /// {"type", "message"}}` (with kvroute's `code` and `param` beside) for `/v1/messages`,
+    /// OpenAI's otherwise.
+    pub fn body_for(&self, api: ErrorShape) -> Vec<u8> {
+        match api {
+            ErrorShape::OpenAi => self.body(),
+            ErrorShape::Anthropic => {
+                let e = &self.0;
+                serde_json::to_vec(&serde_json::json!({
+                    "type": "error",
+                    "error": {
+                        "type": self.anthropic_kind(),
+                        "message": e.message,
+                        "code": e.code,
+                        "param": e.field,
+                    }
+                }))
+                .expect("a JSON value serializes")
+            }
+        }
+    }
+
+    /// The answer in the shape of `api`'s clients.
+    pub fn into_response_for(self, api: ErrorShape) -> Response {
+        let mut resp = (self.0.status, self.body_for(api)).into_response();
+        let h = resp.headers_mut();
+        h.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        if let Some(s) = self.0.retry_after {
+            h.insert(header::RETRY_AFTER, HeaderValue::from(s));
+        }
+        resp
+    }
+
     /// The body, as bytes (the ext_proc service answers with it too).
     pub fn body(&self) -> Vec<u8> {
         let e = &self.0;
@@ -88,17 +139,17 @@ impl From<TokenizeError> for ProxyError {
     }
 }
 
+/// Whose error shape an answer takes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ErrorShape {
+    /// `{"error": {"message", "type", "param", "code"}}`.
+    OpenAi,
+    /// `{"type": "error", "error": {"type", "message"}}`.
+    Anthropic,
+}
+
 impl IntoResponse for ProxyError {
     fn into_response(self) -> Response {
-        let mut resp = (self.0.status, self.body()).into_response();
-        let h = resp.headers_mut();
-        h.insert(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("application/json"),
-        );
-        if let Some(s) = self.0.retry_after {
-            h.insert(header::RETRY_AFTER, HeaderValue::from(s));
-        }
-        resp
+        self.into_response_for(ErrorShape::OpenAi)
     }
 }

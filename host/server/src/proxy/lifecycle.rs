@@ -44,6 +44,8 @@ pub trait Recorder: Send + Sync {
     fn finished(&self, endpoint: &'static str, outcome: &'static str, secs: f64);
     /// Prompt tokens in, output tokens out.
     fn tokens(&self, prompt: u64, output: u64);
+    /// Prompt tokens the engine's usage reported as read from its prefix cache.
+    fn engine_cached(&self, _tokens: u64) {}
     /// The engine's answer broke off: counts against the worker's health where there is one.
     fn engine_failed(&self, _worker: WorkerId) {}
 }
@@ -71,6 +73,10 @@ impl Recorder for ProxyRecorder {
         self.metrics.tokens(prompt, output);
     }
 
+    fn engine_cached(&self, tokens: u64) {
+        self.metrics.engine_cached(tokens);
+    }
+
     fn engine_failed(&self, worker: WorkerId) {
         self.health.failure(worker);
         self.metrics.upstream_failure(worker);
@@ -94,6 +100,8 @@ pub struct Lifecycle {
     first_byte: Option<Instant>,
     prompt_tokens: u64,
     output_tokens: u64,
+    /// Prompt tokens the engine's usage says it found cached (when it says).
+    engine_cached: Option<u64>,
     reported: u64,
     stream: bool,
     /// Partial SSE line carried between chunks.
@@ -161,6 +169,7 @@ impl Lifecycle {
             first_byte: None,
             prompt_tokens,
             output_tokens: 0,
+            engine_cached: None,
             reported: 0,
             stream,
             line: Vec::new(),
@@ -203,9 +212,15 @@ impl Lifecycle {
                 let json = json.trim_ascii();
                 if json.first() == Some(&b'{') {
                     if let Ok(v) = serde_json::from_slice::<serde_json::Value>(json) {
-                        if let Some(n) = v["usage"]["completion_tokens"].as_u64() {
+                        let usage = Usage::of(&v);
+                        if let Some(n) = usage.cached {
+                            self.engine_cached = Some(n);
+                        }
+                        if let Some(n) = usage.output {
                             self.output_tokens = n;
-                        } else if v["choices"].as_array().is_some_and(|c| !c.is_empty()) {
+                        } else if v["choices"].as_array().is_some_and(|c| !c.is_empty())
+                            || is_token_event(&v)
+                        {
                             self.output_tokens += 1;
                         }
                     }
@@ -232,10 +247,17 @@ impl Lifecycle {
         let _ = self.router.free(&self.request_id);
         if !self.stream && !self.whole.is_empty() {
             if let Ok(v) = serde_json::from_slice::<serde_json::Value>(&self.whole) {
-                if let Some(n) = v["usage"]["completion_tokens"].as_u64() {
+                let usage = Usage::of(&v);
+                if let Some(n) = usage.output {
                     self.output_tokens = n;
                 }
+                if let Some(n) = usage.cached {
+                    self.engine_cached = Some(n);
+                }
             }
+        }
+        if let Some(n) = self.engine_cached {
+            self.recorder.engine_cached(n);
         }
         let secs = self.started.elapsed().as_secs_f64();
         self.recorder.finished(self.endpoint, outcome, secs);
@@ -254,6 +276,7 @@ impl Lifecycle {
             e2e_ms = secs * 1e3,
             tokens_in = self.prompt_tokens,
             tokens_out = self.output_tokens,
+            engine_cached = self.engine_cached,
             "proxied"
         );
     }
@@ -262,6 +285,52 @@ impl Lifecycle {
     pub fn abandon(mut self) {
         self.done = true;
         let _ = self.router.free(&self.request_id);
+    }
+}
+
+/// What an answer's (or a streamed event's) `usage` says, in any of the three APIs' shapes:
+/// chat and completions (`usage.completion_tokens`, `usage.prompt_tokens_details.cached_tokens`),
+/// Anthropic Messages (`usage.output_tokens`, `usage.cache_read_input_tokens`, also under
+/// `message` in `message_start`), Responses (`usage.output_tokens`,
+/// `usage.input_tokens_details.cached_tokens`, under `response` in its stream's events).
+#[derive(Debug, Default, PartialEq, Eq)]
+pub(crate) struct Usage {
+    pub output: Option<u64>,
+    pub cached: Option<u64>,
+}
+
+impl Usage {
+    pub(crate) fn of(v: &serde_json::Value) -> Usage {
+        let usage = [&v["usage"], &v["message"]["usage"], &v["response"]["usage"]]
+            .into_iter()
+            .find(|u| u.is_object());
+        let Some(u) = usage else {
+            return Usage::default();
+        };
+        let output = u["completion_tokens"]
+            .as_u64()
+            .or_else(|| u["output_tokens"].as_u64());
+        let cached = u["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .or_else(|| u["cache_read_input_tokens"].as_u64())
+            .or_else(|| u["input_tokens_details"]["cached_tokens"].as_u64());
+        // Anthropic's message_start carries `output_tokens` 0 or 1 before any output: not a count.
+        let output = if v["type"] == "message_start" {
+            None
+        } else {
+            output
+        };
+        Usage { output, cached }
+    }
+}
+
+/// A streamed event that carries one output token (or a few): Anthropic's `content_block_delta`,
+/// the Responses API's `*.delta` events.
+fn is_token_event(v: &serde_json::Value) -> bool {
+    match v["type"].as_str() {
+        Some("content_block_delta") => true,
+        Some(t) => t.starts_with("response.") && t.ends_with(".delta"),
+        None => false,
     }
 }
 

@@ -66,7 +66,7 @@ impl ProxyMetrics {
         let tokens = IntCounterVec::new(
             Opts::new(
                 "kvroute_proxy_tokens_total",
-                "Prompt tokens in (as the proxy tokenized them) and output tokens out (the engine's usage, or streamed chunks).",
+                "Prompt tokens in (as the proxy tokenized them), output tokens out (the engine's usage, or streamed chunks), and engine_cached: prompt tokens the engine's usage reported read from its prefix cache (chat's prompt_tokens_details.cached_tokens, Anthropic's cache_read_input_tokens, Responses' input_tokens_details.cached_tokens).",
             ),
             &["direction"],
         )
@@ -119,6 +119,12 @@ impl ProxyMetrics {
     pub fn tokens(&self, prompt: u64, output: u64) {
         self.tokens.with_label_values(&["in"]).inc_by(prompt);
         self.tokens.with_label_values(&["out"]).inc_by(output);
+    }
+
+    pub fn engine_cached(&self, tokens: u64) {
+        self.tokens
+            .with_label_values(&["engine_cached"])
+            .inc_by(tokens);
     }
 
     pub fn retry(&self) {

@@ -1,7 +1,8 @@
 //! `kvroute serve --proxy`: the router in the data path, as an OpenAI-compatible server.
 //!
-//! A request to `/v1/completions` or `/v1/chat/completions` is tokenized with its model's
-//! tokenizer and chat template ([`request`]), routed and booked exactly as `POST /v1/route` with
+//! A request to `/v1/completions`, `/v1/chat/completions`, `/v1/messages` (Anthropic) or
+//! `/v1/responses` is tokenized with its model's tokenizer and chat template ([`request`]; the
+//! last two converted to the chat request vLLM renders for them first), routed and booked exactly as `POST /v1/route` with
 //! `book: true` would be (so constraints, sessions, priorities, queueing and disaggregation all
 //! apply), forwarded unchanged (minus the `kvroute` extension object) to the chosen worker's
 //! engine ([`upstream`]), and its answer streamed back chunk by chunk ([`lifecycle`]). The
@@ -63,6 +64,8 @@ pub fn routes<S>(proxy: ProxyState) -> axum::Router<S> {
     axum::Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/messages", post(messages))
+        .route("/v1/responses", post(responses))
         .route("/v1/models", get(models))
         .with_state(proxy)
 }
@@ -389,7 +392,7 @@ async fn handle(s: ProxyState, endpoint: Endpoint, headers: HeaderMap, body: Byt
             "not_found",
             "the proxy is off (serve --proxy)",
         )
-        .into_response();
+        .into_response_for(endpoint.error_shape());
     };
     let started = Instant::now();
     let id = request_id(&headers);
@@ -408,7 +411,7 @@ async fn handle(s: ProxyState, endpoint: Endpoint, headers: HeaderMap, body: Byt
                     .finished(endpoint.label(), outcome, started.elapsed().as_secs_f64());
                 tracing::info!(request_id = %id, endpoint = endpoint.label(), outcome, code = e.code(), "proxied");
             }
-            let mut r = e.into_response();
+            let mut r = e.into_response_for(endpoint.error_shape());
             if let Ok(v) = HeaderValue::from_str(&id) {
                 r.headers_mut()
                     .insert(HeaderName::from_static("x-request-id"), v);
@@ -430,6 +433,17 @@ pub async fn chat_completions(
     body: Bytes,
 ) -> Response {
     handle(s, Endpoint::ChatCompletions, headers, body).await
+}
+
+/// `POST /v1/messages`: Anthropic's Messages API, tokenized as vLLM converts it to a chat
+/// request; errors in Anthropic's shape.
+pub async fn messages(State(s): State<ProxyState>, headers: HeaderMap, body: Bytes) -> Response {
+    handle(s, Endpoint::Messages, headers, body).await
+}
+
+/// `POST /v1/responses`: OpenAI's Responses API, tokenized as vLLM renders its input.
+pub async fn responses(State(s): State<ProxyState>, headers: HeaderMap, body: Bytes) -> Response {
+    handle(s, Endpoint::Responses, headers, body).await
 }
 
 /// `GET /v1/models`: the configured models, as OpenAI lists them.

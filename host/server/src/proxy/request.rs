@@ -1,4 +1,4 @@
-//! An inbound OpenAI request made ready to route: its model, its prompt's tokens, the routing
+//! An inbound OpenAI (or Anthropic Messages) request made ready to route: its model, its prompt's tokens, the routing
 //! fields from the `kvroute` extension object or `x-kvroute-*` headers, and the body to forward.
 //!
 //! Shared by the proxy and (later) Envoy's external processor, which route exactly as
@@ -41,11 +41,15 @@ use super::error::ProxyError;
 use crate::http::dto::{BodyLimits, PinnedWorker, RouteBody, RoutingConstraints};
 use crate::http::error::ApiError;
 
-/// Which OpenAI endpoint a request came to.
+/// Which endpoint a request came to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Endpoint {
     Completions,
     ChatCompletions,
+    /// Anthropic's Messages API.
+    Messages,
+    /// OpenAI's Responses API.
+    Responses,
 }
 
 impl Endpoint {
@@ -53,6 +57,8 @@ impl Endpoint {
         match self {
             Endpoint::Completions => "/v1/completions",
             Endpoint::ChatCompletions => "/v1/chat/completions",
+            Endpoint::Messages => "/v1/messages",
+            Endpoint::Responses => "/v1/responses",
         }
     }
 
@@ -60,6 +66,29 @@ impl Endpoint {
         match self {
             Endpoint::Completions => "completions",
             Endpoint::ChatCompletions => "chat_completions",
+            Endpoint::Messages => "messages",
+            Endpoint::Responses => "responses",
+        }
+    }
+
+    /// The endpoint a request path names (the ext_proc service reads it off `:path`).
+    pub fn from_path(path: &str) -> Option<Endpoint> {
+        let path = path.split('?').next().unwrap_or(path);
+        [
+            Endpoint::Completions,
+            Endpoint::ChatCompletions,
+            Endpoint::Messages,
+            Endpoint::Responses,
+        ]
+        .into_iter()
+        .find(|e| e.path() == path)
+    }
+
+    /// The error shape its clients expect.
+    pub fn error_shape(self) -> super::error::ErrorShape {
+        match self {
+            Endpoint::Messages => super::error::ErrorShape::Anthropic,
+            _ => super::error::ErrorShape::OpenAi,
         }
     }
 }
@@ -130,7 +159,7 @@ pub async fn prepare(
             ))
         }
     };
-    let max_tokens = ["max_completion_tokens", "max_tokens"]
+    let max_tokens = ["max_completion_tokens", "max_tokens", "max_output_tokens"]
         .iter()
         .find_map(|k| obj.get(*k).and_then(Value::as_u64))
         .map(|n| n.min(u64::from(u32::MAX)) as u32);
@@ -232,6 +261,8 @@ fn tokenize(endpoint: Endpoint, model: &Model, body: &Value) -> Result<Vec<u32>,
     let tokens = match endpoint {
         Endpoint::Completions => model.completion_tokens(body)?,
         Endpoint::ChatCompletions => model.chat_tokens(body)?,
+        Endpoint::Messages => model.messages_tokens(body)?,
+        Endpoint::Responses => model.responses_tokens(body)?,
     };
     if tokens.is_empty() {
         return Err(ProxyError::new(

@@ -68,11 +68,29 @@ pub(crate) fn conversation(body: &Json, format: ContentFormat) -> Result<Vec<Jso
     messages
         .iter()
         .enumerate()
-        .map(|(i, message)| one(&format!("messages[{i}]"), message, format))
+        .map(|(i, message)| {
+            one(
+                &format!("messages[{i}]"),
+                message,
+                format,
+                body.get(RAW_TOOL_CALLS).is_some(),
+            )
+        })
         .collect()
 }
 
-fn one(field: &str, message: &Json, format: ContentFormat) -> Result<Json, TokenizeError> {
+/// A key the Responses conversion (`responses.rs`) sets in the chat body it builds: its tool calls
+/// are plain dicts vLLM hands to the template as built (`{"id", "function": {"name",
+/// "arguments"}, "type"}`), not passed through the chat request model, which reorders them. A
+/// NUL-prefixed key no client body carries.
+pub(crate) const RAW_TOOL_CALLS: &str = "\u{0}raw_tool_calls";
+
+fn one(
+    field: &str,
+    message: &Json,
+    format: ContentFormat,
+    raw_tool_calls: bool,
+) -> Result<Json, TokenizeError> {
     let Json::Object(message) = message else {
         return Err(TokenizeError::new(field, "expected an object"));
     };
@@ -113,7 +131,9 @@ fn one(field: &str, message: &Json, format: ContentFormat) -> Result<Json, Token
             calls
                 .iter()
                 .enumerate()
-                .map(|(j, call)| tool_call(&format!("{field}.tool_calls[{j}]"), call))
+                .map(|(j, call)| {
+                    tool_call(&format!("{field}.tool_calls[{j}]"), call, raw_tool_calls)
+                })
                 .collect::<Result<Vec<_>, _>>()?,
         ),
         Some(_) => {
@@ -302,7 +322,7 @@ fn part(field: &str, role: &str, part: &Json) -> Result<Option<Json>, TokenizeEr
 
 /// A tool call checked as vLLM's model checks it, its fields in the model's order, and its
 /// `function.arguments` decoded into an object.
-fn tool_call(field: &str, call: &Json) -> Result<Json, TokenizeError> {
+fn tool_call(field: &str, call: &Json, raw: bool) -> Result<Json, TokenizeError> {
     let Json::Object(call) = call else {
         return Err(TokenizeError::new(field, "expected an object"));
     };
@@ -361,6 +381,14 @@ fn tool_call(field: &str, call: &Json) -> Result<Json, TokenizeError> {
             ))
         }
     };
+    if raw {
+        // The dicts as built, `arguments` decoded in its place.
+        let mut out_function = function.clone();
+        out_function.insert("arguments".into(), arguments);
+        let mut out = call.clone();
+        out.insert("function".into(), Json::Object(out_function));
+        return Ok(Json::Object(out));
+    }
     let mut out_function = Map::new();
     out_function.insert("arguments".into(), arguments);
     out_function.insert("name".into(), name);

@@ -18,12 +18,14 @@
 //! - `continue_final_message` as `transformers` 5 does it: the last message's text is marked,
 //!   rendered, and the prompt cut where the mark is.
 
-mod messages;
+pub(crate) mod anthropic;
+pub(crate) mod messages;
+pub(crate) mod responses;
 mod source;
 pub(crate) mod tools;
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use minijinja::{Environment, Value};
 use serde_json::{Map, Value as Json};
@@ -70,6 +72,8 @@ pub(crate) struct ChatTemplate {
     /// Templates requests brought (with `trust_request_chat_template`), by source; at most
     /// [`REQUEST_TEMPLATES`], emptied when full (as vLLM bounds its cache).
     request_templates: Mutex<Vec<(String, Arc<ChatTemplate>)>>,
+    /// Whether a template refuses system messages after the first message (computed once).
+    system_first: OnceLock<bool>,
 }
 
 /// How many request templates stay compiled.
@@ -115,6 +119,7 @@ impl ChatTemplate {
             special,
             options,
             request_templates: Mutex::new(Vec::new()),
+            system_first: OnceLock::new(),
         })
     }
 
@@ -265,6 +270,33 @@ impl ChatTemplate {
             Some(text) => cut_at_mark(rendered, &text),
             None => Ok(rendered),
         }
+    }
+
+    /// vLLM's `_detect_merge_inline_system` over the templates it would pick (with and without
+    /// tools): true when one fails to render a system, user, system, user conversation (bare
+    /// variables, no generation prompt), so inline system messages of an Anthropic request must
+    /// be merged into the first one.
+    pub fn requires_system_first(&self) -> bool {
+        *self.system_first.get_or_init(|| {
+            let probe: Json = serde_json::json!([
+                {"role": "system", "content": "t"},
+                {"role": "user", "content": "t"},
+                {"role": "system", "content": "t"},
+                {"role": "user", "content": "t"},
+            ]);
+            [false, true]
+                .into_iter()
+                .filter_map(|tools| self.pick(tools).ok())
+                .any(|named| {
+                    let mut context: BTreeMap<String, Value> = BTreeMap::new();
+                    context.insert("messages".into(), json(&probe));
+                    context.insert("add_generation_prompt".into(), false.into());
+                    match self.env.get_template(&named.name) {
+                        Ok(t) => t.render(Value::from(context)).is_err(),
+                        Err(_) => true,
+                    }
+                })
+        })
     }
 
     fn pick(&self, with_tools: bool) -> Result<&Named, TokenizeError> {

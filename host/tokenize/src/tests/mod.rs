@@ -1,5 +1,6 @@
 //! Unit tests of the crate, one file per piece, on the test tokenizer of [`crate::testing`].
 
+mod agent_apis;
 mod cache;
 mod chat;
 mod completion;
