@@ -17,8 +17,7 @@ pub mod stats;
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::Relaxed};
-use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, OnceLock, Weak};
 use std::time::SystemTime;
 
 use arc_swap::{ArcSwap, ArcSwapOption};
@@ -844,7 +843,11 @@ pub(crate) struct Rollout {
     pub shadows: ArcSwap<Vec<Arc<Shadow>>>,
     pub canary: ArcSwapOption<Canary>,
     pub records: Mutex<VecDeque<(String, CanaryRecord)>>,
-    queue: OnceLock<SyncSender<ShadowJob>>,
+    /// The shadow queue. A plain bounded deque the shadow thread polls (every millisecond when
+    /// empty): a channel would wake the sleeping thread on every send, a system call on the
+    /// deciding thread.
+    queue: Arc<Mutex<VecDeque<ShadowJob>>>,
+    worker: OnceLock<()>,
     pub counters: RolloutCounters,
     next_id: AtomicU64,
 }
@@ -855,7 +858,8 @@ impl Default for Rollout {
             shadows: ArcSwap::from_pointee(Vec::new()),
             canary: ArcSwapOption::empty(),
             records: Mutex::new(VecDeque::new()),
-            queue: OnceLock::new(),
+            queue: Arc::new(Mutex::new(VecDeque::with_capacity(SHADOW_QUEUE_CAPACITY))),
+            worker: OnceLock::new(),
             counters: RolloutCounters::default(),
             next_id: AtomicU64::new(1),
         }
@@ -863,25 +867,39 @@ impl Default for Rollout {
 }
 
 impl Rollout {
-    /// The queue, starting its thread on first use.
-    fn queue(&self, ticks: u64) -> &SyncSender<ShadowJob> {
-        self.queue.get_or_init(|| {
-            let (tx, rx) = sync_channel::<ShadowJob>(SHADOW_QUEUE_CAPACITY);
+    /// Starts the shadow thread on first use. It ends once the registry (and its queue) is gone.
+    fn start_worker(&self, ticks: u64) {
+        self.worker.get_or_init(|| {
+            let queue: Weak<Mutex<VecDeque<ShadowJob>>> = Arc::downgrade(&self.queue);
             let spawned = std::thread::Builder::new()
                 .name("kvroute-policy-shadow".into())
                 .spawn(move || {
                     if let Err(e) = crate::worker::lower_priority(crate::worker::COMPILE_NICE) {
                         tracing::warn!(error = %e, "could not lower the priority of the shadow thread");
                     }
-                    while let Ok(job) = rx.recv() {
-                        job.shadow.evaluate(&job, ticks);
+                    // Polls every millisecond while there is work, every 50 ms after a second
+                    // without any (no shadow running: 20 wake-ups a second).
+                    let mut idle = 0u32;
+                    while let Some(q) = queue.upgrade() {
+                        let job = q.lock().pop_front();
+                        drop(q);
+                        match job {
+                            Some(job) => {
+                                idle = 0;
+                                job.shadow.evaluate(&job, ticks)
+                            }
+                            None => {
+                                idle = idle.saturating_add(1);
+                                let ms = if idle < 1000 { 1 } else { 50 };
+                                std::thread::sleep(std::time::Duration::from_millis(ms));
+                            }
+                        }
                     }
                 });
             if let Err(e) = spawned {
                 tracing::error!(error = %e, "could not start the shadow thread: shadows evaluate nothing");
             }
-            tx
-        })
+        });
     }
 
     /// Hands a sampled decision to every shadow (except the version that decided). Never blocks.
@@ -918,15 +936,18 @@ impl Rollout {
                 stage,
                 active,
             };
-            match self.queue(ticks).try_send(job) {
-                Ok(()) => {
-                    s.queued.fetch_add(1, Relaxed);
-                }
-                Err(TrySendError::Full(_)) | Err(TrySendError::Disconnected(_)) => {
-                    s.dropped.fetch_add(1, Relaxed);
-                }
+            let mut q = self.queue.lock();
+            if q.len() < SHADOW_QUEUE_CAPACITY {
+                q.push_back(job);
+                drop(q);
+                s.queued.fetch_add(1, Relaxed);
+            } else {
+                drop(q);
+                drop(job);
+                s.dropped.fetch_add(1, Relaxed);
             }
         }
+        self.start_worker(ticks);
     }
 
     pub(crate) fn new_shadow(&self, policy: Arc<PolicyVersion>, sample: f64) -> Arc<Shadow> {
