@@ -29,6 +29,7 @@ mod python_plugin;
 mod refusals;
 mod remote_indexer;
 mod replay;
+mod rollout;
 mod sandbox;
 mod state;
 mod tutorial;

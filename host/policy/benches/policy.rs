@@ -6,7 +6,8 @@
 //! The Wasm component is `plugins/native-cost` (built here for wasm32-wasip2, release), which
 //! recomputes SPEC §7's cost from the columns, preferred taints included — the same work as the
 //! native path, so the difference is the cost of the component boundary. `decision/default` and
-//! `decision/dynamo` are the embedded built-ins.
+//! `decision/dynamo` are the embedded built-ins. `shadow/{off,on}` is what a running shadow costs
+//! the deciding thread (issue 37: at most 1 µs at the p50).
 
 #[path = "../../../tests/support/plugins.rs"]
 mod support;
@@ -197,5 +198,79 @@ fn first_decision_after_swap(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, decision_path, swap, first_decision_after_swap);
+/// What a shadow costs the deciding thread: the same decision (the built-in default active) with
+/// no shadow and with the default shadowed under another name at `sample` 1 (every decision
+/// copied to the queue). Between batches of 512 decisions (never timed) the bench waits for the
+/// shadow thread to empty the queue, so every timed decision takes the enqueue path, never the
+/// cheaper drop of a full queue.
+fn shadow(c: &mut Criterion) {
+    let taints = support::taint_table(1, 4);
+    let mut group = c.benchmark_group("shadow");
+    for n in [8usize, 64] {
+        let mut rng = SmallRng::seed_from_u64(n as u64);
+        let (req, cols) = support::random_decision(&mut rng, n, 4);
+        for on in [false, true] {
+            let reg = registry();
+            reg.load("default", kvroute_policy::DEFAULT_POLICY_WASM, None, true)
+                .expect("load default");
+            reg.load("shadowed", kvroute_policy::DEFAULT_POLICY_WASM, None, false)
+                .expect("load the shadowed copy");
+            if on {
+                reg.start_shadow(
+                    "shadowed",
+                    &kvroute_policy::ShadowSpec {
+                        version: None,
+                        sample: 1.0,
+                    },
+                )
+                .expect("shadow");
+            }
+            let drained = || loop {
+                match reg.shadow_report("shadowed") {
+                    Some(r) if r.evaluated + r.dropped < r.queued + r.dropped => {
+                        std::thread::sleep(Duration::from_micros(200))
+                    }
+                    _ => break,
+                }
+            };
+            let label = if on { "on" } else { "off" };
+            group.bench_with_input(BenchmarkId::new(label, n), &n, |b, _| {
+                b.iter_custom(|iters| {
+                    let mut total = Duration::ZERO;
+                    let mut left = iters;
+                    while left > 0 {
+                        let batch = left.min(512);
+                        let t = Instant::now();
+                        for _ in 0..batch {
+                            black_box(reg.decide(&req, &cols, &taints));
+                        }
+                        total += t.elapsed();
+                        left -= batch;
+                        drained();
+                    }
+                    total
+                })
+            });
+            if let Some(r) = reg.shadow_report("shadowed") {
+                assert_eq!(
+                    r.dropped, 0,
+                    "the timed decisions all took the enqueue path"
+                );
+                eprintln!(
+                    "shadow/{n}: {} decisions queued, {} evaluated, {} dropped, agreement {:.3}",
+                    r.queued, r.evaluated, r.dropped, r.agreement_rate
+                );
+            }
+        }
+    }
+    group.finish();
+}
+
+criterion_group!(
+    benches,
+    decision_path,
+    swap,
+    first_decision_after_swap,
+    shadow
+);
 criterion_main!(benches);

@@ -138,6 +138,15 @@ pub enum PolicyError {
     RuntimeConfig(String),
     #[error("the Wasm engine failed: {0}")]
     Engine(String),
+    /// A shadow or canary request that is not valid (the field at fault and why).
+    #[error("{field}: {message}")]
+    InvalidRollout { field: String, message: String },
+    /// No shadow or canary of this policy runs (`what`: `shadow`, `canary`).
+    #[error("no {what} of policy {name:?} is running")]
+    NoRollout { name: String, what: &'static str },
+    /// A canary is already running, or no policy is active to compare against.
+    #[error("{0}")]
+    RolloutConflict(String),
 }
 
 impl PolicyError {
@@ -163,6 +172,10 @@ impl PolicyError {
             PolicyError::Io { .. } => "io_error",
             PolicyError::RuntimeConfig(_) => "invalid_runtime_config",
             PolicyError::Engine(_) => "engine_error",
+            PolicyError::InvalidRollout { .. } => "invalid_request",
+            PolicyError::NoRollout { what: "shadow", .. } => "no_shadow",
+            PolicyError::NoRollout { .. } => "no_canary",
+            PolicyError::RolloutConflict(_) => "rollout_conflict",
         }
     }
 

@@ -63,6 +63,7 @@ mod instance;
 mod pipeline;
 mod plugin;
 mod registry;
+pub mod rollout;
 mod runtime;
 mod scorer;
 mod selftest;
@@ -84,6 +85,10 @@ pub use plugin::{sha256_hex, PluginDescription, PluginKind};
 pub use registry::{
     validate_name, ActivePolicy, Checkpoint, Outcome, PolicyDecision, PolicyInfo, PolicyRegistry,
     PolicyVersion, RegistryCounters, RegistryImage, StageInfo, VersionImage,
+};
+pub use rollout::{
+    canary_arm, Arm, CanaryRecord, CanaryReport, CanarySpec, RequestOutcome, ShadowReport,
+    ShadowSpec,
 };
 pub use scorer::RegistryScorer;
 pub use shared::engine_config;

@@ -95,7 +95,7 @@ impl Drop for Worker {
 /// Lowers the calling thread's priority by `nice` levels (capped at 19). On Linux the nice value
 /// is a property of the thread, so the other threads of the process keep theirs.
 #[cfg(target_os = "linux")]
-fn lower_priority(nice: i32) -> std::io::Result<()> {
+pub(crate) fn lower_priority(nice: i32) -> std::io::Result<()> {
     // SAFETY: gettid has no preconditions.
     let tid = unsafe { libc::syscall(libc::SYS_gettid) } as libc::id_t;
     // getpriority may legitimately answer -1: errno tells an error from that.
@@ -117,7 +117,7 @@ fn lower_priority(nice: i32) -> std::io::Result<()> {
 
 /// Elsewhere the thread keeps the process's priority (the bound then is only the serial queue).
 #[cfg(not(target_os = "linux"))]
-fn lower_priority(_nice: i32) -> std::io::Result<()> {
+pub(crate) fn lower_priority(_nice: i32) -> std::io::Result<()> {
     Ok(())
 }
 

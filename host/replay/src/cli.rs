@@ -80,6 +80,14 @@ pub struct ReplayArgs {
     /// and default].
     #[arg(long = "policy")]
     pub policies: Vec<String>,
+    /// A candidate policy (same forms as --policy) replayed as a live canary would run: each
+    /// --policy is the control, and --canary-fraction of the requests (by request id hash, as
+    /// `kvroute serve` assigns arms) go to the candidate. Reported per arm, with 95% intervals.
+    #[arg(long)]
+    pub canary: Option<String>,
+    /// The candidate's share of a --canary split, in (0, 1).
+    #[arg(long, default_value_t = 0.2, allow_negative_numbers = true)]
+    pub canary_fraction: f64,
     /// Output directory (created if missing).
     #[arg(long)]
     pub out: PathBuf,
@@ -183,6 +191,26 @@ fn cli_run(args: ReplayArgs) -> Result<()> {
             .iter()
             .map(|s| PolicySpec::parse(s))
             .collect::<Result<_>>()?
+    };
+    let policies = match &args.canary {
+        None => policies,
+        Some(c) => {
+            if !(args.canary_fraction > 0.0 && args.canary_fraction < 1.0) {
+                bail!(
+                    "--canary-fraction {}: a fraction in (0, 1)",
+                    args.canary_fraction
+                );
+            }
+            let candidate = PolicySpec::parse(c)?;
+            policies
+                .into_iter()
+                .map(|control| PolicySpec::Canary {
+                    control: Box::new(control),
+                    candidate: Box::new(candidate.clone()),
+                    fraction: args.canary_fraction,
+                })
+                .collect()
+        }
     };
     let base_router = RouterConfig {
         rng_seed: Some(args.seed),
@@ -292,6 +320,11 @@ fn cli_run(args: ReplayArgs) -> Result<()> {
     }
     print!("{}", report::table(&runs));
     print!("{}", report::summary(&runs, trace.format.as_str()));
+    for r in &runs {
+        if let Some(c) = &r.result.canary {
+            print!("{}", c.describe(&r.result.name));
+        }
+    }
     eprintln!("wrote {}", args.out.display());
     Ok(())
 }

@@ -103,6 +103,14 @@ pub enum PolicySpec {
     },
     /// Any scorer (library users, tests).
     Custom { name: String, make: ScorerFactory },
+    /// A canary split (`--canary`): `fraction` of the requests routed by `candidate`, the rest by
+    /// `control`, the arm chosen exactly as `kvroute serve` chooses it
+    /// ([`kvroute_policy::canary_arm`] of the session id, or the request id when there is none).
+    Canary {
+        control: Box<PolicySpec>,
+        candidate: Box<PolicySpec>,
+        fraction: f64,
+    },
 }
 
 impl std::fmt::Debug for PolicySpec {
@@ -119,6 +127,16 @@ impl std::fmt::Debug for PolicySpec {
             PolicySpec::Custom { name, .. } => {
                 f.debug_struct("Custom").field("name", name).finish()
             }
+            PolicySpec::Canary {
+                control,
+                candidate,
+                fraction,
+            } => f
+                .debug_struct("Canary")
+                .field("control", control)
+                .field("candidate", candidate)
+                .field("fraction", fraction)
+                .finish(),
         }
     }
 }
@@ -180,6 +198,11 @@ impl PolicySpec {
                 }
             }
             PolicySpec::Custom { name, .. } => name.clone(),
+            PolicySpec::Canary {
+                control,
+                candidate,
+                fraction,
+            } => format!("{}+canary:{}@{fraction}", control.name(), candidate.name()),
         }
     }
 
@@ -189,6 +212,15 @@ impl PolicySpec {
                 Some(c) => format!("{}:{c}", path.display()),
                 None => path.display().to_string(),
             },
+            PolicySpec::Canary {
+                control,
+                candidate,
+                fraction,
+            } => format!(
+                "{} with a canary of {} at {fraction}",
+                control.describe(),
+                candidate.describe()
+            ),
             other => other.name(),
         }
     }
@@ -294,41 +326,12 @@ pub fn run_policy(
         })
         .collect::<Result<Vec<_>>>()?;
     let router = &routers[0];
-    // Keep the registry alive for the whole run (its maintenance thread serves the scorer).
-    let mut _registry: Option<Arc<PolicyRegistry>> = None;
-    // One registry for every replica (each replica's scorer calls it), loaded once.
-    match policy {
-        PolicySpec::Default => {
-            _registry = Some(
-                load_component("default", DEFAULT_POLICY_WASM, None)
-                    .map_err(|e| anyhow!("the embedded default policy: {e}"))?,
-            );
-        }
-        PolicySpec::Wasm { path, config } => {
-            let bytes =
-                std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
-            _registry = Some(
-                load_component(&policy.name(), &bytes, config.as_deref())
-                    .map_err(|e| anyhow!("{}: {e}", path.display()))?,
-            );
-        }
-        PolicySpec::RoundRobin | PolicySpec::Dynamo | PolicySpec::Custom { .. } => {}
-    }
+    // Keep the registries alive for the whole run (their maintenance threads serve the scorers);
+    // one registry for every replica (each replica's scorer calls it), loaded once.
+    let source = scorer_source(policy)?;
     for router in &routers {
         router.indexer().set_max_entries(opts.max_index_entries);
-        match policy {
-            PolicySpec::RoundRobin => {
-                router.set_scorer(Some(Box::new(RoundRobinScorer::default())))
-            }
-            // Dynamo 1.6's cost is the router's native one: run natively (the embedded `dynamo`
-            // component returns the same costs, bit for bit, so the picks are the same).
-            PolicySpec::Dynamo => router.set_scorer(None),
-            PolicySpec::Custom { make, .. } => router.set_scorer(Some(make())),
-            PolicySpec::Default | PolicySpec::Wasm { .. } => {
-                let registry = _registry.as_ref().expect("loaded above");
-                router.set_scorer(Some(Box::new(RegistryScorer::new(registry.clone()))));
-            }
-        }
+        router.set_scorer((source.make)());
     }
     let t0 = Instant::now();
     let replicas: Vec<&Router> = routers.iter().collect();
@@ -349,6 +352,19 @@ pub fn run_policy(
     let index = router.indexer().stats();
     let mut run =
         PolicyRun::from_output(name.to_string(), policy.describe(), &out, fallbacks, wall);
+    if let PolicySpec::Canary {
+        candidate,
+        fraction,
+        ..
+    } = policy
+    {
+        run.result.canary = Some(report::CanarySplit::from_output(
+            &out,
+            &candidate.name(),
+            *fraction,
+            |i| kvroute_policy::canary_arm(&sim::request_id(i), *fraction),
+        ));
+    }
     run.result.index_entries = index.held_blocks.iter().sum();
     run.result.fleet = opts.fleet.label();
     run.result.replicas = opts.replicas;
@@ -370,6 +386,103 @@ pub fn run_policy(
             expired: p.expired,
         });
     Ok(run)
+}
+
+/// Makes one policy's scorer for each router of a run (`None`: the router's native cost), keeping
+/// what they call alive.
+struct ScorerSource {
+    make: Box<dyn Fn() -> Option<Box<dyn Scorer>>>,
+}
+
+fn scorer_source(policy: &PolicySpec) -> Result<ScorerSource> {
+    let registry_source = |registry: Arc<PolicyRegistry>| ScorerSource {
+        make: Box::new(move || {
+            Some(Box::new(RegistryScorer::new(registry.clone())) as Box<dyn Scorer>)
+        }),
+    };
+    Ok(match policy {
+        PolicySpec::RoundRobin => ScorerSource {
+            make: Box::new(|| Some(Box::new(RoundRobinScorer::default()) as Box<dyn Scorer>)),
+        },
+        // Dynamo 1.6's cost is the router's native one: run natively (the embedded `dynamo`
+        // component returns the same costs, bit for bit, so the picks are the same).
+        PolicySpec::Dynamo => ScorerSource {
+            make: Box::new(|| None),
+        },
+        PolicySpec::Custom { make, .. } => {
+            let make = make.clone();
+            ScorerSource {
+                make: Box::new(move || Some(make())),
+            }
+        }
+        PolicySpec::Default => registry_source(
+            load_component("default", DEFAULT_POLICY_WASM, None)
+                .map_err(|e| anyhow!("the embedded default policy: {e}"))?,
+        ),
+        PolicySpec::Wasm { path, config } => {
+            let bytes =
+                std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+            registry_source(
+                load_component(&policy.name(), &bytes, config.as_deref())
+                    .map_err(|e| anyhow!("{}: {e}", path.display()))?,
+            )
+        }
+        PolicySpec::Canary {
+            control,
+            candidate,
+            fraction,
+        } => {
+            if !(*fraction > 0.0 && *fraction < 1.0) {
+                bail!("--canary-fraction {fraction}: a fraction in (0, 1)");
+            }
+            let control = scorer_source(control)?;
+            let candidate = scorer_source(candidate)?;
+            let fraction = *fraction;
+            ScorerSource {
+                make: Box::new(move || {
+                    Some(Box::new(SplitScorer {
+                        control: (control.make)(),
+                        candidate: (candidate.make)(),
+                        fraction,
+                        native: PolicyLabel::native(),
+                    }) as Box<dyn Scorer>)
+                }),
+            }
+        }
+    })
+}
+
+/// A canary's split as a [`Scorer`]: each decision goes to the arm of its session (or request)
+/// id's hash, as a live canary's would.
+struct SplitScorer {
+    control: Option<Box<dyn Scorer>>,
+    candidate: Option<Box<dyn Scorer>>,
+    fraction: f64,
+    native: Arc<PolicyLabel>,
+}
+
+impl Scorer for SplitScorer {
+    fn decide(
+        &self,
+        request: &PolicyRequest,
+        candidates: &CandidateColumns,
+        taints: &TaintNames,
+        stage: Stage,
+    ) -> ScorerDecision {
+        let arm =
+            kvroute_policy::canary_arm(kvroute_policy::rollout::arm_key(request), self.fraction);
+        let scorer = match arm {
+            kvroute_policy::Arm::Candidate => &self.candidate,
+            kvroute_policy::Arm::Control => &self.control,
+        };
+        match scorer {
+            Some(s) => s.decide(request, candidates, taints, stage),
+            None => ScorerDecision {
+                outcome: ScorerOutcome::Native,
+                label: self.native.clone(),
+            },
+        }
+    }
 }
 
 /// Loads a policy component into a fresh registry (replay deadline), whose scorer every replica of

@@ -117,6 +117,135 @@ pub struct PolicyResult {
     pub learned: Vec<kvroute_core::learn::Learned>,
     /// Predict-on-route's statistics (`--predict-on-route true`).
     pub predictions: Option<PredictionFigures>,
+    /// A canary split (`--canary`): the two arms' figures and the confidence intervals of their
+    /// differences, as `GET /v1/policies/{name}/canary` reports a live canary.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub canary: Option<CanarySplit>,
+}
+
+/// One arm of a replayed canary split.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct CanaryArm {
+    /// Requests assigned to the arm.
+    pub requests: usize,
+    pub completed: usize,
+    pub refused: usize,
+    pub token_hit_rate: f64,
+    pub ttft_ms: kvroute_policy::rollout::Summary,
+    /// Per request: (last token − first token) / (output tokens − 1).
+    pub itl_ms: kvroute_policy::rollout::Summary,
+}
+
+/// A replayed canary: what `kvroute serve` would measure with the same split on this trace.
+#[derive(Clone, Debug, Serialize)]
+pub struct CanarySplit {
+    pub candidate: String,
+    pub fraction: f64,
+    /// What the arm was hashed from (`request_id`: trace requests have no session).
+    pub key: &'static str,
+    pub control: CanaryArm,
+    #[serde(rename = "candidate_arm")]
+    pub candidate_arm: CanaryArm,
+    /// Candidate − control, with 95% intervals (the live canary's methods).
+    pub ttft_mean_ms: Option<kvroute_policy::rollout::Difference>,
+    pub ttft_p90_ms: Option<kvroute_policy::rollout::Difference>,
+    pub itl_mean_ms: Option<kvroute_policy::rollout::Difference>,
+    pub refusal_rate: Option<kvroute_policy::rollout::Difference>,
+}
+
+impl CanarySplit {
+    /// Splits a run's requests by `arm_of(i)` (request `i`'s arm).
+    pub fn from_output(
+        out: &SimOutput,
+        candidate: &str,
+        fraction: f64,
+        arm_of: impl Fn(usize) -> kvroute_policy::Arm,
+    ) -> Self {
+        use kvroute_policy::rollout::{stats, Samples};
+        #[derive(Default)]
+        struct Acc {
+            arm: CanaryArm,
+            ttft: Samples,
+            itl: Samples,
+            prompt: u64,
+            hit: u64,
+        }
+        let mut acc = [Acc::default(), Acc::default()];
+        for (i, o) in out.requests.iter().enumerate() {
+            let a = &mut acc[usize::from(arm_of(i) == kvroute_policy::Arm::Candidate)];
+            a.arm.requests += 1;
+            if o.error.is_some() {
+                a.arm.refused += 1;
+            }
+            if o.first_token_ms.is_finite() {
+                a.ttft.push(o.first_token_ms - o.arrival_ms);
+                a.prompt += u64::from(o.prompt_tokens);
+                a.hit += u64::from(o.hit_tokens);
+            }
+            if o.done_ms.is_finite() {
+                a.arm.completed += 1;
+                if o.output_tokens >= 2 && o.first_token_ms.is_finite() {
+                    a.itl
+                        .push((o.done_ms - o.first_token_ms) / f64::from(o.output_tokens - 1));
+                }
+            }
+        }
+        for a in &mut acc {
+            a.arm.ttft_ms = a.ttft.summary();
+            a.arm.itl_ms = a.itl.summary();
+            a.arm.token_hit_rate = if a.prompt == 0 {
+                0.0
+            } else {
+                a.hit as f64 / a.prompt as f64
+            };
+        }
+        let [k, c] = acc;
+        CanarySplit {
+            candidate: candidate.to_string(),
+            fraction,
+            key: "request_id",
+            ttft_mean_ms: stats::mean_difference(&c.ttft, &k.ttft),
+            ttft_p90_ms: stats::p90_difference(&c.ttft, &k.ttft),
+            itl_mean_ms: stats::mean_difference(&c.itl, &k.itl),
+            refusal_rate: stats::rate_difference(
+                c.arm.refused as u64,
+                c.arm.requests as u64,
+                k.arm.refused as u64,
+                k.arm.requests as u64,
+            ),
+            control: k.arm,
+            candidate_arm: c.arm,
+        }
+    }
+
+    /// Lines for stdout.
+    pub fn describe(&self, name: &str) -> String {
+        let mut s = format!(
+            "{name}: canary of {} at {:.0}% (arms by request id hash): control {} requests, candidate {}\n",
+            self.candidate,
+            self.fraction * 100.0,
+            self.control.requests,
+            self.candidate_arm.requests
+        );
+        for (what, d) in [
+            ("TTFT mean", &self.ttft_mean_ms),
+            ("TTFT p90", &self.ttft_p90_ms),
+            ("ITL mean", &self.itl_mean_ms),
+        ] {
+            if let Some(d) = d {
+                let _ = writeln!(
+                    s,
+                    "  {what}: candidate − control {:+.2} ms ({:+.1}%), 95% interval [{:+.2}, {:+.2}] ms{}",
+                    d.difference,
+                    d.relative * 100.0,
+                    d.ci95[0],
+                    d.ci95[1],
+                    if d.significant { ", significant" } else { "" }
+                );
+            }
+        }
+        s
+    }
 }
 
 /// What predict-on-route did over a run.
@@ -307,6 +436,7 @@ impl PolicyRun {
             wall_s,
             learned: Vec::new(),
             predictions: None,
+            canary: None,
         };
         Self {
             result,

@@ -316,6 +316,7 @@ pub async fn run(
                 config.proxy.clone(),
                 limits,
                 metrics.clone(),
+                Some(policies.clone()),
             ));
             let p = proxy.clone();
             metrics.add_renderer(Arc::new(move |out: &mut String| {
@@ -335,14 +336,17 @@ pub async fn run(
             let bound = listener
                 .local_addr()
                 .map_err(|e| format!("cannot read the ext_proc address: {e}"))?;
-            let ext = Arc::new(crate::extproc::ExtProc::new(
-                router.clone(),
-                models.clone(),
-                limits,
-                config.limits.max_body_bytes,
-                metrics.clone(),
-                config.ext_proc.clone(),
-            ));
+            let ext = Arc::new(
+                crate::extproc::ExtProc::new(
+                    router.clone(),
+                    models.clone(),
+                    limits,
+                    config.limits.max_body_bytes,
+                    metrics.clone(),
+                    config.ext_proc.clone(),
+                )
+                .with_policies(policies.clone()),
+            );
             {
                 let e = ext.clone();
                 metrics.add_renderer(Arc::new(move |out: &mut String| e.metrics.render(out)));

@@ -17,12 +17,17 @@ use super::config::PolicyRuntimeConfig;
 use super::error::{FallbackReason, PolicyError};
 use super::pipeline::PipelineSpec;
 use super::plugin::CompiledPlugin;
+use super::rollout::{
+    Arm, Canary, CanaryRecord, CanaryReport, CanarySpec, RequestOutcome, Rollout, RolloutCounters,
+    ShadowReport, ShadowSpec, Verdict,
+};
 use super::runtime::PolicyRuntime;
 use super::wire::with_wit_decision;
 use super::{DecisionContext, TaintTable};
 
 mod image;
 mod load;
+mod rollout;
 mod version;
 
 pub use image::{Checkpoint, RegistryImage, VersionImage};
@@ -78,6 +83,8 @@ pub struct PolicyRegistry {
     /// Compiled components by digest, so the same bytes are compiled once while any version uses them.
     compiled: Mutex<HashMap<String, std::sync::Weak<CompiledPlugin>>>,
     counters: RegistryCounters,
+    /// Shadows and the canary (`rollout.rs`).
+    rollout: Rollout,
 }
 
 /// Checks a policy name: 1 to 64 of `[A-Za-z0-9_.-]`, not starting with `.`.
@@ -140,6 +147,7 @@ impl PolicyRegistry {
             last_block_size: AtomicU32::new(16),
             compiled: Mutex::new(HashMap::new()),
             counters: RegistryCounters::default(),
+            rollout: Rollout::default(),
         })
     }
 
@@ -206,14 +214,25 @@ impl PolicyRegistry {
         if self.last_block_size.load(Relaxed) != req.block_size {
             self.last_block_size.store(req.block_size, Relaxed);
         }
-        let policy = &active.policy;
+        // A running canary whose control is the active version sends its arm's decisions to
+        // the candidate.
+        let canary_guard = self.rollout.canary.load();
+        let canary: Option<&Arc<Canary>> = (*canary_guard)
+            .as_ref()
+            .filter(|c| Arc::ptr_eq(&c.control, &active.policy) && !Rollout::is_ended(c));
+        let arm = canary.map(|c| c.arm_of(req));
+        let policy = match (canary, arm) {
+            (Some(c), Some(Arm::Candidate)) => &c.candidate,
+            _ => &active.policy,
+        };
         let start = Instant::now();
         let ctx = DecisionContext {
             taints,
             block_size: req.block_size,
         };
+        let ticks = self.runtime.shared.deadline_ticks;
         let result = with_wit_decision(req, cols, stage, |wreq, wcands| {
-            policy.run(wreq, wcands, ctx, self.runtime.shared.deadline_ticks, false)
+            policy.run(wreq, wcands, ctx, ticks, false)
         });
         let nanos = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
         let outcome = match result {
@@ -223,10 +242,13 @@ impl PolicyRegistry {
                     policy.consecutive_failures.store(0, Relaxed);
                 }
                 policy.recent.record(false);
-                match answer {
-                    Answer::Costs(c) => Outcome::Costs(c),
-                    Answer::Pick(i) => Outcome::Pick(i),
+                if let (Some(c), Some(arm)) = (canary, arm) {
+                    c.count_decision(arm, false);
+                    if arm == Arm::Candidate && c.consecutive.load(Relaxed) != 0 {
+                        c.consecutive.store(0, Relaxed);
+                    }
                 }
+                Ok(answer)
             }
             Err(failure) => {
                 policy.stats.record_failure(failure.reason, nanos);
@@ -240,24 +262,105 @@ impl PolicyRegistry {
                 // One line (no backtrace): this runs on the request path of every fallback.
                 let last = format!("{}: {}", failure.reason.as_str(), failure.detail.short());
                 *policy.last_failure.lock() = Some(last);
-                if failure.counts {
-                    let n = policy.consecutive_failures.fetch_add(1, Relaxed) + 1;
-                    let (failed, full) = policy.recent.record(true);
-                    let config = self.config();
-                    let window = config.failure_window as usize;
-                    if n >= config.max_consecutive_failures {
-                        self.auto_restore(&active, failure.reason, Cause::Consecutive(n));
-                    } else if full && failed as f64 > config.max_failure_rate * window as f64 {
-                        self.auto_restore(&active, failure.reason, Cause::Rate { failed, window });
+                match (canary, arm) {
+                    // The candidate's failures are the canary's business: its guardrails roll it
+                    // back; they never take the active version out.
+                    (Some(c), Some(Arm::Candidate)) => {
+                        self.candidate_failed(c, failure.counts);
+                    }
+                    (c, _) => {
+                        if let Some(c) = c {
+                            c.count_decision(Arm::Control, true);
+                        }
+                        if failure.counts {
+                            let n = policy.consecutive_failures.fetch_add(1, Relaxed) + 1;
+                            let (failed, full) = policy.recent.record(true);
+                            let config = self.config();
+                            let window = config.failure_window as usize;
+                            if n >= config.max_consecutive_failures {
+                                self.auto_restore(&active, failure.reason, Cause::Consecutive(n));
+                            } else if full
+                                && failed as f64 > config.max_failure_rate * window as f64
+                            {
+                                self.auto_restore(
+                                    &active,
+                                    failure.reason,
+                                    Cause::Rate { failed, window },
+                                );
+                            }
+                        }
                     }
                 }
-                Outcome::Fallback(failure.reason)
+                Err(failure.reason)
             }
+        };
+        self.rollout.offer(
+            policy,
+            req,
+            cols,
+            || {
+                self.last_taints
+                    .load_full()
+                    .unwrap_or_else(|| Arc::new(taints.clone()))
+            },
+            stage,
+            &outcome,
+            ticks,
+        );
+        let outcome = match outcome {
+            Ok(Answer::Costs(c)) => Outcome::Costs(c),
+            Ok(Answer::Pick(i)) => Outcome::Pick(i),
+            Err(reason) => Outcome::Fallback(reason),
         };
         PolicyDecision {
             outcome,
-            policy: Some(active.policy.clone()),
+            policy: Some(policy.clone()),
             activation: active.activation,
+        }
+    }
+
+    /// A candidate decision of the canary `c` fell back: counted, and judged by the fallback-rate
+    /// guardrail and by `max_consecutive_failures`.
+    fn candidate_failed(&self, c: &Arc<Canary>, counts: bool) {
+        let (decisions, fallbacks) = c.count_decision(Arm::Candidate, true);
+        let mut verdict = c.decision_verdict(decisions, fallbacks);
+        if counts {
+            let n = c.consecutive.fetch_add(1, Relaxed) + 1;
+            if verdict.is_none() && n >= self.config().max_consecutive_failures {
+                verdict = Some(Verdict::RollBack(
+                    "consecutive_failures",
+                    format!("the candidate failed {n} decisions in a row"),
+                ));
+            }
+        }
+        if let Some(Verdict::RollBack(rule, reason)) = verdict {
+            self.roll_back_canary(c, rule, reason, None);
+        }
+    }
+
+    /// Ends the canary `c` by a guardrail: every decision goes to the active version again.
+    fn roll_back_canary(
+        &self,
+        c: &Arc<Canary>,
+        rule: &'static str,
+        reason: String,
+        evidence: Option<CanaryReport>,
+    ) {
+        if self
+            .rollout
+            .end(c, "rolled_back", rule, reason.clone(), evidence)
+            .is_some()
+        {
+            self.rollout.counters.rollbacks.fetch_add(1, Relaxed);
+            tracing::warn!(
+                policy = c.candidate().name(),
+                version = c.candidate().version(),
+                control = c.control().name(),
+                control_version = c.control().version(),
+                rule,
+                reason,
+                "canary rolled back by a guardrail: the active version serves every decision"
+            );
         }
     }
 
@@ -485,6 +588,21 @@ impl PolicyRegistry {
                 activation: state.next_activation,
             })
         });
+        // A canary compares against the version active when it started: another activation ends it.
+        if let Some(c) = self.rollout.canary.load_full() {
+            let same = new
+                .as_ref()
+                .is_some_and(|n| Arc::ptr_eq(&n.policy, c.control()));
+            if !same {
+                self.rollout.end(
+                    &c,
+                    "superseded",
+                    "activation",
+                    "another version was activated while the canary ran".into(),
+                    None,
+                );
+            }
+        }
         let old = self.active.swap(new);
         self.counters.activations.fetch_add(1, Relaxed);
         if push_history {
@@ -526,7 +644,7 @@ fn columns_consistent(c: &CandidateColumns) -> bool {
 }
 
 /// RFC 3339 (UTC, seconds) of a system time.
-fn rfc3339(t: SystemTime) -> String {
+pub(crate) fn rfc3339(t: SystemTime) -> String {
     let secs = t
         .duration_since(SystemTime::UNIX_EPOCH)
         .map(|d| d.as_secs())

@@ -165,7 +165,7 @@ impl PolicyVersion {
     }
 
     /// Runs the stages on one decision.
-    pub(super) fn run(
+    pub(crate) fn run(
         &self,
         req: Request<'_>,
         cands: Candidates<'_>,

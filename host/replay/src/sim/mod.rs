@@ -339,7 +339,9 @@ enum Due {
     Sync(u32),
 }
 
-fn request_id(i: usize) -> String {
+/// The id request `i` of a trace is routed under (what a canary split hashes: the replay's
+/// requests carry no session).
+pub fn request_id(i: usize) -> String {
     format!("replay-{i}")
 }
 

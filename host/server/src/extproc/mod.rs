@@ -120,6 +120,15 @@ impl ExtProc {
         }
     }
 
+    /// Reports each request's outcome to `policies` too (a running canary's arms).
+    pub fn with_policies(mut self, policies: Arc<kvroute_policy::PolicyRegistry>) -> Self {
+        self.recorder = Arc::new(WithPolicies {
+            metrics: self.metrics.clone(),
+            policies,
+        });
+        self
+    }
+
     /// Largest request body accepted (`limits.max_body_bytes`).
     pub fn max_body_bytes(&self) -> usize {
         self.max_body_bytes
@@ -417,5 +426,38 @@ impl ExtProc {
             forward_body: inbound.forward_body,
             body_changed,
         })
+    }
+}
+
+/// The ext_proc recorder that also reports outcomes to the policy registry's canary.
+struct WithPolicies {
+    metrics: ExtProcMetrics,
+    policies: Arc<kvroute_policy::PolicyRegistry>,
+}
+
+impl Recorder for WithPolicies {
+    fn via(&self) -> &'static str {
+        self.metrics.via()
+    }
+
+    fn first_byte(&self, endpoint: &'static str, secs: f64) {
+        self.metrics.first_byte(endpoint, secs);
+    }
+
+    fn finished(&self, endpoint: &'static str, outcome: &'static str, secs: f64) {
+        self.metrics.finished(endpoint, outcome, secs);
+    }
+
+    fn tokens(&self, prompt: u64, output: u64) {
+        self.metrics.tokens(prompt, output);
+    }
+
+    fn policy_outcome(
+        &self,
+        policy: &kvroute_core::router::PolicyLabel,
+        outcome: &kvroute_policy::RequestOutcome,
+    ) {
+        self.policies
+            .record_outcome(&policy.name, policy.version, outcome);
     }
 }

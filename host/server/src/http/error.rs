@@ -181,7 +181,12 @@ impl From<SpecError> for ApiError {
 /// A policy operation the registry refused.
 impl From<PolicyError> for ApiError {
     fn from(e: PolicyError) -> Self {
+        if let PolicyError::InvalidRollout { field, message } = &e {
+            return ApiError::invalid_field(field.clone(), message.clone());
+        }
         let status = match &e {
+            PolicyError::NoRollout { .. } => StatusCode::NOT_FOUND,
+            PolicyError::RolloutConflict(_) => StatusCode::CONFLICT,
             PolicyError::UnknownPolicy(_) => StatusCode::NOT_FOUND,
             PolicyError::ActivePolicy(_) | PolicyError::NoPrevious => StatusCode::CONFLICT,
             e if e.is_client_error() => StatusCode::BAD_REQUEST,

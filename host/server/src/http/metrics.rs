@@ -366,6 +366,7 @@ impl Metrics {
         render_learned(&mut out, router);
         if let Some(p) = policies {
             render_policies(&mut out, p);
+            render_rollout(&mut out, p);
         }
         for render in self.extra.read().iter() {
             render(&mut out);
@@ -620,6 +621,146 @@ fn render_policies(out: &mut String, p: &kvroute_policy::PolicyRegistry) {
             .auto_restores
             .load(std::sync::atomic::Ordering::Relaxed)
     );
+}
+
+/// Shadows (by version) and the running canary (by arm), with the rollout's counters.
+fn render_rollout(out: &mut String, p: &kvroute_policy::PolicyRegistry) {
+    let shadows = p.shadow_reports();
+    let labels = |r: &kvroute_policy::ShadowReport| {
+        format!("policy=\"{}\",version=\"{}\"", esc(&r.policy), r.version)
+    };
+    type Figure = fn(&kvroute_policy::ShadowReport) -> f64;
+    let per_shadow: [(&str, &str, bool, Figure); 8] = [
+        (
+            "kvroute_policy_shadow_queued_total",
+            "Sampled decisions handed to the shadow queue.",
+            true,
+            |r| r.queued as f64,
+        ),
+        (
+            "kvroute_policy_shadow_dropped_total",
+            "Sampled decisions dropped because the shadow queue was full.",
+            true,
+            |r| r.dropped as f64,
+        ),
+        (
+            "kvroute_policy_shadow_compared_total",
+            "Decisions whose shadow pick was compared with the active pick.",
+            true,
+            |r| r.compared as f64,
+        ),
+        (
+            "kvroute_policy_shadow_agreed_total",
+            "Compared decisions where the shadow picked the active policy's candidate.",
+            true,
+            |r| r.agreed as f64,
+        ),
+        (
+            "kvroute_policy_shadow_fallbacks_total",
+            "Shadow decisions that failed (trap, deadline, invalid answer).",
+            true,
+            |r| r.fallbacks as f64,
+        ),
+        (
+            "kvroute_policy_shadow_agreement_rate",
+            "Share of compared decisions where the shadow agreed with the active policy.",
+            false,
+            |r| r.agreement_rate,
+        ),
+        (
+            "kvroute_policy_shadow_cost_gap_mean",
+            "Mean of the active policy's cost of the shadow's pick minus that of its own pick.",
+            false,
+            |r| r.cost_gap_mean,
+        ),
+        (
+            "kvroute_policy_shadow_overlap_blocks_mean",
+            "Mean device-overlap blocks of the shadow's pick.",
+            false,
+            |r| r.shadow_overlap_blocks_mean,
+        ),
+    ];
+    for (name, help, counter, f) in per_shadow {
+        if counter {
+            counter_header(out, name, help);
+        } else {
+            gauge_header(out, name, help);
+        }
+        for r in &shadows {
+            let _ = writeln!(out, "{name}{{{}}} {}", labels(r), f(r));
+        }
+    }
+    counter_header(
+        out,
+        "kvroute_policy_shadow_errors_total",
+        "Shadow decision failures, by shadowed version and kind.",
+    );
+    for r in &shadows {
+        for (kind, n) in &r.errors_by_kind {
+            let _ = writeln!(
+                out,
+                "kvroute_policy_shadow_errors_total{{{},kind=\"{}\"}} {n}",
+                labels(r),
+                esc(kind)
+            );
+        }
+    }
+    let canary = p.running_canary_report();
+    gauge_header(
+        out,
+        "kvroute_policy_canary_fraction",
+        "Share of sessions routed by the running canary's candidate (no series when none runs).",
+    );
+    counter_header(
+        out,
+        "kvroute_policy_canary_decisions_total",
+        "Decisions in each arm of the running canary.",
+    );
+    if let Some(c) = &canary {
+        let _ = writeln!(
+            out,
+            "kvroute_policy_canary_fraction{{policy=\"{}\",version=\"{}\"}} {}",
+            esc(&c.policy),
+            c.version,
+            c.fraction
+        );
+        for (arm, a) in [("control", &c.control), ("candidate", &c.candidate)] {
+            let _ = writeln!(
+                out,
+                "kvroute_policy_canary_decisions_total{{policy=\"{}\",version=\"{}\",arm=\"{arm}\"}} {}",
+                esc(&a.policy),
+                a.version,
+                a.decisions
+            );
+        }
+    }
+    let c = p.rollout_counters();
+    let load = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
+    for (name, help, v) in [
+        (
+            "kvroute_policy_canaries_started_total",
+            "Canaries started.",
+            load(&c.canaries_started),
+        ),
+        (
+            "kvroute_policy_canary_rollbacks_total",
+            "Canaries rolled back by a guardrail.",
+            load(&c.rollbacks),
+        ),
+        (
+            "kvroute_policy_canary_promotions_total",
+            "Canary candidates promoted to active (by hand or automatically).",
+            load(&c.promotions),
+        ),
+        (
+            "kvroute_policy_canary_auto_promotions_total",
+            "Of those, promoted automatically.",
+            load(&c.auto_promotions),
+        ),
+    ] {
+        counter_header(out, name, help);
+        let _ = writeln!(out, "{name} {v}");
+    }
 }
 
 fn esc(s: &str) -> String {

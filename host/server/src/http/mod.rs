@@ -75,6 +75,15 @@ pub fn app(state: AppState) -> axum::Router {
         .route("/v1/policies/{name}/config", put(put_policy_config))
         .route("/v1/policies/{name}/activate", post(activate_policy))
         .route("/v1/policies/rollback", post(rollback_policy))
+        .route(
+            "/v1/policies/{name}/shadow",
+            post(policies::start_shadow).delete(policies::stop_shadow),
+        )
+        .route(
+            "/v1/policies/{name}/canary",
+            post(policies::start_canary).delete(policies::stop_canary),
+        )
+        .route("/v1/policies/{name}/promote", post(policies::promote))
         .route_layer(middleware::from_fn_with_state(state.clone(), admin_auth));
     let public = axum::Router::new()
         .route("/v1/workers", get(list_workers))
@@ -90,6 +99,8 @@ pub fn app(state: AppState) -> axum::Router {
         .route("/v1/cluster", get(cluster::get_cluster))
         .route("/v1/policies", get(policies::list_policies))
         .route("/v1/policies/{name}", get(policies::policy_detail))
+        .route("/v1/policies/{name}/shadow", get(policies::get_shadow))
+        .route("/v1/policies/{name}/canary", get(policies::get_canary))
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics_text))
@@ -576,7 +587,7 @@ async fn put_policy(
 /// lock, and every write waits for it: a serving thread that waited in place would stall every
 /// connection it serves (`serving`), routes included, for the length of someone's upload. With a
 /// state store, the change is persisted there too (and undone if it cannot be).
-async fn off_thread<T: Send + 'static>(
+pub(super) async fn off_thread<T: Send + 'static>(
     s: &AppState,
     op: impl FnOnce(&PolicyRegistry) -> Result<T, PolicyError> + Send + 'static,
 ) -> Result<T, ApiError> {

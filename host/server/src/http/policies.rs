@@ -1,17 +1,19 @@
 //! What is loaded: `GET /v1/policies` (every loaded version of each name, which one is active and
 //! which one a rollback would restore) and `GET /v1/policies/{name}` (the detail of each version,
 //! with what the listing leaves out: the imports linked as traps, the same long list for every
-//! component built with the same toolchain). The write endpoints stay with the other handlers.
+//! component built with the same toolchain). The write endpoints stay with the other handlers,
+//! except the rollout's (shadow, canary, promote), which are here with their reads.
 
 use std::sync::Arc;
 
 use axum::extract::State;
+use axum::http::HeaderMap;
 use axum::Json;
 use serde_json::{json, Value};
 
-use super::error::{ApiError, ApiPath};
-use super::AppState;
-use kvroute_policy::{PolicyError, PolicyRegistry, PolicyVersion};
+use super::error::{self, ApiError, ApiPath, NoBody, RawBody};
+use super::{off_thread, AppState};
+use kvroute_policy::{CanarySpec, PolicyError, PolicyRegistry, PolicyVersion, ShadowSpec};
 
 /// What the registry says of the versions of one name: each version's description, plus whether it
 /// is the current one (what configure and activate by name act on) and the rollback target.
@@ -86,4 +88,129 @@ pub(super) async fn policy_detail(
         return Err(ApiError::from(PolicyError::UnknownPolicy(name)));
     }
     Ok(Json(json!({"name": name, "versions": versions})))
+}
+
+// ---- rollout: shadow, canary, promote ------------------------------------------------------------
+
+/// A rollout request's JSON body (`{}` when empty), checked as JSON before it is parsed.
+fn rollout_body(headers: &HeaderMap, body: &[u8]) -> Result<String, ApiError> {
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Ok("{}".into());
+    }
+    error::require_json(headers)?;
+    let text = std::str::from_utf8(body)
+        .map_err(|_| ApiError::bad_request("invalid_json", "the body is not valid UTF-8"))?;
+    serde_json::from_str::<Value>(text)
+        .map_err(|e| ApiError::bad_request("invalid_json", e.to_string()))?;
+    Ok(text.to_string())
+}
+
+/// `POST /v1/policies/{name}/shadow` `{"version"?, "sample"?}`.
+pub(super) async fn start_shadow(
+    State(s): State<AppState>,
+    ApiPath(name): ApiPath<String>,
+    headers: HeaderMap,
+    RawBody(body): RawBody,
+) -> Result<Json<Value>, ApiError> {
+    kvroute_policy::validate_name(&name)?;
+    let spec = ShadowSpec::from_json(&rollout_body(&headers, &body)?)?;
+    let report = off_thread(&s, {
+        let name = name.clone();
+        move |r| r.start_shadow(&name, &spec)
+    })
+    .await
+    .map_err(|e| e.for_policy(&name))?;
+    Ok(Json(json!({"shadow": report})))
+}
+
+/// `DELETE /v1/policies/{name}/shadow`: the shadow's last figures.
+pub(super) async fn stop_shadow(
+    State(s): State<AppState>,
+    ApiPath(name): ApiPath<String>,
+    _: NoBody,
+) -> Result<Json<Value>, ApiError> {
+    kvroute_policy::validate_name(&name)?;
+    let report = off_thread(&s, {
+        let name = name.clone();
+        move |r| r.stop_shadow(&name)
+    })
+    .await
+    .map_err(|e| e.for_policy(&name))?;
+    Ok(Json(json!({"shadow": report})))
+}
+
+/// `GET /v1/policies/{name}/shadow`: `{"shadow": null}` when none runs.
+pub(super) async fn get_shadow(
+    State(s): State<AppState>,
+    ApiPath(name): ApiPath<String>,
+) -> Result<Json<Value>, ApiError> {
+    kvroute_policy::validate_name(&name)?;
+    if s.policies.versions(&name).is_empty() {
+        return Err(ApiError::from(PolicyError::UnknownPolicy(name)));
+    }
+    Ok(Json(json!({"shadow": s.policies.shadow_report(&name)})))
+}
+
+/// `POST /v1/policies/{name}/canary` `{"version"?, "fraction", "guardrails"?, "auto_promote"?}`.
+pub(super) async fn start_canary(
+    State(s): State<AppState>,
+    ApiPath(name): ApiPath<String>,
+    headers: HeaderMap,
+    RawBody(body): RawBody,
+) -> Result<Json<Value>, ApiError> {
+    kvroute_policy::validate_name(&name)?;
+    let spec = CanarySpec::from_json(&rollout_body(&headers, &body)?)?;
+    let report = off_thread(&s, {
+        let name = name.clone();
+        move |r| r.start_canary(&name, &spec)
+    })
+    .await
+    .map_err(|e| e.for_policy(&name))?;
+    Ok(Json(json!({"canary": report})))
+}
+
+/// `DELETE /v1/policies/{name}/canary`: stops it; the record.
+pub(super) async fn stop_canary(
+    State(s): State<AppState>,
+    ApiPath(name): ApiPath<String>,
+    _: NoBody,
+) -> Result<Json<Value>, ApiError> {
+    kvroute_policy::validate_name(&name)?;
+    let record = off_thread(&s, {
+        let name = name.clone();
+        move |r| r.stop_canary(&name)
+    })
+    .await
+    .map_err(|e| e.for_policy(&name))?;
+    Ok(Json(json!({"record": record})))
+}
+
+/// `GET /v1/policies/{name}/canary`: the running canary of `name` (or null) and the records of
+/// its ended ones.
+pub(super) async fn get_canary(
+    State(s): State<AppState>,
+    ApiPath(name): ApiPath<String>,
+) -> Result<Json<Value>, ApiError> {
+    kvroute_policy::validate_name(&name)?;
+    if s.policies.versions(&name).is_empty() {
+        return Err(ApiError::from(PolicyError::UnknownPolicy(name)));
+    }
+    let (live, records) = s.policies.canary_report(&name);
+    Ok(Json(json!({"canary": live, "records": records})))
+}
+
+/// `POST /v1/policies/{name}/promote`: the canary's candidate becomes the active version.
+pub(super) async fn promote(
+    State(s): State<AppState>,
+    ApiPath(name): ApiPath<String>,
+    _: NoBody,
+) -> Result<Json<kvroute_policy::PolicyInfo>, ApiError> {
+    kvroute_policy::validate_name(&name)?;
+    off_thread(&s, {
+        let name = name.clone();
+        move |r| r.promote(&name)
+    })
+    .await
+    .map(Json)
+    .map_err(|e| e.for_policy(&name))
 }

@@ -29,7 +29,8 @@ use hyper::body::Incoming;
 use tokio::time::Sleep;
 
 use kvroute_core::candidate::WorkerId;
-use kvroute_core::router::Router;
+use kvroute_core::router::{PolicyLabel, Router};
+use kvroute_policy::{PolicyRegistry, RequestOutcome};
 
 use super::health::Health;
 use super::metrics::ProxyMetrics;
@@ -48,12 +49,17 @@ pub trait Recorder: Send + Sync {
     fn engine_cached(&self, _tokens: u64) {}
     /// The engine's answer broke off: counts against the worker's health where there is one.
     fn engine_failed(&self, _worker: WorkerId) {}
+    /// How a request routed by `policy` went, for a running canary's arms
+    /// ([`kvroute_policy::PolicyRegistry::record_outcome`]).
+    fn policy_outcome(&self, _policy: &PolicyLabel, _outcome: &RequestOutcome) {}
 }
 
 /// The proxy's recorder: its metrics and its circuit breakers.
 pub struct ProxyRecorder {
     pub metrics: ProxyMetrics,
     pub health: Arc<Health>,
+    /// Where outcomes go for a running canary (none in tests that build a proxy without one).
+    pub policies: Option<Arc<PolicyRegistry>>,
 }
 
 impl Recorder for ProxyRecorder {
@@ -80,6 +86,12 @@ impl Recorder for ProxyRecorder {
     fn engine_failed(&self, worker: WorkerId) {
         self.health.failure(worker);
         self.metrics.upstream_failure(worker);
+    }
+
+    fn policy_outcome(&self, policy: &PolicyLabel, outcome: &RequestOutcome) {
+        if let Some(p) = &self.policies {
+            p.record_outcome(&policy.name, policy.version, outcome);
+        }
     }
 }
 
@@ -109,6 +121,11 @@ pub struct Lifecycle {
     /// Non-streamed answer, kept for its `usage`.
     whole: Vec<u8>,
     done: bool,
+    /// The policy version that decided, and whether it fell back (for a canary's arms).
+    policy: Option<Arc<PolicyLabel>>,
+    fallback: bool,
+    /// The latest body chunk (a streamed answer's last token, for the inter-token latency).
+    last_data: Option<Instant>,
 }
 
 /// Routes and books `route` (recording the decision, or the refusal, in the router's metrics) and
@@ -131,7 +148,7 @@ pub async fn route_and_guard(
         .await
         .inspect_err(|e| router_metrics.record_route_error(e))?;
     router_metrics.record_decision(&d);
-    let life = Lifecycle::new(
+    let mut life = Lifecycle::new(
         router.clone(),
         recorder.clone(),
         request_id.to_string(),
@@ -142,6 +159,8 @@ pub async fn route_and_guard(
         prompt_tokens,
         stream,
     );
+    life.policy = Some(d.policy.clone());
+    life.fallback = d.fallback_reason.is_some();
     Ok((d, life))
 }
 
@@ -175,11 +194,17 @@ impl Lifecycle {
             line: Vec::new(),
             whole: Vec::new(),
             done: false,
+            policy: None,
+            fallback: false,
+            last_data: None,
         }
     }
 
     /// A chunk of the engine's answer reached the proxy (or passed Envoy).
     pub fn on_data(&mut self, data: &Bytes) {
+        if !data.is_empty() {
+            self.last_data = Some(Instant::now());
+        }
         if self.first_byte.is_none() {
             self.first_byte = Some(Instant::now());
             // Streamed: the first chunk carries the first token. Not streamed: the whole answer
@@ -260,6 +285,30 @@ impl Lifecycle {
             self.recorder.engine_cached(n);
         }
         let secs = self.started.elapsed().as_secs_f64();
+        if let Some(policy) = &self.policy {
+            let ttft_ms = self
+                .first_byte
+                .map(|t| (t - self.started).as_secs_f64() * 1e3);
+            // A streamed answer's tokens after the first arrive one step apart: the time from the
+            // first chunk to the last over the gaps between them.
+            let itl_ms = match (self.stream, self.first_byte, self.last_data) {
+                (true, Some(first), Some(last)) if self.output_tokens >= 2 => {
+                    Some((last - first).as_secs_f64() * 1e3 / (self.output_tokens - 1) as f64)
+                }
+                _ => None,
+            };
+            self.recorder.policy_outcome(
+                policy,
+                &RequestOutcome {
+                    ttft_ms,
+                    itl_ms,
+                    cached_tokens: self.engine_cached,
+                    prompt_tokens: self.prompt_tokens,
+                    error: matches!(outcome, "engine_error" | "timeout" | "engine_error_status"),
+                    fallback: self.fallback,
+                },
+            );
+        }
         self.recorder.finished(self.endpoint, outcome, secs);
         self.recorder.tokens(self.prompt_tokens, self.output_tokens);
         if outcome == "engine_error" {

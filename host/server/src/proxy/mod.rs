@@ -90,6 +90,7 @@ impl Proxy {
         config: ProxySection,
         limits: BodyLimits,
         router_metrics: Metrics,
+        policies: Option<Arc<kvroute_policy::PolicyRegistry>>,
     ) -> Self {
         let health = Arc::new(Health::new(config.failure_threshold));
         let metrics = ProxyMetrics::new();
@@ -97,6 +98,7 @@ impl Proxy {
             recorder: Arc::new(ProxyRecorder {
                 metrics: metrics.clone(),
                 health: health.clone(),
+                policies,
             }),
             health,
             upstream: Upstream::new(&config),
@@ -285,6 +287,11 @@ impl Proxy {
             let h = resp.headers_mut();
             if let Ok(v) = HeaderValue::from_str(&format!("{w}/{rank}")) {
                 h.insert(HeaderName::from_static("x-kvroute-worker"), v);
+            }
+            // Which policy version decided (a canary's arm shows here).
+            if let Ok(v) = HeaderValue::from_str(&format!("{}@{}", d.policy.name, d.policy.version))
+            {
+                h.insert(HeaderName::from_static("x-kvroute-policy"), v);
             }
             if let Ok(v) = HeaderValue::from_str(request_id) {
                 h.insert(HeaderName::from_static("x-request-id"), v);

@@ -20,6 +20,11 @@
 //! - `fill`: grow the memory by `alloc_mb` MiB (default: until the host refuses), then fill all
 //!   of the grown memory with one `memory.fill` (straight-line code: no loop for the deadline to
 //!   interrupt), then behave like `ok`.
+//! - `random`: a deliberately poor placement: costs from a hash of the request id and each
+//!   candidate's worker id and rank (uniform, ignoring overlap and load), so each request lands
+//!   on a pseudo-random candidate, the same one for the same request id;
+//! - `round_robin`: answer cost 0 for candidate `k mod n` and 1 for the others, `k` counting this
+//!   instance's decisions (a pool of instances rotates each on its own: round robin per instance).
 //!
 //! Also, whatever the mode:
 //! - `configure_spin_iters`: `configure` spins that many iterations first (a slow setup);
@@ -75,6 +80,22 @@ thread_local! {
     static FILL_FROM: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
     static LOG_LINE: RefCell<Option<String>> = const { RefCell::new(None) };
     static SAW_TAINT: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    static ROTATION: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// FNV-1a of the request id, then the candidate's (worker id, rank), finished with splitmix64.
+fn mix(id: &str, (worker, rank): (u64, u32)) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in id
+        .bytes()
+        .chain(worker.to_le_bytes())
+        .chain(rank.to_le_bytes())
+    {
+        h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+    }
+    h = (h ^ (h >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    h = (h ^ (h >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    h ^ (h >> 31)
 }
 
 const MODES: &[&str] = &[
@@ -91,6 +112,8 @@ const MODES: &[&str] = &[
     "reject",
     "huge_costs",
     "fill",
+    "random",
+    "round_robin",
 ];
 
 struct Misbehave;
@@ -217,6 +240,23 @@ impl Guest for Misbehave {
             "fill" => {
                 fill(config.alloc_mb);
                 ok(&c)
+            }
+            "random" => Decision::Costs(
+                (0..n)
+                    .map(|i| {
+                        let key = (c.columns_u64[i], c.columns_u32.get(i).copied().unwrap_or(0));
+                        (mix(&req.request_id, key) >> 11) as f64 / (1u64 << 53) as f64
+                    })
+                    .collect(),
+            ),
+            "round_robin" => {
+                let k = ROTATION.with(|r| {
+                    let k = r.get();
+                    r.set(k.wrapping_add(1));
+                    k
+                });
+                let chosen = (k % n.max(1) as u64) as usize;
+                Decision::Costs((0..n).map(|i| f64::from(u8::from(i != chosen))).collect())
             }
             "wasi" => {
                 let now = std::time::SystemTime::now();

@@ -1,0 +1,287 @@
+//! The registry's rollout operations: shadows, the canary, promotion and the data path's outcomes.
+
+use super::*;
+
+impl PolicyRegistry {
+    /// The version `version` of `name` (default: its current one) among those loaded.
+    fn rollout_version(
+        &self,
+        name: &str,
+        version: Option<u64>,
+    ) -> Result<Arc<PolicyVersion>, PolicyError> {
+        validate_name(name)?;
+        let versions = self.versions(name);
+        if versions.is_empty() {
+            return Err(PolicyError::UnknownPolicy(name.to_string()));
+        }
+        match version {
+            None => self
+                .get(name)
+                .ok_or_else(|| PolicyError::UnknownPolicy(name.to_string())),
+            Some(v) => versions
+                .into_iter()
+                .find(|p| p.version == v)
+                .ok_or_else(|| PolicyError::InvalidRollout {
+                    field: "version".into(),
+                    message: format!(
+                        "policy {name:?} has no loaded version {v} (GET /v1/policies/{name} lists them)"
+                    ),
+                }),
+        }
+    }
+
+    fn is_active(&self, v: &Arc<PolicyVersion>) -> bool {
+        self.active
+            .load()
+            .as_ref()
+            .is_some_and(|a| Arc::ptr_eq(&a.policy, v))
+    }
+
+    /// Starts (or replaces) the shadow of `name`: a loaded, non-active version evaluated beside
+    /// the active one on a sample of decisions, off the request path.
+    pub fn start_shadow(&self, name: &str, spec: &ShadowSpec) -> Result<ShadowReport, PolicyError> {
+        spec.validate()?;
+        let _admin = self.admin.lock();
+        let version = self.rollout_version(name, spec.version)?;
+        if self.is_active(&version) {
+            return Err(PolicyError::InvalidRollout {
+                field: "version".into(),
+                message: format!(
+                    "version {} of {name:?} is the active version: a shadow runs a version that is not active",
+                    version.version
+                ),
+            });
+        }
+        let shadow = self.rollout.new_shadow(version.clone(), spec.sample);
+        let report = shadow.report();
+        self.rollout.shadows.rcu(|list| {
+            let mut list: Vec<_> = list
+                .iter()
+                .filter(|s| s.version().name() != name)
+                .cloned()
+                .collect();
+            list.push(shadow.clone());
+            list
+        });
+        tracing::info!(
+            policy = name,
+            version = version.version,
+            sample = spec.sample,
+            "shadow started"
+        );
+        Ok(report)
+    }
+
+    /// Stops the shadow of `name`; its last figures.
+    pub fn stop_shadow(&self, name: &str) -> Result<ShadowReport, PolicyError> {
+        let _admin = self.admin.lock();
+        let mut found = None;
+        self.rollout.shadows.rcu(|list| {
+            found = list.iter().find(|s| s.version().name() == name).cloned();
+            list.iter()
+                .filter(|s| s.version().name() != name)
+                .cloned()
+                .collect::<Vec<_>>()
+        });
+        let shadow = found.ok_or_else(|| PolicyError::NoRollout {
+            name: name.to_string(),
+            what: "shadow",
+        })?;
+        tracing::info!(
+            policy = name,
+            version = shadow.version().version,
+            "shadow stopped"
+        );
+        Ok(shadow.report())
+    }
+
+    /// The figures of the shadow of `name`, if one runs.
+    pub fn shadow_report(&self, name: &str) -> Option<ShadowReport> {
+        self.rollout
+            .shadows
+            .load()
+            .iter()
+            .find(|s| s.version().name() == name)
+            .map(|s| s.report())
+    }
+
+    /// Every running shadow's figures.
+    pub fn shadow_reports(&self) -> Vec<ShadowReport> {
+        self.rollout
+            .shadows
+            .load()
+            .iter()
+            .map(|s| s.report())
+            .collect()
+    }
+
+    /// Starts a canary of `name` against the active version. One canary at a time.
+    pub fn start_canary(&self, name: &str, spec: &CanarySpec) -> Result<CanaryReport, PolicyError> {
+        spec.validate()?;
+        let _admin = self.admin.lock();
+        let candidate = self.rollout_version(name, spec.version)?;
+        let _state = self.state.lock();
+        let active = self.active.load_full().ok_or_else(|| {
+            PolicyError::RolloutConflict(
+                "no policy is active: a canary compares a candidate with the active version; activate one first"
+                    .into(),
+            )
+        })?;
+        if Arc::ptr_eq(&active.policy, &candidate) {
+            return Err(PolicyError::InvalidRollout {
+                field: "version".into(),
+                message: format!(
+                    "version {} of {name:?} is the active version: a canary runs a version that is not active",
+                    candidate.version
+                ),
+            });
+        }
+        if let Some(c) = self.rollout.canary.load_full() {
+            return Err(PolicyError::RolloutConflict(format!(
+                "a canary of {:?} version {} is running: stop it (DELETE /v1/policies/{}/canary) or promote it first",
+                c.candidate().name(),
+                c.candidate().version,
+                c.candidate().name()
+            )));
+        }
+        let canary =
+            self.rollout
+                .new_canary(candidate.clone(), active.policy.clone(), spec.clone());
+        let report = canary.report();
+        self.rollout.canary.store(Some(canary));
+        self.rollout.counters.canaries_started.fetch_add(1, Relaxed);
+        tracing::info!(
+            policy = name,
+            version = candidate.version,
+            control = active.policy.name(),
+            control_version = active.policy.version,
+            fraction = spec.fraction,
+            "canary started"
+        );
+        Ok(report)
+    }
+
+    fn running_canary(&self, name: &str) -> Result<Arc<Canary>, PolicyError> {
+        self.rollout
+            .canary
+            .load_full()
+            .filter(|c| c.candidate().name() == name)
+            .ok_or_else(|| PolicyError::NoRollout {
+                name: name.to_string(),
+                what: "canary",
+            })
+    }
+
+    /// Stops the canary of `name` by hand (the active version takes every decision again).
+    pub fn stop_canary(&self, name: &str) -> Result<CanaryRecord, PolicyError> {
+        let _admin = self.admin.lock();
+        let c = self.running_canary(name)?;
+        let record = self
+            .rollout
+            .end(
+                &c,
+                "stopped",
+                "manual",
+                "stopped by an operator".into(),
+                None,
+            )
+            .ok_or_else(|| PolicyError::NoRollout {
+                name: name.to_string(),
+                what: "canary",
+            })?;
+        tracing::info!(
+            policy = name,
+            version = c.candidate().version,
+            "canary stopped"
+        );
+        Ok(record)
+    }
+
+    /// Promotes the canary of `name`: its candidate becomes the active version (the previous one
+    /// can be rolled back to).
+    pub fn promote(&self, name: &str) -> Result<PolicyInfo, PolicyError> {
+        let _admin = self.admin.lock();
+        let c = self.running_canary(name)?;
+        self.promote_canary(&c, "manual", "promoted by an operator".into(), None)
+            .ok_or_else(|| PolicyError::NoRollout {
+                name: name.to_string(),
+                what: "canary",
+            })
+    }
+
+    fn promote_canary(
+        &self,
+        c: &Arc<Canary>,
+        rule: &'static str,
+        reason: String,
+        evidence: Option<CanaryReport>,
+    ) -> Option<PolicyInfo> {
+        let mut state = self.state.lock();
+        if !self.is_active(c.control()) {
+            return None;
+        }
+        self.rollout
+            .end(c, "promoted", rule, reason.clone(), evidence)?;
+        self.set_active(&mut state, Some(c.candidate().clone()), true);
+        self.rollout.counters.promotions.fetch_add(1, Relaxed);
+        if rule != "manual" {
+            self.rollout.counters.auto_promotions.fetch_add(1, Relaxed);
+        }
+        tracing::info!(
+            policy = c.candidate().name(),
+            version = c.candidate().version,
+            replaced = c.control().name(),
+            replaced_version = c.control().version,
+            rule,
+            reason,
+            "canary promoted: the candidate is the active version"
+        );
+        Some(c.candidate().info(true))
+    }
+
+    /// The running canary of `name` (if any) and the records of its ended ones, oldest first.
+    pub fn canary_report(&self, name: &str) -> (Option<CanaryReport>, Vec<CanaryRecord>) {
+        let live = self
+            .rollout
+            .canary
+            .load_full()
+            .filter(|c| c.candidate().name() == name)
+            .map(|c| c.report());
+        let records = self
+            .rollout
+            .records
+            .lock()
+            .iter()
+            .filter(|(n, _)| n == name)
+            .map(|(_, r)| r.clone())
+            .collect();
+        (live, records)
+    }
+
+    /// The running canary's report, whichever policy it is of.
+    pub fn running_canary_report(&self) -> Option<CanaryReport> {
+        self.rollout.canary.load_full().map(|c| c.report())
+    }
+
+    pub fn rollout_counters(&self) -> &RolloutCounters {
+        &self.rollout.counters
+    }
+
+    /// What the data path learned about a request routed by `policy` version `version`: counted
+    /// in the running canary's arm of that version (if any), and judged by its guardrails, which
+    /// may roll it back or promote it here. Cheap when no canary runs.
+    pub fn record_outcome(&self, policy: &str, version: u64, outcome: &RequestOutcome) {
+        let Some((canary, verdict, evidence)) = self.rollout.record(policy, version, outcome)
+        else {
+            return;
+        };
+        match verdict {
+            Verdict::RollBack(rule, reason) => {
+                self.roll_back_canary(&canary, rule, reason, Some(evidence))
+            }
+            Verdict::Promote(reason) => {
+                self.promote_canary(&canary, "auto_promote", reason, Some(evidence));
+            }
+        }
+    }
+}

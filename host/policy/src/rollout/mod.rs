@@ -1,0 +1,1036 @@
+//! Rolling a policy version out on live traffic: **shadow** and **canary** (docs/POLICIES.md,
+//! "Rollout").
+//!
+//! - A shadow runs a loaded, non-active version beside the active one, off the request path: for
+//!   a sampled decision the calling thread copies the decision's inputs and the active policy's
+//!   answer into a bounded queue (full: the copy is dropped and counted) and returns; one
+//!   background thread, niced like the compile thread, asks the shadow version and compares its
+//!   pick with the active one's. Nothing it does reaches the answer a client gets.
+//! - A canary routes a fraction of decisions with a candidate version. The arm is a stable hash of
+//!   the session id (of the request id when there is none, [`canary_arm`]), so a session never
+//!   changes arms. The candidate's decisions and fallbacks are counted here; the outcomes (TTFT,
+//!   ITL, cached tokens, errors) come from the data path ([`PolicyRegistry::record_outcome`]).
+//!   Guardrails roll the canary back (the active version keeps every decision), keeping a record
+//!   with the arms' figures at that moment; `promote` makes the candidate active.
+
+pub mod stats;
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, OnceLock, Weak};
+use std::time::SystemTime;
+
+use arc_swap::{ArcSwap, ArcSwapOption};
+use parking_lot::Mutex;
+use serde::{Deserialize, Serialize};
+
+use kvroute_core::candidate::{CandidateColumns, PolicyRequest, TaintTable};
+use kvroute_core::Stage;
+
+use crate::answer::Answer;
+use crate::error::{FallbackReason, PolicyError};
+use crate::registry::{rfc3339, PolicyVersion};
+use crate::wire::with_wit_decision;
+use crate::DecisionContext;
+
+pub use stats::{Difference, Samples, Summary};
+
+/// Decisions the shadow queue holds; past that a sampled decision is dropped (and counted).
+pub const SHADOW_QUEUE_CAPACITY: usize = 1024;
+/// Ended canaries kept (the oldest go first).
+pub const MAX_RECORDS: usize = 32;
+
+// ---------------------------------------------------------------------------------- arms
+
+/// Which arm of a canary a decision belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Arm {
+    /// The active version.
+    Control,
+    /// The canary's candidate version.
+    Candidate,
+}
+
+impl Arm {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Arm::Control => "control",
+            Arm::Candidate => "candidate",
+        }
+    }
+
+    fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// The 64-bit hash that assigns arms: FNV-1a over the key's bytes, finished with splitmix64's
+/// mixer. Stable across processes, releases and replicas (the replay uses the same function).
+pub fn arm_hash(key: &str) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in key.bytes() {
+        h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+    }
+    h = (h ^ (h >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    h = (h ^ (h >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    h ^ (h >> 31)
+}
+
+/// The arm of a decision keyed by `key` (the session id, or the request id when there is none) in
+/// a canary of `fraction`: the candidate when the key's hash, as a number in [0, 1), is below the
+/// fraction. A key keeps its arm for as long as the fraction does not change.
+pub fn canary_arm(key: &str, fraction: f64) -> Arm {
+    let u = (arm_hash(key) >> 11) as f64 / (1u64 << 53) as f64;
+    if u < fraction {
+        Arm::Candidate
+    } else {
+        Arm::Control
+    }
+}
+
+/// The key of a request's arm: its session id, or its request id.
+pub fn arm_key(req: &PolicyRequest) -> &str {
+    req.session_id.as_deref().unwrap_or(&req.request_id)
+}
+
+// ---------------------------------------------------------------------------------- specs
+
+fn invalid(field: impl Into<String>, message: impl Into<String>) -> PolicyError {
+    PolicyError::InvalidRollout {
+        field: field.into(),
+        message: message.into(),
+    }
+}
+
+/// Parses JSON into `T`, naming the field at fault.
+fn parse<T: serde::de::DeserializeOwned>(json: &str) -> Result<T, PolicyError> {
+    let de = &mut serde_json::Deserializer::from_str(json);
+    serde_path_to_error::deserialize(de).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        let msg = inner.to_string();
+        let root = path == "." || path.is_empty();
+        // An unknown key is the path's last segment already; a missing one is named in the
+        // message only, under the path of its object.
+        let field = match msg.strip_prefix("missing field `") {
+            Some(rest) => {
+                let key = rest.split('`').next().unwrap_or_default();
+                if root {
+                    key.to_string()
+                } else {
+                    format!("{path}.{key}")
+                }
+            }
+            None if root => "body".to_string(),
+            None => path,
+        };
+        invalid(field, msg)
+    })
+}
+
+fn one() -> f64 {
+    1.0
+}
+
+/// `POST /v1/policies/{name}/shadow`.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ShadowSpec {
+    /// The version to shadow (default: the name's current version).
+    #[serde(default)]
+    pub version: Option<u64>,
+    /// Share of decisions evaluated, in (0, 1] (default 1).
+    #[serde(default = "one")]
+    pub sample: f64,
+}
+
+impl ShadowSpec {
+    pub fn from_json(json: &str) -> Result<Self, PolicyError> {
+        let s: Self = parse(json)?;
+        s.validate()?;
+        Ok(s)
+    }
+
+    pub fn validate(&self) -> Result<(), PolicyError> {
+        if !(self.sample > 0.0 && self.sample <= 1.0) {
+            return Err(invalid(
+                "sample",
+                format!("{} is not in (0, 1]", self.sample),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Limits that roll a canary back.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Guardrails {
+    /// Requests with a measured TTFT each arm needs before the latency rules judge (default 30).
+    pub min_sample: u64,
+    /// Roll back when the candidate's mean TTFT is worse than the control's by more than this
+    /// fraction of it, at 95% confidence (the interval's lower end is past it). Default 0.10.
+    pub ttft_mean_max_increase: Option<f64>,
+    /// The same for the p90 of TTFT (order-statistic interval). Default 0.10.
+    pub ttft_p90_max_increase: Option<f64>,
+    /// The same for the mean inter-token latency. Default: off.
+    pub itl_mean_max_increase: Option<f64>,
+    /// Roll back when more than this share of the candidate arm's requests ended in an error
+    /// (after `min_sample` requests). Default 0.05.
+    pub max_error_rate: Option<f64>,
+    /// Roll back when more than this share of the candidate's decisions fell back (after
+    /// `min_decisions` decisions). Default 0.05.
+    pub max_fallback_rate: Option<f64>,
+    /// Candidate decisions before the fallback rule judges (default 20).
+    pub min_decisions: u64,
+}
+
+impl Default for Guardrails {
+    fn default() -> Self {
+        Self {
+            min_sample: 30,
+            ttft_mean_max_increase: Some(0.10),
+            ttft_p90_max_increase: Some(0.10),
+            itl_mean_max_increase: None,
+            max_error_rate: Some(0.05),
+            max_fallback_rate: Some(0.05),
+            min_decisions: 20,
+        }
+    }
+}
+
+/// Promote the candidate by itself once it wins.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct AutoPromote {
+    /// Requests with a measured TTFT each arm needs first.
+    pub min_sample: u64,
+}
+
+/// `POST /v1/policies/{name}/canary`.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct CanarySpec {
+    /// The candidate version (default: the name's current version).
+    #[serde(default)]
+    pub version: Option<u64>,
+    /// Share of sessions routed by the candidate, in (0, 1).
+    pub fraction: f64,
+    #[serde(default)]
+    pub guardrails: Guardrails,
+    /// Off unless given.
+    #[serde(default)]
+    pub auto_promote: Option<AutoPromote>,
+}
+
+impl CanarySpec {
+    pub fn from_json(json: &str) -> Result<Self, PolicyError> {
+        let s: Self = parse(json)?;
+        s.validate()?;
+        Ok(s)
+    }
+
+    pub fn validate(&self) -> Result<(), PolicyError> {
+        if !(self.fraction > 0.0 && self.fraction < 1.0) {
+            return Err(invalid(
+                "fraction",
+                format!(
+                    "{} is not in (0, 1) (promote to send everything)",
+                    self.fraction
+                ),
+            ));
+        }
+        let g = &self.guardrails;
+        if g.min_sample < 2 {
+            return Err(invalid("guardrails.min_sample", "must be at least 2"));
+        }
+        for (field, v) in [
+            (
+                "guardrails.ttft_mean_max_increase",
+                g.ttft_mean_max_increase,
+            ),
+            ("guardrails.ttft_p90_max_increase", g.ttft_p90_max_increase),
+            ("guardrails.itl_mean_max_increase", g.itl_mean_max_increase),
+        ] {
+            if v.is_some_and(|v| !(v.is_finite() && v >= 0.0)) {
+                return Err(invalid(
+                    field,
+                    "must be a finite fraction >= 0 (or null: off)",
+                ));
+            }
+        }
+        for (field, v) in [
+            ("guardrails.max_error_rate", g.max_error_rate),
+            ("guardrails.max_fallback_rate", g.max_fallback_rate),
+        ] {
+            if v.is_some_and(|v| !(0.0..=1.0).contains(&v)) {
+                return Err(invalid(field, "must be in [0, 1] (or null: off)"));
+            }
+        }
+        if let Some(a) = &self.auto_promote {
+            if a.min_sample < 2 {
+                return Err(invalid("auto_promote.min_sample", "must be at least 2"));
+            }
+        }
+        Ok(())
+    }
+}
+
+// ---------------------------------------------------------------------------------- shadow
+
+/// The active policy's answer, as the shadow compares it.
+enum ActiveAnswer {
+    Costs(Vec<f64>),
+    Pick(usize),
+    Fallback,
+}
+
+struct ShadowJob {
+    shadow: Arc<Shadow>,
+    req: PolicyRequest,
+    cols: CandidateColumns,
+    taints: Arc<TaintTable>,
+    stage: Stage,
+    active: ActiveAnswer,
+}
+
+#[derive(Default)]
+struct ShadowAcc {
+    compared: u64,
+    agreed: u64,
+    gap_n: u64,
+    gap_sum: f64,
+    gap_max: f64,
+    rel_gap_sum: f64,
+    rel_gap_n: u64,
+    shadow_overlap: u64,
+    active_overlap: u64,
+    active_fallbacks: u64,
+    evaluated: u64,
+    errors: [u64; FallbackReason::ALL.len()],
+    latency_ns: u64,
+}
+
+/// One shadowed version and what it was seen to do.
+pub struct Shadow {
+    policy: Arc<PolicyVersion>,
+    sample: f64,
+    started_at: SystemTime,
+    seq: AtomicU64,
+    queued: AtomicU64,
+    dropped: AtomicU64,
+    acc: Mutex<ShadowAcc>,
+}
+
+/// A shadow's figures (`GET /v1/policies/{name}/shadow`).
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct ShadowReport {
+    pub policy: String,
+    pub version: u64,
+    pub digest: String,
+    pub sample: f64,
+    pub started_at: String,
+    /// Sampled decisions handed to the queue.
+    pub queued: u64,
+    /// Sampled decisions dropped because the queue was full.
+    pub dropped: u64,
+    /// Decisions the shadow version was asked about (so far).
+    pub evaluated: u64,
+    /// Decisions whose picks were compared (the shadow answered, the active did not fall back).
+    pub compared: u64,
+    /// Of those, the shadow picked the active policy's candidate.
+    pub agreed: u64,
+    pub agreement_rate: f64,
+    /// Mean of `active_cost[shadow pick] − active_cost[active pick]`, by the active policy's own
+    /// costs (decisions where the active one answered costs): how much worse the shadow's pick is
+    /// by the active policy's figures.
+    pub cost_gap_mean: f64,
+    pub cost_gap_max: f64,
+    /// The same gap over the active pick's cost (where that is not 0).
+    pub cost_gap_relative_mean: f64,
+    /// Mean device-overlap blocks of the shadow's pick, and of the active's.
+    pub shadow_overlap_blocks_mean: f64,
+    pub active_overlap_blocks_mean: f64,
+    /// Shadow decisions that failed (would have fallen back), all kinds, and by kind.
+    pub fallbacks: u64,
+    pub errors_by_kind: std::collections::BTreeMap<&'static str, u64>,
+    pub traps: u64,
+    pub timeouts: u64,
+    /// Decisions not compared because the active policy itself fell back.
+    pub active_fallbacks: u64,
+    /// Mean time of a shadow call on the background thread, in microseconds.
+    pub mean_call_us: f64,
+}
+
+impl Shadow {
+    fn sampled(&self) -> bool {
+        if self.sample >= 1.0 {
+            return true;
+        }
+        // A low-discrepancy sequence: every window of decisions gets its share.
+        let n = self.seq.fetch_add(1, Relaxed);
+        let u = (n.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 11) as f64 / (1u64 << 53) as f64;
+        u < self.sample
+    }
+
+    pub fn version(&self) -> &Arc<PolicyVersion> {
+        &self.policy
+    }
+
+    fn evaluate(&self, job: &ShadowJob, ticks: u64) {
+        let ctx = DecisionContext {
+            taints: &job.taints,
+            block_size: job.req.block_size,
+        };
+        let start = std::time::Instant::now();
+        let result = with_wit_decision(&job.req, &job.cols, job.stage, |w, c| {
+            self.policy.run(w, c, ctx, ticks, false)
+        });
+        let nanos = start.elapsed().as_nanos() as u64;
+        let mut acc = self.acc.lock();
+        acc.evaluated += 1;
+        acc.latency_ns += nanos;
+        let shadow_pick = match result {
+            Ok(Answer::Costs(c)) => argmin(&c),
+            Ok(Answer::Pick(i)) => i,
+            Err(f) => {
+                acc.errors[f.reason.index()] += 1;
+                return;
+            }
+        };
+        let (active_pick, costs) = match &job.active {
+            ActiveAnswer::Costs(c) => (argmin(c), Some(c)),
+            ActiveAnswer::Pick(i) => (*i, None),
+            ActiveAnswer::Fallback => {
+                acc.active_fallbacks += 1;
+                return;
+            }
+        };
+        let n = job.cols.len();
+        if shadow_pick >= n || active_pick >= n {
+            return;
+        }
+        acc.compared += 1;
+        acc.agreed += u64::from(shadow_pick == active_pick);
+        if let Some(c) = costs {
+            let gap = c[shadow_pick] - c[active_pick];
+            acc.gap_n += 1;
+            acc.gap_sum += gap;
+            acc.gap_max = acc.gap_max.max(gap);
+            if c[active_pick] != 0.0 {
+                acc.rel_gap_n += 1;
+                acc.rel_gap_sum += gap / c[active_pick].abs();
+            }
+        }
+        acc.shadow_overlap += u64::from(job.cols.device_overlap[shadow_pick]);
+        acc.active_overlap += u64::from(job.cols.device_overlap[active_pick]);
+    }
+
+    pub fn report(&self) -> ShadowReport {
+        let acc = self.acc.lock();
+        let div = |a: f64, b: u64| if b == 0 { 0.0 } else { a / b as f64 };
+        let errors_by_kind: std::collections::BTreeMap<&'static str, u64> = FallbackReason::ALL
+            .iter()
+            .filter(|r| acc.errors[r.index()] > 0)
+            .map(|r| (r.as_str(), acc.errors[r.index()]))
+            .collect();
+        ShadowReport {
+            policy: self.policy.name().to_string(),
+            version: self.policy.version(),
+            digest: self.policy.digest().to_string(),
+            sample: self.sample,
+            started_at: rfc3339(self.started_at),
+            queued: self.queued.load(Relaxed),
+            dropped: self.dropped.load(Relaxed),
+            evaluated: acc.evaluated,
+            compared: acc.compared,
+            agreed: acc.agreed,
+            agreement_rate: div(acc.agreed as f64, acc.compared),
+            cost_gap_mean: div(acc.gap_sum, acc.gap_n),
+            cost_gap_max: acc.gap_max,
+            cost_gap_relative_mean: div(acc.rel_gap_sum, acc.rel_gap_n),
+            shadow_overlap_blocks_mean: div(acc.shadow_overlap as f64, acc.compared),
+            active_overlap_blocks_mean: div(acc.active_overlap as f64, acc.compared),
+            fallbacks: acc.errors.iter().sum(),
+            traps: acc.errors[FallbackReason::Trap.index()]
+                + acc.errors[FallbackReason::MemoryLimit.index()],
+            timeouts: acc.errors[FallbackReason::Deadline.index()],
+            errors_by_kind,
+            active_fallbacks: acc.active_fallbacks,
+            mean_call_us: div(acc.latency_ns as f64 / 1000.0, acc.evaluated),
+        }
+    }
+}
+
+/// The index of the lowest cost (the first on ties): the pick at temperature 0.
+fn argmin(c: &[f64]) -> usize {
+    let mut best = 0;
+    for (i, &x) in c.iter().enumerate() {
+        if x < c[best] {
+            best = i;
+        }
+    }
+    best
+}
+
+// ---------------------------------------------------------------------------------- canary
+
+/// What the data path learned about one request (`PolicyRegistry::record_outcome`).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RequestOutcome {
+    /// Time to the answer's first byte (streamed: the first token), in milliseconds; `None` when
+    /// no byte came.
+    pub ttft_ms: Option<f64>,
+    /// Mean inter-token latency of a streamed answer, in milliseconds (with two tokens or more).
+    pub itl_ms: Option<f64>,
+    /// The engine's `usage.prompt_tokens_details.cached_tokens`, when it reported it.
+    pub cached_tokens: Option<u64>,
+    pub prompt_tokens: u64,
+    /// The request failed on the engine's side (an error status, a broken stream, a timeout).
+    pub error: bool,
+    /// The decision fell back to the native cost.
+    pub fallback: bool,
+}
+
+#[derive(Clone, Debug, Default)]
+struct ArmOutcomes {
+    requests: u64,
+    errors: u64,
+    fallbacks: u64,
+    ttft: Samples,
+    itl: Samples,
+    cached: Samples,
+    prompt_tokens: u64,
+    cached_tokens: u64,
+}
+
+/// One arm as reported.
+#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+pub struct ArmReport {
+    pub policy: String,
+    pub version: u64,
+    /// Decisions routed in this arm (each step of a disaggregated request counts).
+    pub decisions: u64,
+    /// Of those, fell back to the native cost.
+    pub decision_fallbacks: u64,
+    pub fallback_rate: f64,
+    /// Requests whose outcome the data path reported.
+    pub requests: u64,
+    pub errors: u64,
+    pub error_rate: f64,
+    pub ttft_ms: Summary,
+    pub itl_ms: Summary,
+    pub cached_tokens: Summary,
+    /// Engine-reported cached tokens over prompt tokens (requests that reported both).
+    pub cached_token_ratio: f64,
+}
+
+/// Candidate minus control, figure by figure (absent until both arms have 2 samples).
+#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+pub struct Differences {
+    pub ttft_mean_ms: Option<Difference>,
+    pub ttft_p90_ms: Option<Difference>,
+    pub itl_mean_ms: Option<Difference>,
+    pub cached_tokens_mean: Option<Difference>,
+    pub error_rate: Option<Difference>,
+    pub fallback_rate: Option<Difference>,
+}
+
+/// A canary as reported (`GET /v1/policies/{name}/canary`), live or in a record.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct CanaryReport {
+    pub id: u64,
+    pub policy: String,
+    pub version: u64,
+    pub fraction: f64,
+    pub started_at: String,
+    pub guardrails: Guardrails,
+    pub auto_promote: Option<AutoPromote>,
+    pub control: ArmReport,
+    pub candidate: ArmReport,
+    pub differences: Differences,
+}
+
+/// How a canary ended.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct CanaryRecord {
+    /// `rolled_back` (a guardrail), `promoted`, `stopped` (DELETE), `superseded` (another
+    /// version was activated meanwhile).
+    pub outcome: &'static str,
+    /// The guardrail or action: `ttft_mean`, `ttft_p90`, `itl_mean`, `error_rate`,
+    /// `fallback_rate`, `consecutive_failures`, `auto_promote`, `manual`, `activation`.
+    pub rule: &'static str,
+    pub reason: String,
+    pub ended_at: String,
+    /// The arms' figures at that moment.
+    pub evidence: CanaryReport,
+}
+
+/// A running canary.
+pub struct Canary {
+    id: u64,
+    pub(crate) candidate: Arc<PolicyVersion>,
+    pub(crate) control: Arc<PolicyVersion>,
+    spec: CanarySpec,
+    started_at: SystemTime,
+    decisions: [AtomicU64; 2],
+    fallbacks: [AtomicU64; 2],
+    pub(crate) consecutive: AtomicU32,
+    outcomes: Mutex<[ArmOutcomes; 2]>,
+    ended: AtomicBool,
+}
+
+impl Canary {
+    pub(crate) fn arm_of(&self, req: &PolicyRequest) -> Arm {
+        canary_arm(arm_key(req), self.spec.fraction)
+    }
+
+    pub(crate) fn count_decision(&self, arm: Arm, fallback: bool) -> (u64, u64) {
+        let d = self.decisions[arm.index()].fetch_add(1, Relaxed) + 1;
+        let f = if fallback {
+            self.fallbacks[arm.index()].fetch_add(1, Relaxed) + 1
+        } else {
+            self.fallbacks[arm.index()].load(Relaxed)
+        };
+        (d, f)
+    }
+
+    pub fn spec(&self) -> &CanarySpec {
+        &self.spec
+    }
+
+    pub fn candidate(&self) -> &Arc<PolicyVersion> {
+        &self.candidate
+    }
+
+    pub fn control(&self) -> &Arc<PolicyVersion> {
+        &self.control
+    }
+
+    /// The arm whose version is `name`/`version`.
+    fn arm_named(&self, name: &str, version: u64) -> Option<Arm> {
+        if self.candidate.name() == name && self.candidate.version() == version {
+            Some(Arm::Candidate)
+        } else if self.control.name() == name && self.control.version() == version {
+            Some(Arm::Control)
+        } else {
+            None
+        }
+    }
+
+    fn arm_report(&self, arm: Arm, o: &ArmOutcomes) -> ArmReport {
+        let v = match arm {
+            Arm::Control => &self.control,
+            Arm::Candidate => &self.candidate,
+        };
+        let d = self.decisions[arm.index()].load(Relaxed);
+        let f = self.fallbacks[arm.index()].load(Relaxed);
+        let div = |a: u64, b: u64| if b == 0 { 0.0 } else { a as f64 / b as f64 };
+        ArmReport {
+            policy: v.name().to_string(),
+            version: v.version(),
+            decisions: d,
+            decision_fallbacks: f,
+            fallback_rate: div(f, d),
+            requests: o.requests,
+            errors: o.errors,
+            error_rate: div(o.errors, o.requests),
+            ttft_ms: o.ttft.summary(),
+            itl_ms: o.itl.summary(),
+            cached_tokens: o.cached.summary(),
+            cached_token_ratio: div(o.cached_tokens, o.prompt_tokens),
+        }
+    }
+
+    fn report_of(&self, o: &[ArmOutcomes; 2]) -> CanaryReport {
+        let (k, c) = (&o[0], &o[1]);
+        let differences = Differences {
+            ttft_mean_ms: stats::mean_difference(&c.ttft, &k.ttft),
+            ttft_p90_ms: stats::p90_difference(&c.ttft, &k.ttft),
+            itl_mean_ms: stats::mean_difference(&c.itl, &k.itl),
+            cached_tokens_mean: stats::mean_difference(&c.cached, &k.cached),
+            error_rate: stats::rate_difference(c.errors, c.requests, k.errors, k.requests),
+            fallback_rate: stats::rate_difference(
+                self.fallbacks[1].load(Relaxed),
+                self.decisions[1].load(Relaxed),
+                self.fallbacks[0].load(Relaxed),
+                self.decisions[0].load(Relaxed),
+            ),
+        };
+        CanaryReport {
+            id: self.id,
+            policy: self.candidate.name().to_string(),
+            version: self.candidate.version(),
+            fraction: self.spec.fraction,
+            started_at: rfc3339(self.started_at),
+            guardrails: self.spec.guardrails.clone(),
+            auto_promote: self.spec.auto_promote.clone(),
+            control: self.arm_report(Arm::Control, k),
+            candidate: self.arm_report(Arm::Candidate, c),
+            differences,
+        }
+    }
+
+    pub fn report(&self) -> CanaryReport {
+        let o = self.outcomes.lock();
+        self.report_of(&o)
+    }
+
+    /// The guardrail the candidate's decisions break, if any (fallback rate).
+    pub(crate) fn decision_verdict(&self, decisions: u64, fallbacks: u64) -> Option<Verdict> {
+        let g = &self.spec.guardrails;
+        let max = g.max_fallback_rate?;
+        if decisions >= g.min_decisions && fallbacks as f64 > max * decisions as f64 {
+            return Some(Verdict::RollBack(
+                "fallback_rate",
+                format!(
+                    "{fallbacks} of the candidate's {decisions} decisions fell back, over max_fallback_rate {max}"
+                ),
+            ));
+        }
+        None
+    }
+
+    /// Records an outcome and judges the guardrails (and auto-promotion).
+    fn record(&self, arm: Arm, out: &RequestOutcome) -> Option<(Verdict, CanaryReport)> {
+        let mut o = self.outcomes.lock();
+        let a = &mut o[arm.index()];
+        a.requests += 1;
+        a.errors += u64::from(out.error);
+        a.fallbacks += u64::from(out.fallback);
+        if let Some(t) = out.ttft_ms {
+            a.ttft.push(t);
+        }
+        if let Some(t) = out.itl_ms {
+            a.itl.push(t);
+        }
+        if let Some(c) = out.cached_tokens {
+            a.cached.push(c as f64);
+            a.cached_tokens += c;
+            a.prompt_tokens += out.prompt_tokens;
+        }
+        let verdict = self.outcome_verdict(&o)?;
+        Some((verdict, self.report_of(&o)))
+    }
+
+    fn outcome_verdict(&self, o: &[ArmOutcomes; 2]) -> Option<Verdict> {
+        let g = &self.spec.guardrails;
+        let (k, c) = (&o[0], &o[1]);
+        if let Some(max) = g.max_error_rate {
+            if c.requests >= g.min_sample && c.errors as f64 > max * c.requests as f64 {
+                return Some(Verdict::RollBack(
+                    "error_rate",
+                    format!(
+                        "{} of the candidate's {} requests failed, over max_error_rate {max}",
+                        c.errors, c.requests
+                    ),
+                ));
+            }
+        }
+        let enough =
+            |s: &Samples, t: &Samples| s.count() >= g.min_sample && t.count() >= g.min_sample;
+        let worse = |rule: &'static str,
+                     what: &str,
+                     d: Option<Difference>,
+                     max: f64,
+                     control: f64| {
+            let d = d?;
+            (d.ci95[0] > max * control).then(|| {
+                Verdict::RollBack(
+                    rule,
+                    format!(
+                        "the candidate's {what} is worse by {:.3} ms ({:+.1}%, 95% interval [{:.3}, {:.3}] ms, n = {} / {}), over the allowed {:.1}%",
+                        d.difference,
+                        d.relative * 100.0,
+                        d.ci95[0],
+                        d.ci95[1],
+                        d.n[0],
+                        d.n[1],
+                        max * 100.0
+                    ),
+                )
+            })
+        };
+        if enough(&c.ttft, &k.ttft) {
+            if let Some(max) = g.ttft_mean_max_increase {
+                if let Some(v) = worse(
+                    "ttft_mean",
+                    "mean TTFT",
+                    stats::mean_difference(&c.ttft, &k.ttft),
+                    max,
+                    k.ttft.mean(),
+                ) {
+                    return Some(v);
+                }
+            }
+            // The p90 sorts the samples: judged on every outcome while they are few, then on
+            // about one in a hundred.
+            let total = c.ttft.count() + k.ttft.count();
+            if let Some(max) = g.ttft_p90_max_increase {
+                if total % (total / 100).max(1) == 0 {
+                    let control = k.ttft.quantile_ci(0.9).0;
+                    if let Some(v) = worse(
+                        "ttft_p90",
+                        "p90 TTFT",
+                        stats::p90_difference(&c.ttft, &k.ttft),
+                        max,
+                        control,
+                    ) {
+                        return Some(v);
+                    }
+                }
+            }
+        }
+        if let Some(max) = g.itl_mean_max_increase {
+            if enough(&c.itl, &k.itl) {
+                if let Some(v) = worse(
+                    "itl_mean",
+                    "mean ITL",
+                    stats::mean_difference(&c.itl, &k.itl),
+                    max,
+                    k.itl.mean(),
+                ) {
+                    return Some(v);
+                }
+            }
+        }
+        if let Some(p) = &self.spec.auto_promote {
+            if c.ttft.count() >= p.min_sample && k.ttft.count() >= p.min_sample {
+                if let Some(d) = stats::mean_difference(&c.ttft, &k.ttft) {
+                    if d.ci95[1] < 0.0 {
+                        return Some(Verdict::Promote(format!(
+                            "the candidate's mean TTFT is better by {:.3} ms ({:+.1}%, 95% interval [{:.3}, {:.3}] ms, n = {} / {})",
+                            -d.difference,
+                            d.relative * 100.0,
+                            d.ci95[0],
+                            d.ci95[1],
+                            d.n[0],
+                            d.n[1]
+                        )));
+                    }
+                }
+            }
+        }
+        None
+    }
+}
+
+/// What a guardrail decided.
+#[derive(Clone, Debug)]
+pub(crate) enum Verdict {
+    RollBack(&'static str, String),
+    Promote(String),
+}
+
+// ---------------------------------------------------------------------------------- state
+
+/// Registry-wide rollout counters.
+#[derive(Debug, Default)]
+pub struct RolloutCounters {
+    pub canaries_started: AtomicU64,
+    /// Canaries rolled back by a guardrail.
+    pub rollbacks: AtomicU64,
+    /// Candidates promoted (by hand or automatically).
+    pub promotions: AtomicU64,
+    /// Of those, automatically.
+    pub auto_promotions: AtomicU64,
+}
+
+/// The registry's rollout state.
+pub(crate) struct Rollout {
+    /// Shadows by policy name (one each).
+    pub shadows: ArcSwap<Vec<Arc<Shadow>>>,
+    pub canary: ArcSwapOption<Canary>,
+    pub records: Mutex<VecDeque<(String, CanaryRecord)>>,
+    /// The shadow queue. A plain bounded deque the shadow thread polls (every millisecond when
+    /// empty): a channel would wake the sleeping thread on every send, a system call on the
+    /// deciding thread.
+    queue: Arc<Mutex<VecDeque<ShadowJob>>>,
+    worker: OnceLock<()>,
+    pub counters: RolloutCounters,
+    next_id: AtomicU64,
+}
+
+impl Default for Rollout {
+    fn default() -> Self {
+        Self {
+            shadows: ArcSwap::from_pointee(Vec::new()),
+            canary: ArcSwapOption::empty(),
+            records: Mutex::new(VecDeque::new()),
+            queue: Arc::new(Mutex::new(VecDeque::with_capacity(SHADOW_QUEUE_CAPACITY))),
+            worker: OnceLock::new(),
+            counters: RolloutCounters::default(),
+            next_id: AtomicU64::new(1),
+        }
+    }
+}
+
+impl Rollout {
+    /// Starts the shadow thread on first use. It ends once the registry (and its queue) is gone.
+    fn start_worker(&self, ticks: u64) {
+        self.worker.get_or_init(|| {
+            let queue: Weak<Mutex<VecDeque<ShadowJob>>> = Arc::downgrade(&self.queue);
+            let spawned = std::thread::Builder::new()
+                .name("kvroute-policy-shadow".into())
+                .spawn(move || {
+                    if let Err(e) = crate::worker::lower_priority(crate::worker::COMPILE_NICE) {
+                        tracing::warn!(error = %e, "could not lower the priority of the shadow thread");
+                    }
+                    // Polls every millisecond while there is work, every 50 ms after a second
+                    // without any (no shadow running: 20 wake-ups a second).
+                    let mut idle = 0u32;
+                    while let Some(q) = queue.upgrade() {
+                        let job = q.lock().pop_front();
+                        drop(q);
+                        match job {
+                            Some(job) => {
+                                idle = 0;
+                                job.shadow.evaluate(&job, ticks)
+                            }
+                            None => {
+                                idle = idle.saturating_add(1);
+                                let ms = if idle < 1000 { 1 } else { 50 };
+                                std::thread::sleep(std::time::Duration::from_millis(ms));
+                            }
+                        }
+                    }
+                });
+            if let Err(e) = spawned {
+                tracing::error!(error = %e, "could not start the shadow thread: shadows evaluate nothing");
+            }
+        });
+    }
+
+    /// Hands a sampled decision to every shadow (except the version that decided). Never blocks.
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    pub(crate) fn offer(
+        &self,
+        decided_by: &Arc<PolicyVersion>,
+        req: &PolicyRequest,
+        cols: &CandidateColumns,
+        taints: impl Fn() -> Arc<TaintTable>,
+        stage: Stage,
+        answer: &Result<Answer, FallbackReason>,
+        ticks: u64,
+    ) {
+        let shadows = self.shadows.load();
+        if shadows.is_empty() {
+            return;
+        }
+        for s in shadows.iter() {
+            if Arc::ptr_eq(&s.policy, decided_by) || !s.sampled() {
+                continue;
+            }
+            let active = match answer {
+                Ok(Answer::Costs(c)) => ActiveAnswer::Costs(c.clone()),
+                Ok(Answer::Pick(i)) => ActiveAnswer::Pick(*i),
+                Err(_) => ActiveAnswer::Fallback,
+            };
+            let job = ShadowJob {
+                shadow: s.clone(),
+                req: req.clone(),
+                cols: cols.clone(),
+                taints: taints(),
+                stage,
+                active,
+            };
+            let mut q = self.queue.lock();
+            if q.len() < SHADOW_QUEUE_CAPACITY {
+                q.push_back(job);
+                drop(q);
+                s.queued.fetch_add(1, Relaxed);
+            } else {
+                drop(q);
+                drop(job);
+                s.dropped.fetch_add(1, Relaxed);
+            }
+        }
+        self.start_worker(ticks);
+    }
+
+    pub(crate) fn new_shadow(&self, policy: Arc<PolicyVersion>, sample: f64) -> Arc<Shadow> {
+        Arc::new(Shadow {
+            policy,
+            sample,
+            started_at: SystemTime::now(),
+            seq: AtomicU64::new(0),
+            queued: AtomicU64::new(0),
+            dropped: AtomicU64::new(0),
+            acc: Mutex::new(ShadowAcc::default()),
+        })
+    }
+
+    pub(crate) fn new_canary(
+        &self,
+        candidate: Arc<PolicyVersion>,
+        control: Arc<PolicyVersion>,
+        spec: CanarySpec,
+    ) -> Arc<Canary> {
+        Arc::new(Canary {
+            id: self.next_id.fetch_add(1, Relaxed),
+            candidate,
+            control,
+            spec,
+            started_at: SystemTime::now(),
+            decisions: Default::default(),
+            fallbacks: Default::default(),
+            consecutive: AtomicU32::new(0),
+            outcomes: Mutex::new(Default::default()),
+            ended: AtomicBool::new(false),
+        })
+    }
+
+    /// Takes `canary` out (if it still runs) and keeps its record. False if it had ended already.
+    pub(crate) fn end(
+        &self,
+        canary: &Arc<Canary>,
+        outcome: &'static str,
+        rule: &'static str,
+        reason: String,
+        evidence: Option<CanaryReport>,
+    ) -> Option<CanaryRecord> {
+        if canary.ended.swap(true, Relaxed) {
+            return None;
+        }
+        let current = self.canary.load();
+        if current.as_ref().is_some_and(|c| Arc::ptr_eq(c, canary)) {
+            self.canary.compare_and_swap(&*current, None);
+        }
+        let evidence = evidence.unwrap_or_else(|| canary.report());
+        let record = CanaryRecord {
+            outcome,
+            rule,
+            reason,
+            ended_at: rfc3339(SystemTime::now()),
+            evidence,
+        };
+        let mut records = self.records.lock();
+        records.push_back((canary.candidate.name().to_string(), record.clone()));
+        while records.len() > MAX_RECORDS {
+            records.pop_front();
+        }
+        Some(record)
+    }
+
+    /// Records an outcome in the running canary; the verdict (with the evidence) if one is due.
+    pub(crate) fn record(
+        &self,
+        policy: &str,
+        version: u64,
+        outcome: &RequestOutcome,
+    ) -> Option<(Arc<Canary>, Verdict, CanaryReport)> {
+        let canary = self.canary.load_full()?;
+        if canary.ended.load(Relaxed) {
+            return None;
+        }
+        let arm = canary.arm_named(policy, version)?;
+        let (verdict, report) = canary.record(arm, outcome)?;
+        Some((canary, verdict, report))
+    }
+
+    pub(crate) fn is_ended(c: &Canary) -> bool {
+        c.ended.load(Relaxed)
+    }
+}
