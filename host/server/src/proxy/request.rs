@@ -431,19 +431,27 @@ mod tests {
     use super::*;
     use kvroute_core::router::Prompt;
 
+    /// Loaded once per process: tests run in parallel, and writing the tokenizer file while
+    /// another test reads it made that one read a truncated file.
     fn models() -> ModelRegistry {
-        let dir = std::env::temp_dir().join(format!("kvroute-request-unit-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let spec = kvroute_tokenize::testing::test_model_spec(&dir).unwrap();
-        let mut specs = std::collections::BTreeMap::new();
-        specs.insert(
-            "base".to_string(),
-            kvroute_tokenize::ModelSpec {
-                adapters: vec!["sql-lora".into()],
-                ..spec
-            },
-        );
-        ModelRegistry::load_all(&specs).unwrap()
+        static MODELS: std::sync::OnceLock<ModelRegistry> = std::sync::OnceLock::new();
+        MODELS
+            .get_or_init(|| {
+                let dir = std::env::temp_dir()
+                    .join(format!("kvroute-request-unit-{}", std::process::id()));
+                std::fs::create_dir_all(&dir).unwrap();
+                let spec = kvroute_tokenize::testing::test_model_spec(&dir).unwrap();
+                let mut specs = std::collections::BTreeMap::new();
+                specs.insert(
+                    "base".to_string(),
+                    kvroute_tokenize::ModelSpec {
+                        adapters: vec!["sql-lora".into()],
+                        ..spec
+                    },
+                );
+                ModelRegistry::load_all(&specs).unwrap()
+            })
+            .clone()
     }
 
     fn run(body: Value, hdrs: &[(&'static str, &str)]) -> Result<Inbound, ProxyError> {
