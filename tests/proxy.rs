@@ -88,7 +88,13 @@ impl Fleet {
 
     /// `extra` is appended to the router's configuration (more workers).
     fn start_with(n: usize, engine_args: &[&str], proxy: &str, extra: &str) -> Fleet {
-        let engines: Vec<MockEngine> = (0..n).map(|_| MockEngine::start(engine_args)).collect();
+        Self::start_each(&vec![engine_args; n], proxy, extra)
+    }
+
+    /// One engine per entry of `engine_args`, each started with its own flags.
+    fn start_each(engine_args: &[&[&str]], proxy: &str, extra: &str) -> Fleet {
+        let n = engine_args.len();
+        let engines: Vec<MockEngine> = engine_args.iter().map(|a| MockEngine::start(a)).collect();
         let mut toml = format!(
             "block_size = 16\n\n[proxy]\nenabled = true\n{proxy}\n\n[models.{MODEL}]\ntokenizer = {:?}\n",
             model_dir().join("tokenizer.json")
@@ -499,4 +505,109 @@ fn a_busy_fleet_answers_429_in_openai_shape() {
     assert_eq!(worker_of(&first.join().unwrap()), 0);
     fleet.no_bookings("a refused request and a finished one");
     assert_eq!(fleet.proxied("refused"), 1.0);
+}
+
+/// Issue 34: a LoRA adapter the router's configuration does not name is learned from the engine's
+/// own `GET /v1/models` (an entry whose `parent` is the model, as vLLM lists it). Requests naming
+/// it are served, only by the engine that lists it, and `/v1/models` lists it with its parent.
+#[test]
+fn an_adapter_learned_from_the_engine_goes_only_to_the_engines_that_serve_it() {
+    let fleet = Fleet::start_each(
+        &[
+            &["--lora-adapter", "tiny-lora"],
+            &[],
+            &["--lora-adapter", "tiny-lora"],
+        ],
+        "adapter_poll_interval_ms = 300",
+        "",
+    );
+    let ask = |model: &str, q: &str| {
+        fleet.server.post(
+            "/v1/chat/completions",
+            &json!({"model": model, "max_tokens": 2, "messages": chat(q)}),
+        )
+    };
+    eventually("the adapter learned from the engines", || {
+        let m = fleet.server.get("/v1/models");
+        m.body()["data"]
+            .as_array()?
+            .iter()
+            .any(|d| d["id"] == "tiny-lora" && d["parent"] == MODEL)
+            .then_some(())
+    });
+    for i in 0..12 {
+        let r = ask(
+            "tiny-lora",
+            &format!("Question number {i} for the adapter?"),
+        );
+        assert_eq!(r.status, 200, "{r}");
+        let w: usize = r
+            .header("x-kvroute-worker")
+            .unwrap()
+            .split('/')
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert_ne!(w, 1, "worker 1 does not list tiny-lora: {r}");
+    }
+    // The base model is still served by every engine, worker 1 included.
+    let mut base = std::collections::BTreeSet::new();
+    for i in 0..12 {
+        let r = ask(MODEL, &format!("Base question {i}?"));
+        assert_eq!(r.status, 200, "{r}");
+        base.insert(r.header("x-kvroute-worker").unwrap().to_string());
+    }
+    assert!(base.iter().any(|w| w.starts_with("1/")), "{base:?}");
+    // An adapter no engine lists is still unknown.
+    ask("other-lora", "Hi?").expect_error(404, "model_not_found");
+    fleet.no_bookings("the adapter requests");
+}
+
+/// Issue 34: a chat with an image is forwarded (not refused), routed by the text before its
+/// first media message (the blocks a text request left on an engine), uncached past it, and its
+/// booking is freed like any other.
+#[test]
+fn a_chat_with_an_image_is_forwarded_and_routed_by_its_text_prefix() {
+    let fleet = Fleet::start(3, &["--speed", "20"], "");
+    let system = prose(0, 300);
+    let text = fleet.server.post(
+        "/v1/chat/completions",
+        &json!({"model": MODEL, "max_tokens": 2, "messages": [
+            {"role": "system", "content": system}, {"role": "user", "content": "A question?"}]}),
+    );
+    assert_eq!(text.status, 200, "{text}");
+    let first = worker_of(&json!({"worker": text.header("x-kvroute-worker")}));
+    eventually("the text prompt's blocks indexed on its engine", || {
+        (fleet.worker(first)["ranks"][0]["cached_blocks"].as_u64()? >= 10).then_some(())
+    });
+    for i in 0..4 {
+        let image = json!({"type": "image_url", "image_url": {"url": format!("data:image/png;base64,AAAA{i}")}});
+        let r = fleet.server.post(
+            "/v1/chat/completions",
+            &json!({"model": MODEL, "max_tokens": 2, "messages": [
+                {"role": "system", "content": system},
+                {"role": "user", "content": [{"type": "text", "text": "What is this?"}, image]}]}),
+        );
+        assert_eq!(r.status, 200, "image request {i} was not forwarded: {r}");
+        assert_eq!(
+            worker_of(&json!({"worker": r.header("x-kvroute-worker")})),
+            first,
+            "image request {i} did not follow its text prefix: {r}"
+        );
+    }
+    // An image in the first message: nothing to follow, still forwarded.
+    let r = fleet.server.post(
+        "/v1/chat/completions",
+        &json!({"model": MODEL, "max_tokens": 2, "messages": [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}, {"type": "text", "text": "Hi?"}]}]}),
+    );
+    assert_eq!(r.status, 200, "{r}");
+    // A part that is neither text nor media is still refused, as vLLM refuses it.
+    let r = fleet.server.post(
+        "/v1/chat/completions",
+        &json!({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "hologram"}]}]}),
+    );
+    assert_eq!(r.status, 400, "{r}");
+    fleet.no_bookings("the image requests");
 }

@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 use crate::support::vllm::{self, Engine, BLOCK, LORA, MODEL};
-use crate::support::Server;
+use crate::support::{Resp, Server};
 
 /// One case at a time: the engines' caches are shared state.
 fn turn() -> MutexGuard<'static, ()> {
@@ -43,7 +43,14 @@ struct Case {
     _turn: MutexGuard<'static, ()>,
 }
 
-fn router_config(engines: &[Engine; 2], extra: &str, block_size: usize) -> PathBuf {
+/// `configured_adapters`: the router's `[models.MODEL]` names the engines' LoRA adapter
+/// (`adapters`); without, the router learns it from the engines' `/v1/models`.
+fn router_config(
+    engines: &[Engine; 2],
+    extra: &str,
+    block_size: usize,
+    configured_adapters: bool,
+) -> PathBuf {
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!(
         "real-engine-router-{}-{}",
         std::process::id(),
@@ -54,9 +61,12 @@ fn router_config(engines: &[Engine; 2], extra: &str, block_size: usize) -> PathB
         "block_size = {block_size}\n\
          [routing]\npredict_on_route = false\n\
          [proxy]\nenabled = true\n\
-         [models.{MODEL}]\ntokenizer = {:?}\nadapters = [{LORA:?}]\n",
+         [models.{MODEL}]\ntokenizer = {:?}\n",
         vllm::tokenizer_json().display().to_string()
     );
+    if configured_adapters {
+        toml.push_str(&format!("adapters = [{LORA:?}]\n"));
+    }
     for (id, e) in [(A, &engines[0]), (B, &engines[1])] {
         toml.push_str(&format!(
             "[workers.{id}]\nendpoint = {:?}\nmodel = {MODEL:?}\n\
@@ -80,7 +90,16 @@ fn unique() -> u64 {
 
 /// Starts a router over both engines and waits until both KV feeds are connected.
 fn start_router(engines: &[Engine; 2], extra: &str, block_size: usize) -> Server {
-    let config = router_config(engines, extra, block_size);
+    start_router_with(engines, extra, block_size, true)
+}
+
+fn start_router_with(
+    engines: &[Engine; 2],
+    extra: &str,
+    block_size: usize,
+    configured_adapters: bool,
+) -> Server {
+    let config = router_config(engines, extra, block_size, configured_adapters);
     let router = Server::start_env(
         &["--config", config.to_str().unwrap()],
         &[("KVROUTE_LOG", "info")],
@@ -105,12 +124,16 @@ impl Case {
     }
 
     fn with(name: &'static str, extra: &str) -> Case {
+        Self::with_adapters(name, extra, true)
+    }
+
+    fn with_adapters(name: &'static str, extra: &str, configured_adapters: bool) -> Case {
         let turn = turn();
         let engines = vllm::engines();
         for e in engines.iter() {
             reset(e);
         }
-        let router = start_router(engines, extra, BLOCK);
+        let router = start_router_with(engines, extra, BLOCK, configured_adapters);
         Case {
             name,
             engines,
@@ -1006,6 +1029,63 @@ fn lora_adapter_through_the_proxy() {
     );
 }
 
+/// The adapter is named nowhere in the router's configuration: the router learns it from the
+/// engines' own `GET /v1/models` (vLLM lists it with the served model as `parent`). A proxy
+/// request with `model: "tiny-lora"` is served, hashed with the adapter, and its resend follows
+/// its cache with the engine's own `cached_tokens`.
+#[test]
+fn lora_adapter_learned_from_the_engine() {
+    // The first poll of a worker is at once (proxy.adapter_poll_interval_ms paces later ones).
+    let case = Case::with_adapters("lora_learned", "", false);
+    wait_for(
+        "the adapter learned from the engines",
+        Duration::from_secs(20),
+        || {
+            let m = case.router.get("/v1/models");
+            m.body()["data"]
+                .as_array()?
+                .iter()
+                .any(|d| d["id"] == LORA && d["parent"] == MODEL)
+                .then_some(())
+        },
+    );
+    let body = json!({"model": LORA, "prompt": prose(1350, 400), "max_tokens": 1});
+    let r1 = case.router.post("/v1/completions", &body);
+    assert!(
+        r1.status == 200,
+        "[LoRA learned] {}: the proxy refuses {LORA:?}, which both engines list in /v1/models: {r1}",
+        case.name
+    );
+    let worker = |r: &Resp| -> u64 {
+        r.header("x-kvroute-worker")
+            .unwrap()
+            .split('/')
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    let w1 = worker(&r1);
+    let ids = vllm::kvroute_model()
+        .completion_tokens(&json!({"prompt": body["prompt"]}))
+        .unwrap();
+    settle(&case.router, w1, None);
+    let kv = kvroute_cached(&case.router, w1, &ids, None, Some(LORA));
+    let base = kvroute_cached(&case.router, w1, &ids, None, None);
+    let r2 = case.router.post("/v1/completions", &body);
+    assert_eq!(r2.status, 200, "{r2}");
+    let engine = r2.body()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(
+        worker(&r2) == w1 && kv == engine && engine >= BLOCK as u64 && base == 0,
+        "[LoRA learned] {}: resend on worker {} (first on {w1}): engine {engine}, kvroute {kv} \
+         with the adapter, {base} without it (must be 0)",
+        case.name,
+        worker(&r2)
+    );
+}
+
 // ---------------------------------------------------------------------------------------------
 // The cache's life: eviction, reset, restart, join
 // ---------------------------------------------------------------------------------------------
@@ -1582,5 +1662,101 @@ fn real_chat_templates() {
         failures.len(),
         refused_by_vllm.len(),
         failures.join("\n")
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Data-parallel ranks
+// ---------------------------------------------------------------------------------------------
+
+/// A third engine with `--data-parallel-size 2` (it runs on the CPU build): one worker with
+/// `dp_size = 2` and the rank-0 ports. Each rank has its own prefix cache and KV feed; a request
+/// the proxy routes to rank 1 (vLLM's `x-data-parallel-rank`) is cached on rank 1 only, and
+/// kvroute says so, rank by rank, as the engine does on a resend.
+#[test]
+fn data_parallel_ranks() {
+    let _turn = turn();
+    let e = vllm::dp_engine();
+    const W: u64 = 7;
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("real-engine-router-dp-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let toml = format!(
+        "block_size = {BLOCK}\n[routing]\npredict_on_route = false\n[proxy]\nenabled = true\n\
+         [models.{MODEL}]\ntokenizer = {:?}\n\
+         [workers.{W}]\nendpoint = {:?}\nmodel = {MODEL:?}\ndp_size = 2\n\
+         kv_events = {{ endpoint = {:?}, replay_endpoint = {:?}, topic = \"kv-events\" }}\n",
+        vllm::tokenizer_json().display().to_string(),
+        e.base,
+        e.kv_endpoint(),
+        e.replay_endpoint()
+    );
+    let path = dir.join("kvroute.toml");
+    std::fs::write(&path, toml).unwrap();
+    let router = Server::start_env(
+        &["--config", path.to_str().unwrap()],
+        &[("KVROUTE_LOG", "info")],
+    );
+    wait_for(
+        "both ranks' KV feeds connected",
+        Duration::from_secs(30),
+        || {
+            let w = router.workers();
+            (0..2)
+                .all(|r| w[&W]["ranks"][r]["kv_feed"]["connected"] == json!(true))
+                .then_some(())
+        },
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    let prompt = prose(1700, 400);
+    let ids = vllm::kvroute_model()
+        .completion_tokens(&json!({"prompt": prompt}))
+        .unwrap();
+    let cached_on = |rank: u32| -> u64 {
+        let d = router.route_ok(&json!({
+            "tokens": ids,
+            "pinned_worker": {"worker_id": W, "dp_rank": rank},
+            "book": false,
+        }));
+        d["cached_tokens"].as_u64().expect("cached_tokens")
+    };
+    let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 1,
+                      "kvroute": {"pinned_worker": {"worker_id": W, "dp_rank": 1}}});
+    let r = router.post("/v1/completions", &body);
+    assert_eq!(r.status, 200, "[data-parallel] proxy to rank 1: {r}");
+    assert_eq!(r.header("x-kvroute-worker"), Some("7/1"), "{r}");
+    let on_rank1 = wait_for("rank 1's blocks indexed", Duration::from_secs(15), || {
+        Some(cached_on(1)).filter(|&c| c > 0)
+    });
+    std::thread::sleep(Duration::from_millis(400));
+    let (kv1, kv0) = (cached_on(1), cached_on(0));
+    assert_eq!(kv1, on_rank1, "rank 1's index still moving");
+    // The engine's own counts: a resend to rank 1 through the proxy, and one to rank 0 directly.
+    let r = router.post("/v1/completions", &body);
+    assert_eq!(r.status, 200, "{r}");
+    let engine1 = r.body()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    let r0 = crate::support::send(
+        &crate::support::client(),
+        &e.url("/v1/completions"),
+        "POST",
+        &[
+            ("content-type", "application/json"),
+            ("x-data-parallel-rank", "0"),
+        ],
+        json!({"model": MODEL, "prompt": prompt, "max_tokens": 1})
+            .to_string()
+            .as_bytes(),
+    )
+    .unwrap();
+    assert_eq!(r0.status, 200, "{r0}");
+    let engine0 = r0.body()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(
+        kv1 == engine1 && kv0 == engine0 && engine0 == 0 && engine1 >= BLOCK as u64,
+        "[data-parallel] rank 1: engine {engine1}, kvroute {kv1}; rank 0: engine {engine0}, \
+         kvroute {kv0} (must be 0)"
     );
 }

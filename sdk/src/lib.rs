@@ -82,8 +82,8 @@ pub use bindings::kvroute::policy::types::Request as WireRequest;
 pub use bindings::kvroute::policy::types::RequestFlags;
 pub use helpers::*;
 
-/// The ABI version this SDK speaks (`plugin-info.abi-version`): 6, for `kvroute:policy@0.6.0`.
-pub const ABI_VERSION: u32 = 6;
+/// The ABI version this SDK speaks (`plugin-info.abi-version`): 7, for `kvroute:policy@0.7.0`.
+pub const ABI_VERSION: u32 = 7;
 
 /// Which half of a routing decision the policy ranks (WIT `request-flags`: `prefill`, `decode`,
 /// or neither).
@@ -244,6 +244,46 @@ impl Request {
     }
 }
 
+/// How far a candidate's KV index (its overlap columns) can be trusted to be what its engine
+/// holds: WIT column `kv-feed-trust` (since 0.7.0), from the candidate's KV event feed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum FeedTrust {
+    /// Every event applied in order (or the worker has no KV event feed).
+    #[default]
+    Exact,
+    /// The feed just joined or reconnected, or a gap is being replayed: the index may miss blocks
+    /// or hold evicted ones until the replay completes.
+    Recovering,
+    /// Events were lost for good: the index holds only what the engine stored since.
+    Degraded,
+}
+
+impl FeedTrust {
+    /// The interface's code: 0 exact, 1 recovering, 2 degraded; reserved values read as
+    /// degraded (the safe side).
+    pub fn from_code(code: u32) -> FeedTrust {
+        match code {
+            0 => FeedTrust::Exact,
+            1 => FeedTrust::Recovering,
+            _ => FeedTrust::Degraded,
+        }
+    }
+
+    /// The interface's code of this state.
+    pub fn code(self) -> u32 {
+        self as u32
+    }
+
+    /// The state's name, as `GET /v1/workers` and explain write it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FeedTrust::Exact => "exact",
+            FeedTrust::Recovering => "recovering",
+            FeedTrust::Degraded => "degraded",
+        }
+    }
+}
+
 /// Where things are in the packed lists (see `record candidates` in `wit/policy.wit`).
 struct Layout {
     n: usize,
@@ -260,18 +300,18 @@ impl Layout {
             ));
         }
         let n = w.columns_u64.len() / 4;
-        if w.columns_u32.len() < 8 * n + 1 {
+        if w.columns_u32.len() < 9 * n + 1 {
             return Err(format!(
-                "columns-u32 has {} entries, expected at least 8 x {n} + 1",
+                "columns-u32 has {} entries, expected at least 9 x {n} + 1",
                 w.columns_u32.len()
             ));
         }
-        let t = w.columns_u32[8 * n] as usize;
-        let preferred_start = 8 * n + 1 + t;
+        let t = w.columns_u32[9 * n] as usize;
+        let preferred_start = 9 * n + 1 + t;
         if preferred_start > w.columns_u32.len() {
             return Err(format!(
                 "taint-offsets end at {t}, past the {} taint ids sent",
-                w.columns_u32.len() - (8 * n + 1)
+                w.columns_u32.len() - (9 * n + 1)
             ));
         }
         let p = w.columns_u32.len() - preferred_start;
@@ -419,6 +459,10 @@ pub struct Candidates<'a> {
     pub total_kv_blocks: &'a [u64],
     /// Prefill token budget per engine step (0 = unknown).
     pub max_num_batched_tokens: &'a [u32],
+    /// How far each candidate's overlaps can be trusted, as the interface's codes (0 exact,
+    /// 1 recovering, 2 degraded; read them typed with [`Row::kv_feed_trust`] or
+    /// [`FeedTrust::from_code`]).
+    pub kv_feed_trust: &'a [u32],
     /// The host's native cost (without preferred taints); in a pipeline's selector stage, the
     /// weighted sum of the scorer stages.
     pub base_cost: &'a [f64],
@@ -439,8 +483,8 @@ impl<'a> Candidates<'a> {
         let Layout { n, .. } = Layout::of(w)?;
         let c64 = |k: usize| &w.columns_u64[k * n..(k + 1) * n];
         let c32 = |k: usize| &w.columns_u32[k * n..(k + 1) * n];
-        let taint_offsets = &w.columns_u32[7 * n..8 * n + 1];
-        let taint_ids = &w.columns_u32[8 * n + 1..8 * n + 1 + taint_offsets[n] as usize];
+        let taint_offsets = &w.columns_u32[8 * n..9 * n + 1];
+        let taint_ids = &w.columns_u32[9 * n + 1..9 * n + 1 + taint_offsets[n] as usize];
         let ordered = taint_offsets.windows(2).all(|p| p[0] <= p[1]);
         if taint_offsets[0] != 0 || !ordered {
             return Err("taint-offsets are not a valid index into taint-ids".to_string());
@@ -457,6 +501,7 @@ impl<'a> Candidates<'a> {
             active_requests: c32(4),
             active_prompt_blocks: c32(5),
             max_num_batched_tokens: c32(6),
+            kv_feed_trust: c32(7),
             base_cost: &w.columns_f64[..n],
             prefill_ms_per_token: &w.columns_f64[n..2 * n],
             decode_step_ms: &w.columns_f64[2 * n..3 * n],
@@ -546,6 +591,10 @@ impl<'a> Row<'a> {
     /// The host's native cost (without preferred taints).
     pub fn base_cost(&self) -> f64 {
         self.cols.base_cost[self.index]
+    }
+    /// How far the candidate's overlaps can be trusted (its KV event feed's state).
+    pub fn kv_feed_trust(&self) -> FeedTrust {
+        FeedTrust::from_code(self.cols.kv_feed_trust[self.index])
     }
 
     /// The worker's learned prefill milliseconds per uncached prompt token, when learned.

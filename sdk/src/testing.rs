@@ -83,6 +83,7 @@ pub struct CandidateSpec {
     max_num_batched_tokens: u32,
     prefill_ms_per_token: f64,
     decode_step_ms: f64,
+    kv_feed_trust: crate::FeedTrust,
     base_cost: Option<f64>,
     taints: Vec<String>,
 }
@@ -145,6 +146,7 @@ impl CandidateSpec {
         max_num_batched_tokens: u32,
         prefill_ms_per_token: f64,
         decode_step_ms: f64,
+        kv_feed_trust: crate::FeedTrust,
     );
 
     /// The candidate's worker id.
@@ -288,6 +290,8 @@ pub struct CandidateSet {
     pub total_kv_blocks: Vec<u64>,
     /// See [`Candidates::max_num_batched_tokens`].
     pub max_num_batched_tokens: Vec<u32>,
+    /// See [`Candidates::kv_feed_trust`].
+    pub kv_feed_trust: Vec<u32>,
     /// See [`Candidates::base_cost`].
     pub base_cost: Vec<f64>,
     /// See [`Candidates::prefill_ms_per_token`].
@@ -315,6 +319,7 @@ impl CandidateSet {
             active_prompt_blocks: &self.active_prompt_blocks,
             total_kv_blocks: &self.total_kv_blocks,
             max_num_batched_tokens: &self.max_num_batched_tokens,
+            kv_feed_trust: &self.kv_feed_trust,
             base_cost: &self.base_cost,
             prefill_ms_per_token: &self.prefill_ms_per_token,
             decode_step_ms: &self.decode_step_ms,
@@ -344,6 +349,7 @@ impl CandidateSet {
             &self.active_requests,
             &self.active_prompt_blocks,
             &self.max_num_batched_tokens,
+            &self.kv_feed_trust,
             &self.taint_offsets,
             &self.taint_ids,
         ] {
@@ -391,6 +397,7 @@ pub fn build(req: &RequestSpec, set: &[CandidateSpec]) -> (Context, Request, Can
         c.active_prompt_blocks.push(s.active_prompt_blocks);
         c.total_kv_blocks.push(s.total_kv_blocks);
         c.max_num_batched_tokens.push(s.max_num_batched_tokens);
+        c.kv_feed_trust.push(s.kv_feed_trust.code());
         c.base_cost.push(0.0);
         c.prefill_ms_per_token.push(s.prefill_ms_per_token);
         c.decode_step_ms.push(s.decode_step_ms);
@@ -648,6 +655,42 @@ mod tests {
         assert!(seen.ask_only && seen.stage == Stage::Prefill, "{seen:?}");
         h.decide(&request(64).decode(), &set);
         assert!(!h.policy.0.take().unwrap().ask_only);
+    }
+
+    /// Records each candidate's feed trust and taints.
+    #[derive(Default)]
+    struct SeenTrust(Vec<(crate::FeedTrust, Vec<u32>)>);
+    impl Policy for SeenTrust {
+        fn decide(&mut self, _: &Context, _: &Request, c: &Candidates) -> Decision {
+            self.0 = c
+                .rows()
+                .map(|r| (r.kv_feed_trust(), r.taints().to_vec()))
+                .collect();
+            Decision::Costs(vec![0.0; c.count()])
+        }
+    }
+
+    #[test]
+    fn the_feed_trust_column_reaches_the_policy_through_the_wire_form() {
+        use crate::FeedTrust::*;
+        let mut h = Harness::<SeenTrust>::new();
+        let set = [
+            candidate(1).kv_feed_trust(Recovering).taints(&["zone=a"]),
+            candidate(2),
+            candidate(3).kv_feed_trust(Degraded).taints(&["zone=b"]),
+        ];
+        h.decide(&request(64).prefer("zone=a", 0.5), &set);
+        assert_eq!(
+            h.policy.0,
+            vec![(Recovering, vec![0]), (Exact, vec![]), (Degraded, vec![1])]
+        );
+        // The packed list: column 7, then the taint index after it.
+        let (_, _, c) = build(&request(64), &set);
+        let w = c.to_wire(&[]);
+        assert_eq!(&w.columns_u32[7 * 3..8 * 3], &[1, 0, 2]);
+        assert_eq!(&w.columns_u32[8 * 3..9 * 3 + 1], &[0, 1, 1, 2]);
+        // Reserved codes read as degraded.
+        assert_eq!(crate::FeedTrust::from_code(9), Degraded);
     }
 
     #[test]

@@ -161,6 +161,24 @@ fn free_port() -> u16 {
         .port()
 }
 
+/// The first of `n` consecutive free loopback ports (a data-parallel engine's rank `r` publishes
+/// on the event port `+ r` and replays on the replay port `+ r`).
+fn free_ports(n: u16) -> u16 {
+    for _ in 0..200 {
+        let first = free_port();
+        if first.checked_add(n).is_none() {
+            continue;
+        }
+        let held: Vec<_> = (first..first + n)
+            .map_while(|p| TcpListener::bind(("127.0.0.1", p)).ok())
+            .collect();
+        if held.len() == n as usize {
+            return first;
+        }
+    }
+    panic!("no {n} consecutive free loopback ports")
+}
+
 /// A real `vllm serve` child (its process group), killed when stopped or when the test process
 /// goes (sitecustomize's watchdog).
 pub struct Engine {
@@ -175,14 +193,23 @@ pub struct Engine {
     agent: ureq::Agent,
     /// How many times the engine was started.
     pub starts: Mutex<u32>,
+    /// `--data-parallel-size` (1: none). Rank `r` publishes on `kv_port + r` and replays on
+    /// `replay_port + r`.
+    pub dp: u16,
 }
 
 impl Engine {
     /// Spawns the server (it is not ready until [`Engine::wait_ready`]).
     pub fn spawn(name: &str) -> Engine {
+        Self::spawn_dp(name, 1)
+    }
+
+    /// The same with `dp` data-parallel ranks (one API endpoint; rank chosen per request with
+    /// the `x-data-parallel-rank` header).
+    pub fn spawn_dp(name: &str, dp: u16) -> Engine {
         let port = free_port();
-        let kv_port = free_port();
-        let replay_port = free_port();
+        let kv_port = free_ports(2 * dp);
+        let replay_port = kv_port + dp;
         let log = Path::new(env!("CARGO_TARGET_TMPDIR"))
             .join(format!("vllm-{name}-{}.log", std::process::id()));
         let engine = Engine {
@@ -195,6 +222,7 @@ impl Engine {
             child: Mutex::new(None),
             agent: super::client(),
             starts: Mutex::new(0),
+            dp,
         };
         engine.start_process();
         engine
@@ -268,6 +296,9 @@ impl Engine {
             .stdout(log.try_clone().expect("dup log"))
             .stderr(log)
             .process_group(0);
+        if self.dp > 1 {
+            cmd.args(["--data-parallel-size", &self.dp.to_string()]);
+        }
         let child = cmd
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start vllm serve: {e}"));
@@ -389,5 +420,18 @@ pub fn engines() -> &'static [Engine; 2] {
         a.wait_ready();
         b.wait_ready();
         [a, b]
+    })
+}
+
+/// A third engine with two data-parallel ranks (`--data-parallel-size 2`: two engine cores behind
+/// one API server, each with its own prefix cache and KV-event sockets), started on first use,
+/// after the two shared ones are up (about 3 minutes on two cores).
+pub fn dp_engine() -> &'static Engine {
+    static DP: OnceLock<Engine> = OnceLock::new();
+    DP.get_or_init(|| {
+        let _ = engines();
+        let e = Engine::spawn_dp("dp", 2);
+        e.wait_ready();
+        e
     })
 }

@@ -62,6 +62,10 @@ pub struct CandidateColumns {
     pub total_kv_blocks: Vec<u64>,
     /// The candidate's prefill budget per step (`max_num_batched_tokens`; 0 when unknown).
     pub max_num_batched_tokens: Vec<u32>,
+    /// How far the candidate's overlaps can be trusted: its KV event feed's
+    /// [`Trust`](crate::feeds::Trust) code (0 exact, 1 recovering, 2 degraded; exact without a
+    /// feed). Callers that leave it empty mean every candidate exact.
+    pub kv_feed_trust: Vec<u8>,
     /// The host's native cost (SPEC §7, without preferred taints); lower is better.
     pub base_cost: Vec<f64>,
     /// The candidate's worker's learned prefill milliseconds per uncached prompt token
@@ -96,6 +100,7 @@ impl CandidateColumns {
         self.active_prompt_blocks.clear();
         self.total_kv_blocks.clear();
         self.max_num_batched_tokens.clear();
+        self.kv_feed_trust.clear();
         self.base_cost.clear();
         self.prefill_ms_per_token.clear();
         self.decode_step_ms.clear();

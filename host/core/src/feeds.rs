@@ -76,7 +76,8 @@ impl Trust {
         self as u8
     }
 
-    fn from_code(c: u8) -> Trust {
+    /// The state of a code ([`Trust::code`]); unknown codes are `degraded`.
+    pub fn from_code(c: u8) -> Trust {
         match c {
             0 => Trust::Exact,
             1 => Trust::Recovering,
@@ -118,6 +119,45 @@ pub struct FeedCell {
     /// [`Trust`] as its code; a new feed is `recovering` until its first sync.
     trust: AtomicU8,
     epoch: Option<Instant>,
+    /// Where the decision path reads this feed's trust (absent for a cell made outside
+    /// [`Feeds::open`]).
+    board: Option<(Arc<TrustBoard>, CandidateKey, u64)>,
+}
+
+/// The feeds whose trust is not `exact`, for the decision path: a lock-free snapshot, written
+/// only when a feed's trust changes (rare: joins, reconnects, gaps).
+#[derive(Debug, Default)]
+struct TrustBoard {
+    /// Per candidate: the generation of the cell that set it, and its trust.
+    cells: Mutex<FxHashMap<CandidateKey, (u64, Trust)>>,
+    snap: ArcSwap<FxHashMap<CandidateKey, Trust>>,
+}
+
+impl TrustBoard {
+    /// The cell of generation `generation` on `key` set `t` (`None`: it closed). A write from a
+    /// cell an `open` replaced since is ignored.
+    fn set(&self, key: CandidateKey, generation: u64, t: Option<Trust>) {
+        let mut cells = self.cells.lock();
+        if cells.get(&key).is_some_and(|(g, _)| *g > generation) {
+            return;
+        }
+        match t {
+            Some(t) => {
+                cells.insert(key, (generation, t));
+            }
+            None => {
+                cells.remove(&key);
+            }
+        }
+        let snap: FxHashMap<CandidateKey, Trust> = cells
+            .iter()
+            .filter(|(_, (_, t))| *t != Trust::Exact)
+            .map(|(k, (_, t))| (*k, *t))
+            .collect();
+        if snap != **self.snap.load() {
+            self.snap.store(Arc::new(snap));
+        }
+    }
 }
 
 impl FeedCell {
@@ -148,7 +188,12 @@ impl FeedCell {
 
     /// How far the candidate's index can be trusted.
     pub fn set_trust(&self, t: Trust) {
-        self.trust.store(t.code(), Relaxed);
+        let before = self.trust.swap(t.code(), Relaxed);
+        if before != t.code() {
+            if let Some((board, key, generation)) = &self.board {
+                board.set(*key, *generation, Some(t));
+            }
+        }
     }
 
     pub fn trust(&self) -> Trust {
@@ -199,6 +244,8 @@ pub struct Feeds {
     epoch: Instant,
     cells: Mutex<FxHashMap<CandidateKey, Arc<FeedCell>>>,
     dead: ArcSwap<FxHashSet<CandidateKey>>,
+    trust: Arc<TrustBoard>,
+    generation: AtomicU64,
 }
 
 impl Feeds {
@@ -208,6 +255,8 @@ impl Feeds {
             epoch: Instant::now(),
             cells: Mutex::new(FxHashMap::default()),
             dead: ArcSwap::from_pointee(FxHashSet::default()),
+            trust: Arc::new(TrustBoard::default()),
+            generation: AtomicU64::new(0),
         }
     }
 
@@ -217,12 +266,15 @@ impl Feeds {
 
     /// A new cell for a subscription starting on `key` (down since now), replacing any earlier one.
     pub fn open(&self, key: CandidateKey) -> Arc<FeedCell> {
+        let generation = self.generation.fetch_add(1, Relaxed) + 1;
         let cell = Arc::new(FeedCell {
             last_seq: AtomicU64::new(u64::MAX),
             trust: AtomicU8::new(Trust::Recovering.code()),
             epoch: Some(self.epoch),
+            board: Some((self.trust.clone(), key, generation)),
             ..Default::default()
         });
+        self.trust.set(key, generation, Some(Trust::Recovering));
         cell.down_since.store(cell.now(), Relaxed);
         self.cells.lock().insert(key, cell.clone());
         cell
@@ -235,6 +287,9 @@ impl Feeds {
             cells.remove(&key);
         }
         drop(cells);
+        if let Some((_, _, generation)) = &cell.board {
+            self.trust.set(key, *generation, None);
+        }
         self.refresh();
     }
 
@@ -272,6 +327,12 @@ impl Feeds {
         if dead != **self.dead.load() {
             self.dead.store(Arc::new(dead));
         }
+    }
+
+    /// The candidates whose feed's trust is not `exact` now (lock-free; empty almost always). A
+    /// candidate without a feed is not in it.
+    pub fn untrusted(&self) -> Arc<FxHashMap<CandidateKey, Trust>> {
+        self.trust.snap.load_full()
     }
 
     /// The candidates whose feed is dead now.
@@ -323,5 +384,35 @@ mod tests {
         // A closed subscription has no feed.
         feeds.close(k, &cell);
         assert!(feeds.dead().is_empty() && feeds.status(k).is_none());
+    }
+
+    #[test]
+    fn the_decision_path_sees_every_feed_that_is_not_exact() {
+        let feeds = Feeds::new(FeedConfig::default());
+        let (a, b) = (CandidateKey::new(1, 0), CandidateKey::new(2, 0));
+        let ca = feeds.open(a);
+        let cb = feeds.open(b);
+        // A new feed is recovering until its first sync.
+        assert_eq!(feeds.untrusted().get(&a), Some(&Trust::Recovering));
+        ca.set_trust(Trust::Exact);
+        cb.set_trust(Trust::Degraded);
+        let u = feeds.untrusted();
+        assert_eq!((u.get(&a), u.get(&b)), (None, Some(&Trust::Degraded)));
+        // A reopened feed replaces the old cell: the old one's writes are ignored.
+        let cb2 = feeds.open(b);
+        assert_eq!(feeds.untrusted().get(&b), Some(&Trust::Recovering));
+        cb.set_trust(Trust::Exact);
+        cb.set_trust(Trust::Degraded);
+        assert_eq!(feeds.untrusted().get(&b), Some(&Trust::Recovering));
+        feeds.close(b, &cb);
+        assert_eq!(feeds.untrusted().get(&b), Some(&Trust::Recovering));
+        cb2.set_trust(Trust::Exact);
+        assert!(feeds.untrusted().is_empty());
+        ca.set_trust(Trust::Recovering);
+        feeds.close(a, &ca);
+        assert!(
+            feeds.untrusted().is_empty(),
+            "a closed feed has no trust state"
+        );
     }
 }

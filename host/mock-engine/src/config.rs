@@ -30,6 +30,10 @@ pub struct MockEngineArgs {
     /// The served model's name (requests naming another get 404).
     #[arg(long)]
     pub model: String,
+    /// A LoRA adapter name the engine also serves (repeatable): `/v1/models` lists it with the
+    /// model as `parent`, as vLLM does, and requests naming it are served as the model's.
+    #[arg(long = "lora-adapter")]
+    pub lora_adapters: Vec<String>,
     /// The model's Hugging Face `tokenizer.json`.
     #[arg(long)]
     pub tokenizer: PathBuf,

@@ -43,6 +43,10 @@ pub struct AppState {
     pub tokenizer: Arc<dyn PromptTokenizer>,
     /// The served model's name.
     pub model: String,
+    /// LoRA adapter names it also answers to (`--lora-adapter`), listed by `/v1/models` with the
+    /// model as `parent`, as vLLM lists them. The mock keys an adapter's blocks as the base
+    /// model's (it has no adapter weights): its KV events carry no `lora_name`.
+    pub adapters: Vec<String>,
     pub default_max_tokens: u32,
     /// Start time (seconds since the epoch), the model's `created`.
     pub created: u64,
@@ -60,6 +64,7 @@ impl AppState {
             engine,
             tokenizer,
             model,
+            adapters: Vec::new(),
             default_max_tokens,
             created: now_secs(),
             next_request: AtomicU64::new(1),
@@ -104,7 +109,12 @@ async fn health() -> StatusCode {
 async fn models(State(s): State<Arc<AppState>>) -> Json<Value> {
     let sim = s.engine.sim();
     let max_len = u64::from(sim.num_gpu_blocks) * u64::from(sim.block_size);
-    Json(openai::model_list(&s.model, s.created, max_len))
+    Json(openai::model_list(
+        &s.model,
+        &s.adapters,
+        s.created,
+        max_len,
+    ))
 }
 
 async fn metrics_text(State(s): State<Arc<AppState>>) -> Response {
@@ -190,7 +200,7 @@ async fn generate(
     let body: Value = serde_json::from_slice(body)?;
     let params = openai::params(&body, api, state.default_max_tokens)?;
     if let Some(m) = &params.model {
-        if *m != state.model {
+        if *m != state.model && !state.adapters.contains(m) {
             return Err(ApiError::unknown_model(m, &state.model));
         }
     }

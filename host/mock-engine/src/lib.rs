@@ -90,12 +90,14 @@ async fn serve(args: MockEngineArgs) -> Result<(), String> {
     })
     .await?;
     let engine = engine_loop::EngineLoop::spawn(sim, CHANNEL_CAPACITY, Some(events));
-    let state = Arc::new(http::AppState::new(
+    let mut state = http::AppState::new(
         engine,
         Arc::new(model),
         args.model.clone(),
         args.default_max_tokens,
-    ));
+    );
+    state.adapters = args.lora_adapters.clone();
+    let state = Arc::new(state);
     let listener = tokio::net::TcpListener::bind(&args.listen)
         .await
         .map_err(|e| format!("--listen {}: {e}", args.listen))?;

@@ -209,25 +209,49 @@ pub fn usage_chunk(meta: &Meta, usage: Value) -> Value {
     })
 }
 
-/// `GET /v1/models`.
-pub fn model_list(model: &str, created: u64, max_model_len: u64) -> Value {
-    json!({
-        "object": "list",
-        "data": [{
-            "id": model,
+/// `GET /v1/models`: the model, then each LoRA adapter with the model as `parent` (vLLM's shape).
+pub fn model_list(model: &str, adapters: &[String], created: u64, max_model_len: u64) -> Value {
+    let mut data = vec![json!({
+        "id": model,
+        "object": "model",
+        "created": created,
+        "owned_by": "kvroute-mock-engine",
+        "root": model,
+        "parent": null,
+        "max_model_len": max_model_len,
+    })];
+    data.extend(adapters.iter().map(|a| {
+        json!({
+            "id": a,
             "object": "model",
             "created": created,
             "owned_by": "kvroute-mock-engine",
-            "root": model,
-            "parent": null,
-            "max_model_len": max_model_len,
-        }],
-    })
+            "root": format!("/adapters/{a}"),
+            "parent": model,
+        })
+    }));
+    json!({"object": "list", "data": data})
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn model_list_names_adapters_with_their_parent_as_vllm_does() {
+        let v = model_list("m", &["a".into(), "b".into()], 7, 64);
+        let data = v["data"].as_array().unwrap();
+        assert_eq!(data.len(), 3);
+        assert_eq!(
+            (data[0]["id"].as_str(), data[0]["parent"].is_null()),
+            (Some("m"), true)
+        );
+        for (d, name) in data[1..].iter().zip(["a", "b"]) {
+            assert_eq!(d["id"], name);
+            assert_eq!(d["parent"], "m");
+            assert_eq!(d["object"], "model");
+        }
+    }
 
     #[test]
     fn params_read_and_name_bad_fields() {

@@ -58,7 +58,18 @@ impl PromptTokenizer for kvroute_tokenize::Model {
             .map_err(|e| FieldError::new(e.field, e.reason))
     }
 
+    /// Media parts (images...) are tokenized as a stand-in text per media content
+    /// (`kvroute_tokenize::media::media_stand_in`): the mock has no vision model, and its blocks
+    /// past an image then differ per image, as vLLM's do (it keys them with the image's hash).
     fn chat_tokens(&self, body: &Value) -> Result<Vec<u32>, FieldError> {
+        use kvroute_tokenize::media;
+        let stood_in;
+        let body = if media::first_media_message(body).is_some() {
+            stood_in = media::map_media_parts(body, |p| Some(media::media_stand_in(p)));
+            &stood_in
+        } else {
+            body
+        };
         kvroute_tokenize::Model::chat_tokens(self, body)
             .map_err(|e| FieldError::new(e.field, e.reason))
     }

@@ -222,6 +222,14 @@ fn generate(
             });
         c.total_kv_blocks.push(16_384);
         c.max_num_batched_tokens.push(8_192);
+        // Feed trust: every state, and a reserved code a policy must read as degraded.
+        c.kv_feed_trust.push(
+            if matches!(s, Scenario::RandomLoad | Scenario::EveryField) {
+                [0, 0, 1, 2, 7][i % 5]
+            } else {
+                0
+            },
+        );
         // Learned step times: some workers learned (a heterogeneous fleet), some not yet (0).
         let learned = matches!(s, Scenario::RandomLoad | Scenario::EveryField) && i % 3 != 0;
         c.prefill_ms_per_token.push(if learned {
@@ -483,6 +491,7 @@ fn stage_preferences(registry: &PolicyRegistry, taints: &TaintTable) -> CheckRes
         active_prompt_blocks: vec![0, 0],
         total_kv_blocks: vec![16_384, 16_384],
         max_num_batched_tokens: vec![8_192, 8_192],
+        kv_feed_trust: vec![0, 0],
         base_cost: Vec::new(),
         prefill_ms_per_token: vec![0.02, 0.0],
         decode_step_ms: vec![12.0, 0.0],

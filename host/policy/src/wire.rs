@@ -41,7 +41,7 @@ impl Packed {
             self.u64s.extend_from_slice(col);
         }
         self.u32s.clear();
-        self.u32s.reserve(8 * n + 1 + c.taint_ids.len() + p);
+        self.u32s.reserve(9 * n + 1 + c.taint_ids.len() + p);
         for col in [
             &c.dp_rank,
             &c.device_overlap,
@@ -50,11 +50,18 @@ impl Packed {
             &c.active_requests,
             &c.active_prompt_blocks,
             &c.max_num_batched_tokens,
-            &c.taint_offsets,
-            &c.taint_ids,
         ] {
             self.u32s.extend_from_slice(col);
         }
+        // `kv-feed-trust` (column 7, since 0.7.0); a caller that left it empty means exact.
+        if c.kv_feed_trust.len() == n {
+            self.u32s
+                .extend(c.kv_feed_trust.iter().map(|&t| u32::from(t)));
+        } else {
+            self.u32s.resize(self.u32s.len() + n, 0);
+        }
+        self.u32s.extend_from_slice(&c.taint_offsets);
+        self.u32s.extend_from_slice(&c.taint_ids);
         self.u32s
             .extend(req.preferred_taints.iter().map(|&(id, _)| id));
         self.f64s.clear();
@@ -155,6 +162,7 @@ mod tests {
             active_prompt_blocks: vec![1, 0],
             total_kv_blocks: vec![300, 301],
             max_num_batched_tokens: vec![512, 1024],
+            kv_feed_trust: vec![2, 1],
             base_cost: vec![0.5, 1.5],
             prefill_ms_per_token: vec![0.02, 0.0],
             decode_step_ms: vec![11.0, 0.0],
@@ -182,18 +190,20 @@ mod tests {
             assert_eq!(w.columns_u64, &[10, 11, 100, 101, 200, 201, 300, 301]);
             assert_eq!(
                 w.columns_u32,
-                &[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 0, 512, 1024, 0, 1, 3, 7, 8, 9, 8, 2]
+                &[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 0, 512, 1024, 2, 1, 0, 1, 3, 7, 8, 9, 8, 2]
             );
             assert_eq!(w.columns_f64, &[0.5, 1.5, 0.02, 0.0, 11.0, 0.0, 0.5, -0.25]);
         });
-        // Columns left empty travel as zeros (not learned).
+        // Columns left empty travel as zeros (not learned; exact).
         let bare = CandidateColumns {
             prefill_ms_per_token: Vec::new(),
             decode_step_ms: Vec::new(),
+            kv_feed_trust: Vec::new(),
             ..c.clone()
         };
         with_wit_decision(&req, &bare, Stage::Aggregated, |_, w| {
             assert_eq!(w.columns_f64, &[0.5, 1.5, 0.0, 0.0, 0.0, 0.0, 0.5, -0.25]);
+            assert_eq!(&w.columns_u32[14..16], &[0, 0]);
         });
         let booked = PolicyRequest {
             ask_only: false,

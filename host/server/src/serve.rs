@@ -364,6 +364,7 @@ pub async fn run(
         _ => None,
     };
     let prober = proxy.clone().map(|p| tokio::spawn(p.probe_loop()));
+    let adapter_poller = proxy.clone().map(|p| tokio::spawn(p.adapter_loop()));
     let state = AppState {
         proxy,
         router: router.clone(),
@@ -455,6 +456,9 @@ pub async fn run(
         }
     }
     if let Some(p) = prober {
+        p.abort();
+    }
+    if let Some(p) = adapter_poller {
         p.abort();
     }
     if let Some(i) = ingestion {

@@ -35,6 +35,7 @@ pub(crate) mod chat;
 mod completion;
 mod config;
 mod error;
+pub mod media;
 mod model;
 mod registry;
 mod spec;
@@ -43,6 +44,7 @@ pub mod testing;
 
 pub use cache::{CacheStats, DEFAULT_CACHE_BYTES};
 pub use error::TokenizeError;
+pub use media::MediaPrompt;
 pub use model::Model;
 pub use registry::{ModelRegistry, Resolved};
 pub use spec::ModelSpec;

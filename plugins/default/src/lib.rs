@@ -39,6 +39,12 @@
 //! current step and one step that decodes this request beside the others (plus a chunk of the
 //! prompts queued on a `both` engine), so decode candidates rank by load, never by what they cache.
 //!
+//! **Feed trust** (interface 0.7.0's `kv-feed-trust`): the cache credit of a candidate whose KV
+//! event feed is `recovering` counts `recovering_overlap_weight` (0.5) of itself, of a `degraded`
+//! one `degraded_overlap_weight` (0): the index is not the engine's cache there, and a false hit
+//! costs a whole prompt's compute (`Config::trust_weight` has the reasoning). Blocks an earlier
+//! request booked on the candidate are the router's own knowledge and keep their credit.
+//!
 //! The estimate (always > 0) is multiplied by SPEC §7's preferred-taint multiplier, so preferences
 //! separate idle candidates too.
 //!
@@ -46,7 +52,8 @@
 //! `{"prefill_ms": [16.50142, 0.01518344, 4.209989e-7], "decode_ms": [5.74, 54.01, -25.74],
 //!   "default_max_num_batched_tokens": 8192, "residual_frac": 0.5, "host_tier_weight": 0.75,
 //!   "disk_tier_weight": 0.25, "overflow_penalty_ms": 10000, "credit_active_blocks": true,
-//!   "work_weight": 12, "work_weight_follows_load": true, "learned_step_times": false}`
+//!   "work_weight": 12, "work_weight_follows_load": true, "learned_step_times": false,
+//!   "recovering_overlap_weight": 0.5, "degraded_overlap_weight": 0}`
 
 mod model;
 
@@ -84,7 +91,18 @@ fn check(c: &Config) -> Result<(), String> {
             ("overflow_penalty_ms", c.overflow_penalty_ms),
             ("work_weight", c.work_weight),
         ],
-    )
+    )?;
+    for (key, v) in [
+        ("recovering_overlap_weight", c.recovering_overlap_weight),
+        ("degraded_overlap_weight", c.degraded_overlap_weight),
+    ] {
+        if !(0.0..=1.0).contains(&v) {
+            return Err(format!(
+                "default: {key} must be a number in [0, 1], got {v}"
+            ));
+        }
+    }
+    Ok(())
 }
 
 impl Policy for DefaultPolicy {

@@ -5,7 +5,7 @@
 //! engine model unless overridden), scaled by the candidate's learned speed relative to the fleet
 //! (the SDK's [`Speed`], from the host's learned step times), and the candidate's own step budget.
 
-use kvroute_sdk::{Candidates, Request, Speed, Stage};
+use kvroute_sdk::{Candidates, FeedTrust, Request, Speed, Stage};
 
 /// The larger of two finite figures. `f64::max` is a call into libm's `fmax` on wasm32 (NaN
 /// rules); a compare keeps the per-candidate loop inline (the decision-cost budget, BENCHMARKS.md).
@@ -57,6 +57,13 @@ pub struct Config {
     /// Scale each candidate's step times by its learned speed relative to the fleet (`false`:
     /// the configured model for every candidate, for comparison).
     pub learned_step_times: bool,
+    /// Weight of the cache credit (device, host and disk overlaps) of a candidate whose KV feed
+    /// is `recovering` (interface 0.7.0's `kv-feed-trust`), in [0, 1]. See
+    /// [`Config::trust_weight`] for why 0.5.
+    pub recovering_overlap_weight: f64,
+    /// The same for a `degraded` feed (and reserved codes), in [0, 1]. See
+    /// [`Config::trust_weight`] for why 0.
+    pub degraded_overlap_weight: f64,
 }
 
 impl Default for Config {
@@ -73,6 +80,8 @@ impl Default for Config {
             work_weight: 12.0,
             work_weight_follows_load: true,
             learned_step_times: false,
+            recovering_overlap_weight: 0.5,
+            degraded_overlap_weight: 0.0,
         }
     }
 }
@@ -176,6 +185,8 @@ pub struct Load {
     pub total_kv_blocks: u64,
     /// Step token budget (0 = unknown: the configured default applies).
     pub max_num_batched_tokens: u32,
+    /// The KV feed's trust state (interface 0.7.0).
+    pub kv_feed_trust: FeedTrust,
 }
 
 impl Load {
@@ -195,11 +206,11 @@ impl Load {
             c.total_kv_blocks,
             c.max_num_batched_tokens,
         );
-        let overlaps = dev.iter().zip(host).zip(disk);
+        let overlaps = dev.iter().zip(host).zip(disk).zip(c.kv_feed_trust);
         let work = prefill.iter().zip(decode).zip(requests);
         let capacity = prompt.iter().zip(total).zip(budget);
         overlaps.zip(work).zip(capacity).map(
-            |((((&d, &h), &k), ((&p, &u), &r)), ((&a, &t), &b))| Load {
+            |(((((&d, &h), &k), &trust), ((&p, &u), &r)), ((&a, &t), &b))| Load {
                 device_overlap: d,
                 host_overlap: h,
                 disk_overlap: k,
@@ -209,6 +220,7 @@ impl Load {
                 active_prompt_blocks: a,
                 total_kv_blocks: t,
                 max_num_batched_tokens: b,
+                kv_feed_trust: FeedTrust::from_code(trust),
             },
         )
     }
@@ -311,15 +323,40 @@ impl Config {
     #[inline(always)]
     pub fn own_tokens(&self, p: &Prompt, l: &Load) -> f64 {
         let (d, h, k) = (l.device_overlap, l.host_overlap, l.disk_overlap);
-        let cached = f64::from(d)
+        let cached = (f64::from(d)
             + self.host_tier_weight * f64::from(h.saturating_sub(d))
-            + self.disk_tier_weight * f64::from(k.saturating_sub(d.max(h)));
+            + self.disk_tier_weight * f64::from(k.saturating_sub(d.max(h))))
+            * self.trust_weight(l.kv_feed_trust);
         let credit = if self.credit_active_blocks {
             max(cached, f64::from(l.active_prompt_blocks))
         } else {
             cached
         };
         max(p.tokens - min(credit, p.reusable_blocks) * p.block, 1.0)
+    }
+
+    /// How much of a candidate's cache credit counts, by its KV feed's trust state. The overlap
+    /// columns come from the feed; the prompt blocks an earlier request booked there
+    /// (`active_prompt_blocks`) are the router's own and are never discounted.
+    ///
+    /// - `exact`: 1, the index is the engine's cache.
+    /// - `recovering` (`recovering_overlap_weight`, 0.5): the feed has just joined or
+    ///   reconnected, or a gap is being replayed. The index is wrong in both directions until
+    ///   the replay completes (it lacks blocks stored during the gap and still holds blocks
+    ///   evicted during it), and replays usually finish within a second: half credit keeps a
+    ///   deep, probably real hit attractive while a comparable exact one wins.
+    /// - `degraded` (`degraded_overlap_weight`, 0): events were lost for good. Going by its
+    ///   overlap is betting a full prefill on a view the router knows is not the engine's; a
+    ///   missed hit costs at most the recompute on an otherwise better-priced worker, a false
+    ///   one adds a whole prompt's compute to a worker picked for its cache. The candidate still
+    ///   competes on load, as a dead feed does under `dead_feed = "unknown"`.
+    #[inline(always)]
+    pub fn trust_weight(&self, t: FeedTrust) -> f64 {
+        match t {
+            FeedTrust::Exact => 1.0,
+            FeedTrust::Recovering => self.recovering_overlap_weight,
+            FeedTrust::Degraded => self.degraded_overlap_weight,
+        }
     }
 
     /// Blocks of the prompt the candidate must newly hold (those an earlier request made active

@@ -363,3 +363,58 @@ fn learned_step_times_scale_each_candidate_against_the_fleet() {
     let off = h.costs(&request(1000), &set);
     assert!(off.iter().all(|c| close(*c, fixed)), "{off:?}");
 }
+
+/// Interface 0.7.0: the cache credit of a candidate whose KV feed is recovering counts half, of a
+/// degraded one nothing; the prompt blocks the router itself booked there keep their credit.
+#[test]
+fn overlap_on_an_untrusted_feed_is_discounted() {
+    use kvroute_sdk::FeedTrust::{Degraded, Exact, Recovering};
+    let mut h = Harness::<DefaultPolicy>::new();
+    // 4,096 tokens = 256 blocks of 16; each candidate holds 200 of them on the device.
+    let req = request(4096);
+    let set = |t| {
+        [
+            candidate(1).device_overlap(200).kv_feed_trust(t),
+            candidate(2),
+        ]
+    };
+    let cost = |h: &mut Harness<DefaultPolicy>, t| h.costs(&req, &set(t))[0];
+    let (exact, recovering, degraded) = (
+        cost(&mut h, Exact),
+        cost(&mut h, Recovering),
+        cost(&mut h, Degraded),
+    );
+    let uncached = h.costs(&req, &[candidate(1), candidate(2)])[0];
+    assert!(
+        exact < recovering && recovering < degraded,
+        "{exact} {recovering} {degraded}"
+    );
+    // Degraded: as if nothing were cached. Recovering: as if half the blocks were.
+    assert!(close(degraded, uncached), "{degraded} vs {uncached}");
+    let half = h.costs(&req, &[candidate(1).device_overlap(100), candidate(2)])[0];
+    assert!(close(recovering, half), "{recovering} vs {half}");
+    // The deep hit on an exact feed wins; on a degraded one the idle peer is as good.
+    assert_eq!(h.pick(&req, &set(Exact)).worker_id, 1);
+    // Blocks an earlier request booked there are the router's own: not discounted.
+    let booked = |t| {
+        [
+            candidate(1)
+                .active_prompt_blocks(200)
+                .active_requests(1)
+                .kv_feed_trust(t),
+            candidate(2),
+        ]
+    };
+    assert!(close(
+        h.costs(&req, &booked(Degraded))[0],
+        h.costs(&req, &booked(Exact))[0]
+    ));
+    // Configurable, within [0, 1].
+    h.configure(r#"{"degraded_overlap_weight": 1, "recovering_overlap_weight": 1}"#)
+        .unwrap();
+    assert!(close(cost(&mut h, Degraded), exact) && close(cost(&mut h, Recovering), exact));
+    let e = h
+        .configure(r#"{"recovering_overlap_weight": 1.5}"#)
+        .unwrap_err();
+    assert!(e.contains("recovering_overlap_weight"), "{e}");
+}

@@ -26,6 +26,9 @@ pub struct ExplainRow {
     pub active_prefill_tokens: u64,
     pub active_decode_blocks: u64,
     pub active_requests: u32,
+    /// How far the candidate's overlaps can be trusted: its KV event feed's state (`exact`,
+    /// `recovering`, `degraded`; `exact` without a feed), the policy column `kv-feed-trust`.
+    pub kv_feed_trust: crate::feeds::Trust,
     pub taints: Vec<String>,
     pub base_cost: f64,
     /// The cost the pick was made from: the policy's when it answered costs, else the native
@@ -79,6 +82,9 @@ pub(super) fn candidate_rows(
             active_prefill_tokens: cols.active_prefill_tokens[i],
             active_decode_blocks: cols.active_decode_blocks[i],
             active_requests: cols.active_requests[i],
+            kv_feed_trust: crate::feeds::Trust::from_code(
+                cols.kv_feed_trust.get(i).copied().unwrap_or(0),
+            ),
             taints: cols
                 .taints_of(i)
                 .iter()

@@ -109,6 +109,7 @@ impl Router {
             self.config.block_size,
             crate::cost::reusable_blocks(p.prompt_tokens, self.config.block_size),
             &self.learned_cols.read(),
+            &self.feeds.untrusted(),
         );
         if self.config.feeds.dead_feed == DeadFeedRule::Unknown {
             s.forget_dead_overlaps(input.pool, &self.feeds.dead());
@@ -354,6 +355,7 @@ impl Scratch {
         block_size: u32,
         reusable: u32,
         learned: &rustc_hash::FxHashMap<crate::candidate::WorkerId, [f64; 2]>,
+        untrusted: &rustc_hash::FxHashMap<CandidateKey, crate::feeds::Trust>,
     ) {
         let Scratch {
             dense,
@@ -387,6 +389,8 @@ impl Scratch {
             cols.active_prompt_blocks.push(0);
             cols.total_kv_blocks.push(c.total_kv_blocks);
             cols.max_num_batched_tokens.push(c.max_num_batched_tokens);
+            cols.kv_feed_trust
+                .push(untrusted.get(&c.key).map_or(0, |t| t.code()));
             let [p, d] = learned.get(&c.key.worker_id).copied().unwrap_or_default();
             cols.prefill_ms_per_token.push(p);
             cols.decode_step_ms.push(d);

@@ -877,3 +877,46 @@ fn an_event_that_lost_the_race_with_a_removal_leaves_nothing_behind() {
         .device
         .is_empty());
 }
+
+#[test]
+fn explain_shows_each_candidates_feed_trust() {
+    use crate::feeds::Trust;
+    let r = router(RouterConfig::default());
+    for w in 1..=3 {
+        r.upsert_worker(w, worker(&[], 0)).unwrap();
+    }
+    // Worker 1's feed just opened (recovering until its first sync); worker 2's lost events for
+    // good; worker 3 has no feed.
+    let _c1 = r.feeds().open(CandidateKey::new(1, 0));
+    let c2 = r.feeds().open(CandidateKey::new(2, 0));
+    c2.set_trust(Trust::Degraded);
+    let trusts = |r: &Router| {
+        let d = r
+            .route_now(RouteRequest {
+                explain: true,
+                ..ask(prompt(64))
+            })
+            .unwrap();
+        let mut rows: Vec<_> = d
+            .candidates
+            .unwrap()
+            .iter()
+            .map(|c| (c.worker_id, c.kv_feed_trust))
+            .collect();
+        rows.sort_by_key(|(w, _)| *w);
+        rows
+    };
+    assert_eq!(
+        trusts(&r),
+        [
+            (1, Trust::Recovering),
+            (2, Trust::Degraded),
+            (3, Trust::Exact)
+        ]
+    );
+    c2.set_trust(Trust::Exact);
+    assert_eq!(
+        trusts(&r),
+        [(1, Trust::Recovering), (2, Trust::Exact), (3, Trust::Exact)]
+    );
+}

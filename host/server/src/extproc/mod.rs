@@ -212,6 +212,7 @@ impl ExtProc {
         let inbound = request::prepare(
             endpoint,
             &self.models,
+            None,
             headers,
             body,
             request_id.to_string(),

@@ -178,6 +178,8 @@ pub struct CandidateOut {
     pub active_prefill_tokens: u64,
     pub active_decode_blocks: u64,
     pub active_requests: u32,
+    /// The candidate's KV feed trust state (`exact` without a feed), as policies see it.
+    pub kv_feed_trust: kvroute_core::feeds::Trust,
     pub taints: Vec<String>,
     pub base_cost: f64,
     /// What the pick was made from: the policy's cost when it answered costs, else the native.
@@ -197,6 +199,7 @@ impl From<ExplainRow> for CandidateOut {
             active_prefill_tokens: r.active_prefill_tokens,
             active_decode_blocks: r.active_decode_blocks,
             active_requests: r.active_requests,
+            kv_feed_trust: r.kv_feed_trust,
             taints: r.taints,
             base_cost: finite_or_max(r.base_cost),
             cost: finite_or_max(r.cost),

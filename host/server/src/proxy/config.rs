@@ -21,6 +21,10 @@ pub struct ProxySection {
     pub probe_interval_ms: u64,
     /// Idle keep-alive connections kept per engine.
     pub max_idle_per_engine: usize,
+    /// How often each worker's `GET {endpoint}/v1/models` is polled for the LoRA adapters it
+    /// serves (entries with a `parent`, as vLLM lists them); a new worker is polled at once, a
+    /// worker whose breaker closes again too. 0: adapters are only the configured ones.
+    pub adapter_poll_interval_ms: u64,
 }
 
 impl Default for ProxySection {
@@ -32,6 +36,7 @@ impl Default for ProxySection {
             failure_threshold: 3,
             probe_interval_ms: 2_000,
             max_idle_per_engine: 64,
+            adapter_poll_interval_ms: 30_000,
         }
     }
 }

@@ -22,6 +22,7 @@
 //! Who calls it: the HTTP app (`http::app`) merges [`routes`] (this module knows nothing of the
 //! app's state); `serve::run` builds the [`Proxy`] and starts its health probe loop.
 
+pub mod adapters;
 pub mod config;
 pub mod error;
 pub mod health;
@@ -74,6 +75,8 @@ pub fn routes<S>(proxy: ProxyState) -> axum::Router<S> {
 pub struct Proxy {
     pub router: Arc<Router>,
     pub models: ModelRegistry,
+    /// LoRA adapters learned from the engines' `/v1/models` ([`adapters`]).
+    pub adapters: adapters::LearnedAdapters,
     pub health: Arc<Health>,
     pub metrics: ProxyMetrics,
     pub config: ProxySection,
@@ -105,9 +108,80 @@ impl Proxy {
             metrics,
             router,
             models,
+            adapters: adapters::LearnedAdapters::default(),
             config,
             limits,
             router_metrics,
+        }
+    }
+
+    /// Learns the LoRA adapters each worker serves from its `GET /v1/models` ([`adapters`]):
+    /// a worker at once when it is registered with an endpoint (retried every 2 s until it
+    /// answers), then every `adapter_poll_interval_ms`, and at once when its breaker closes
+    /// again. One poll at a time, each bounded; requests never wait for it. Runs until the
+    /// process ends; does nothing when the interval is 0.
+    pub async fn adapter_loop(self: Arc<Self>) {
+        use adapters::{parse_model_list, ADAPTER_POLL_TIMEOUT, MAX_MODELS_BYTES};
+        if self.config.adapter_poll_interval_ms == 0 {
+            return;
+        }
+        let interval = Duration::from_millis(self.config.adapter_poll_interval_ms);
+        let retry = interval.min(Duration::from_secs(2));
+        let mut tick = tokio::time::interval(interval.min(Duration::from_millis(250)));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut attempted: rustc_hash::FxHashMap<WorkerId, Instant> = Default::default();
+        let mut failing: rustc_hash::FxHashSet<WorkerId> = Default::default();
+        let only = match self.models.names().as_slice() {
+            [one] => Some(one.to_string()),
+            _ => None,
+        };
+        loop {
+            tick.tick().await;
+            let snap = self.router.registry().snapshot();
+            let has_endpoint =
+                |w: WorkerId| snap.workers.get(&w).is_some_and(|x| x.endpoint.is_some());
+            self.adapters.retain(has_endpoint, &self.models);
+            attempted.retain(|w, _| has_endpoint(*w));
+            let mut due = Vec::new();
+            for w in snap.workers.values() {
+                let Some(ep) = &w.endpoint else { continue };
+                let Some(base) = w.model.clone().or_else(|| only.clone()) else {
+                    continue;
+                };
+                if self.models.get(&base).is_none() {
+                    continue;
+                }
+                let id = w.worker_id;
+                if self.health.is_failing(id) {
+                    failing.insert(id);
+                    continue;
+                }
+                let recovered = failing.remove(&id);
+                let wait = if self.adapters.polled_at(id).is_some() {
+                    interval
+                } else {
+                    retry
+                };
+                let stale = attempted.get(&id).is_none_or(|t| t.elapsed() >= wait);
+                if stale || recovered {
+                    due.push((id, ep.clone(), base));
+                }
+            }
+            drop(snap);
+            for (w, ep, base) in due {
+                attempted.insert(w, Instant::now());
+                let listed = self
+                    .upstream
+                    .get_small(&ep, "/v1/models", ADAPTER_POLL_TIMEOUT, MAX_MODELS_BYTES)
+                    .await
+                    .and_then(|b| parse_model_list(&b));
+                match listed {
+                    Ok(list) => self.adapters.record(w, &base, list, &self.models),
+                    Err(e) => {
+                        tracing::debug!(worker_id = w, endpoint = %ep, error = %e, "could not list the engine's models (LoRA adapters)")
+                    }
+                }
+            }
         }
     }
 
@@ -153,6 +227,7 @@ impl Proxy {
         let inbound = request::prepare(
             endpoint,
             &self.models,
+            Some(&self.adapters),
             headers,
             body,
             request_id.to_string(),
@@ -160,6 +235,21 @@ impl Proxy {
         )
         .await?;
         let mut allowed = self.serving(inbound.model.name())?;
+        // A learned adapter is served only by the workers that list it.
+        if let Some(a) = inbound.learned_adapter.as_ref() {
+            allowed.retain(|w| a.workers.contains(w));
+            if allowed.is_empty() {
+                return Err(ProxyError::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "no_worker_for_model",
+                    format!(
+                        "no healthy worker with an endpoint serves LoRA adapter {:?} (listed by worker(s) {})",
+                        inbound.route.lora_name.as_deref().unwrap_or_default(),
+                        a.workers.iter().map(|w| w.to_string()).collect::<Vec<_>>().join(", ")
+                    ),
+                ));
+            }
+        }
         if let Some(asked) = &inbound.route.allowed_worker_ids {
             allowed.retain(|w| asked.contains(w));
             if allowed.is_empty() {
@@ -469,9 +559,13 @@ pub async fn models(State(s): State<ProxyState>) -> Response {
         .into_iter()
         .map(|n| serde_json::json!({"id": n, "object": "model", "created": 0, "owned_by": "kvroute", "root": n, "parent": null}))
         .collect();
-    // LoRA adapters as vLLM lists them: their own id, the model they are served on as parent.
+    // LoRA adapters as vLLM lists them: their own id, the model they are served on as parent;
+    // the configured ones, then those learned from the engines.
     data.extend(p.models.adapters().map(|(a, base)| {
         serde_json::json!({"id": a, "object": "model", "created": 0, "owned_by": "kvroute", "root": a, "parent": base})
+    }));
+    data.extend(p.adapters.all().iter().map(|(a, l)| {
+        serde_json::json!({"id": a, "object": "model", "created": 0, "owned_by": "kvroute", "root": a, "parent": l.base})
     }));
     Json(serde_json::json!({"object": "list", "data": data})).into_response()
 }

@@ -96,6 +96,8 @@ impl Endpoint {
 /// A request ready to route and forward.
 pub struct Inbound {
     pub model: Arc<Model>,
+    /// The learned adapter `model` named ([`super::adapters`]): only its workers serve it.
+    pub learned_adapter: Option<super::adapters::LearnedAdapter>,
     pub stream: bool,
     /// Prompt tokens, as the engine will count them.
     pub prompt_tokens: usize,
@@ -114,6 +116,7 @@ pub const INLINE_TOKENIZE_BYTES: usize = 16 * 1024;
 pub async fn prepare(
     endpoint: Endpoint,
     models: &ModelRegistry,
+    learned: Option<&super::adapters::LearnedAdapters>,
     headers: &HeaderMap,
     body: Bytes,
     request_id: String,
@@ -134,9 +137,24 @@ pub async fn prepare(
         ));
     };
     let ext = obj.remove("kvroute");
+    let mut learned_adapter = None;
     let resolved = match obj.get("model") {
         None | Some(Value::Null) => models.resolve_request(None)?,
-        Some(Value::String(name)) => models.resolve_request(Some(name))?,
+        Some(Value::String(name)) => match models.resolve_request(Some(name)) {
+            Ok(r) => r,
+            // Not configured: an adapter learned from the engines is served on its model.
+            Err(e) => match learned.and_then(|l| l.get(name)) {
+                Some(a) => {
+                    let r = kvroute_tokenize::Resolved {
+                        model: models.resolve(Some(&a.base))?,
+                        lora_name: Some(name.clone()),
+                    };
+                    learned_adapter = Some(a);
+                    r
+                }
+                None => return Err(e.into()),
+            },
+        },
         Some(_) => {
             return Err(ProxyError::field(
                 StatusCode::BAD_REQUEST,
@@ -240,6 +258,7 @@ pub async fn prepare(
     let route = rb.into_request(limits).map_err(in_kvroute)?;
     Ok(Inbound {
         model,
+        learned_adapter,
         stream,
         prompt_tokens,
         route,
@@ -257,10 +276,22 @@ fn body_cache_salt(v: Option<&Value>) -> Result<Option<&str>, ProxyError> {
     }
 }
 
+/// The route's token ids: the prompt's, as the engine computes them. A chat with media parts
+/// (images...) is uncached past its first media part (`kvroute_tokenize::media`): the ids are
+/// the prefix before the first message holding one, then stand-ins for the rest of the
+/// estimated prompt that no cached block can match ([`uncached_tail`]).
 fn tokenize(endpoint: Endpoint, model: &Model, body: &Value) -> Result<Vec<u32>, ProxyError> {
     let tokens = match endpoint {
         Endpoint::Completions => model.completion_tokens(body)?,
-        Endpoint::ChatCompletions => model.chat_tokens(body)?,
+        Endpoint::ChatCompletions => match model.chat_media_prompt(body)? {
+            None => model.chat_tokens(body)?,
+            Some(m) => {
+                let mut ids = m.prefix;
+                let tail = m.estimated_tokens.saturating_sub(ids.len());
+                ids.extend(uncached_tail(tail));
+                ids
+            }
+        },
         Endpoint::Messages => model.messages_tokens(body)?,
         Endpoint::Responses => model.responses_tokens(body)?,
     };
@@ -272,6 +303,15 @@ fn tokenize(endpoint: Endpoint, model: &Model, body: &Value) -> Result<Vec<u32>,
         ));
     }
     Ok(tokens)
+}
+
+/// `n` (at least 1) token ids that no engine block can hold: ids past every vocabulary, the
+/// first one drawn at random per request, so that its block, and every block after it (a
+/// block's identity chains its parent's), is new, even beside another request with the same
+/// prefix (whose images may differ).
+fn uncached_tail(n: usize) -> impl Iterator<Item = u32> {
+    let first = u32::MAX - 1 - (rand::random::<u32>() >> 8);
+    std::iter::once(first).chain(std::iter::repeat_n(u32::MAX, n.max(1) - 1))
 }
 
 /// A routing-field error names its place in the body: `kvroute.<field>`.
@@ -422,22 +462,38 @@ mod tests {
     use super::*;
     use kvroute_core::router::Prompt;
 
+    /// Loaded once per process: tests run in parallel, and writing the tokenizer file while
+    /// another test reads it made that one read a truncated file.
     fn models() -> ModelRegistry {
-        let dir = std::env::temp_dir().join(format!("kvroute-request-unit-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let spec = kvroute_tokenize::testing::test_model_spec(&dir).unwrap();
-        let mut specs = std::collections::BTreeMap::new();
-        specs.insert(
-            "base".to_string(),
-            kvroute_tokenize::ModelSpec {
-                adapters: vec!["sql-lora".into()],
-                ..spec
-            },
-        );
-        ModelRegistry::load_all(&specs).unwrap()
+        static MODELS: std::sync::OnceLock<ModelRegistry> = std::sync::OnceLock::new();
+        MODELS
+            .get_or_init(|| {
+                let dir = std::env::temp_dir()
+                    .join(format!("kvroute-request-unit-{}", std::process::id()));
+                std::fs::create_dir_all(&dir).unwrap();
+                let spec = kvroute_tokenize::testing::test_model_spec(&dir).unwrap();
+                let mut specs = std::collections::BTreeMap::new();
+                specs.insert(
+                    "base".to_string(),
+                    kvroute_tokenize::ModelSpec {
+                        adapters: vec!["sql-lora".into()],
+                        ..spec
+                    },
+                );
+                ModelRegistry::load_all(&specs).unwrap()
+            })
+            .clone()
     }
 
     fn run(body: Value, hdrs: &[(&'static str, &str)]) -> Result<Inbound, ProxyError> {
+        run_learned(body, hdrs, None)
+    }
+
+    fn run_learned(
+        body: Value,
+        hdrs: &[(&'static str, &str)],
+        learned: Option<&super::super::adapters::LearnedAdapters>,
+    ) -> Result<Inbound, ProxyError> {
         let mut headers = HeaderMap::new();
         for (k, v) in hdrs {
             headers.insert(*k, v.parse().unwrap());
@@ -452,6 +508,7 @@ mod tests {
         rt.block_on(prepare(
             Endpoint::Completions,
             &models(),
+            learned,
             &headers,
             Bytes::from(serde_json::to_vec(&body).unwrap()),
             "r1".into(),
@@ -543,6 +600,56 @@ mod tests {
             .expect("refused");
             assert_eq!(field_of(e), "cache_salt");
         }
+    }
+
+    #[test]
+    fn a_learned_adapter_as_model_hashes_with_its_name_and_names_its_workers() {
+        let learned = super::super::adapters::LearnedAdapters::default();
+        // Unknown until a worker lists it.
+        let e = run_learned(
+            serde_json::json!({"model": "web-lora", "prompt": "hello there"}),
+            &[],
+            Some(&learned),
+        )
+        .err()
+        .expect("unknown");
+        assert_eq!(e.status(), StatusCode::NOT_FOUND);
+        learned.record(
+            3,
+            "base",
+            vec![("web-lora".into(), "base".into())],
+            &models(),
+        );
+        let plain = run(
+            serde_json::json!({"model": "base", "prompt": "hello there"}),
+            &[],
+        )
+        .unwrap();
+        let i = run_learned(
+            serde_json::json!({"model": "web-lora", "prompt": "hello there"}),
+            &[],
+            Some(&learned),
+        )
+        .unwrap();
+        assert_eq!(i.model.name(), "base");
+        assert_eq!(i.route.lora_name.as_deref(), Some("web-lora"));
+        assert_eq!(
+            i.learned_adapter
+                .as_ref()
+                .map(|a| a.workers.iter().copied().collect::<Vec<_>>()),
+            Some(vec![3])
+        );
+        assert_eq!(i.route.prompt, plain.route.prompt);
+        assert_eq!(forwarded(&i)["model"], "web-lora");
+        // A configured adapter is not restricted to listing workers.
+        let c = run_learned(
+            serde_json::json!({"model": "sql-lora", "prompt": "hi"}),
+            &[],
+            Some(&learned),
+        )
+        .unwrap();
+        assert!(c.learned_adapter.is_none());
+        assert_eq!(c.route.lora_name.as_deref(), Some("sql-lora"));
     }
 
     #[test]

@@ -125,6 +125,38 @@ impl Upstream {
             Ok(Ok(r)) if r.status().is_success()
         )
     }
+    /// `GET {endpoint}{path}` with a deadline: the body when the engine answers 2xx, at most
+    /// `max_bytes` of it (a longer body is an error). For the proxy's background polls (adapters).
+    pub async fn get_small(
+        &self,
+        endpoint: &str,
+        path: &str,
+        timeout: Duration,
+        max_bytes: usize,
+    ) -> Result<Bytes, String> {
+        use http_body_util::BodyExt;
+        let uri = Self::uri(endpoint, path).map_err(|e| e.to_string())?;
+        let req = Request::builder()
+            .method(Method::GET)
+            .uri(uri)
+            .body(Full::new(Bytes::new()))
+            .map_err(|e| e.to_string())?;
+        let fetch = async {
+            let resp = self.client.request(req).await.map_err(|e| describe(&e))?;
+            if !resp.status().is_success() {
+                return Err(format!("answered {}", resp.status()));
+            }
+            let limited = http_body_util::Limited::new(resp.into_body(), max_bytes);
+            limited
+                .collect()
+                .await
+                .map(|b| b.to_bytes())
+                .map_err(|e| format!("reading the answer: {e} (limit {max_bytes} bytes)"))
+        };
+        tokio::time::timeout(timeout, fetch)
+            .await
+            .map_err(|_| format!("no answer within {} ms", timeout.as_millis()))?
+    }
 }
 
 /// The error and its causes in one line (hyper's top-level message alone says little).

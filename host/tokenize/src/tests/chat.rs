@@ -441,3 +441,51 @@ fn server_content_format_and_default_kwargs_act_as_vllms_flags() {
         "expected \"auto\", \"string\" or \"openai\"",
     );
 }
+
+/// A chat with an image: only the messages before the first message holding a media part can
+/// match cached blocks; their tokens are the same conversation's tokens without it, and the
+/// prompt's length is estimated from its text.
+#[test]
+fn a_chat_with_an_image_is_cacheable_only_before_its_first_media_message() {
+    let (model, _dir) = test_model();
+    let image = json!({"type": "image_url", "image_url": {"url": "data:,"}});
+    let body = json!({"messages": [
+        {"role": "system", "content": "Be brief. Describe what you are shown, in a few words."},
+        {"role": "user", "content": "Here is a picture of the harbour at dawn, taken from the hill."},
+        {"role": "assistant", "content": "I see it."},
+        {"role": "user", "content": [{"type": "text", "text": "And this one?"}, image]},
+    ]});
+    let m = model
+        .chat_media_prompt(&body)
+        .unwrap()
+        .expect("a media prompt");
+    assert_eq!(m.first_media_message, 3);
+    // The first three messages as the whole conversation renders them, less the last token.
+    let full_text = model
+        .chat_tokens(&json!({"messages": [
+            body["messages"][0], body["messages"][1], body["messages"][2],
+            {"role": "user", "content": "And this one?"},
+        ]}))
+        .unwrap();
+    assert!(m.prefix.len() > 20, "{m:?}");
+    assert_eq!(&full_text[..m.prefix.len()], &m.prefix[..]);
+    // What follows the prefix in the text-only rendering is the next message's start.
+    assert_eq!(m.estimated_tokens, full_text.len());
+    // An image in the first message: nothing can match.
+    let first = json!({"messages": [{"role": "user", "content": [image, {"type": "text", "text": "Hi?"}]}]});
+    let m = model.chat_media_prompt(&first).unwrap().unwrap();
+    assert_eq!((m.first_media_message, m.prefix.len()), (0, 0));
+    assert!(m.estimated_tokens >= 1);
+    // No media: not a media prompt; chat_tokens still refuses a media part, as before.
+    assert!(model.chat_media_prompt(&conversation()).unwrap().is_none());
+    assert!(model.chat_tokens(&body).is_err());
+    // A non-text part that is not media is still refused.
+    let odd = json!({"messages": [{"role": "user", "content": [{"type": "hologram"}, image]}]});
+    assert!(model.chat_media_prompt(&odd).is_err());
+    // The stand-in the mock engine uses differs per image.
+    let other = json!({"type": "image_url", "image_url": {"url": "data:,x"}});
+    assert_ne!(
+        crate::media::media_stand_in(&image),
+        crate::media::media_stand_in(&other)
+    );
+}

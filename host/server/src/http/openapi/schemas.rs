@@ -302,6 +302,7 @@ pub fn schemas() -> Value {
                 "active_prefill_tokens": u64_int("Booked prompt tokens not yet prefilled."),
                 "active_decode_blocks": u64_int("Booked KV blocks."),
                 "active_requests": int("Bookings."),
+                "kv_feed_trust": d(json!({"type": "string", "enum": ["exact", "recovering", "degraded"]}), "How far its overlaps can be trusted: its KV event feed's trust state (exact without a feed; SPEC §4.4), the policy column kv-feed-trust."),
                 "taints": strings("Its taints."),
                 "base_cost": num("Native cost without preferences (SPEC §7)."),
                 "cost": num("What the pick was made from: the policy's cost when it answered costs, else the native cost (ranks for non-admin clients, docs/API.md §3.6)."),
