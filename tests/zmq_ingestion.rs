@@ -430,6 +430,18 @@ fn a_lost_message_is_recovered_by_replay_in_both_reply_formats() {
     server.register_with_events(2, &legacy, json!({}));
     new_fmt.wait_sub();
     legacy.wait_sub();
+    // Each feed asks its engine's replay endpoint once on connect (the join sync) and is
+    // `recovering` until that answer is applied. Wait for it, so the only replay below is the
+    // gap's: a store racing the join sync would be counted as replayed by it too.
+    eventually("both feeds' join sync done", || {
+        let w = server.json("GET", "/v1/workers", None);
+        let workers = w["workers"].as_array().expect("workers array");
+        (workers.len() == 2
+            && workers
+                .iter()
+                .all(|w| w["ranks"][0]["kv_feed"]["trust"] == json!("exact")))
+        .then_some(())
+    });
     for (worker, p) in [(1u64, &mut new_fmt), (2, &mut legacy)] {
         let t = tokens(10 * worker as u32, 20);
         let h = p.store(&t[..8], None, json!({}));
