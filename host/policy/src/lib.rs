@@ -72,6 +72,7 @@ mod stage;
 mod stats;
 mod text;
 mod ticker;
+mod time;
 mod watch;
 mod wire;
 mod worker;

@@ -4,7 +4,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
-use std::time::{Instant, SystemTime};
+use std::time::Instant;
 
 use arc_swap::ArcSwapOption;
 use parking_lot::Mutex;
@@ -28,7 +28,7 @@ use super::{DecisionContext, TaintTable};
 mod image;
 mod load;
 mod rollout;
-mod version;
+pub(crate) mod version;
 
 pub use image::{Checkpoint, RegistryImage, VersionImage};
 use version::Source;
@@ -641,33 +641,6 @@ fn columns_consistent(c: &CandidateColumns) -> bool {
         && c.taint_offsets.len() == n + 1
         && c.taint_offsets.first() == Some(&0)
         && c.taint_offsets.last().map(|&l| l as usize) == Some(c.taint_ids.len())
-}
-
-/// RFC 3339 (UTC, seconds) of a system time.
-pub(crate) fn rfc3339(t: SystemTime) -> String {
-    let secs = t
-        .duration_since(SystemTime::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0);
-    let days = (secs / 86_400) as i64;
-    let rem = secs % 86_400;
-    // Civil date from days since 1970-01-01 (H. Hinnant's algorithm).
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let y = yoe + era * 400;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = if m <= 2 { y + 1 } else { y };
-    format!(
-        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
-        rem / 3600,
-        (rem % 3600) / 60,
-        rem % 60
-    )
 }
 
 #[cfg(test)]

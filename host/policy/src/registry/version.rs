@@ -19,7 +19,7 @@ use std::sync::atomic::AtomicU32;
 use std::sync::Arc;
 use std::time::SystemTime;
 
-use super::*;
+use crate::time::rfc3339;
 
 /// What a decision through the policy produced.
 #[derive(Clone, Debug, PartialEq)]

@@ -29,7 +29,8 @@ use kvroute_core::Stage;
 
 use crate::answer::Answer;
 use crate::error::{FallbackReason, PolicyError};
-use crate::registry::{rfc3339, PolicyVersion};
+use crate::registry::version::PolicyVersion;
+use crate::time::rfc3339;
 use crate::wire::with_wit_decision;
 use crate::DecisionContext;
 
