@@ -105,6 +105,27 @@ fn rollout_body(headers: &HeaderMap, body: &[u8]) -> Result<String, ApiError> {
     Ok(text.to_string())
 }
 
+/// Runs `op` on the registry off the async threads (through the persisted state when there is
+/// one), its errors naming the policy: the rollout endpoints' one way in.
+async fn on_policy<T: Send + 'static>(
+    s: &AppState,
+    name: &str,
+    op: impl FnOnce(&PolicyRegistry, &str) -> Result<T, PolicyError> + Send + 'static,
+) -> Result<T, ApiError> {
+    let owned = name.to_string();
+    off_thread(s, move |r| op(r, &owned))
+        .await
+        .map_err(|e| e.for_policy(name))
+}
+
+/// A policy with no loaded version is unknown (404).
+fn known(s: &AppState, name: &str) -> Result<(), ApiError> {
+    if s.policies.versions(name).is_empty() {
+        return Err(ApiError::from(PolicyError::UnknownPolicy(name.to_string())));
+    }
+    Ok(())
+}
+
 /// `POST /v1/policies/{name}/shadow` `{"version"?, "sample"?}`.
 pub(super) async fn start_shadow(
     State(s): State<AppState>,
@@ -114,12 +135,7 @@ pub(super) async fn start_shadow(
 ) -> Result<Json<Value>, ApiError> {
     kvroute_policy::validate_name(&name)?;
     let spec = ShadowSpec::from_json(&rollout_body(&headers, &body)?)?;
-    let report = off_thread(&s, {
-        let name = name.clone();
-        move |r| r.start_shadow(&name, &spec)
-    })
-    .await
-    .map_err(|e| e.for_policy(&name))?;
+    let report = on_policy(&s, &name, move |r, name| r.start_shadow(name, &spec)).await?;
     Ok(Json(json!({"shadow": report})))
 }
 
@@ -130,12 +146,7 @@ pub(super) async fn stop_shadow(
     _: NoBody,
 ) -> Result<Json<Value>, ApiError> {
     kvroute_policy::validate_name(&name)?;
-    let report = off_thread(&s, {
-        let name = name.clone();
-        move |r| r.stop_shadow(&name)
-    })
-    .await
-    .map_err(|e| e.for_policy(&name))?;
+    let report = on_policy(&s, &name, move |r, name| r.stop_shadow(name)).await?;
     Ok(Json(json!({"shadow": report})))
 }
 
@@ -145,9 +156,7 @@ pub(super) async fn get_shadow(
     ApiPath(name): ApiPath<String>,
 ) -> Result<Json<Value>, ApiError> {
     kvroute_policy::validate_name(&name)?;
-    if s.policies.versions(&name).is_empty() {
-        return Err(ApiError::from(PolicyError::UnknownPolicy(name)));
-    }
+    known(&s, &name)?;
     Ok(Json(json!({"shadow": s.policies.shadow_report(&name)})))
 }
 
@@ -160,12 +169,7 @@ pub(super) async fn start_canary(
 ) -> Result<Json<Value>, ApiError> {
     kvroute_policy::validate_name(&name)?;
     let spec = CanarySpec::from_json(&rollout_body(&headers, &body)?)?;
-    let report = off_thread(&s, {
-        let name = name.clone();
-        move |r| r.start_canary(&name, &spec)
-    })
-    .await
-    .map_err(|e| e.for_policy(&name))?;
+    let report = on_policy(&s, &name, move |r, name| r.start_canary(name, &spec)).await?;
     Ok(Json(json!({"canary": report})))
 }
 
@@ -176,12 +180,7 @@ pub(super) async fn stop_canary(
     _: NoBody,
 ) -> Result<Json<Value>, ApiError> {
     kvroute_policy::validate_name(&name)?;
-    let record = off_thread(&s, {
-        let name = name.clone();
-        move |r| r.stop_canary(&name)
-    })
-    .await
-    .map_err(|e| e.for_policy(&name))?;
+    let record = on_policy(&s, &name, move |r, name| r.stop_canary(name)).await?;
     Ok(Json(json!({"record": record})))
 }
 
@@ -192,9 +191,7 @@ pub(super) async fn get_canary(
     ApiPath(name): ApiPath<String>,
 ) -> Result<Json<Value>, ApiError> {
     kvroute_policy::validate_name(&name)?;
-    if s.policies.versions(&name).is_empty() {
-        return Err(ApiError::from(PolicyError::UnknownPolicy(name)));
-    }
+    known(&s, &name)?;
     let (live, records) = s.policies.canary_report(&name);
     Ok(Json(json!({"canary": live, "records": records})))
 }
