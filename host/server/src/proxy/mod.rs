@@ -357,24 +357,16 @@ impl Proxy {
                 400..=499 => "engine_refused",
                 _ => "engine_error_status",
             };
-            let (parts, incoming) = resp.into_parts();
-            let mut out = Response::builder().status(parts.status);
-            for (k, v) in &parts.headers {
-                if !HOP_BY_HOP.contains(&k.as_str()) {
-                    out = out.header(k, v);
-                }
+            // The engine's head, relayed in place (no second header map): its status and
+            // headers minus the hop-by-hop ones, as HTTP/1.1, without what hyper's client attached.
+            let (mut parts, incoming) = resp.into_parts();
+            parts.version = axum::http::Version::HTTP_11;
+            parts.extensions.clear();
+            let h = &mut parts.headers;
+            for name in HOP_BY_HOP {
+                h.remove(*name);
             }
-            let sleep = Box::pin(tokio::time::sleep_until(deadline.into()));
-            let body = GuardedBody::new(incoming, life, sleep, end);
-            let mut resp = out.body(axum::body::Body::new(body)).map_err(|e| {
-                ProxyError::new(
-                    StatusCode::BAD_GATEWAY,
-                    "upstream_invalid",
-                    format!("the engine's answer cannot be relayed: {e}"),
-                )
-            })?;
             // Ours, whatever the engine said (an engine may echo x-request-id too).
-            let h = resp.headers_mut();
             if let Ok(v) = HeaderValue::from_str(&format!("{w}/{rank}")) {
                 h.insert(HeaderName::from_static("x-kvroute-worker"), v);
             }
@@ -386,7 +378,9 @@ impl Proxy {
             if let Ok(v) = HeaderValue::from_str(request_id) {
                 h.insert(HeaderName::from_static("x-request-id"), v);
             }
-            return Ok(resp);
+            let sleep = Box::pin(tokio::time::sleep_until(deadline.into()));
+            let body = GuardedBody::new(incoming, life, sleep, end);
+            return Ok(Response::from_parts(parts, axum::body::Body::new(body)));
         }
         Err(ProxyError::new(
             StatusCode::SERVICE_UNAVAILABLE,

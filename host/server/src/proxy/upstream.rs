@@ -1,6 +1,16 @@
-//! The HTTP/1.1 client to engines: one pooled hyper client (keep-alive connections per engine)
-//! shared by every serving thread.
+//! The HTTP/1.1 client to engines: pooled hyper clients (keep-alive connections per engine), one
+//! per thread that sends.
+//!
+//! Each serving thread runs its own current-thread runtime (`http::serving`), and a hyper
+//! connection is driven by a task on the runtime that opened it. One client shared by every
+//! thread hands a connection opened on one runtime (the main one's adapter or health polls, or
+//! another serving thread) to a request on another, and every request and answer on it then
+//! crosses threads: two wake-ups (an eventfd write and a context switch each) per request. So
+//! each thread gets its own client and pool, as each nginx worker keeps its own upstream
+//! keep-alive connections: a request and its engine connection stay on one thread.
 
+use std::cell::RefCell;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::Duration;
 
 use axum::http::{header, HeaderMap, HeaderName, HeaderValue, Method, Request, Response, Uri};
@@ -32,9 +42,20 @@ pub const HOP_BY_HOP: &[&str] = &[
 /// vLLM's header choosing a data-parallel rank of one API server.
 pub const DP_RANK_HEADER: &str = "x-data-parallel-rank";
 
+type HttpClient = Client<HttpConnector, Full<Bytes>>;
+
 #[derive(Clone)]
 pub struct Upstream {
-    client: Client<HttpConnector, Full<Bytes>>,
+    /// Tells this `Upstream`'s clients from other ones' in a thread's [`CLIENTS`] (tests build
+    /// several proxies in one process).
+    id: u64,
+    connect_timeout: Duration,
+    max_idle_per_engine: usize,
+}
+
+thread_local! {
+    /// This thread's clients, by [`Upstream::id`] (one, outside tests).
+    static CLIENTS: RefCell<Vec<(u64, HttpClient)>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Why a request never got an answer's head.
@@ -44,14 +65,32 @@ pub struct SendError(pub String);
 
 impl Upstream {
     pub fn new(cfg: &ProxySection) -> Self {
-        let mut http = HttpConnector::new();
-        http.set_connect_timeout(Some(Duration::from_millis(cfg.connect_timeout_ms)));
-        http.set_nodelay(true);
-        let client = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(Duration::from_secs(90))
-            .pool_max_idle_per_host(cfg.max_idle_per_engine)
-            .build(http);
-        Self { client }
+        static NEXT_ID: AtomicU64 = AtomicU64::new(0);
+        Self {
+            id: NEXT_ID.fetch_add(1, Relaxed),
+            connect_timeout: Duration::from_millis(cfg.connect_timeout_ms),
+            max_idle_per_engine: cfg.max_idle_per_engine,
+        }
+    }
+
+    /// The calling thread's client (made on its first request; its connections are driven by
+    /// this thread's runtime).
+    fn client(&self) -> HttpClient {
+        CLIENTS.with(|c| {
+            let mut clients = c.borrow_mut();
+            if let Some((_, client)) = clients.iter().find(|(id, _)| *id == self.id) {
+                return client.clone();
+            }
+            let mut http = HttpConnector::new();
+            http.set_connect_timeout(Some(self.connect_timeout));
+            http.set_nodelay(true);
+            let client = Client::builder(TokioExecutor::new())
+                .pool_idle_timeout(Duration::from_secs(90))
+                .pool_max_idle_per_host(self.max_idle_per_engine)
+                .build(http);
+            clients.push((self.id, client.clone()));
+            client
+        })
     }
 
     /// The URI of `path` (`/v1/...`) on an engine whose endpoint is `http://HOST:PORT[/prefix]`
@@ -102,7 +141,7 @@ impl Upstream {
         let req = req
             .body(Full::new(body))
             .map_err(|e| SendError(format!("cannot build the engine request: {e}")))?;
-        self.client
+        self.client()
             .request(req)
             .await
             .map_err(|e| SendError(describe(&e)))
@@ -121,7 +160,7 @@ impl Upstream {
             return false;
         };
         matches!(
-            tokio::time::timeout(timeout, self.client.request(req)).await,
+            tokio::time::timeout(timeout, self.client().request(req)).await,
             Ok(Ok(r)) if r.status().is_success()
         )
     }
@@ -142,7 +181,7 @@ impl Upstream {
             .body(Full::new(Bytes::new()))
             .map_err(|e| e.to_string())?;
         let fetch = async {
-            let resp = self.client.request(req).await.map_err(|e| describe(&e))?;
+            let resp = self.client().request(req).await.map_err(|e| describe(&e))?;
             if !resp.status().is_success() {
                 return Err(format!("answered {}", resp.status()));
             }
