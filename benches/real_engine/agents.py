@@ -79,7 +79,7 @@ def make_model(py, work):
 
 
 class Engine:
-    def __init__(self, name, vdir, model, kv_bytes, logdir):
+    def __init__(self, name, vdir, model, kv_bytes, logdir, max_model_len=4096):
         self.name = name
         self.port, self.kv, self.replay = free_port(), free_port(), free_port()
         kv_config = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
@@ -96,8 +96,11 @@ class Engine:
             [os.path.join(vdir, "bin", "vllm"), "serve", model, "--served-model-name", MODEL,
              "--host", "127.0.0.1", "--port", str(self.port), "--load-format", "dummy",
              "--block-size", str(BLOCK), "--enable-prefix-caching", "--kv-events-config", kv_config,
-             "--kv-cache-memory-bytes", str(kv_bytes), "--max-model-len", "4096",
-             "--max-num-seqs", "8", "--enable-prompt-tokens-details"],
+             "--kv-cache-memory-bytes", str(kv_bytes), "--max-model-len", str(max_model_len),
+             "--max-num-seqs", "8", "--enable-prompt-tokens-details",
+             # Chats with `tools` are refused without a tool parser; the render endpoints
+             # (`tokenize = "engine"`, render_cost.py) need scale-out.
+             "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--enable-scale-out"],
             env=env, stdout=open(self.log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait_ready(self, timeout=600):
