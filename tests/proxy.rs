@@ -93,10 +93,20 @@ impl Fleet {
 
     /// One engine per entry of `engine_args`, each started with its own flags.
     fn start_each(engine_args: &[&[&str]], proxy: &str, extra: &str) -> Fleet {
+        Self::start_model(engine_args, proxy, "", extra)
+    }
+
+    /// `model` is added to the model's `[models.NAME]` table.
+    pub(crate) fn start_model(
+        engine_args: &[&[&str]],
+        proxy: &str,
+        model: &str,
+        extra: &str,
+    ) -> Fleet {
         let n = engine_args.len();
         let engines: Vec<MockEngine> = engine_args.iter().map(|a| MockEngine::start(a)).collect();
         let mut toml = format!(
-            "block_size = 16\n\n[proxy]\nenabled = true\n{proxy}\n\n[models.{MODEL}]\ntokenizer = {:?}\n",
+            "block_size = 16\n\n[proxy]\nenabled = true\n{proxy}\n\n[models.{MODEL}]\ntokenizer = {:?}\n{model}\n",
             model_dir().join("tokenizer.json")
         );
         for (i, e) in engines.iter().enumerate() {

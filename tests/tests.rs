@@ -32,5 +32,6 @@ mod replay;
 mod rollout;
 mod sandbox;
 mod state;
+mod tokenize_engine;
 mod tutorial;
 mod zmq_ingestion;

@@ -59,6 +59,10 @@ pub struct MockEngineArgs {
     /// Tokens generated when a request sets no `max_tokens`.
     #[arg(long, default_value_t = 16)]
     pub default_max_tokens: u32,
+    /// Milliseconds each render endpoint (`POST /v1/chat/completions/render`, ...) waits before
+    /// it answers, to show a router's render deadline.
+    #[arg(long, default_value_t = 0)]
+    pub render_delay_ms: u64,
 }
 
 impl MockEngineArgs {

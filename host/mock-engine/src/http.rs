@@ -50,6 +50,8 @@ pub struct AppState {
     pub default_max_tokens: u32,
     /// Start time (seconds since the epoch), the model's `created`.
     pub created: u64,
+    /// How long the render endpoints wait before they answer (`--render-delay-ms`).
+    pub render_delay: std::time::Duration,
     next_request: AtomicU64,
 }
 
@@ -67,6 +69,7 @@ impl AppState {
             adapters: Vec::new(),
             default_max_tokens,
             created: now_secs(),
+            render_delay: std::time::Duration::ZERO,
             next_request: AtomicU64::new(1),
         }
     }
@@ -86,6 +89,10 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/chat/completions", post(chat))
         .route("/v1/messages", post(messages))
         .route("/v1/responses", post(responses))
+        .route("/v1/completions/render", post(render_completions))
+        .route("/v1/chat/completions/render", post(render_chat))
+        .route("/v1/messages/render", post(render_messages))
+        .route("/v1/responses/render", post(render_responses))
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))
@@ -158,6 +165,57 @@ async fn responses(
     body: Bytes,
 ) -> Result<Response, ApiError> {
     generate(s, Api::Responses, &headers, &body).await
+}
+
+async fn render_completions(
+    State(s): State<Arc<AppState>>,
+    body: Bytes,
+) -> Result<Json<Value>, ApiError> {
+    let one = render(&s, Api::Completions, &body).await?;
+    Ok(Json(Value::Array(vec![one])))
+}
+
+async fn render_chat(State(s): State<Arc<AppState>>, body: Bytes) -> Result<Json<Value>, ApiError> {
+    render(&s, Api::Chat, &body).await.map(Json)
+}
+
+async fn render_messages(
+    State(s): State<Arc<AppState>>,
+    body: Bytes,
+) -> Result<Json<Value>, ApiError> {
+    render(&s, Api::Messages, &body).await.map(Json)
+}
+
+async fn render_responses(
+    State(s): State<Arc<AppState>>,
+    body: Bytes,
+) -> Result<Json<Value>, ApiError> {
+    render(&s, Api::Responses, &body).await.map(Json)
+}
+
+/// vLLM's render endpoints (`--enable-scale-out`): the prompt ids the generation endpoint would
+/// compute for `body`, as a `GenerateRequest` (`{"request_id", "token_ids"}`), without
+/// generating; after `--render-delay-ms`.
+async fn render(s: &AppState, api: Api, body: &[u8]) -> Result<Value, ApiError> {
+    let body: Value = serde_json::from_slice(body)?;
+    if let Some(m) = body.get("model").and_then(Value::as_str) {
+        if m != s.model && !s.adapters.iter().any(|a| a == m) {
+            return Err(ApiError::unknown_model(m, &s.model));
+        }
+    }
+    let ids = match api {
+        Api::Completions => s.tokenizer.completion_tokens(&body)?,
+        Api::Chat => s.tokenizer.chat_tokens(&body)?,
+        Api::Messages => s.tokenizer.messages_tokens(&body)?,
+        Api::Responses => s.tokenizer.responses_tokens(&body)?,
+    };
+    if !s.render_delay.is_zero() {
+        tokio::time::sleep(s.render_delay).await;
+    }
+    Ok(serde_json::json!({
+        "request_id": format!("render-{}", s.next_request.fetch_add(1, Relaxed)),
+        "token_ids": ids,
+    }))
 }
 
 /// Everything one generation needs after its first delivery.

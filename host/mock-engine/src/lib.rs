@@ -97,6 +97,7 @@ async fn serve(args: MockEngineArgs) -> Result<(), String> {
         args.default_max_tokens,
     );
     state.adapters = args.lora_adapters.clone();
+    state.render_delay = std::time::Duration::from_millis(args.render_delay_ms);
     let state = Arc::new(state);
     let listener = tokio::net::TcpListener::bind(&args.listen)
         .await

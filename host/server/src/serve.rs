@@ -320,7 +320,8 @@ pub async fn run(
             ));
             let p = proxy.clone();
             metrics.add_renderer(Arc::new(move |out: &mut String| {
-                p.metrics.render(&p.health, out)
+                p.metrics.render(&p.health, out);
+                p.render.render_metrics(out);
             }));
             Some(proxy)
         }
@@ -345,11 +346,26 @@ pub async fn run(
                     metrics.clone(),
                     config.ext_proc.clone(),
                 )
-                .with_policies(policies.clone()),
+                .with_policies(policies.clone())
+                .with_render(match &proxy {
+                    Some(p) => p.render.clone(),
+                    None => Arc::new(crate::proxy::render::EngineRender::new(
+                        router.clone(),
+                        models.clone(),
+                        crate::proxy::upstream::Upstream::new(&config.proxy),
+                        None,
+                    )),
+                }),
             );
             {
                 let e = ext.clone();
-                metrics.add_renderer(Arc::new(move |out: &mut String| e.metrics.render(out)));
+                let own_render = proxy.is_none();
+                metrics.add_renderer(Arc::new(move |out: &mut String| {
+                    e.metrics.render(out);
+                    if own_render {
+                        e.render_metrics(out);
+                    }
+                }));
             }
             tracing::info!(ext_proc = %bound, "kvroute ext_proc listening (Envoy endpoint picker, gRPC)");
             let mut stopped = ext_proc_stopped.clone();

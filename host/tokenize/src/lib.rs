@@ -24,6 +24,8 @@
 //! - the tokenizer cache (`cache.rs`): a prompt text cut before its special tokens, where the
 //!   tokenizer cannot merge across, each part's ids cached by its text and each request's by its
 //!   body; exact by construction (the argument is in the module), bounded by a byte budget.
+//! - [`RenderedIds`] (`rendered.rs`): with `tokenize = "engine"`, the ids a worker's render
+//!   endpoint answered, kept by request ([`render_key`]); the server does the I/O.
 //! - [`ModelRegistry`] (`registry.rs`): every configured model by name.
 //! - [`testing`]: a small BPE tokenizer trained at test time, so no test downloads anything.
 //!
@@ -38,6 +40,7 @@ mod error;
 pub mod media;
 mod model;
 mod registry;
+mod rendered;
 mod spec;
 mod template;
 pub mod testing;
@@ -47,7 +50,8 @@ pub use error::TokenizeError;
 pub use media::MediaPrompt;
 pub use model::Model;
 pub use registry::{ModelRegistry, Resolved};
-pub use spec::ModelSpec;
+pub use rendered::{render_key, RenderedIds};
+pub use spec::{ModelSpec, TokenizeMode, DEFAULT_RENDER_CACHE_BYTES, DEFAULT_RENDER_TIMEOUT_MS};
 
 #[cfg(test)]
 mod tests;

@@ -9,8 +9,12 @@ use tokenizers::Tokenizer;
 use crate::cache::{self, CacheStats, TokenCache, CHAT_REQUEST, COMPLETION_REQUEST};
 use crate::chat::{template_sources, ChatOptions, ChatTemplate};
 use crate::config::TokenizerConfig;
+use crate::rendered::RenderedIds;
 use crate::template::ContentFormat;
-use crate::{completion, ModelSpec, TokenizeError};
+use crate::{
+    completion, ModelSpec, TokenizeError, TokenizeMode, DEFAULT_RENDER_CACHE_BYTES,
+    DEFAULT_RENDER_TIMEOUT_MS,
+};
 
 /// A loaded model. `Send + Sync`: share it in an `Arc` across request handlers.
 pub struct Model {
@@ -24,6 +28,12 @@ pub struct Model {
     cache: TokenCache,
     /// The `reasoning_effort` an Anthropic `thinking: {"type": "disabled"}` stands for.
     disabled_effort: std::sync::OnceLock<&'static str>,
+    /// `tokenize`: who computes the prompt ids.
+    tokenize: TokenizeMode,
+    /// `render_timeout_ms`, with `tokenize = "engine"`.
+    render_timeout: std::time::Duration,
+    /// With `tokenize = "engine"`: what the engines rendered, by request (`rendered.rs`).
+    rendered: RenderedIds,
 }
 
 impl fmt::Debug for Model {
@@ -34,6 +44,7 @@ impl fmt::Debug for Model {
             .field("has_chat_template", &self.chat.is_some())
             .field("block_size", &self.block_size)
             .field("cache", &self.cache.stats())
+            .field("tokenize", &self.tokenize)
             .finish()
     }
 }
@@ -98,6 +109,13 @@ impl Model {
             )?)
         };
         let vocab_size = u32::try_from(tokenizer.get_vocab_size(true)).unwrap_or(u32::MAX);
+        let render_timeout_ms = spec.render_timeout_ms.unwrap_or(DEFAULT_RENDER_TIMEOUT_MS);
+        if render_timeout_ms == 0 || render_timeout_ms > 600_000 {
+            return Err(TokenizeError::new(
+                format!("models.{name}.render_timeout_ms"),
+                format!("must be from 1 to 600000 (ten minutes), not {render_timeout_ms}"),
+            ));
+        }
         let cache = TokenCache::new(
             &tokenizer,
             spec.tokenizer_cache_bytes
@@ -111,6 +129,14 @@ impl Model {
             block_size: spec.block_size,
             cache,
             disabled_effort: std::sync::OnceLock::new(),
+            tokenize: spec.tokenize,
+            render_timeout: std::time::Duration::from_millis(render_timeout_ms),
+            rendered: RenderedIds::new(match spec.tokenize {
+                TokenizeMode::Engine => spec
+                    .render_cache_bytes
+                    .unwrap_or(DEFAULT_RENDER_CACHE_BYTES),
+                TokenizeMode::Local => 0,
+            }),
         })
     }
 
@@ -121,6 +147,21 @@ impl Model {
     /// The model's KV block size, if its `[models.NAME]` table sets one.
     pub fn block_size(&self) -> Option<u32> {
         self.block_size
+    }
+
+    /// Who computes this model's prompt ids (`[models.NAME] tokenize`).
+    pub fn tokenize_mode(&self) -> TokenizeMode {
+        self.tokenize
+    }
+
+    /// How long a request waits for an engine's render (`render_timeout_ms`).
+    pub fn render_timeout(&self) -> std::time::Duration {
+        self.render_timeout
+    }
+
+    /// What the engines rendered for this model, by request.
+    pub fn rendered(&self) -> &RenderedIds {
+        &self.rendered
     }
 
     /// Token ids below this exist (added tokens included).

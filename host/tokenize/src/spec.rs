@@ -41,7 +41,38 @@ pub struct ModelSpec {
     /// encoded); 0 turns it off. Default [`crate::DEFAULT_CACHE_BYTES`] (64 MiB).
     #[serde(default)]
     pub tokenizer_cache_bytes: Option<u64>,
+    /// Where a request's prompt ids come from: this tokenizer and template (`"local"`, the
+    /// default), or a worker's render endpoint (`"engine"`: vLLM's `POST .../render`, the ids
+    /// the engine itself computes, so parity holds by construction), with the local tokenizer as
+    /// the fallback when no worker answers within `render_timeout_ms`.
+    #[serde(default)]
+    pub tokenize: TokenizeMode,
+    /// With `tokenize = "engine"`: how long a request waits for a worker's render before it is
+    /// tokenized locally instead. Default [`DEFAULT_RENDER_TIMEOUT_MS`].
+    #[serde(default)]
+    pub render_timeout_ms: Option<u64>,
+    /// With `tokenize = "engine"`: the budget in bytes of the requests' rendered ids kept by
+    /// request (a retried, re-asked or re-sent request is not rendered again); 0 turns it off.
+    /// Default [`DEFAULT_RENDER_CACHE_BYTES`].
+    #[serde(default)]
+    pub render_cache_bytes: Option<u64>,
 }
+
+/// `[models.NAME] tokenize`: who computes a request's prompt ids.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TokenizeMode {
+    /// The model's tokenizer and chat template, in the router.
+    #[default]
+    Local,
+    /// A worker's render endpoint, the local tokenizer as the fallback.
+    Engine,
+}
+
+/// Default `render_timeout_ms`.
+pub const DEFAULT_RENDER_TIMEOUT_MS: u64 = 250;
+/// Default `render_cache_bytes` (16 MiB).
+pub const DEFAULT_RENDER_CACHE_BYTES: u64 = 16 << 20;
 
 impl ModelSpec {
     /// A spec with only the tokenizer path.
@@ -55,6 +86,9 @@ impl ModelSpec {
             trust_request_chat_template: false,
             adapters: Vec::new(),
             tokenizer_cache_bytes: None,
+            tokenize: TokenizeMode::Local,
+            render_timeout_ms: None,
+            render_cache_bytes: None,
         }
     }
 }

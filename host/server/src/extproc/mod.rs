@@ -63,6 +63,8 @@ pub struct ExtProc {
     pub metrics: ExtProcMetrics,
     recorder: Arc<dyn Recorder>,
     settings: ExtProcSection,
+    /// `tokenize = "engine"` models' renders (shared with the proxy when it runs).
+    render: Option<Arc<crate::proxy::render::EngineRender>>,
 }
 
 /// One endpoint Envoy may send a request to: a worker's rank, at its address.
@@ -117,7 +119,14 @@ impl ExtProc {
             max_body_bytes,
             router_metrics,
             settings,
+            render: None,
         }
+    }
+
+    /// Asks the engines for the prompt ids of `tokenize = "engine"` models ([`crate::proxy::render`]).
+    pub fn with_render(mut self, render: Arc<crate::proxy::render::EngineRender>) -> Self {
+        self.render = Some(render);
+        self
     }
 
     /// Reports each request's outcome to `policies` too (a running canary's arms).
@@ -127,6 +136,13 @@ impl ExtProc {
             policies,
         });
         self
+    }
+
+    /// The render client's metrics (when the endpoint picker runs without the proxy).
+    pub fn render_metrics(&self, out: &mut String) {
+        if let Some(r) = &self.render {
+            r.render_metrics(out);
+        }
     }
 
     /// Largest request body accepted (`limits.max_body_bytes`).
@@ -217,6 +233,7 @@ impl ExtProc {
             body,
             request_id.to_string(),
             &self.limits,
+            self.render.as_deref(),
         )
         .await?;
         let model = inbound.model.name().to_string();

@@ -28,6 +28,7 @@ pub mod error;
 pub mod health;
 pub(crate) mod lifecycle;
 mod metrics;
+pub mod render;
 pub mod request;
 pub(crate) mod upstream;
 
@@ -80,6 +81,8 @@ pub struct Proxy {
     pub health: Arc<Health>,
     pub metrics: ProxyMetrics,
     pub config: ProxySection,
+    /// `tokenize = "engine"` models' renders ([`render`]); shared with the endpoint picker.
+    pub render: Arc<render::EngineRender>,
     upstream: Upstream,
     recorder: Arc<dyn Recorder>,
     limits: BodyLimits,
@@ -103,6 +106,12 @@ impl Proxy {
                 health: health.clone(),
                 policies,
             }),
+            render: Arc::new(render::EngineRender::new(
+                router.clone(),
+                models.clone(),
+                Upstream::new(&config),
+                Some(health.clone()),
+            )),
             health,
             upstream: Upstream::new(&config),
             metrics,
@@ -232,6 +241,7 @@ impl Proxy {
             body,
             request_id.to_string(),
             &self.limits,
+            Some(&self.render),
         )
         .await?;
         let mut allowed = self.serving(inbound.model.name())?;

@@ -121,6 +121,7 @@ pub async fn prepare(
     body: Bytes,
     request_id: String,
     limits: &BodyLimits,
+    render: Option<&super::render::EngineRender>,
 ) -> Result<Inbound, ProxyError> {
     let mut v: Value = serde_json::from_slice(&body).map_err(|e| {
         ProxyError::new(
@@ -234,7 +235,14 @@ pub async fn prepare(
     } else {
         body.clone()
     };
-    let tokens = if body.len() > INLINE_TOKENIZE_BYTES {
+    // `tokenize = "engine"`: the engine's own ids, the local tokenizer as the fallback.
+    let rendered = match render {
+        Some(r) => r.ids(endpoint, &model, &v, &forward_body).await,
+        None => None,
+    };
+    let tokens = if let Some(ids) = rendered {
+        ids.to_vec()
+    } else if body.len() > INLINE_TOKENIZE_BYTES {
         let m = model.clone();
         tokio::task::spawn_blocking(move || tokenize(endpoint, &m, &v))
             .await
@@ -513,6 +521,7 @@ mod tests {
             Bytes::from(serde_json::to_vec(&body).unwrap()),
             "r1".into(),
             &limits,
+            None,
         ))
     }
 

@@ -198,6 +198,59 @@ impl Upstream {
     }
 }
 
+impl Upstream {
+    /// `POST {endpoint}{path}` of a JSON `body` with a deadline: the answer's body when the
+    /// engine answers 2xx, at most `max_bytes` of it; otherwise an error saying why (its status
+    /// and the start of its body, or the transport error, or the deadline). For calls whose
+    /// answer the proxy reads itself (an engine's render).
+    pub async fn post_small(
+        &self,
+        endpoint: &str,
+        path: &str,
+        body: Bytes,
+        timeout: Duration,
+        max_bytes: usize,
+    ) -> Result<Bytes, SmallError> {
+        use http_body_util::BodyExt;
+        let uri = Self::uri(endpoint, path).map_err(|e| SmallError::Failed(e.to_string()))?;
+        let req = Request::builder()
+            .method(Method::POST)
+            .uri(uri)
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(Full::new(body))
+            .map_err(|e| SmallError::Failed(e.to_string()))?;
+        let fetch = async {
+            let resp = self
+                .client
+                .request(req)
+                .await
+                .map_err(|e| SmallError::Failed(describe(&e)))?;
+            let status = resp.status();
+            let limited = http_body_util::Limited::new(resp.into_body(), max_bytes);
+            let bytes = limited.collect().await.map(|b| b.to_bytes()).map_err(|e| {
+                SmallError::Failed(format!("reading the answer: {e} (limit {max_bytes} bytes)"))
+            })?;
+            if !status.is_success() {
+                let head = String::from_utf8_lossy(&bytes[..bytes.len().min(200)]).into_owned();
+                return Err(SmallError::Failed(format!("answered {status}: {head}")));
+            }
+            Ok(bytes)
+        };
+        tokio::time::timeout(timeout, fetch)
+            .await
+            .map_err(|_| SmallError::Timeout)?
+    }
+}
+
+/// Why [`Upstream::post_small`] has no answer.
+#[derive(Debug)]
+pub enum SmallError {
+    /// No whole answer within the deadline.
+    Timeout,
+    /// Any other failure, described.
+    Failed(String),
+}
+
 /// The error and its causes in one line (hyper's top-level message alone says little).
 fn describe(e: &(dyn std::error::Error + 'static)) -> String {
     let mut s = e.to_string();
