@@ -221,7 +221,7 @@ impl Upstream {
             .map_err(|e| SmallError::Failed(e.to_string()))?;
         let fetch = async {
             let resp = self
-                .client
+                .client()
                 .request(req)
                 .await
                 .map_err(|e| SmallError::Failed(describe(&e)))?;
