@@ -50,6 +50,7 @@ fn router_config(
     extra: &str,
     block_size: usize,
     configured_adapters: bool,
+    model_extra: &str,
 ) -> PathBuf {
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!(
         "real-engine-router-{}-{}",
@@ -67,6 +68,7 @@ fn router_config(
     if configured_adapters {
         toml.push_str(&format!("adapters = [{LORA:?}]\n"));
     }
+    toml.push_str(model_extra);
     for (id, e) in [(A, &engines[0]), (B, &engines[1])] {
         toml.push_str(&format!(
             "[workers.{id}]\nendpoint = {:?}\nmodel = {MODEL:?}\n\
@@ -90,7 +92,7 @@ fn unique() -> u64 {
 
 /// Starts a router over both engines and waits until both KV feeds are connected.
 fn start_router(engines: &[Engine; 2], extra: &str, block_size: usize) -> Server {
-    start_router_with(engines, extra, block_size, true)
+    start_router_with(engines, extra, block_size, true, "")
 }
 
 fn start_router_with(
@@ -98,8 +100,9 @@ fn start_router_with(
     extra: &str,
     block_size: usize,
     configured_adapters: bool,
+    model_extra: &str,
 ) -> Server {
-    let config = router_config(engines, extra, block_size, configured_adapters);
+    let config = router_config(engines, extra, block_size, configured_adapters, model_extra);
     let router = Server::start_env(
         &["--config", config.to_str().unwrap()],
         &[("KVROUTE_LOG", "info")],
@@ -128,12 +131,22 @@ impl Case {
     }
 
     fn with_adapters(name: &'static str, extra: &str, configured_adapters: bool) -> Case {
+        Self::with_model(name, extra, configured_adapters, "")
+    }
+
+    /// `model_extra` goes into the router's `[models.MODEL]` table.
+    fn with_model(
+        name: &'static str,
+        extra: &str,
+        configured_adapters: bool,
+        model_extra: &str,
+    ) -> Case {
         let turn = turn();
         let engines = vllm::engines();
         for e in engines.iter() {
             reset(e);
         }
-        let router = start_router_with(engines, extra, BLOCK, configured_adapters);
+        let router = start_router_with(engines, extra, BLOCK, configured_adapters, model_extra);
         Case {
             name,
             engines,
@@ -1268,6 +1281,113 @@ fn proxy_routes_a_resend_to_its_cache() {
         "[cache] proxy resend: engine {engine}, kvroute {kv}"
     );
     assert!(engine >= BLOCK as u64);
+}
+
+/// Issue 35, `tokenize = "engine"`: the proxy asks vLLM's own render endpoints for the prompt ids
+/// of a chat with tools, a Messages body, a Responses body and a completion. For each, the prompt
+/// tokens the proxy routed on are the engine's count, every one was rendered by the engine, and a
+/// resend of the chat follows its cache with kvroute's cached view equal to the engine's.
+#[test]
+fn engine_tokenize_through_the_proxy() {
+    let case = Case::with_model("engine_tokenize", "", true, "tokenize = \"engine\"\n");
+    let metric =
+        |series: &str| crate::support::metric(&case.router.metrics(), series).unwrap_or(0.0);
+    let tokens_in = || metric("kvroute_proxy_tokens_total{direction=\"in\"}");
+    let chat = json!({"model": MODEL, "max_tokens": 1, "tools": [weather_tool()], "messages": [
+        {"role": "system", "content": prose(2300, 300)},
+        {"role": "user", "content": "What is the weather in Paris?"}]});
+    let t = weather_tool();
+    let cases = [
+        ("/v1/chat/completions", chat.clone()),
+        (
+            "/v1/completions",
+            json!({"model": MODEL, "max_tokens": 1, "prompt": prose(2700, 200)}),
+        ),
+        (
+            "/v1/messages",
+            json!({"model": MODEL, "max_tokens": 1, "system": prose(3100, 150),
+            "tools": [anthropic_weather_tool()],
+            "messages": [{"role": "user", "content": "Weather in Oslo?"}]}),
+        ),
+        (
+            "/v1/responses",
+            json!({"model": MODEL, "max_output_tokens": 1,
+            "instructions": prose(3500, 150), "input": "Weather in Lima?",
+            "tools": [{"type": "function", "name": t["function"]["name"],
+                "description": t["function"]["description"],
+                "parameters": t["function"]["parameters"]}]}),
+        ),
+    ];
+    let mut first_chat_worker = None;
+    for (path, body) in &cases {
+        let before = tokens_in();
+        let r = case.router.post(path, body);
+        assert_eq!(r.status, 200, "[engine tokenize] {path}: {r}");
+        let u = &r.body()["usage"];
+        let engine = match *path {
+            "/v1/messages" => {
+                u["input_tokens"].as_u64().unwrap()
+                    + u["cache_read_input_tokens"].as_u64().unwrap_or(0)
+                    + u["cache_creation_input_tokens"].as_u64().unwrap_or(0)
+            }
+            "/v1/responses" => u["input_tokens"].as_u64().unwrap(),
+            _ => u["prompt_tokens"].as_u64().unwrap(),
+        };
+        assert_eq!(
+            tokens_in() - before,
+            engine as f64,
+            "[engine tokenize] {path}: the proxy routed on other prompt tokens than the engine counts ({u})"
+        );
+        if first_chat_worker.is_none() {
+            first_chat_worker = Some(worker_of_header(&r));
+        }
+    }
+    assert_eq!(
+        metric(&format!(
+            "kvroute_render_requests_total{{model=\"{MODEL}\",outcome=\"engine\"}}"
+        )),
+        4.0
+    );
+    // The chat again: its ids from the engine's render, the cached view compared.
+    let w1 = first_chat_worker.unwrap();
+    let rendered = case.engine(A).post("/v1/chat/completions/render", &chat);
+    assert_eq!(rendered.status, 200, "{rendered}");
+    let ids: Vec<u32> = rendered.body()["token_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap() as u32)
+        .collect();
+    settle(&case.router, w1, None);
+    let kv = kvroute_cached(&case.router, w1, &ids, None, None);
+    let r2 = case.router.post("/v1/chat/completions", &chat);
+    assert_eq!(r2.status, 200, "{r2}");
+    assert_eq!(worker_of_header(&r2), w1, "the resend follows its cache");
+    let engine = r2.body()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert_eq!(
+        kv, engine,
+        "[cache] engine tokenize resend: engine {engine}, kvroute {kv}"
+    );
+    assert!(engine >= BLOCK as u64, "{engine}");
+    // Rendered before: not asked again.
+    assert_eq!(
+        metric(&format!(
+            "kvroute_render_requests_total{{model=\"{MODEL}\",outcome=\"cache\"}}"
+        )),
+        1.0
+    );
+}
+
+fn worker_of_header(r: &Resp) -> u64 {
+    r.header("x-kvroute-worker")
+        .unwrap_or_else(|| panic!("no x-kvroute-worker: {r}"))
+        .split('/')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap()
 }
 
 // ---------------------------------------------------------------------------------------------
