@@ -60,6 +60,9 @@ pub struct OverBudget {
     pub never: bool,
 }
 
+/// One budget to check: which, its limit, what the request needs, and the bucket field it reads.
+type Check = (BudgetKind, Option<u64>, u64, fn(&Bucket) -> u64);
+
 #[derive(Clone, Copy, Default, Debug)]
 struct Bucket {
     sec: u64,
@@ -158,7 +161,7 @@ impl Budgets {
             .windows
             .entry(tenant.to_string())
             .or_insert_with(Window::new);
-        let checks: [(BudgetKind, Option<u64>, u64, fn(&Bucket) -> u64); 2] = [
+        let checks: [Check; 2] = [
             (BudgetKind::Requests, limit.requests_per_minute, 1, |b| {
                 b.requests
             }),

@@ -478,7 +478,9 @@ impl<T> PendingQueue<T> {
 
     /// Queues `entry`. `workers` = number of registered workers now (limits scale with it, at least
     /// one worker's worth). Rejects at once, giving the entry back, if the request id is already
-    /// queued or admitting it would pass a limit (requests checked before tokens).
+    /// queued or admitting it would pass a limit (requests checked before tokens). The entry comes
+    /// back by value (its payload is the caller's: a waiter's channel), hence the large error.
+    #[allow(clippy::result_large_err)]
     pub fn push(
         &mut self,
         entry: QueueEntry<T>,

@@ -160,7 +160,7 @@ impl Default for FairnessSection {
 }
 
 /// `[fairness.tenants.NAME]`.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct TenantSection {
     /// Its share of the queue against other tenants (> 0).
@@ -169,16 +169,6 @@ pub struct TenantSection {
     pub requests_per_minute: Option<u64>,
     /// Prompt plus expected output tokens admitted per 60 s at most (none: unlimited).
     pub tokens_per_minute: Option<u64>,
-}
-
-impl Default for TenantSection {
-    fn default() -> Self {
-        Self {
-            weight: None,
-            requests_per_minute: None,
-            tokens_per_minute: None,
-        }
-    }
 }
 
 impl FairnessSection {
