@@ -183,3 +183,98 @@ fn fairness_configuration_errors_name_the_key() {
         assert!(err.contains(key), "{toml}: {err}");
     }
 }
+
+/// `kvroute replay --workload agents`: closed-loop sessions with subagents, through the router's
+/// queue (FCFS and fair) and the peer policies; every request runs, per-session figures are
+/// written, and the same seed gives the same workload.
+#[test]
+fn replay_runs_agent_sessions_through_both_queues_and_the_peer_policies() {
+    let dir = support::temp_dir("replay-agents");
+    let out = dir.join("agents");
+    let o = crate::replay::kvroute(&[
+        "replay",
+        "--workload",
+        "agents",
+        "--sessions",
+        "12",
+        "--session-count",
+        "16",
+        "--agent-max-context",
+        "12000",
+        "--workers",
+        "2",
+        "--worker-speedup",
+        "0.5",
+        "--busy-threshold",
+        "0.1",
+        "--queue",
+        "fcfs,fair",
+        "--policy",
+        "llm-d",
+        "--policy",
+        "sglang",
+        "--seed",
+        "3",
+        "--no-plots",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("results.json")).unwrap()).unwrap();
+    let names: Vec<&str> = v["policies"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "llm-d @ 2 q=fcfs",
+            "sglang @ 2 q=fcfs",
+            "llm-d @ 2 q=fair",
+            "sglang @ 2 q=fair"
+        ]
+    );
+    for p in v["policies"].as_array().unwrap() {
+        assert_eq!(p["completed"], p["requests"], "{}", p["name"]);
+        let s = &p["sessions"];
+        let rows = s["per_session"].as_array().unwrap();
+        assert!(
+            rows.len() > 16,
+            "subagents are sessions too: {}",
+            rows.len()
+        );
+        assert_eq!(s["count"], rows.len());
+        assert!(rows.iter().any(|r| !r["parent"].is_null()), "a subagent");
+        let max = s["max_wait_ms"].as_f64().unwrap();
+        for r in rows {
+            assert!(r["longest_wait_ms"].as_f64().unwrap() <= max);
+            assert!(r["completion_ms"].as_f64().unwrap() > 0.0);
+        }
+        assert!(p["queued_ms"]["p99"].as_f64().unwrap() >= 0.0);
+    }
+    // every workload run sees the same requests
+    let requests: Vec<&serde_json::Value> = v["policies"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| &p["requests"])
+        .collect();
+    assert!(requests.windows(2).all(|w| w[0] == w[1]));
+    // bad flags name themselves
+    let o = crate::replay::kvroute(&[
+        "replay",
+        "--workload",
+        "agents",
+        "--workers",
+        "2",
+        "--queue",
+        "lifo",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--queue \"lifo\""));
+}
