@@ -15,6 +15,7 @@ mod cluster_outage;
 mod cluster_sync;
 mod disaggregation;
 mod ext_proc;
+mod fairness;
 mod hostile;
 mod http;
 mod index_memory;

@@ -12,6 +12,7 @@
 //! `kvroute-events` feeds [`router::Router::apply_event`], `kvroute-server` speaks HTTP), so the
 //! compiler keeps the arrows pointing one way.
 
+pub mod budget;
 pub mod candidate;
 pub mod cost;
 pub mod eligibility;

@@ -24,6 +24,33 @@
 //! router validates inputs, but the queue must not panic) sorts at one end rather than breaking the
 //! order.
 //!
+//! # Fairness
+//!
+//! A queue made with [`PendingQueue::fair`] serves each class's requests least attained service
+//! first, in two levels, and by the order above only inside one flow:
+//! 1. the **tenant** ([`QueueEntry::tenant`]; none is [`DEFAULT_TENANT`]) whose attained service
+//!    divided by its weight ([`FairConfig::weight`]) is smallest;
+//! 2. within it, the **session** ([`QueueEntry::session`]; the tenant's requests without one share
+//!    a flow) whose attained service is smallest;
+//! 3. within it, the [`QueueOrder`] key.
+//!
+//! Equal service goes to the flow that became backlogged first, then to the smaller name. A flow
+//! that becomes backlogged starts with no less than one token of service counted at that moment
+//! (its account is raised to that floor): otherwise a stream of brand-new flows, each at 0, would
+//! starve every flow that has ever been served.
+//! Attained service is what [`PendingQueue::charge`] counted (the router charges each booked
+//! decision with the prompt tokens the chosen worker must compute plus the output tokens the
+//! request expects), **decayed exponentially** with a half-life of
+//! [`FairConfig::half_life_secs`]: service counted `h` half-lives ago weighs `2^-h`. So a heavy
+//! flow that stops is forgiven, and a heavy flow that keeps waiting behind a stream of newcomers
+//! (who start at the floor) regains its turn once its decayed service falls to one token's: a
+//! flow with service `S` waits behind newcomers at most about `half_life × log2(S)` (20 half-lives
+//! for a million tokens), never for ever; in practice the queue timeout comes first. Service is stored scaled by
+//! `2^(t / half_life)` (a charge at `t` adds `tokens × 2^(t / half_life)`), so decay never
+//! touches an account and comparisons stay exact; the origin of `t` moves every 64 half-lives.
+//! Accounts of flows with nothing waiting whose decayed service falls below one token are
+//! forgotten ([`PendingQueue::forget_idle`]).
+//!
 //! # Limits
 //!
 //! [`QueueLimits`] are per worker and scale with the number of registered workers (at least one
@@ -33,11 +60,14 @@
 //! letting latency grow without bound.
 //!
 //! The queue is a plain data structure: the router owns it behind a lock and does the waiting (one
-//! oneshot channel per entry, carried in the payload). Push, pop and cancel are O(log n).
+//! oneshot channel per entry, carried in the payload). Push, pop and cancel are O(log n); a charge
+//! is O(classes × log n): each level keeps its backlogged flows in an ordered set, re-keyed when
+//! that flow is charged.
 
-use std::cmp::Ordering;
-use std::collections::BTreeMap;
+use std::cmp::{Ordering, Reverse};
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
+use std::sync::Arc;
 
 use rustc_hash::FxHashMap;
 use serde::{Deserialize, Serialize};
@@ -116,6 +146,10 @@ pub struct QueueEntry<T> {
     pub prompt_tokens: u32,
     /// Most prompt tokens any eligible candidate had cached when the request was queued.
     pub best_cached_tokens: u32,
+    /// Its tenant (fair queueing's outer flow; `None`: [`DEFAULT_TENANT`]).
+    pub tenant: Option<String>,
+    /// Its session (the inner flow; `None`: the tenant's requests without a session share one).
+    pub session: Option<String>,
     pub payload: T,
 }
 
@@ -164,7 +198,8 @@ pub enum QueueError {
     DuplicateRequest(String),
 }
 
-/// Position of an entry: class descending, key descending, insertion sequence ascending.
+/// Position of an entry inside its flow: class descending, key descending, insertion sequence
+/// ascending.
 #[derive(Clone, Copy, Debug)]
 struct Slot {
     class: i32,
@@ -196,18 +231,181 @@ impl PartialEq for Slot {
 
 impl Eq for Slot {}
 
+/// Fair queueing's settings (SPEC §9, "Fairness").
+#[derive(Clone, Debug, PartialEq)]
+pub struct FairConfig {
+    /// Attained service halves every `half_life_secs` (default 60): an old heavy flow catches up
+    /// with newcomers instead of waiting behind them for ever.
+    pub half_life_secs: f64,
+    /// Weight of each named tenant (> 0); a tenant not listed weighs `default_weight`.
+    pub tenant_weights: FxHashMap<String, f64>,
+    /// Default 1.
+    pub default_weight: f64,
+}
+
+impl Default for FairConfig {
+    fn default() -> Self {
+        Self {
+            half_life_secs: 60.0,
+            tenant_weights: FxHashMap::default(),
+            default_weight: 1.0,
+        }
+    }
+}
+
+impl FairConfig {
+    /// Checks every value, naming the field at fault (`fairness.…`).
+    pub fn validate(&self) -> Result<(), String> {
+        if !(self.half_life_secs.is_finite() && self.half_life_secs > 0.0) {
+            return Err(format!(
+                "fairness.half_life_secs must be a positive number of seconds, got {}",
+                self.half_life_secs
+            ));
+        }
+        if !(self.default_weight.is_finite() && self.default_weight > 0.0) {
+            return Err(format!(
+                "fairness.default_weight must be a positive number, got {}",
+                self.default_weight
+            ));
+        }
+        let mut names: Vec<&String> = self.tenant_weights.keys().collect();
+        names.sort();
+        for name in names {
+            let w = self.tenant_weights[name];
+            if !(w.is_finite() && w > 0.0) {
+                return Err(format!(
+                    "fairness.tenants.{name}.weight must be a positive number, got {w}"
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The weight of `tenant`.
+    pub fn weight(&self, tenant: &str) -> f64 {
+        self.tenant_weights
+            .get(tenant)
+            .copied()
+            .unwrap_or(self.default_weight)
+    }
+}
+
+/// The name requests without a tenant are accounted under.
+pub const DEFAULT_TENANT: &str = "default";
+
+/// Attained service is kept scaled by `2^((t - origin) / half_life)` so that decaying every
+/// flow at once never touches any of them; past this exponent the origin moves to now (one
+/// O(n log n) re-keying every 64 half-lives).
+const MAX_EXPONENT: f64 = 64.0;
+
+/// A flow's place among its siblings: attained service (scaled, divided by the tenant's weight for
+/// tenants), then the insertion sequence at which the flow last became backlogged (equal service:
+/// first come first served), then its name.
+type FlowKey = (Key, u64, Arc<str>);
+
+/// An f64 ordered by [`f64::total_cmp`].
+#[derive(Clone, Copy, Debug)]
+struct Key(f64);
+
+impl Ord for Key {
+    fn cmp(&self, other: &Self) -> Ordering {
+        self.0.total_cmp(&other.0)
+    }
+}
+impl PartialOrd for Key {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl PartialEq for Key {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other) == Ordering::Equal
+    }
+}
+impl Eq for Key {}
+
+/// One session's (or, without fairness, the class's only) waiting requests.
+#[derive(Debug)]
+struct SessionQueue<T> {
+    key: FlowKey,
+    entries: BTreeMap<Slot, QueueEntry<T>>,
+}
+
+/// One tenant's backlogged sessions in one class.
+#[derive(Debug)]
+struct TenantQueue<T> {
+    key: FlowKey,
+    order: BTreeSet<FlowKey>,
+    sessions: FxHashMap<Arc<str>, SessionQueue<T>>,
+}
+
+/// One priority class: its backlogged tenants.
+#[derive(Debug)]
+struct ClassQueue<T> {
+    order: BTreeSet<FlowKey>,
+    tenants: FxHashMap<Arc<str>, TenantQueue<T>>,
+}
+
+impl<T> Default for ClassQueue<T> {
+    fn default() -> Self {
+        Self {
+            order: BTreeSet::new(),
+            tenants: FxHashMap::default(),
+        }
+    }
+}
+
+/// Where a queued request is.
+#[derive(Clone, Debug)]
+struct Loc {
+    tenant: Arc<str>,
+    session: Arc<str>,
+    slot: Slot,
+}
+
+/// Attained service per tenant and per (tenant, session), scaled (see [`MAX_EXPONENT`]).
+#[derive(Debug)]
+struct Service {
+    config: FairConfig,
+    origin_secs: f64,
+    tenants: FxHashMap<Arc<str>, f64>,
+    sessions: FxHashMap<(Arc<str>, Arc<str>), f64>,
+}
+
+impl Service {
+    fn tenant_key(&self, tenant: &Arc<str>) -> f64 {
+        self.tenants.get(tenant).copied().unwrap_or(0.0) / self.config.weight(tenant)
+    }
+
+    fn session_key(&self, tenant: &Arc<str>, session: &Arc<str>) -> f64 {
+        self.sessions
+            .get(&(tenant.clone(), session.clone()))
+            .copied()
+            .unwrap_or(0.0)
+    }
+
+    /// `2^((now - origin) / half_life)`.
+    fn scale(&self, now_secs: f64) -> f64 {
+        ((now_secs - self.origin_secs) / self.config.half_life_secs).exp2()
+    }
+}
+
 /// Requests waiting for capacity, in serving order. See the module docs.
 #[derive(Debug)]
 pub struct PendingQueue<T> {
     order: QueueOrder,
     limits: QueueLimits,
-    /// Serving order: the first entry is the next to serve.
-    entries: BTreeMap<Slot, QueueEntry<T>>,
-    index: FxHashMap<String, Slot>,
+    /// `None`: one flow per class (the plain order).
+    service: Option<Service>,
+    classes: BTreeMap<Reverse<i32>, ClassQueue<T>>,
+    index: FxHashMap<String, Loc>,
+    len: usize,
     tokens: u64,
     next_seq: u64,
     /// Set by [`Self::close`]: nothing is served any more, so nothing may join.
     closed: bool,
+    /// The one name every request has without fairness.
+    anonymous: Arc<str>,
 }
 
 impl<T> PendingQueue<T> {
@@ -215,12 +413,28 @@ impl<T> PendingQueue<T> {
         Self {
             order,
             limits,
-            entries: BTreeMap::new(),
+            service: None,
+            classes: BTreeMap::new(),
             index: FxHashMap::default(),
+            len: 0,
             tokens: 0,
             next_seq: 0,
             closed: false,
+            anonymous: Arc::from(""),
         }
+    }
+
+    /// A queue that serves each class's flows least attained service first (module docs,
+    /// "Fairness"). The configuration must be valid ([`FairConfig::validate`]).
+    pub fn fair(order: QueueOrder, limits: QueueLimits, config: FairConfig) -> Self {
+        let mut q = Self::new(order, limits);
+        q.service = Some(Service {
+            config,
+            origin_secs: 0.0,
+            tenants: FxHashMap::default(),
+            sessions: FxHashMap::default(),
+        });
+        q
     }
 
     pub fn order(&self) -> QueueOrder {
@@ -231,14 +445,42 @@ impl<T> PendingQueue<T> {
         self.limits
     }
 
+    /// The fairness settings, when the queue is fair.
+    pub fn fairness(&self) -> Option<&FairConfig> {
+        self.service.as_ref().map(|s| &s.config)
+    }
+
     /// New limits apply to later pushes; nothing already waiting is dropped.
     pub fn set_limits(&mut self, limits: QueueLimits) {
         self.limits = limits;
     }
 
+    /// The flow names of `entry`: (tenant, session), or one anonymous flow without fairness.
+    fn flow_of(&self, entry: &QueueEntry<T>) -> (Arc<str>, Arc<str>) {
+        if self.service.is_none() {
+            return (self.anonymous.clone(), self.anonymous.clone());
+        }
+        let tenant = entry.tenant.as_deref().unwrap_or(DEFAULT_TENANT);
+        let session = entry.session.as_deref().unwrap_or("");
+        (Arc::from(tenant), Arc::from(session))
+    }
+
+    fn tenant_key(&self, tenant: &Arc<str>) -> Key {
+        Key(self.service.as_ref().map_or(0.0, |s| s.tenant_key(tenant)))
+    }
+
+    fn session_key(&self, tenant: &Arc<str>, session: &Arc<str>) -> Key {
+        Key(self
+            .service
+            .as_ref()
+            .map_or(0.0, |s| s.session_key(tenant, session)))
+    }
+
     /// Queues `entry`. `workers` = number of registered workers now (limits scale with it, at least
     /// one worker's worth). Rejects at once, giving the entry back, if the request id is already
-    /// queued or admitting it would pass a limit (requests checked before tokens).
+    /// queued or admitting it would pass a limit (requests checked before tokens). The entry comes
+    /// back by value (its payload is the caller's: a waiter's channel), hence the large error.
+    #[allow(clippy::result_large_err)]
     pub fn push(
         &mut self,
         entry: QueueEntry<T>,
@@ -249,10 +491,10 @@ impl<T> PendingQueue<T> {
             return Err((err, entry));
         }
         let max_requests = self.limits.max_requests(workers);
-        if self.entries.len() >= max_requests {
+        if self.len >= max_requests {
             let err = QueueError::Full {
                 limit: QueueLimitKind::Requests,
-                current: self.entries.len() as u64,
+                current: self.len as u64,
                 max: max_requests as u64,
             };
             return Err((err, entry));
@@ -266,48 +508,275 @@ impl<T> PendingQueue<T> {
             };
             return Err((err, entry));
         }
+        let seq = self.next_seq;
+        self.next_seq += 1;
         let slot = Slot {
             class: entry.class,
             key: self.order.key(&entry),
-            seq: self.next_seq,
+            seq,
         };
-        self.next_seq += 1;
+        let (tenant, session) = self.flow_of(&entry);
+        self.raise_to_floor(entry.class, &tenant, &session, entry.arrival_secs);
+        let tkey = self.tenant_key(&tenant);
+        let skey = self.session_key(&tenant, &session);
         self.tokens += u64::from(entry.prompt_tokens);
-        self.index.insert(entry.request_id.clone(), slot);
-        self.entries.insert(slot, entry);
+        self.len += 1;
+        self.index.insert(
+            entry.request_id.clone(),
+            Loc {
+                tenant: tenant.clone(),
+                session: session.clone(),
+                slot,
+            },
+        );
+        let class = self.classes.entry(Reverse(entry.class)).or_default();
+        let tq = class.tenants.entry(tenant.clone()).or_insert_with(|| {
+            let key = (tkey, seq, tenant.clone());
+            class.order.insert(key.clone());
+            TenantQueue {
+                key,
+                order: BTreeSet::new(),
+                sessions: FxHashMap::default(),
+            }
+        });
+        let sq = tq.sessions.entry(session.clone()).or_insert_with(|| {
+            let key = (skey, seq, session.clone());
+            tq.order.insert(key.clone());
+            SessionQueue {
+                key,
+                entries: BTreeMap::new(),
+            }
+        });
+        sq.entries.insert(slot, entry);
         Ok(())
     }
 
     /// The next request to serve.
     pub fn peek(&self) -> Option<&QueueEntry<T>> {
-        self.entries.first_key_value().map(|(_, e)| e)
+        let class = self.classes.values().next()?;
+        let (_, _, tenant) = class.order.first()?;
+        let tq = &class.tenants[tenant];
+        let (_, _, session) = tq.order.first()?;
+        tq.sessions[session].entries.values().next()
     }
 
     /// Removes and returns the next request to serve.
     pub fn pop(&mut self) -> Option<QueueEntry<T>> {
-        let (_, entry) = self.entries.pop_first()?;
-        self.index.remove(&entry.request_id);
-        self.tokens -= u64::from(entry.prompt_tokens);
-        Some(entry)
+        let id = self.peek()?.request_id.clone();
+        self.cancel(&id)
     }
 
     /// Removes a waiting request (client gone, deadline passed). O(log n).
     pub fn cancel(&mut self, request_id: &str) -> Option<QueueEntry<T>> {
-        let slot = self.index.remove(request_id)?;
-        let entry = self
+        let loc = self.index.remove(request_id)?;
+        let class_key = Reverse(loc.slot.class);
+        let class = self
+            .classes
+            .get_mut(&class_key)
+            .expect("every indexed request's class is queued");
+        let tq = class
+            .tenants
+            .get_mut(&loc.tenant)
+            .expect("every indexed request's tenant is queued");
+        let sq = tq
+            .sessions
+            .get_mut(&loc.session)
+            .expect("every indexed request's session is queued");
+        let entry = sq
             .entries
-            .remove(&slot)
+            .remove(&loc.slot)
             .expect("every indexed request is queued");
+        if sq.entries.is_empty() {
+            tq.order.remove(&sq.key);
+            tq.sessions.remove(&loc.session);
+        }
+        if tq.sessions.is_empty() {
+            class.order.remove(&tq.key);
+            class.tenants.remove(&loc.tenant);
+        }
+        if class.tenants.is_empty() {
+            self.classes.remove(&class_key);
+        }
+        self.len -= 1;
         self.tokens -= u64::from(entry.prompt_tokens);
         Some(entry)
+    }
+
+    /// Counts `tokens` of service to `tenant`'s `session` at `now_secs` (seconds on the same clock
+    /// as the entries' arrivals): the flows' places among the waiting ones move at once. The
+    /// router charges every booked decision, queued or not. Nothing happens without fairness.
+    /// O(classes × log n).
+    pub fn charge(
+        &mut self,
+        tenant: Option<&str>,
+        session: Option<&str>,
+        tokens: u64,
+        now_secs: f64,
+    ) {
+        let Some(service) = self.service.as_mut() else {
+            return;
+        };
+        if tokens == 0 || !now_secs.is_finite() {
+            return;
+        }
+        if (now_secs - service.origin_secs) / service.config.half_life_secs > MAX_EXPONENT {
+            self.rebase(now_secs);
+        }
+        let service = self.service.as_mut().expect("checked");
+        let amount = tokens as f64 * service.scale(now_secs);
+        let tenant: Arc<str> = Arc::from(tenant.unwrap_or(DEFAULT_TENANT));
+        let session: Arc<str> = Arc::from(session.unwrap_or(""));
+        *service.tenants.entry(tenant.clone()).or_insert(0.0) += amount;
+        *service
+            .sessions
+            .entry((tenant.clone(), session.clone()))
+            .or_insert(0.0) += amount;
+        self.rekey_flow(&tenant, &session);
+    }
+
+    /// A flow that becomes backlogged at `now_secs` starts with no less than one token served at
+    /// `now_secs` (its account is raised to that floor). Without it a stream of brand-new flows
+    /// (service 0) would starve every flow that has ever been served; the floor doubles against
+    /// older service every half-life, which bounds how long any flow waits behind newcomers.
+    fn raise_to_floor(&mut self, class: i32, tenant: &Arc<str>, session: &Arc<str>, now_secs: f64) {
+        let Some(service) = self.service.as_mut() else {
+            return;
+        };
+        if !now_secs.is_finite() {
+            return;
+        }
+        if (now_secs - service.origin_secs) / service.config.half_life_secs > MAX_EXPONENT {
+            self.rebase(now_secs);
+        }
+        let service = self.service.as_mut().expect("checked");
+        let base = service.scale(now_secs);
+        let tq = self
+            .classes
+            .get(&Reverse(class))
+            .and_then(|c| c.tenants.get(tenant));
+        let mut changed = false;
+        if tq.is_none() {
+            let raised = base * service.config.weight(tenant);
+            let own = service.tenants.entry(tenant.clone()).or_insert(0.0);
+            if *own < raised {
+                *own = raised;
+                changed = true;
+            }
+        }
+        if tq.is_none_or(|t| !t.sessions.contains_key(session)) {
+            let own = service
+                .sessions
+                .entry((tenant.clone(), session.clone()))
+                .or_insert(0.0);
+            if *own < base {
+                *own = base;
+                changed = true;
+            }
+        }
+        if changed {
+            self.rekey_flow(tenant, session);
+        }
+    }
+
+    /// Re-keys `tenant` (and its `session`) wherever they wait, after their accounts changed.
+    fn rekey_flow(&mut self, tenant: &Arc<str>, session: &Arc<str>) {
+        let Some(service) = self.service.as_ref() else {
+            return;
+        };
+        let tkey = Key(service.tenant_key(tenant));
+        let skey = Key(service.session_key(tenant, session));
+        for class in self.classes.values_mut() {
+            let Some(tq) = class.tenants.get_mut(tenant) else {
+                continue;
+            };
+            class.order.remove(&tq.key);
+            tq.key.0 = tkey;
+            class.order.insert(tq.key.clone());
+            if let Some(sq) = tq.sessions.get_mut(session) {
+                tq.order.remove(&sq.key);
+                sq.key.0 = skey;
+                tq.order.insert(sq.key.clone());
+            }
+        }
+    }
+
+    /// Moves the service origin to `now_secs` (every scaled figure shrinks by the same factor, so
+    /// no order changes) and re-keys the backlogged flows.
+    fn rebase(&mut self, now_secs: f64) {
+        let Some(service) = self.service.as_mut() else {
+            return;
+        };
+        let f = service.scale(now_secs).recip();
+        service.origin_secs = now_secs;
+        service.tenants.values_mut().for_each(|v| *v *= f);
+        service.sessions.values_mut().for_each(|v| *v *= f);
+        self.rekey_all();
+    }
+
+    fn rekey_all(&mut self) {
+        let Some(service) = self.service.as_ref() else {
+            return;
+        };
+        for class in self.classes.values_mut() {
+            class.order.clear();
+            for (tenant, tq) in class.tenants.iter_mut() {
+                tq.key.0 = Key(service.tenant_key(tenant));
+                class.order.insert(tq.key.clone());
+                tq.order.clear();
+                for (session, sq) in tq.sessions.iter_mut() {
+                    sq.key.0 = Key(service.session_key(tenant, session));
+                    tq.order.insert(sq.key.clone());
+                }
+            }
+        }
+    }
+
+    /// Forgets the service of flows with nothing waiting whose decayed service is below one token
+    /// (what keeps the accounts bounded); returns how many were forgotten. The router calls it
+    /// from its one-second maintenance tick. O(flows × classes).
+    pub fn forget_idle(&mut self, now_secs: f64) -> usize {
+        let Some(service) = self.service.as_mut() else {
+            return 0;
+        };
+        let threshold = service.scale(now_secs);
+        let classes = &self.classes;
+        let waiting_tenant = |t: &Arc<str>| classes.values().any(|c| c.tenants.contains_key(t));
+        let waiting_session = |t: &Arc<str>, s: &Arc<str>| {
+            classes.values().any(|c| {
+                c.tenants
+                    .get(t)
+                    .is_some_and(|tq| tq.sessions.contains_key(s))
+            })
+        };
+        let before = service.tenants.len() + service.sessions.len();
+        service
+            .sessions
+            .retain(|(t, s), v| *v >= threshold || waiting_session(t, s));
+        service
+            .tenants
+            .retain(|t, v| *v >= threshold || waiting_tenant(t));
+        before - service.tenants.len() - service.sessions.len()
+    }
+
+    /// The decayed attained service of `tenant` at `now_secs` (0 without fairness or when
+    /// forgotten), in tokens.
+    pub fn tenant_service(&self, tenant: &str, now_secs: f64) -> f64 {
+        self.service.as_ref().map_or(0.0, |s| {
+            s.tenants.get(tenant).copied().unwrap_or(0.0) / s.scale(now_secs)
+        })
+    }
+
+    /// How many flows (tenants and sessions) have a service account.
+    pub fn accounted_flows(&self) -> usize {
+        self.service
+            .as_ref()
+            .map_or(0, |s| s.tenants.len() + s.sessions.len())
     }
 
     /// Whether anyone of `class` or a higher class is waiting: a new arrival of `class` must then
     /// queue behind them instead of being routed at once.
     pub fn has_backlog_at_or_above(&self, class: i32) -> bool {
-        self.entries
-            .first_key_value()
-            .is_some_and(|(slot, _)| slot.class >= class)
+        self.classes.keys().next().is_some_and(|c| c.0 >= class)
     }
 
     pub fn contains(&self, request_id: &str) -> bool {
@@ -315,11 +784,11 @@ impl<T> PendingQueue<T> {
     }
 
     pub fn len(&self) -> usize {
-        self.entries.len()
+        self.len
     }
 
     pub fn is_empty(&self) -> bool {
-        self.entries.is_empty()
+        self.len == 0
     }
 
     /// Sum of the prompt tokens of the waiting requests.
@@ -327,29 +796,42 @@ impl<T> PendingQueue<T> {
         self.tokens
     }
 
-    /// Waiting requests in serving order.
+    /// Waiting requests in serving order (were nothing charged meanwhile).
     pub fn iter(&self) -> impl Iterator<Item = &QueueEntry<T>> + '_ {
-        self.entries.values()
+        self.classes.values().flat_map(|class| {
+            class.order.iter().flat_map(move |(_, _, tenant)| {
+                let tq = &class.tenants[tenant];
+                tq.order
+                    .iter()
+                    .flat_map(move |(_, _, session)| tq.sessions[session].entries.values())
+            })
+        })
     }
 
-    /// Switches the within-class order and re-sorts what is waiting. Ties keep falling to the
+    /// Switches the within-flow order and re-sorts what is waiting. Ties keep falling to the
     /// original insertion order.
     pub fn set_order(&mut self, order: QueueOrder) {
         if order == self.order {
             return;
         }
         self.order = order;
-        let old = std::mem::take(&mut self.entries);
-        for (slot, entry) in old {
-            let slot = Slot {
-                key: order.key(&entry),
-                ..slot
-            };
-            *self
-                .index
-                .get_mut(&entry.request_id)
-                .expect("every queued request is indexed") = slot;
-            self.entries.insert(slot, entry);
+        for class in self.classes.values_mut() {
+            for tq in class.tenants.values_mut() {
+                for sq in tq.sessions.values_mut() {
+                    let old = std::mem::take(&mut sq.entries);
+                    for (slot, entry) in old {
+                        let slot = Slot {
+                            key: order.key(&entry),
+                            ..slot
+                        };
+                        self.index
+                            .get_mut(&entry.request_id)
+                            .expect("every queued request is indexed")
+                            .slot = slot;
+                        sq.entries.insert(slot, entry);
+                    }
+                }
+            }
         }
     }
 
@@ -366,9 +848,11 @@ impl<T> PendingQueue<T> {
 
     /// Empties the queue, returning everything in serving order.
     pub fn drain(&mut self) -> Vec<QueueEntry<T>> {
-        self.index.clear();
-        self.tokens = 0;
-        std::mem::take(&mut self.entries).into_values().collect()
+        let mut out = Vec::with_capacity(self.len);
+        while let Some(e) = self.pop() {
+            out.push(e);
+        }
+        out
     }
 }
 
@@ -391,6 +875,8 @@ mod tests {
             arrival_secs: arrival,
             prompt_tokens: prompt,
             best_cached_tokens: cached,
+            tenant: None,
+            session: None,
             payload: 0,
         }
     }
@@ -727,6 +1213,8 @@ mod tests {
                 arrival_secs: 0.0,
                 prompt_tokens: 1,
                 best_cached_tokens: 0,
+                tenant: None,
+                session: None,
                 payload: NotClone,
             },
             1,
@@ -886,6 +1374,8 @@ mod model_check {
                         arrival_secs: arrival,
                         prompt_tokens: prompt,
                         best_cached_tokens: cached,
+                        tenant: None,
+                        session: None,
                         payload: step,
                     };
                     let want = m.push(e.clone(), workers);
@@ -960,6 +1450,586 @@ mod model_check {
         #[test]
         fn queue_matches_sorted_model(wspt in any::<bool>(), ops in prop::collection::vec(op(), 0..50)) {
             run(if wspt { QueueOrder::Wspt } else { QueueOrder::Fcfs }, ops)?;
+        }
+    }
+}
+
+/// Fair queueing: unit tests, a model check against a brute-force sort, and long-run properties.
+#[cfg(test)]
+mod fair_tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn big() -> QueueLimits {
+        QueueLimits {
+            max_requests_per_worker: 100_000,
+            max_tokens_per_worker: u64::MAX / 4,
+        }
+    }
+
+    fn e(id: &str, class: i32, arrival: f64, tenant: &str, session: &str) -> QueueEntry<u32> {
+        QueueEntry {
+            request_id: id.to_owned(),
+            class,
+            priority_jump: 0.0,
+            arrival_secs: arrival,
+            prompt_tokens: 10,
+            best_cached_tokens: 0,
+            tenant: (!tenant.is_empty()).then(|| tenant.to_owned()),
+            session: (!session.is_empty()).then(|| session.to_owned()),
+            payload: 0,
+        }
+    }
+
+    fn fair(weights: &[(&str, f64)]) -> PendingQueue<u32> {
+        PendingQueue::fair(
+            QueueOrder::Fcfs,
+            big(),
+            FairConfig {
+                tenant_weights: weights.iter().map(|(n, w)| (n.to_string(), *w)).collect(),
+                ..FairConfig::default()
+            },
+        )
+    }
+
+    fn ids(q: &mut PendingQueue<u32>) -> Vec<String> {
+        std::iter::from_fn(|| q.pop())
+            .map(|e| e.request_id)
+            .collect()
+    }
+
+    #[test]
+    fn least_served_tenant_goes_first() {
+        let mut q = fair(&[]);
+        q.charge(Some("heavy"), None, 1_000, 0.0);
+        q.push(e("h1", 0, 0.0, "heavy", ""), 1).unwrap();
+        q.push(e("h2", 0, 1.0, "heavy", ""), 1).unwrap();
+        q.push(e("l1", 0, 2.0, "light", ""), 1).unwrap();
+        q.push(e("l2", 0, 3.0, "light", ""), 1).unwrap();
+        // nothing charged while popping: light's whole backlog, then heavy's, each FCFS inside
+        assert_eq!(ids(&mut q), ["l1", "l2", "h1", "h2"]);
+        // without fairness the same pushes are plain FCFS
+        let mut plain = PendingQueue::new(QueueOrder::Fcfs, big());
+        plain.charge(Some("heavy"), None, 1_000, 0.0);
+        for (id, a, t) in [
+            ("h1", 0.0, "heavy"),
+            ("l1", 2.0, "light"),
+            ("h2", 1.0, "heavy"),
+        ] {
+            plain.push(e(id, 0, a, t, ""), 1).unwrap();
+        }
+        assert_eq!(ids(&mut plain), ["h1", "h2", "l1"]);
+    }
+
+    #[test]
+    fn charging_a_waiting_flow_moves_it() {
+        let mut q = fair(&[]);
+        q.push(e("a1", 0, 0.0, "a", ""), 1).unwrap();
+        q.push(e("a2", 0, 1.0, "a", ""), 1).unwrap();
+        q.push(e("b1", 0, 2.0, "b", ""), 1).unwrap();
+        q.push(e("b2", 0, 3.0, "b", ""), 1).unwrap();
+        // equal service: the flow backlogged first
+        assert_eq!(q.peek().unwrap().request_id, "a1");
+        let mut served = Vec::new();
+        while let Some(x) = q.pop() {
+            q.charge(x.tenant.as_deref(), x.session.as_deref(), 10, 0.0);
+            served.push(x.request_id);
+        }
+        assert_eq!(served, ["a1", "b1", "a2", "b2"]);
+    }
+
+    #[test]
+    fn weights_divide_service() {
+        let mut q = fair(&[("gold", 2.0)]);
+        q.charge(Some("gold"), None, 1_000, 0.0); // 1000 / 2 = 500
+        q.charge(Some("bronze"), None, 600, 0.0); // 600 / 1
+        q.push(e("b", 0, 0.0, "bronze", ""), 1).unwrap();
+        q.push(e("g", 0, 1.0, "gold", ""), 1).unwrap();
+        assert_eq!(ids(&mut q), ["g", "b"]);
+        assert_eq!(q.fairness().unwrap().weight("gold"), 2.0);
+        assert_eq!(q.fairness().unwrap().weight("other"), 1.0);
+    }
+
+    #[test]
+    fn sessions_share_their_tenant_by_service() {
+        let mut q = fair(&[]);
+        q.charge(Some("t"), Some("long"), 500, 0.0);
+        q.push(e("long1", 0, 0.0, "t", "long"), 1).unwrap();
+        q.push(e("long2", 0, 0.5, "t", "long"), 1).unwrap();
+        q.push(e("new1", 0, 1.0, "t", "new"), 1).unwrap();
+        q.push(e("nosess", 0, 2.0, "t", ""), 1).unwrap();
+        // the tenant level first: another tenant with less service goes before all of t's
+        q.push(e("other", 0, 3.0, "u", "x"), 1).unwrap();
+        let order: Vec<_> = q.iter().map(|x| x.request_id.clone()).collect();
+        assert_eq!(order, ["other", "new1", "nosess", "long1", "long2"]);
+        assert_eq!(ids(&mut q), order);
+    }
+
+    #[test]
+    fn classes_stay_strict() {
+        let mut q = fair(&[]);
+        q.charge(Some("vip"), None, 1_000_000, 0.0);
+        q.push(e("low", -1, 0.0, "fresh", ""), 1).unwrap();
+        q.push(e("mid", 0, 1.0, "fresh", ""), 1).unwrap();
+        q.push(e("high", 1, 2.0, "vip", ""), 1).unwrap();
+        assert!(q.has_backlog_at_or_above(1));
+        assert!(!q.has_backlog_at_or_above(2));
+        assert_eq!(ids(&mut q), ["high", "mid", "low"]);
+    }
+
+    #[test]
+    fn decay_forgives_an_old_heavy_flow() {
+        let mut q = fair(&[]);
+        q.charge(Some("old"), None, 3_200, 0.0);
+        // five half-lives later the old service counts 3200 / 32 = 100
+        q.charge(Some("new"), None, 101, 300.0);
+        q.push(e("n", 0, 300.0, "new", ""), 1).unwrap();
+        q.push(e("o", 0, 300.0, "old", ""), 1).unwrap();
+        assert_eq!(q.peek().unwrap().request_id, "o");
+        assert!((q.tenant_service("old", 300.0) - 100.0).abs() < 1e-9);
+        assert!((q.tenant_service("new", 300.0) - 101.0).abs() < 1e-9);
+        assert!((q.tenant_service("new", 360.0) - 50.5).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_far_clock_rebases_without_losing_order() {
+        let mut q = fair(&[]);
+        q.push(e("a", 0, 0.0, "a", ""), 1).unwrap();
+        q.push(e("b", 0, 0.0, "b", ""), 1).unwrap();
+        // 2^1000 would overflow nothing here, 2^(1e6/60) would: the origin moves
+        for k in 0..100 {
+            let t = f64::from(k) * 10_000.0;
+            q.charge(Some("a"), None, 20, t);
+            q.charge(Some("b"), None, 10, t);
+            let s = q.tenant_service("a", t);
+            assert!(s.is_finite() && s > 0.0, "{k}: {s}");
+        }
+        assert_eq!(q.peek().unwrap().request_id, "b");
+        q.charge(Some("b"), None, 100, 990_000.0);
+        assert_eq!(q.peek().unwrap().request_id, "a");
+    }
+
+    #[test]
+    fn idle_accounts_are_forgotten_waiting_ones_kept() {
+        let mut q = fair(&[]);
+        q.charge(Some("idle"), Some("s"), 1_000, 0.0);
+        q.charge(Some("busy"), Some("s"), 1_000, 0.0);
+        q.push(e("w", 0, 0.0, "busy", "s"), 1).unwrap();
+        assert_eq!(q.accounted_flows(), 4);
+        assert_eq!(q.forget_idle(60.0), 0); // 500 tokens left
+                                            // 1000 / 2^11 < 1: idle's two accounts go; busy's stay while it waits
+        assert_eq!(q.forget_idle(660.0), 2);
+        assert_eq!(q.accounted_flows(), 2);
+        q.pop().unwrap();
+        assert_eq!(q.forget_idle(660.0), 2);
+        assert_eq!(q.accounted_flows(), 0);
+        // plain queues keep no accounts
+        let mut plain: PendingQueue<u32> = PendingQueue::new(QueueOrder::Fcfs, big());
+        plain.charge(Some("a"), None, 5, 0.0);
+        assert_eq!(plain.accounted_flows(), 0);
+        assert_eq!(plain.forget_idle(0.0), 0);
+    }
+
+    #[test]
+    fn config_errors_name_the_field() {
+        let bad = |c: FairConfig| c.validate().unwrap_err();
+        assert!(bad(FairConfig {
+            half_life_secs: 0.0,
+            ..FairConfig::default()
+        })
+        .starts_with("fairness.half_life_secs"));
+        assert!(bad(FairConfig {
+            default_weight: f64::NAN,
+            ..FairConfig::default()
+        })
+        .starts_with("fairness.default_weight"));
+        let mut w = FxHashMap::default();
+        w.insert("acme".to_string(), -1.0);
+        assert!(bad(FairConfig {
+            tenant_weights: w,
+            ..FairConfig::default()
+        })
+        .starts_with("fairness.tenants.acme.weight"));
+        FairConfig::default().validate().unwrap();
+    }
+
+    #[test]
+    fn set_order_and_cancel_work_inside_flows() {
+        let mut q = PendingQueue::fair(QueueOrder::Fcfs, big(), FairConfig::default());
+        let mut long = e("long", 0, 0.0, "t", "s");
+        long.prompt_tokens = 1_000;
+        q.push(long, 1).unwrap();
+        q.push(e("short", 0, 1.0, "t", "s"), 1).unwrap();
+        q.push(e("other", 0, 2.0, "t", "z"), 1).unwrap();
+        q.set_order(QueueOrder::Wspt);
+        let order: Vec<_> = q.iter().map(|x| x.request_id.clone()).collect();
+        assert_eq!(order, ["short", "long", "other"]);
+        assert!(q.cancel("short").is_some());
+        assert_eq!(q.queued_tokens(), 1_010);
+        let all: Vec<_> = q.drain().into_iter().map(|x| x.request_id).collect();
+        assert_eq!(all, ["long", "other"]);
+        assert!(q.is_empty());
+    }
+
+    // ---- model check ----
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        Push {
+            id: usize,
+            class: i32,
+            arrival: f64,
+            prompt: u32,
+            tenant: usize,
+            session: usize,
+        },
+        /// Pop and charge the popped request its prompt at time `t`.
+        Pop(u8),
+        Cancel(usize),
+        Charge {
+            tenant: usize,
+            session: usize,
+            tokens: u64,
+            t: u8,
+        },
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        let push = (0usize..12, -1i32..2, 0u8..6, 1u32..40, 0usize..3, 0usize..3).prop_map(
+            |(id, class, arrival, prompt, tenant, session)| Op::Push {
+                id,
+                class,
+                arrival: f64::from(arrival),
+                prompt,
+                tenant,
+                session,
+            },
+        );
+        prop_oneof![
+            5 => push,
+            3 => (0u8..8).prop_map(Op::Pop),
+            1 => (0usize..12).prop_map(Op::Cancel),
+            2 => (0usize..3, 0usize..3, 0u64..50, 0u8..8)
+                .prop_map(|(tenant, session, tokens, t)| Op::Charge { tenant, session, tokens, t }),
+        ]
+    }
+
+    const TENANTS: [&str; 3] = ["a", "b", "c"];
+    const SESSIONS: [&str; 3] = ["", "s1", "s2"];
+
+    /// Brute force: live entries with their sequence; service per flow (half-life 1 s, integer
+    /// times: exact powers of two); the sequence at which each flow last became backlogged.
+    #[derive(Default)]
+    struct Model {
+        live: Vec<(u64, QueueEntry<usize>)>,
+        seq: u64,
+        tenant_service: FxHashMap<String, f64>,
+        session_service: FxHashMap<(String, String), f64>,
+        tenant_enter: FxHashMap<(i32, String), u64>,
+        session_enter: FxHashMap<(i32, String, String), u64>,
+    }
+
+    fn tenant_of(e: &QueueEntry<usize>) -> String {
+        e.tenant.clone().unwrap_or_else(|| DEFAULT_TENANT.into())
+    }
+    fn session_of(e: &QueueEntry<usize>) -> String {
+        e.session.clone().unwrap_or_default()
+    }
+
+    impl Model {
+        fn weight(t: &str) -> f64 {
+            if t == "b" {
+                3.0
+            } else {
+                1.0
+            }
+        }
+        fn sorted(&self) -> Vec<&QueueEntry<usize>> {
+            let mut v: Vec<&(u64, QueueEntry<usize>)> = self.live.iter().collect();
+            let key = |(seq, e): &(u64, QueueEntry<usize>)| {
+                let t = tenant_of(e);
+                let s = session_of(e);
+                let ts = self.tenant_service.get(&t).copied().unwrap_or(0.0) / Self::weight(&t);
+                let ss = self
+                    .session_service
+                    .get(&(t.clone(), s.clone()))
+                    .copied()
+                    .unwrap_or(0.0);
+                (
+                    std::cmp::Reverse(e.class),
+                    Key(ts),
+                    self.tenant_enter[&(e.class, t.clone())],
+                    t.clone(),
+                    Key(ss),
+                    self.session_enter[&(e.class, t, s.clone())],
+                    s,
+                    Key(-QueueOrder::Fcfs.key(e)),
+                    *seq,
+                )
+            };
+            v.sort_by_key(|x| key(x));
+            v.into_iter().map(|(_, e)| e).collect()
+        }
+
+        fn push(&mut self, e: QueueEntry<usize>) {
+            let (t, s) = (tenant_of(&e), session_of(&e));
+            let base = e.arrival_secs.exp2();
+            let class_live: Vec<&QueueEntry<usize>> = self
+                .live
+                .iter()
+                .map(|(_, x)| x)
+                .filter(|x| x.class == e.class)
+                .collect();
+            if !class_live.iter().any(|x| tenant_of(x) == t) {
+                let raised = base * Self::weight(&t);
+                let own = self.tenant_service.entry(t.clone()).or_insert(0.0);
+                if *own < raised {
+                    *own = raised;
+                }
+            }
+            if !class_live
+                .iter()
+                .any(|x| tenant_of(x) == t && session_of(x) == s)
+            {
+                let own = self
+                    .session_service
+                    .entry((t.clone(), s.clone()))
+                    .or_insert(0.0);
+                if *own < base {
+                    *own = base;
+                }
+            }
+            self.tenant_enter
+                .entry((e.class, t.clone()))
+                .or_insert(self.seq);
+            self.session_enter
+                .entry((e.class, t, s))
+                .or_insert(self.seq);
+            self.live.push((self.seq, e));
+            self.seq += 1;
+        }
+
+        fn remove(&mut self, id: &str) -> Option<QueueEntry<usize>> {
+            let i = self.live.iter().position(|(_, e)| e.request_id == id)?;
+            let e = self.live.remove(i).1;
+            let (t, s) = (tenant_of(&e), session_of(&e));
+            if !self
+                .live
+                .iter()
+                .any(|(_, x)| x.class == e.class && tenant_of(x) == t)
+            {
+                self.tenant_enter.remove(&(e.class, t.clone()));
+            }
+            if !self
+                .live
+                .iter()
+                .any(|(_, x)| x.class == e.class && tenant_of(x) == t && session_of(x) == s)
+            {
+                self.session_enter.remove(&(e.class, t, s));
+            }
+            Some(e)
+        }
+
+        fn charge(&mut self, t: &str, s: &str, tokens: u64, at: u8) {
+            if tokens == 0 {
+                return;
+            }
+            let amount = tokens as f64 * f64::from(at).exp2();
+            *self.tenant_service.entry(t.into()).or_insert(0.0) += amount;
+            *self
+                .session_service
+                .entry((t.into(), s.into()))
+                .or_insert(0.0) += amount;
+        }
+    }
+
+    fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
+        let mut weights = FxHashMap::default();
+        weights.insert("b".to_string(), 3.0);
+        let mut q = PendingQueue::fair(
+            QueueOrder::Fcfs,
+            big(),
+            FairConfig {
+                half_life_secs: 1.0,
+                tenant_weights: weights,
+                default_weight: 1.0,
+            },
+        );
+        let mut m = Model::default();
+        for (step, op) in ops.into_iter().enumerate() {
+            match op {
+                Op::Push {
+                    id,
+                    class,
+                    arrival,
+                    prompt,
+                    tenant,
+                    session,
+                } => {
+                    let e = QueueEntry {
+                        request_id: format!("q{id}"),
+                        class,
+                        priority_jump: 0.0,
+                        arrival_secs: arrival,
+                        prompt_tokens: prompt,
+                        best_cached_tokens: 0,
+                        // tenant "c" is sent as no tenant: the default tenant's flow
+                        tenant: (tenant != 2).then(|| TENANTS[tenant].to_string()),
+                        session: (session != 0).then(|| SESSIONS[session].to_string()),
+                        payload: step,
+                    };
+                    let dup = m.live.iter().any(|(_, x)| x.request_id == e.request_id);
+                    let got = q.push(e.clone(), 1);
+                    prop_assert_eq!(got.is_err(), dup);
+                    if !dup {
+                        m.push(e);
+                    }
+                }
+                Op::Pop(t) => {
+                    let want = m.sorted().first().map(|e| e.request_id.clone());
+                    let got = q.pop();
+                    prop_assert_eq!(got.as_ref().map(|e| e.request_id.clone()), want.clone());
+                    if let Some(e) = got {
+                        m.remove(&e.request_id);
+                        q.charge(
+                            e.tenant.as_deref(),
+                            e.session.as_deref(),
+                            e.prompt_tokens.into(),
+                            f64::from(t),
+                        );
+                        m.charge(&tenant_of(&e), &session_of(&e), e.prompt_tokens.into(), t);
+                    }
+                }
+                Op::Cancel(id) => {
+                    let id = format!("q{id}");
+                    let want = m.remove(&id).map(|e| e.payload);
+                    prop_assert_eq!(q.cancel(&id).map(|e| e.payload), want);
+                }
+                Op::Charge {
+                    tenant,
+                    session,
+                    tokens,
+                    t,
+                } => {
+                    let name = if tenant == 2 {
+                        DEFAULT_TENANT
+                    } else {
+                        TENANTS[tenant]
+                    };
+                    q.charge(
+                        (tenant != 2).then_some(TENANTS[tenant]),
+                        (session != 0).then_some(SESSIONS[session]),
+                        tokens,
+                        f64::from(t),
+                    );
+                    m.charge(name, SESSIONS[session], tokens, t);
+                }
+            }
+            prop_assert_eq!(q.len(), m.live.len());
+            let want: Vec<String> = m.sorted().iter().map(|e| e.request_id.clone()).collect();
+            let got: Vec<String> = q.iter().map(|e| e.request_id.clone()).collect();
+            prop_assert_eq!(&got, &want);
+            prop_assert_eq!(
+                q.peek().map(|e| e.request_id.clone()),
+                want.first().cloned()
+            );
+            prop_assert_eq!(
+                q.queued_tokens(),
+                m.live
+                    .iter()
+                    .map(|(_, e)| u64::from(e.prompt_tokens))
+                    .sum::<u64>()
+            );
+        }
+        Ok(())
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2_000))]
+
+        #[test]
+        fn fair_queue_matches_sorted_model(ops in prop::collection::vec(op(), 0..60)) {
+            run(ops)?;
+        }
+
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(24))]
+
+        /// Two always-backlogged tenants: in the long run each is served in proportion to its
+        /// weight (within 5% of the total served), whatever the request sizes.
+        #[test]
+        fn weights_are_respected_in_the_long_run(
+            w_a in 1.0f64..4.0,
+            w_b in 1.0f64..4.0,
+            sizes in prop::collection::vec(1u32..200, 64),
+        ) {
+            let mut weights = FxHashMap::default();
+            weights.insert("a".to_string(), w_a);
+            weights.insert("b".to_string(), w_b);
+            let mut q = PendingQueue::fair(QueueOrder::Fcfs, big(), FairConfig {
+                tenant_weights: weights,
+                ..FairConfig::default()
+            });
+            let mut served = [0u64; 2];
+            let mut k = 0usize;
+            let push = |q: &mut PendingQueue<u32>, t: usize, k: &mut usize| {
+                let mut x = e(&format!("r{k}"), 0, *k as f64, ["a", "b"][t], "");
+                x.prompt_tokens = sizes[*k % sizes.len()];
+                x.payload = t as u32;
+                q.push(x, 1).unwrap();
+                *k += 1;
+            };
+            for _ in 0..4 {
+                push(&mut q, 0, &mut k);
+                push(&mut q, 1, &mut k);
+            }
+            // a millisecond per serve: the 60 s half-life barely decays over the run
+            for step in 0..4_000 {
+                let x = q.pop().unwrap();
+                let t = x.payload as usize;
+                served[t] += u64::from(x.prompt_tokens);
+                q.charge(x.tenant.as_deref(), None, x.prompt_tokens.into(), step as f64 * 1e-3);
+                push(&mut q, t, &mut k);
+            }
+            let total = (served[0] + served[1]) as f64;
+            let want_a = w_a / (w_a + w_b);
+            let got_a = served[0] as f64 / total;
+            prop_assert!((got_a - want_a).abs() < 0.05, "a got {got_a}, weight share {want_a}");
+        }
+
+        /// No flow starves: a session with a large service waits behind a stream of brand-new
+        /// sessions (as many as are served: the fleet keeps up) only until the newcomers' floor (one token now, doubling every half-life) passes its
+        /// decayed service: about `half_life × log2(service)`.
+        #[test]
+        fn no_flow_starves_behind_newcomers(
+            heavy in 1_000u64..10_000_000,
+            per_newcomer in 1u32..100,
+        ) {
+            let half_life = 10.0;
+            let mut q = PendingQueue::fair(QueueOrder::Fcfs, big(), FairConfig {
+                half_life_secs: half_life,
+                ..FairConfig::default()
+            });
+            q.charge(Some("t"), Some("old"), heavy, 0.0);
+            q.push(e("old-turn", 0, 0.0, "t", "old"), 1).unwrap();
+            let dt = 0.1; // one serve every 100 ms
+            let bound = (half_life / dt * ((heavy as f64).log2() + 2.0)).ceil() as usize;
+            let mut served_old = None;
+            for k in 0..=bound {
+                let now = k as f64 * dt;
+                let mut x = e(&format!("n{k}"), 0, now, "t", &format!("new{k}"));
+                x.prompt_tokens = per_newcomer;
+                q.push(x, 1).unwrap();
+                let got = q.pop().unwrap();
+                q.charge(got.tenant.as_deref(), got.session.as_deref(), got.prompt_tokens.into(), now);
+                if got.request_id == "old-turn" {
+                    served_old = Some(k);
+                    break;
+                }
+            }
+            prop_assert!(served_old.is_some(), "not served within {bound} serves");
         }
     }
 }

@@ -18,9 +18,49 @@ use crate::{
 /// `kvroute replay` flags.
 #[derive(clap::Args, Debug, Clone)]
 pub struct ReplayArgs {
-    /// Trace file: Mooncake JSONL, Azure CSV, or token JSONL.
+    /// Trace file: Mooncake JSONL, Azure CSV, or token JSONL (or --workload agents instead).
+    #[arg(long, required_unless_present = "workload")]
+    pub trace: Option<PathBuf>,
+    /// A generated workload instead of a trace: `agents` (closed-loop agent sessions with
+    /// subagents; docs/SIMULATOR.md, "Agentic workload"), seeded with --seed.
+    #[arg(long, conflicts_with = "trace")]
+    pub workload: Option<String>,
+    /// Agents: sessions running at once.
+    #[arg(long, default_value_t = 250)]
+    pub sessions: u32,
+    /// Agents: top-level sessions in all [default: 2 x --sessions].
     #[arg(long)]
-    pub trace: PathBuf,
+    pub session_count: Option<u32>,
+    /// Agents: tenants the sessions belong to (tenant t with probability ∝ 1/(t+1)).
+    #[arg(long, default_value_t = 4)]
+    pub tenants: u32,
+    /// Agents: mean tool-result tokens added per turn (log-normal, σ = 1).
+    #[arg(long, default_value_t = 1500.0, allow_negative_numbers = true)]
+    pub agent_tool_tokens: f64,
+    /// Agents: mean output tokens per turn (exponential).
+    #[arg(long, default_value_t = 150.0, allow_negative_numbers = true)]
+    pub agent_output_tokens: f64,
+    /// Agents: mean think time between turns, ms (exponential).
+    #[arg(long, default_value_t = 1000.0, allow_negative_numbers = true)]
+    pub agent_think_ms: f64,
+    /// Agents: probability that a turn forks subagents.
+    #[arg(long, default_value_t = 0.1, allow_negative_numbers = true)]
+    pub agent_subagent_prob: f64,
+    /// Agents: a session ends before its prompt passes this many tokens.
+    #[arg(long, default_value_t = 40_000)]
+    pub agent_max_context: u32,
+    /// The router's queue (docs/SPEC.md §9): none (requests go to the engines at once, which
+    /// queue them), fcfs, wspt, or fair (fcfs inside least-attained-service tenants and sessions);
+    /// comma-separated to compare, one run each.
+    #[arg(long, value_delimiter = ',', default_value = "none")]
+    pub queue: Vec<String>,
+    /// With --queue: the router's busy threshold (fraction of max_num_batched_tokens of booked
+    /// prefill tokens past which a worker is busy).
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
+    pub busy_threshold: f64,
+    /// With --queue fair: the half-life of attained service, seconds.
+    #[arg(long, default_value_t = 60.0, allow_negative_numbers = true)]
+    pub fair_half_life_secs: f64,
     /// Trace format.
     #[arg(long, value_enum, default_value = "auto")]
     pub format: TraceFormat,
@@ -76,8 +116,8 @@ pub struct ReplayArgs {
     /// With --prefill-workers: do not replay the aggregated fleet beside the disaggregated ones.
     #[arg(long)]
     pub no_aggregated: bool,
-    /// round-robin | default | dynamo | FILE.wasm[:CONFIG_JSON]; repeat to compare [default: round-robin
-    /// and default].
+    /// round-robin | default | dynamo | llm-d | sglang | FILE.wasm[:CONFIG_JSON]; repeat to compare
+    /// [default: round-robin and default].
     #[arg(long = "policy")]
     pub policies: Vec<String>,
     /// A candidate policy (same forms as --policy) replayed as a live canary would run: each
@@ -223,7 +263,7 @@ fn cli_run(args: ReplayArgs) -> Result<()> {
             }),
         ..RouterConfig::default()
     };
-    let configs = configurations(&args, &base_router)?;
+    let configs = with_queues(configurations(&args, &base_router)?, &args)?;
     let workers = configs.iter().map(|c| c.fleet.workers()).max().unwrap_or(0);
     if args.max_requests == Some(0) {
         bail!("--max-requests must be at least 1 (leave it out to replay the whole trace)");
@@ -255,7 +295,26 @@ fn cli_run(args: ReplayArgs) -> Result<()> {
         },
     };
     let t0 = Instant::now();
-    let trace = trace::load(&args.trace, &load)?;
+    let trace = match (&args.trace, args.workload.as_deref()) {
+        (_, Some("agents")) => crate::agents::generate(&crate::agents::AgentOptions {
+            concurrency: args.sessions,
+            sessions: args
+                .session_count
+                .unwrap_or(args.sessions.saturating_mul(2)),
+            seed: args.seed,
+            tenants: args.tenants,
+            tool_tokens_mean: args.agent_tool_tokens,
+            output_tokens_mean: args.agent_output_tokens,
+            think_ms_mean: args.agent_think_ms,
+            subagent_prob: args.agent_subagent_prob,
+            max_context: args.agent_max_context,
+            ..crate::agents::AgentOptions::default()
+        })
+        .map_err(|e| anyhow!(e))?,
+        (_, Some(other)) => bail!("--workload {other:?}: expected agents"),
+        (Some(path), None) => trace::load(path, &load)?,
+        (None, None) => bail!("--trace or --workload is required"),
+    };
     if trace.format == TraceFormat::Mooncake && 512 % args.block_size != 0 {
         eprintln!(
             "warning: --block-size {} does not divide Mooncake's 512-token blocks; blocks straddle hash ids",
@@ -429,6 +488,49 @@ fn configurations(args: &ReplayArgs, base: &RouterConfig) -> Result<Vec<ReplayOp
         }
     }
     with_replicas(configs, &args.replicas, &args.sync_lag_ms)
+}
+
+/// Each configuration once per `--queue` mode.
+fn with_queues(configs: Vec<ReplayOptions>, args: &ReplayArgs) -> Result<Vec<ReplayOptions>> {
+    if !(args.busy_threshold.is_finite() && args.busy_threshold > 0.0) {
+        bail!("--busy-threshold must be a positive number");
+    }
+    let fair = kvroute_core::queue::FairConfig {
+        half_life_secs: args.fair_half_life_secs,
+        ..Default::default()
+    };
+    fair.validate()
+        .map_err(|e| anyhow!("--fair-half-life-secs: {e}"))?;
+    let mut out = Vec::new();
+    for mode in &args.queue {
+        let (busy, order, fairness) = match mode.trim() {
+            "none" => (None, kvroute_core::queue::QueueOrder::Fcfs, None),
+            "fcfs" => (
+                Some(args.busy_threshold),
+                kvroute_core::queue::QueueOrder::Fcfs,
+                None,
+            ),
+            "wspt" => (
+                Some(args.busy_threshold),
+                kvroute_core::queue::QueueOrder::Wspt,
+                None,
+            ),
+            "fair" => (
+                Some(args.busy_threshold),
+                kvroute_core::queue::QueueOrder::Fcfs,
+                Some(fair.clone()),
+            ),
+            other => bail!("--queue {other:?}: expected none, fcfs, wspt or fair"),
+        };
+        for c in &configs {
+            let mut c = c.clone();
+            c.router.busy_threshold = busy;
+            c.router.queue_order = order;
+            c.router.fairness = fairness.clone();
+            out.push(c);
+        }
+    }
+    Ok(out)
 }
 
 /// Each configuration once per replica count and sync lag (one router: once, lag 0).

@@ -11,6 +11,8 @@
 //! | `round-robin` | a trivial [`Scorer`] that picks candidates in turn (eligibility and booking still go through the router) |
 //! | `default` | the built-in default policy: its embedded component (the one `kvroute serve` runs), through the policy runtime |
 //! | `dynamo` (alias `native`) | Dynamo 1.6's default cost, bit-exact: the router's native cost (SPEC §7), no scorer (the built-in `dynamo` component returns the same costs) |
+//! | `llm-d` | llm-d's default scorer set: prefix-cache 3, kv-cache-utilization 2, queue 2, max-score picker ([`peers`]) |
+//! | `sglang` | SGLang router's `cache_aware` policy at its defaults: cache_threshold 0.3, balance_abs_threshold 64, balance_rel_threshold 1.5 ([`peers`]) |
 //! | `FILE.wasm[:CONFIG_JSON]` | the Wasm policy runtime: [`PolicyRegistry::load`] + [`RegistryScorer`], exactly as `serve --policy` |
 //!
 //! Every policy sees the same trace and fleet. A replay is repeatable: the router's random
@@ -52,8 +54,10 @@
 //!
 //! The plots' text uses an embedded font (Noto Sans), so no system font or fontconfig is needed.
 
+pub mod agents;
 mod cli;
 pub mod engine;
+pub mod peers;
 pub mod plot;
 pub mod report;
 pub mod sim;
@@ -96,6 +100,10 @@ pub enum PolicySpec {
     /// Dynamo 1.6's default cost, bit-exact, whatever `default` becomes: the reference every
     /// comparison can name.
     Dynamo,
+    /// llm-d's default scorer set ([`peers::LlmdScorer`]).
+    LlmD,
+    /// SGLang router's `cache_aware` policy ([`peers::SglangScorer`]).
+    Sglang,
     /// A Wasm policy component and its optional JSON configuration.
     Wasm {
         path: PathBuf,
@@ -119,6 +127,8 @@ impl std::fmt::Debug for PolicySpec {
             PolicySpec::RoundRobin => f.write_str("RoundRobin"),
             PolicySpec::Default => f.write_str("Default"),
             PolicySpec::Dynamo => f.write_str("Dynamo"),
+            PolicySpec::LlmD => f.write_str("LlmD"),
+            PolicySpec::Sglang => f.write_str("Sglang"),
             PolicySpec::Wasm { path, config } => f
                 .debug_struct("Wasm")
                 .field("path", path)
@@ -148,6 +158,8 @@ impl PolicySpec {
             "round-robin" | "round_robin" | "rr" => return Ok(PolicySpec::RoundRobin),
             "default" => return Ok(PolicySpec::Default),
             "dynamo" | "native" => return Ok(PolicySpec::Dynamo),
+            "llm-d" | "llmd" => return Ok(PolicySpec::LlmD),
+            "sglang" => return Ok(PolicySpec::Sglang),
             _ => {}
         }
         if let Some(i) = s.find(".wasm:") {
@@ -166,7 +178,7 @@ impl PolicySpec {
                 config: None,
             });
         }
-        bail!("unknown policy {s:?}: expected round-robin, default, dynamo or FILE.wasm[:CONFIG_JSON]")
+        bail!("unknown policy {s:?}: expected round-robin, default, dynamo, llm-d, sglang or FILE.wasm[:CONFIG_JSON]")
     }
 
     /// The name results are reported under.
@@ -175,6 +187,8 @@ impl PolicySpec {
             PolicySpec::RoundRobin => "round-robin".into(),
             PolicySpec::Default => "default".into(),
             PolicySpec::Dynamo => "dynamo".into(),
+            PolicySpec::LlmD => "llm-d".into(),
+            PolicySpec::Sglang => "sglang".into(),
             PolicySpec::Wasm { path, .. } => {
                 let stem = path
                     .file_stem()
@@ -365,6 +379,9 @@ pub fn run_policy(
             |i| kvroute_policy::canary_arm(&sim::request_id(i), *fraction),
         ));
     }
+    if let Some(flows) = &prepared.trace.agents {
+        run.result.sessions = Some(report::SessionFigures::from_output(&out, flows));
+    }
     run.result.index_entries = index.held_blocks.iter().sum();
     run.result.fleet = opts.fleet.label();
     run.result.replicas = opts.replicas;
@@ -408,6 +425,12 @@ fn scorer_source(policy: &PolicySpec) -> Result<ScorerSource> {
         // component returns the same costs, bit for bit, so the picks are the same).
         PolicySpec::Dynamo => ScorerSource {
             make: Box::new(|| None),
+        },
+        PolicySpec::LlmD => ScorerSource {
+            make: Box::new(|| Some(Box::new(peers::LlmdScorer::default()) as Box<dyn Scorer>)),
+        },
+        PolicySpec::Sglang => ScorerSource {
+            make: Box::new(|| Some(Box::new(peers::SglangScorer::default()) as Box<dyn Scorer>)),
         },
         PolicySpec::Custom { make, .. } => {
             let make = make.clone();
@@ -523,10 +546,22 @@ fn config_suffix(o: &ReplayOptions) -> String {
             enforcement_name(o.router.disagg.kv_transfer_enforcement)
         ),
     };
+    let fleet = match (o.router.busy_threshold, &o.router.fairness) {
+        (None, _) => fleet,
+        (Some(_), Some(_)) => format!("{fleet} q=fair"),
+        (Some(_), None) => format!("{fleet} q={}", queue_name(o.router.queue_order)),
+    };
     if o.replicas > 1 {
         format!("{fleet} x{}r+{}ms", o.replicas, o.sync_lag_ms)
     } else {
         fleet
+    }
+}
+
+fn queue_name(q: kvroute_core::queue::QueueOrder) -> &'static str {
+    match q {
+        kvroute_core::queue::QueueOrder::Fcfs => "fcfs",
+        kvroute_core::queue::QueueOrder::Wspt => "wspt",
     }
 }
 

@@ -121,6 +121,92 @@ pub struct PolicyResult {
     /// differences, as `GET /v1/policies/{name}/canary` reports a live canary.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub canary: Option<CanarySplit>,
+    /// Time requests waited in the router's queue (`--queue`), ms; zeros without one.
+    pub queued_ms: Latency,
+    /// An agentic workload's sessions (`--workload agents`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sessions: Option<SessionFigures>,
+}
+
+/// One agent session's figures.
+#[derive(Clone, Debug, Serialize)]
+pub struct SessionRow {
+    pub session: u32,
+    pub parent: Option<u32>,
+    pub tenant: u32,
+    pub turns: usize,
+    /// Mean time to first token over its turns.
+    pub ttft_ms: f64,
+    /// The longest any of its turns waited for its first token (its starvation).
+    pub longest_wait_ms: f64,
+    /// Its first turn's arrival to its last turn's last token.
+    pub completion_ms: f64,
+}
+
+/// An agentic workload's per-session figures (`results.json` `sessions`).
+#[derive(Clone, Debug, Serialize)]
+pub struct SessionFigures {
+    pub count: usize,
+    /// Over sessions: each session's mean TTFT.
+    pub session_ttft_ms: Latency,
+    /// Over sessions: first arrival to last token.
+    pub completion_ms: Latency,
+    /// Over sessions: each one's longest wait for a first token.
+    pub longest_wait_ms: Latency,
+    /// The longest wait of any request of the run (the starvation bound observed).
+    pub max_wait_ms: f64,
+    pub per_session: Vec<SessionRow>,
+}
+
+impl SessionFigures {
+    pub fn from_output(out: &SimOutput, flows: &crate::agents::AgentFlows) -> Self {
+        let mut rows = Vec::with_capacity(flows.sessions.len());
+        for (k, s) in flows.sessions.iter().enumerate() {
+            let reqs: Vec<&crate::sim::RequestOutcome> = s
+                .requests
+                .iter()
+                .map(|&i| &out.requests[i as usize])
+                .collect();
+            let waits: Vec<f64> = reqs
+                .iter()
+                .filter(|o| o.first_token_ms.is_finite())
+                .map(|o| o.first_token_ms - o.arrival_ms)
+                .collect();
+            let start = reqs.first().map_or(f64::NAN, |o| o.arrival_ms);
+            let end = reqs.last().map_or(f64::NAN, |o| o.done_ms);
+            rows.push(SessionRow {
+                session: k as u32,
+                parent: s.parent,
+                tenant: s.tenant,
+                turns: s.requests.len(),
+                ttft_ms: if waits.is_empty() {
+                    f64::NAN
+                } else {
+                    waits.iter().sum::<f64>() / waits.len() as f64
+                },
+                longest_wait_ms: waits.iter().copied().fold(f64::NAN, f64::max),
+                completion_ms: end - start,
+            });
+        }
+        let sorted = |f: fn(&SessionRow) -> f64| {
+            let mut v: Vec<f64> = rows.iter().map(f).filter(|x| x.is_finite()).collect();
+            v.sort_by(f64::total_cmp);
+            latency(&v)
+        };
+        let max_wait_ms = rows
+            .iter()
+            .map(|r| r.longest_wait_ms)
+            .filter(|x| x.is_finite())
+            .fold(0.0, f64::max);
+        Self {
+            count: rows.len(),
+            session_ttft_ms: sorted(|r| r.ttft_ms),
+            completion_ms: sorted(|r| r.completion_ms),
+            longest_wait_ms: sorted(|r| r.longest_wait_ms),
+            max_wait_ms,
+            per_session: rows,
+        }
+    }
 }
 
 /// One arm of a replayed canary split.
@@ -437,6 +523,12 @@ impl PolicyRun {
             learned: Vec::new(),
             predictions: None,
             canary: None,
+            queued_ms: {
+                let mut q: Vec<f64> = out.requests.iter().map(|o| o.queued_ms).collect();
+                q.sort_by(f64::total_cmp);
+                latency(&q)
+            },
+            sessions: None,
         };
         Self {
             result,

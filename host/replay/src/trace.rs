@@ -115,6 +115,9 @@ pub struct Trace {
     pub requests: Vec<TraceRequest>,
     /// The prefix-sharing parameters, when they were synthesized.
     pub synthesis: Option<PrefixSynthesis>,
+    /// An agentic workload's sessions and dependencies ([`crate::agents`]): requests then start
+    /// when those they wait for have finished, not at `arrival_ms`.
+    pub agents: Option<crate::agents::AgentFlows>,
 }
 
 impl Trace {
@@ -126,6 +129,7 @@ impl Trace {
             format: TraceFormat::Tokens,
             requests,
             synthesis: None,
+            agents: None,
         }
     }
 
@@ -173,6 +177,7 @@ pub fn load(path: &Path, opts: &LoadOptions) -> Result<Trace> {
         format,
         requests,
         synthesis: (format == TraceFormat::Azure).then_some(opts.synthesis),
+        agents: None,
     })
 }
 

@@ -47,6 +47,8 @@ pub struct ServeConfig {
     /// exits anyway (a client stalled mid-request would otherwise hold it up).
     pub shutdown_grace_secs: u64,
     pub routing: RoutingSection,
+    /// Fair queueing and per-tenant budgets (`[fairness]`; docs/SPEC.md §9).
+    pub fairness: FairnessSection,
     pub limits: LimitsSection,
     pub cost: CostWeights,
     /// Limits of the Wasm policy runtime (memory cap, per-call deadline, failures before restore).
@@ -103,6 +105,7 @@ impl Default for ServeConfig {
             http_threads: 0,
             shutdown_grace_secs: 30,
             routing: RoutingSection::default(),
+            fairness: FairnessSection::default(),
             limits: LimitsSection::default(),
             cost: CostWeights::default(),
             policy_runtime: kvroute_policy::PolicyRuntimeConfig::default(),
@@ -128,6 +131,98 @@ pub enum LogFormat {
     #[default]
     Text,
     Json,
+}
+
+/// `[fairness]`: fair queueing and per-tenant budgets (docs/SPEC.md §9, "Fairness", "Budgets").
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct FairnessSection {
+    /// Serve each priority class of the queue least attained service first: tenant (by weight),
+    /// then session, then `routing.queue_order`. Off: the plain order.
+    pub queue: bool,
+    /// Attained service halves every this many seconds.
+    pub half_life_secs: f64,
+    /// The weight of a tenant not listed.
+    pub default_weight: f64,
+    /// `[fairness.tenants.NAME]`: weight and budgets (requests without a tenant are `default`).
+    pub tenants: std::collections::BTreeMap<String, TenantSection>,
+}
+
+impl Default for FairnessSection {
+    fn default() -> Self {
+        Self {
+            queue: false,
+            half_life_secs: 60.0,
+            default_weight: 1.0,
+            tenants: Default::default(),
+        }
+    }
+}
+
+/// `[fairness.tenants.NAME]`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TenantSection {
+    /// Its share of the queue against other tenants (> 0).
+    pub weight: Option<f64>,
+    /// Requests admitted per 60 s at most (none: unlimited).
+    pub requests_per_minute: Option<u64>,
+    /// Prompt plus expected output tokens admitted per 60 s at most (none: unlimited).
+    pub tokens_per_minute: Option<u64>,
+}
+
+impl FairnessSection {
+    /// The queue's fairness settings (with `queue` on).
+    pub fn fair_config(&self) -> kvroute_core::queue::FairConfig {
+        kvroute_core::queue::FairConfig {
+            half_life_secs: self.half_life_secs,
+            default_weight: self.default_weight,
+            tenant_weights: self
+                .tenants
+                .iter()
+                .filter_map(|(n, t)| t.weight.map(|w| (n.clone(), w)))
+                .collect(),
+        }
+    }
+
+    /// The tenants' budgets.
+    pub fn budgets(&self) -> rustc_hash::FxHashMap<String, kvroute_core::budget::TenantBudget> {
+        self.tenants
+            .iter()
+            .map(|(n, t)| {
+                (
+                    n.clone(),
+                    kvroute_core::budget::TenantBudget {
+                        requests_per_minute: t.requests_per_minute,
+                        tokens_per_minute: t.tokens_per_minute,
+                    },
+                )
+            })
+            .collect()
+    }
+
+    /// Every value checked, naming the key at fault.
+    pub fn validate(&self) -> Result<(), String> {
+        self.fair_config().validate()?;
+        for (name, t) in &self.tenants {
+            if name.is_empty() || name.len() > 128 || name.chars().any(char::is_control) {
+                return Err(format!(
+                    "fairness.tenants.{name:?}: a tenant name is 1 to 128 bytes with no control characters"
+                ));
+            }
+            for (key, v) in [
+                ("requests_per_minute", t.requests_per_minute),
+                ("tokens_per_minute", t.tokens_per_minute),
+            ] {
+                if v == Some(0) {
+                    return Err(format!(
+                        "fairness.tenants.{name}.{key} must be at least 1 (leave it out for no limit)"
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Routing behaviour.
@@ -341,6 +436,7 @@ impl ServeConfig {
         if self.routing.queue_timeout_ms == 0 {
             return Err("routing.queue_timeout_ms must be at least 1".into());
         }
+        self.fairness.validate()?;
         if self.http_threads > 1024 {
             return Err(format!(
                 "http_threads must be at most 1024 (0 = one per CPU), got {}",
@@ -537,6 +633,8 @@ impl ServeConfig {
                 dead_after: Duration::from_millis(self.routing.dead_feed_after_ms),
             },
             disagg: self.disaggregation.clone(),
+            fairness: self.fairness.queue.then(|| self.fairness.fair_config()),
+            budgets: self.fairness.budgets(),
         }
     }
 }

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use super::request::Prepared;
 use super::{RouteDecision, RouteError, RouteRequest, Router};
-use crate::queue::{QueueEntry, QueueOrder};
+use crate::queue::{PendingQueue, QueueEntry, QueueOrder, DEFAULT_TENANT};
 
 /// A queued request's side of the wait. If the caller goes away before the answer (an HTTP
 /// client disconnects and its handler future is dropped), dropping this takes the request out of
@@ -60,15 +60,17 @@ impl Router {
             prepared.external = self.external_overlaps(&prepared.local).await;
         }
         let prepared = Arc::new(prepared);
+        self.admit_budget(&prepared)?;
         if self.busy.threshold_frac.is_none() || !prepared.req.book {
-            return self.decide(&prepared, Duration::ZERO);
+            let d = self.decide(&prepared, Duration::ZERO);
+            return self.charged(&prepared, d);
         }
         let class = prepared.req.priority_class;
         let backlog = self.queue.lock().has_backlog_at_or_above(class);
         if !backlog {
             match self.decide(&prepared, Duration::ZERO) {
                 Err(RouteError::AllOverloaded) => {}
-                other => return other,
+                other => return self.charged(&prepared, other),
             }
         }
         let (tx, rx) = tokio::sync::oneshot::channel();
@@ -76,9 +78,11 @@ impl Router {
             request_id: prepared.request_id.clone(),
             class,
             priority_jump: prepared.req.priority,
-            arrival_secs: self.epoch.elapsed().as_secs_f64(),
+            arrival_secs: self.clock_secs(),
             prompt_tokens: prepared.prompt_tokens,
             best_cached_tokens: self.best_cached_tokens(&prepared),
+            tenant: prepared.req.tenant.clone(),
+            session: prepared.req.session_id.clone(),
             payload: Waiter {
                 prepared: prepared.clone(),
                 enqueued: Instant::now(),
@@ -143,7 +147,55 @@ impl Router {
     /// async runtime (benchmarks, replay).
     pub fn route_now(&self, req: RouteRequest) -> Result<RouteDecision, RouteError> {
         let prepared = self.prepare(req)?;
-        self.decide(&prepared, Duration::ZERO)
+        self.admit_budget(&prepared)?;
+        let d = self.decide(&prepared, Duration::ZERO);
+        self.charged(&prepared, d)
+    }
+
+    /// Checks and counts the request against its tenant's budget (booked requests only).
+    fn admit_budget(&self, p: &Prepared) -> Result<(), RouteError> {
+        if !p.req.book {
+            return Ok(());
+        }
+        let mut budgets = self.budgets.lock();
+        if budgets.is_empty() {
+            return Ok(());
+        }
+        let tenant = p.req.tenant.as_deref().unwrap_or(DEFAULT_TENANT);
+        let tokens =
+            u64::from(p.prompt_tokens) + u64::from(p.req.expected_output_tokens.unwrap_or(0));
+        budgets
+            .admit(tenant, tokens, self.clock_secs() as u64)
+            .map_err(RouteError::OverBudget)
+    }
+
+    /// Charges a booked decision's service to its tenant and session (fair queueing), then hands
+    /// the result back.
+    fn charged(
+        &self,
+        p: &Prepared,
+        result: Result<RouteDecision, RouteError>,
+    ) -> Result<RouteDecision, RouteError> {
+        if let Ok(d) = &result {
+            self.charge(&mut self.queue.lock(), p, d);
+        }
+        result
+    }
+
+    /// What a decision serves (SPEC §9, "Fairness"): the prompt tokens the chosen worker computes
+    /// plus the output tokens the request expects.
+    fn charge(&self, queue: &mut PendingQueue<Waiter>, p: &Prepared, d: &RouteDecision) {
+        if !d.booked || queue.fairness().is_none() {
+            return;
+        }
+        let tokens = u64::from(d.prompt_tokens.saturating_sub(d.cached_tokens))
+            + u64::from(p.req.expected_output_tokens.unwrap_or(0));
+        queue.charge(
+            p.req.tenant.as_deref(),
+            p.req.session_id.as_deref(),
+            tokens,
+            self.clock_secs(),
+        );
     }
 
     /// Serves waiting requests, in queue order, while capacity allows.
@@ -160,6 +212,9 @@ impl Router {
                 break;
             }
             let entry = queue.pop().expect("peeked");
+            if let Ok(d) = &result {
+                self.charge(&mut queue, &entry.payload.prepared, d);
+            }
             if let Err(Ok(decision)) = entry.payload.tx.send(result) {
                 if decision.booked {
                     let _ = self.release_booking(&decision.request_id);

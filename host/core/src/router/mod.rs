@@ -56,6 +56,7 @@ pub use replicas::{
 };
 pub use request::{preferred_taint_weight, DisaggMode, Pin, Prompt, RouteRequest};
 
+use crate::budget::{Budgets, OverBudget, TenantBudget};
 use crate::candidate::{CandidateColumns, CandidateKey, PolicyRequest, WorkerId};
 use crate::cost::CostWeights;
 use crate::eligibility::{BusyRule, PinError, WorkerMissingTaints};
@@ -65,7 +66,7 @@ use crate::indexer::{Applied, ApplyError, Indexer, KvEvent, KvEventData, Overlap
 use crate::learn::{Learned, StepTimes};
 use crate::load::{Booking, CandidateLoad, LoadConfig, LoadTracker};
 use crate::predict::{PredictConfig, PredictStats, Predictions};
-use crate::queue::{PendingQueue, QueueError, QueueLimits, QueueOrder};
+use crate::queue::{FairConfig, PendingQueue, QueueError, QueueLimits, QueueOrder};
 use crate::rng::{SeededRef, SeededRng};
 pub use crate::stage::Stage;
 use crate::workers::{
@@ -83,6 +84,11 @@ pub struct RouterConfig {
     pub busy_threshold: Option<f64>,
     pub queue_order: QueueOrder,
     pub queue_limits: QueueLimits,
+    /// Fair queueing (`[fairness] queue = true`): each class served least attained service first,
+    /// by tenant then session ([`crate::queue`], "Fairness"). `None`: the plain order.
+    pub fairness: Option<FairConfig>,
+    /// Per-tenant budgets ([`crate::budget`]).
+    pub budgets: rustc_hash::FxHashMap<String, TenantBudget>,
     /// Longest a request may wait in the queue before a retryable error.
     pub queue_timeout: Duration,
     pub load: LoadConfig,
@@ -115,6 +121,8 @@ impl Default for RouterConfig {
             busy_threshold: None,
             queue_order: QueueOrder::Fcfs,
             queue_limits: QueueLimits::default(),
+            fairness: None,
+            budgets: Default::default(),
             queue_timeout: Duration::from_secs(30),
             load: LoadConfig::default(),
             approx: None,
@@ -278,6 +286,10 @@ pub enum RouteError {
     Cancelled,
     #[error("the router is shutting down; retry on another instance")]
     ShuttingDown,
+    /// The request's tenant is over a budget ([`crate::budget`]): retry after
+    /// `retry_after_secs`.
+    #[error(transparent)]
+    OverBudget(OverBudget),
     /// Disaggregation was required (by the request or `[disaggregation] enforce`) and no worker
     /// may take the prefill step.
     #[error("no prefill worker is eligible ({0}) and disaggregation is required")]
@@ -315,6 +327,7 @@ impl RouteError {
             RouteError::QueueTimeout(_) => "queue_timeout",
             RouteError::Cancelled => "request_cancelled",
             RouteError::ShuttingDown => "shutting_down",
+            RouteError::OverBudget(_) => "budget_exceeded",
             RouteError::NoPrefillWorker(_) => "no_prefill_worker",
             RouteError::NoDecodeWorkerInDomain { .. } => "no_decode_worker_in_domain",
             RouteError::KvTransferDomainUnknown { .. } => "kv_transfer_domain_unknown",
@@ -330,6 +343,7 @@ impl RouteError {
                 | RouteError::QueueFull(QueueError::Full { .. })
                 | RouteError::QueueTimeout(_)
                 | RouteError::ShuttingDown
+                | RouteError::OverBudget(_)
                 | RouteError::Pin(PinError::Overloaded(_))
         )
     }
@@ -350,6 +364,7 @@ impl RouteError {
             RouteError::Invalid { field, .. } => Some(field),
             RouteError::DuplicateRequest(_) => Some("request_id"),
             RouteError::Pin(_) => Some("pinned_worker"),
+            RouteError::OverBudget(_) => Some("tenant"),
             _ => None,
         }
     }
@@ -398,6 +413,7 @@ pub struct Router {
     registry: Registry,
     load: Mutex<LoadTracker>,
     queue: Mutex<PendingQueue<Waiter>>,
+    budgets: Mutex<Budgets>,
     scorer: ArcSwapOption<Box<dyn Scorer>>,
     native_label: Arc<PolicyLabel>,
     /// `Some` when `config.rng_seed` is set; otherwise the per-thread OS-seeded `RNG`.
@@ -460,6 +476,11 @@ impl Router {
         }
     }
 
+    /// The router's clock in seconds (what budgets and fair queueing's service run on).
+    pub(crate) fn clock_secs(&self) -> f64 {
+        self.now_us() as f64 / 1e6
+    }
+
     /// Republishes a worker's learned figures for decisions after its fit changed.
     fn publish_learned(&self, st: &StepTimes, changed: Option<WorkerId>) {
         let Some(w) = changed else {
@@ -509,6 +530,28 @@ impl Router {
             .disagg
             .validate()
             .map_err(|e| format!("disaggregation.{e}"))?;
+        if let Some(f) = &config.fairness {
+            f.validate()?;
+        }
+        let mut names: Vec<&String> = config.budgets.keys().collect();
+        names.sort();
+        for name in names {
+            let b = config.budgets[name];
+            for (key, v) in [
+                ("requests_per_minute", b.requests_per_minute),
+                ("tokens_per_minute", b.tokens_per_minute),
+            ] {
+                if v == Some(0) {
+                    return Err(format!(
+                        "fairness.tenants.{name}.{key} must be at least 1 (leave it out for no limit)"
+                    ));
+                }
+            }
+        }
+        let queue = match &config.fairness {
+            Some(f) => PendingQueue::fair(config.queue_order, config.queue_limits, f.clone()),
+            None => PendingQueue::new(config.queue_order, config.queue_limits),
+        };
         Ok(Self {
             busy: BusyRule {
                 threshold_frac: config.busy_threshold,
@@ -517,7 +560,8 @@ impl Router {
             approx: config.approx.map(ApproxIndexer::new),
             registry: Registry::new(config.registry),
             load: Mutex::new(LoadTracker::new(config.load)),
-            queue: Mutex::new(PendingQueue::new(config.queue_order, config.queue_limits)),
+            queue: Mutex::new(queue),
+            budgets: Mutex::new(Budgets::new(config.budgets.clone())),
             scorer: ArcSwapOption::empty(),
             native_label: PolicyLabel::native(),
             seeded_rng: config.rng_seed.map(SeededRng::new),
@@ -768,6 +812,8 @@ impl Router {
             .approx
             .as_ref()
             .map_or(0, |a| a.expire(&self.indexer, now));
+        let secs = self.clock_secs();
+        self.queue.lock().forget_idle(secs);
         self.pump();
         (expired, blocks)
     }

@@ -46,6 +46,9 @@ pub struct RouteRequest {
     pub lora_name: Option<String>,
     pub cache_salt: Option<String>,
     pub session_id: Option<String>,
+    /// Who the request is for: fair queueing's outer flow and the budget it counts against
+    /// (`None`: [`crate::queue::DEFAULT_TENANT`]).
+    pub tenant: Option<String>,
     pub required_taints: Vec<String>,
     /// Soft preferences: taint name → weight in (-1, 1).
     pub preferred_taints: Vec<(String, f32)>,
@@ -73,6 +76,7 @@ impl RouteRequest {
             lora_name: None,
             cache_salt: None,
             session_id: None,
+            tenant: None,
             required_taints: Vec::new(),
             preferred_taints: Vec::new(),
             allowed_worker_ids: None,
@@ -221,6 +225,14 @@ impl Router {
                 return Err(invalid(
                     "request_id",
                     "must be 1 to 256 characters with no control characters",
+                ));
+            }
+        }
+        if let Some(t) = &req.tenant {
+            if t.is_empty() || t.len() > 128 || t.chars().any(char::is_control) {
+                return Err(invalid(
+                    "tenant",
+                    "must be 1 to 128 bytes with no control characters",
                 ));
             }
         }

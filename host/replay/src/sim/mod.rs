@@ -10,6 +10,22 @@
 //! called when its first token is stamped and `free` when its last one is. Nothing here scores
 //! or picks: whatever policy the router has decides.
 //!
+//! # The router's queue
+//! With a busy threshold in the router's configuration ([`RouterConfig::busy_threshold`], `kvroute
+//! replay --queue fcfs|wspt|fair`), requests wait in a [`PendingQueue`] as SPEC §9 has them wait in
+//! `kvroute serve`: an arrival is routed at once unless others wait or every eligible worker is
+//! busy (`all_overloaded`); then it queues, and every capacity change (a first token, a request's
+//! end) serves the head of the queue while the router finds it a worker, strict head of line.
+//! The queue is the router's data structure with the router's order (and, with `fair`, its
+//! fairness settings); each routed request is charged to its tenant and session as the router
+//! charges it (uncached prompt tokens plus output tokens). Nothing times out in a replay: the
+//! longest wait is reported instead.
+//!
+//! # Agentic workloads
+//! A trace with [`crate::agents::AgentFlows`] is closed loop: a request with dependencies starts
+//! when the last of them has finished (completed or refused) plus its think time, and is routed
+//! with its session id and tenant.
+//!
 //! # A disaggregated fleet ([`FleetShape::Disaggregated`])
 //! Workers `0..P` have the role `prefill`, `P..P+D` the role `decode`; with `zones = Z` the i-th
 //! prefill worker and the j-th decode worker sit in zones `i % Z` and `j % Z` (topology
@@ -52,8 +68,9 @@ use crate::trace::Trace;
 use kvroute_core::candidate::CandidateKey;
 use kvroute_core::hashing;
 use kvroute_core::indexer::{KvEvent, KvEventData, Tier};
+use kvroute_core::queue::{PendingQueue, QueueEntry, QueueLimits};
 use kvroute_core::router::replicas::{BookingEvent, BookingObserver};
-use kvroute_core::router::{RouteRequest, Router};
+use kvroute_core::router::{RouteDecision, RouteError, RouteRequest, Router, RouterConfig};
 use kvroute_core::workers::{Role, Topology, WorkerSpec};
 
 /// A trace's block hashes at one block size, computed once and shared by every policy's run.
@@ -139,6 +156,8 @@ pub struct RequestOutcome {
     pub bypassed: bool,
     /// Why it did not run (router error code or `exceeds_kv_capacity`).
     pub error: Option<String>,
+    /// Time it waited in the router's queue, ms (0 when routed at once).
+    pub queued_ms: f64,
 }
 
 /// The result of one simulation.
@@ -337,6 +356,8 @@ enum Due {
     TransferDone(u32),
     /// Sync message `k` reaches its replica.
     Sync(u32),
+    /// Request `i` of a closed-loop (agentic) trace starts.
+    Arrive(u32),
 }
 
 /// The id request `i` of a trace is routed under (what a canary split hashes: the replay's
@@ -381,6 +402,14 @@ struct Fleet<'p, 'r> {
     tokens: Vec<Token>,
     refused: Vec<u64>,
     done: u64,
+    /// The router's queue, when the router has a busy threshold (module doc).
+    queue: Option<PendingQueue<usize>>,
+    /// Closed-loop traces: the requests waiting for each request, and how many each still waits
+    /// for.
+    dependents: Vec<Vec<u32>>,
+    remaining: Vec<u32>,
+    /// Capacity changed while an event was handled: serve the queue once it is.
+    pump_pending: bool,
 }
 
 impl<'r> Fleet<'_, 'r> {
@@ -411,7 +440,79 @@ impl<'r> Fleet<'_, 'r> {
         self.split[i] = None;
         let _ = self.router(i).free(&request_id(i));
         self.flush(i, now);
+        self.finished(i, now);
+        self.pump_pending = true;
+    }
+
+    /// Request `i` is over (completed or refused): the requests waiting for it may start.
+    fn finished(&mut self, i: usize, now: f64) {
         self.done += 1;
+        let Some(flows) = self.prepared.trace.agents.as_ref() else {
+            return;
+        };
+        for k in 0..self.dependents.get(i).map_or(0, Vec::len) {
+            let j = self.dependents[i][k] as usize;
+            self.remaining[j] -= 1;
+            if self.remaining[j] == 0 {
+                let at = now + flows.think_ms[j];
+                self.due.push(Reverse((Time(at), Due::Arrive(j as u32))));
+            }
+        }
+    }
+
+    /// Request `i` as the router is asked it.
+    fn route_request(&self, i: usize) -> RouteRequest {
+        let tr = &self.prepared.trace.requests[i];
+        let flows = self.prepared.trace.agents.as_ref();
+        RouteRequest {
+            request_id: Some(request_id(i)),
+            expected_output_tokens: Some(tr.output_len),
+            session_id: flows.map(|f| f.session_id(i)),
+            tenant: flows.map(|f| f.tenant(i)),
+            ..RouteRequest::tokens(tr.tokens.clone())
+        }
+    }
+
+    /// Charges a routed request's service to its flow in the queue (as the router does).
+    fn charge(&mut self, i: usize, d: &RouteDecision, now: f64) {
+        let Some(q) = self.queue.as_mut() else {
+            return;
+        };
+        let Some(flows) = self.prepared.trace.agents.as_ref() else {
+            return;
+        };
+        let out = self.prepared.trace.requests[i].output_len;
+        let tokens = u64::from(d.prompt_tokens.saturating_sub(d.cached_tokens)) + u64::from(out);
+        q.charge(
+            Some(&flows.tenant(i)),
+            Some(&flows.session_id(i)),
+            tokens,
+            now / 1000.0,
+        );
+    }
+
+    /// Serves the head of the queue while the router finds it a worker (SPEC §9).
+    fn pump(&mut self, now: f64) {
+        loop {
+            let Some(&i) = self
+                .queue
+                .as_ref()
+                .and_then(|q| q.peek())
+                .map(|e| &e.payload)
+            else {
+                return;
+            };
+            let router = self.router(i);
+            router.set_clock_us(Some(sim_us(now)));
+            let result = router.route_now(self.route_request(i));
+            self.flush(i, now);
+            if matches!(result, Err(RouteError::AllOverloaded)) {
+                return;
+            }
+            self.queue.as_mut().expect("peeked").pop();
+            self.out.requests[i].queued_ms = now - self.out.requests[i].arrival_ms;
+            self.routed(i, result, now);
+        }
     }
 
     /// The replica request `i` arrives at.
@@ -486,24 +587,60 @@ impl<'r> Fleet<'_, 'r> {
     }
 
     fn arrive(&mut self, i: usize, now: f64) {
-        let tr = &self.prepared.trace.requests[i];
+        self.out.requests[i].arrival_ms = now;
         let router = self.router(i);
         // Policies see the trace's time, so state they age (sessions) behaves as it would live.
         router.set_clock_us(Some(sim_us(now)));
-        let decision = router.route_now(RouteRequest {
-            request_id: Some(request_id(i)),
-            expected_output_tokens: Some(tr.output_len),
-            ..RouteRequest::tokens(tr.tokens.clone())
-        });
-        self.flush(i, now);
+        let backlog = self
+            .queue
+            .as_ref()
+            .is_some_and(|q| q.has_backlog_at_or_above(0));
+        let decision = if backlog {
+            Err(RouteError::AllOverloaded)
+        } else {
+            let d = router.route_now(self.route_request(i));
+            self.flush(i, now);
+            d
+        };
+        if matches!(decision, Err(RouteError::AllOverloaded)) && self.queue.is_some() {
+            let tr = &self.prepared.trace.requests[i];
+            let flows = self.prepared.trace.agents.as_ref();
+            let entry = QueueEntry {
+                request_id: request_id(i),
+                class: 0,
+                priority_jump: 0.0,
+                arrival_secs: now / 1000.0,
+                prompt_tokens: tr.tokens.len() as u32,
+                best_cached_tokens: 0,
+                tenant: flows.map(|f| f.tenant(i)),
+                session: flows.map(|f| f.session_id(i)),
+                payload: i,
+            };
+            let workers = self.engines.len();
+            let q = self.queue.as_mut().expect("checked");
+            match q.push(entry, workers) {
+                Ok(()) => return,
+                Err((e, _)) => {
+                    self.out.requests[i].error = Some(RouteError::QueueFull(e).code().to_string());
+                    self.finished(i, now);
+                    return;
+                }
+            }
+        }
+        self.routed(i, decision, now);
+    }
+
+    /// Starts a routed request on its worker(s), or records why the router refused it.
+    fn routed(&mut self, i: usize, decision: Result<RouteDecision, RouteError>, now: f64) {
         let d = match decision {
             Ok(d) => d,
             Err(e) => {
                 self.out.requests[i].error = Some(e.code().to_string());
-                self.done += 1;
+                self.finished(i, now);
                 return;
             }
         };
+        self.charge(i, &d, now);
         let w = d.candidate.worker_id as u32;
         let o = &mut self.out.requests[i];
         o.worker = Some(w);
@@ -591,6 +728,7 @@ impl<'r> Fleet<'_, 'r> {
             self.router(i).set_clock_us(Some(sim_us(now)));
             let _ = self.router(i).prefill_complete(&request_id(i));
             self.flush(i, now);
+            self.pump_pending = true;
         }
         self.last_token_ms[i] = now;
         if t.done {
@@ -601,7 +739,8 @@ impl<'r> Fleet<'_, 'r> {
             let _ = router.output_progress(&request_id(i), t.n);
             let _ = router.free(&request_id(i));
             self.flush(i, now);
-            self.done += 1;
+            self.finished(i, now);
+            self.pump_pending = true;
         }
     }
 
@@ -634,6 +773,7 @@ impl<'r> Fleet<'_, 'r> {
         self.router(i).set_clock_us(Some(sim_us(now)));
         let _ = self.router(i).prefill_complete(&request_id(i));
         self.flush(i, now);
+        self.pump_pending = true;
         // The prefill engine's blocks went idle: nothing to schedule there, but its events wait.
         self.submit(s.decode, i, Kind::Transferred, now);
     }
@@ -786,6 +926,7 @@ pub fn simulate_replicated(
                     cross_zone: None,
                     bypassed: false,
                     error: None,
+                    queued_ms: 0.0,
                 })
                 .collect(),
             itl_ms: Vec::with_capacity(
@@ -803,8 +944,30 @@ pub fn simulate_replicated(
         tokens: Vec::new(),
         refused: Vec::new(),
         done: 0,
+        queue: sim_queue(routers[0].config()),
+        dependents: Vec::new(),
+        remaining: Vec::new(),
+        pump_pending: false,
     };
+    // A closed-loop trace: only requests without dependencies arrive on their own.
     let mut next_arrival = 0usize;
+    if let Some(flows) = &trace.agents {
+        fleet.dependents = vec![Vec::new(); n];
+        fleet.remaining = vec![0; n];
+        for (j, deps) in flows.deps.iter().enumerate() {
+            fleet.remaining[j] = deps.len() as u32;
+            for &d in deps {
+                fleet.dependents[d as usize].push(j as u32);
+            }
+            if deps.is_empty() {
+                fleet.due.push(Reverse((
+                    Time(trace.requests[j].arrival_ms),
+                    Due::Arrive(j as u32),
+                )));
+            }
+        }
+        next_arrival = n;
+    }
     let mut reported = 0u64;
     let mut now = 0.0f64;
     loop {
@@ -824,6 +987,15 @@ pub fn simulate_replicated(
                 Due::StepEnd(w) => fleet.end_step(w, now),
                 Due::TransferDone(i) => fleet.transfer_done(i as usize, now),
                 Due::Sync(k) => fleet.sync(k),
+                Due::Arrive(i) => fleet.arrive(i as usize, now),
+            }
+            // Serve the queue once the event is handled (an engine mid-step must restart its own
+            // step first); and never leave requests waiting with nothing left to happen.
+            let stalled =
+                fleet.due.is_empty() && fleet.queue.as_ref().is_some_and(|q| !q.is_empty());
+            if fleet.pump_pending || stalled {
+                fleet.pump_pending = false;
+                fleet.pump(now);
             }
         } else {
             now = arr_t.expect("some");
@@ -847,6 +1019,20 @@ pub fn simulate_replicated(
         r.set_booking_observer(None);
     }
     Ok(out)
+}
+
+/// The router's queue as the simulator keeps it: on with a busy threshold, in the router's order
+/// and fairness, with no limits (a replay reports waits instead of refusing).
+fn sim_queue(config: &RouterConfig) -> Option<PendingQueue<usize>> {
+    config.busy_threshold?;
+    let limits = QueueLimits {
+        max_requests_per_worker: usize::MAX / 1024,
+        max_tokens_per_worker: u64::MAX / 1024,
+    };
+    Some(match &config.fairness {
+        Some(f) => PendingQueue::fair(config.queue_order, limits, f.clone()),
+        None => PendingQueue::new(config.queue_order, limits),
+    })
 }
 
 /// The topology domain a zoned replay fleet uses.

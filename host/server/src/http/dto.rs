@@ -48,6 +48,9 @@ pub struct RouteBody {
     pub cache_salt: Option<String>,
     #[serde(default)]
     pub session_id: Option<String>,
+    /// Fair queueing's tenant and the budget the request counts against.
+    #[serde(default)]
+    pub tenant: Option<String>,
     #[serde(default)]
     pub routing_constraints: Option<RoutingConstraints>,
     #[serde(default)]
@@ -139,6 +142,7 @@ impl RouteBody {
             lora_name: self.lora_name,
             cache_salt: self.cache_salt,
             session_id: self.session_id,
+            tenant: self.tenant,
             required_taints: constraints.required_taints,
             preferred_taints: preferred,
             allowed_worker_ids: self.allowed_worker_ids,

@@ -86,7 +86,7 @@ fn route_status(e: &RouteError) -> StatusCode {
         RouteError::NoWorkers | RouteError::AllFiltered { .. } => StatusCode::SERVICE_UNAVAILABLE,
         // API.md: overloaded → 429 (SPEC §6 lists it among the 503 reasons; the HTTP contract
         // is what clients program against).
-        RouteError::AllOverloaded => StatusCode::TOO_MANY_REQUESTS,
+        RouteError::AllOverloaded | RouteError::OverBudget(_) => StatusCode::TOO_MANY_REQUESTS,
         RouteError::QueueFull(QueueError::DuplicateRequest(_)) => StatusCode::CONFLICT,
         // Waited its limit and no capacity freed: overloaded, as API.md counts it.
         RouteError::QueueFull(_) | RouteError::QueueTimeout(_) => StatusCode::TOO_MANY_REQUESTS,
@@ -117,6 +117,10 @@ fn pin_status(e: &PinError) -> StatusCode {
 impl From<RouteError> for ApiError {
     fn from(e: RouteError) -> Self {
         let retryable = e.retryable();
+        let e_budget = match &e {
+            RouteError::OverBudget(_) => e.clone(),
+            _ => RouteError::AllOverloaded,
+        };
         let mut err = ApiError::new(route_status(&e), e.code(), String::new());
         err.missing_taints = e.missing_taints().to_vec();
         match e {
@@ -132,6 +136,9 @@ impl From<RouteError> for ApiError {
         }
         if retryable {
             err = err.retry_after(1);
+        }
+        if let RouteError::OverBudget(b) = &e_budget {
+            err = err.retry_after(b.retry_after_secs);
         }
         err
     }

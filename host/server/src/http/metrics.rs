@@ -26,6 +26,7 @@ pub struct Metrics {
     prompt_tokens: IntCounterVec,
     cached_tokens: IntCounterVec,
     route_errors: IntCounterVec,
+    budget_refusals: IntCounterVec,
     fallbacks: IntCounterVec,
     queue_wait_seconds: Histogram,
     events: IntCounterVec,
@@ -98,6 +99,15 @@ impl Metrics {
             &["code"],
         )
         .expect("valid metric");
+        let budget_refusals = IntCounterVec::new(
+            Opts::new(
+                "kvroute_budget_refusals_total",
+                "Requests refused (429 budget_exceeded) by a tenant's budget, by tenant and budget \
+                 (requests_per_minute, tokens_per_minute); tenants are the configured ones.",
+            ),
+            &["tenant", "budget"],
+        )
+        .expect("valid metric");
         let fallbacks = IntCounterVec::new(
             Opts::new(
                 "kvroute_policy_fallbacks_total",
@@ -145,6 +155,7 @@ impl Metrics {
             Box::new(prompt_tokens.clone()),
             Box::new(cached_tokens.clone()),
             Box::new(route_errors.clone()),
+            Box::new(budget_refusals.clone()),
             Box::new(fallbacks.clone()),
             Box::new(queue_wait_seconds.clone()),
             Box::new(events.clone()),
@@ -168,6 +179,7 @@ impl Metrics {
             prompt_tokens,
             cached_tokens,
             route_errors,
+            budget_refusals,
             fallbacks,
             queue_wait_seconds,
             events,
@@ -240,6 +252,11 @@ impl Metrics {
 
     pub fn record_route_error(&self, e: &kvroute_core::router::RouteError) {
         self.route_errors.with_label_values(&[e.code()]).inc();
+        if let kvroute_core::router::RouteError::OverBudget(b) = e {
+            self.budget_refusals
+                .with_label_values(&[b.tenant.as_str(), b.kind.as_str()])
+                .inc();
+        }
         // A request that timed out in the queue waited too: leaving it out would hide the
         // longest waits from the histogram.
         if let kvroute_core::router::RouteError::QueueTimeout(waited) = e {

@@ -10,6 +10,7 @@
 //! |---|---|
 //! | `x-request-id` | `request_id` (also sent to the engine) |
 //! | `x-kvroute-session-id` | `session_id` |
+//! | `x-kvroute-tenant` | `tenant` (fair queueing and budgets) |
 //! | `x-kvroute-priority` | `priority` (a number) |
 //! | `x-kvroute-priority-class` | `priority_class` (an integer) |
 //! | `x-kvroute-required-taints` | `routing_constraints.required_taints` (comma-separated) |
@@ -367,6 +368,9 @@ fn route_body(ext: Option<Value>, headers: &HeaderMap) -> Result<RouteBody, Prox
     };
     if rb.session_id.is_none() {
         rb.session_id = h("x-kvroute-session-id")?;
+    }
+    if rb.tenant.is_none() {
+        rb.tenant = h("x-kvroute-tenant")?;
     }
     if rb.lora_name.is_none() {
         rb.lora_name = h("x-kvroute-lora-name")?;

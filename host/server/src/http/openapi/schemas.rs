@@ -264,6 +264,7 @@ pub fn schemas() -> Value {
         "RouteRequest": request(&[], merge(prompt_fields(), json!({
             "request_id": string("Unique among booked and queued requests while booking (default: generated, kvr- + 16 hex digits)."),
             "session_id": opt_string("Passed to the policy (a policy may keep a session on one worker)."),
+            "tenant": opt_string("Who the request is for: fair queueing's tenant and the budget it counts against (SPEC §9; default: `default`)."),
             "routing_constraints": d(request(&[], json!({
                 "required_taints": strings("Hard: candidates must have every one (SPEC §6)."),
                 "preferred_taints": d(json!({"type": "object", "additionalProperties": {"type": "number", "exclusiveMinimum": -1, "exclusiveMaximum": 1}}), "Soft preferences by taint, each weight strictly between −1 and 1; positive = preferred (SPEC §7)."),

@@ -1,0 +1,280 @@
+//! End to end: per-tenant budgets (429 with `Retry-After`, never a silent drop, while other
+//! tenants are served) through `POST /v1/route` and the OpenAI-compatible proxy, and the
+//! `[fairness]` configuration's errors naming the key (docs/SPEC.md §9, "Fairness", "Budgets").
+
+use std::time::Duration;
+
+use serde_json::json;
+
+use crate::proxy::Fleet;
+use crate::support::{self, Server};
+
+fn route(s: &Server, tenant: Option<&str>) -> support::Resp {
+    let mut body = json!({"tokens": (0..40).collect::<Vec<u32>>(), "expected_output_tokens": 10});
+    if let Some(t) = tenant {
+        body["tenant"] = json!(t);
+    }
+    s.post("/v1/route", &body)
+}
+
+/// The seconds of a 429's `Retry-After`, checked to lie within the budget's window.
+fn retry_after(r: &support::Resp) -> u64 {
+    let secs: u64 = r
+        .header("retry-after")
+        .unwrap_or_else(|| panic!("no Retry-After: {:?}", r.body()))
+        .parse()
+        .unwrap();
+    assert!((1..=60).contains(&secs), "Retry-After {secs}");
+    secs
+}
+
+#[test]
+fn a_tenant_over_its_budget_gets_429_with_retry_after_while_others_are_served() {
+    let cfg = support::temp_file(
+        "budgets.toml",
+        "[fairness]\nqueue = true\n\n[fairness.tenants.acme]\nrequests_per_minute = 2\nweight = 2.0\n\n\
+         [fairness.tenants.bulk]\ntokens_per_minute = 100\n",
+    );
+    let s = Server::start(&["--config", cfg.to_str().unwrap()]);
+    s.put_worker(1, &json!({}));
+    // two requests fit acme's budget
+    for _ in 0..2 {
+        route(&s, Some("acme")).expect(200);
+    }
+    let r = route(&s, Some("acme"));
+    r.expect_error(429, "budget_exceeded");
+    support::assert_error_shape(&r);
+    assert_eq!(r.field(), Some("tenant"));
+    let msg = r.body()["error"]["message"].as_str().unwrap();
+    assert!(
+        msg.contains("fairness.tenants.acme.requests_per_minute = 2"),
+        "{msg}"
+    );
+    let secs = retry_after(&r);
+    assert!(msg.contains(&format!("retry in {secs} s")), "{msg}");
+    // others are served meanwhile: another tenant, no tenant at all, and acme asking only
+    for _ in 0..5 {
+        route(&s, Some("other")).expect(200);
+        route(&s, None).expect(200);
+    }
+    s.post(
+        "/v1/route",
+        &json!({"tokens": [1, 2, 3], "tenant": "acme", "book": false}),
+    )
+    .expect(200);
+    // a token budget: 40 prompt + 10 expected output tokens per request, 100 per minute
+    route(&s, Some("bulk")).expect(200);
+    route(&s, Some("bulk")).expect(200);
+    let r = route(&s, Some("bulk"));
+    r.expect_error(429, "budget_exceeded");
+    retry_after(&r);
+    assert!(r.body()["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("tokens_per_minute"));
+    // counted, by tenant and budget, and as a route error
+    let m = s.metrics();
+    assert_eq!(
+        support::metric(
+            &m,
+            "kvroute_budget_refusals_total{budget=\"requests_per_minute\",tenant=\"acme\"}"
+        ),
+        Some(1.0),
+        "{m}"
+    );
+    assert_eq!(
+        support::metric(
+            &m,
+            "kvroute_budget_refusals_total{budget=\"tokens_per_minute\",tenant=\"bulk\"}"
+        ),
+        Some(1.0)
+    );
+    assert_eq!(
+        support::metric(&m, "kvroute_route_errors_total{code=\"budget_exceeded\"}"),
+        Some(2.0)
+    );
+    // a tenant that is not a valid name is a 400 naming the field
+    let r = s.post("/v1/route", &json!({"tokens": [1], "tenant": ""}));
+    r.expect_error(400, "invalid_request");
+    assert_eq!(r.field(), Some("tenant"));
+}
+
+#[test]
+fn the_proxy_answers_a_tenant_over_budget_429_in_openai_shape_and_serves_the_others() {
+    let fleet = Fleet::start(
+        1,
+        &["--speed", "50"],
+        "\n[fairness.tenants.acme]\nrequests_per_minute = 1\n",
+    );
+    let chat = |tenant: &str| {
+        let body = json!({"model": support::engines::MODEL,
+            "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 2});
+        fleet.server.raw(
+            "POST",
+            "/v1/chat/completions",
+            &[
+                ("content-type", "application/json"),
+                ("x-kvroute-tenant", tenant),
+            ],
+            &serde_json::to_vec(&body).unwrap(),
+        )
+    };
+    chat("acme").expect(200);
+    let r = chat("acme");
+    assert_eq!(r.status, 429, "{:?}", r.body());
+    retry_after(&r);
+    let e = &r.body()["error"];
+    assert_eq!(e["code"], "budget_exceeded", "{e}");
+    assert_eq!(e["param"], "tenant", "{e}");
+    assert!(e["type"].is_string(), "{e}");
+    assert!(
+        e["message"]
+            .as_str()
+            .unwrap()
+            .contains("fairness.tenants.acme.requests_per_minute"),
+        "{e}"
+    );
+    // the other tenants are served
+    chat("beta").expect(200);
+    chat("gamma").expect(200);
+    // the kvroute extension object names the tenant too
+    let body = json!({"model": support::engines::MODEL,
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
+        "kvroute": {"tenant": "acme"}});
+    let r = fleet.server.raw(
+        "POST",
+        "/v1/chat/completions",
+        &[("content-type", "application/json")],
+        &serde_json::to_vec(&body).unwrap(),
+    );
+    assert_eq!(r.status, 429, "{:?}", r.body());
+    fleet.no_bookings("refused and served requests");
+}
+
+#[test]
+fn fairness_configuration_errors_name_the_key() {
+    for (toml, key) in [
+        (
+            "[fairness]\nhalf_life_secs = 0\n",
+            "fairness.half_life_secs",
+        ),
+        (
+            "[fairness]\ndefault_weight = -1\n",
+            "fairness.default_weight",
+        ),
+        (
+            "[fairness.tenants.acme]\nweight = 0\n",
+            "fairness.tenants.acme.weight",
+        ),
+        (
+            "[fairness.tenants.acme]\ntokens_per_minute = 0\n",
+            "fairness.tenants.acme.tokens_per_minute",
+        ),
+        ("[fairness]\nqueue = \"yes\"\n", "queue"),
+        ("[fairness.tenants.acme]\nburst = 3\n", "burst"),
+    ] {
+        let cfg = support::temp_file("bad-fairness.toml", toml);
+        let (status, _, err) = support::run_to_exit(
+            &["serve", "--config", cfg.to_str().unwrap()],
+            &[],
+            Duration::from_secs(20),
+        );
+        assert!(!status.success(), "{toml}");
+        assert!(err.contains(key), "{toml}: {err}");
+    }
+}
+
+/// `kvroute replay --workload agents`: closed-loop sessions with subagents, through the router's
+/// queue (FCFS and fair) and the peer policies; every request runs, per-session figures are
+/// written, and the same seed gives the same workload.
+#[test]
+fn replay_runs_agent_sessions_through_both_queues_and_the_peer_policies() {
+    let dir = support::temp_dir("replay-agents");
+    let out = dir.join("agents");
+    let o = crate::replay::kvroute(&[
+        "replay",
+        "--workload",
+        "agents",
+        "--sessions",
+        "12",
+        "--session-count",
+        "16",
+        "--agent-max-context",
+        "12000",
+        "--workers",
+        "2",
+        "--worker-speedup",
+        "0.5",
+        "--busy-threshold",
+        "0.1",
+        "--queue",
+        "fcfs,fair",
+        "--policy",
+        "llm-d",
+        "--policy",
+        "sglang",
+        "--seed",
+        "3",
+        "--no-plots",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("results.json")).unwrap()).unwrap();
+    let names: Vec<&str> = v["policies"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "llm-d @ 2 q=fcfs",
+            "sglang @ 2 q=fcfs",
+            "llm-d @ 2 q=fair",
+            "sglang @ 2 q=fair"
+        ]
+    );
+    for p in v["policies"].as_array().unwrap() {
+        assert_eq!(p["completed"], p["requests"], "{}", p["name"]);
+        let s = &p["sessions"];
+        let rows = s["per_session"].as_array().unwrap();
+        assert!(
+            rows.len() > 16,
+            "subagents are sessions too: {}",
+            rows.len()
+        );
+        assert_eq!(s["count"], rows.len());
+        assert!(rows.iter().any(|r| !r["parent"].is_null()), "a subagent");
+        let max = s["max_wait_ms"].as_f64().unwrap();
+        for r in rows {
+            assert!(r["longest_wait_ms"].as_f64().unwrap() <= max);
+            assert!(r["completion_ms"].as_f64().unwrap() > 0.0);
+        }
+        assert!(p["queued_ms"]["p99"].as_f64().unwrap() >= 0.0);
+    }
+    // every workload run sees the same requests
+    let requests: Vec<&serde_json::Value> = v["policies"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| &p["requests"])
+        .collect();
+    assert!(requests.windows(2).all(|w| w[0] == w[1]));
+    // bad flags name themselves
+    let o = crate::replay::kvroute(&[
+        "replay",
+        "--workload",
+        "agents",
+        "--workers",
+        "2",
+        "--queue",
+        "lifo",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--queue \"lifo\""));
+}
