@@ -46,6 +46,9 @@ pub struct RouteRequest {
     pub lora_name: Option<String>,
     pub cache_salt: Option<String>,
     pub session_id: Option<String>,
+    /// A subagent's parent session: a new session starts where its parent is bound
+    /// ([`crate::sessions`]).
+    pub parent_session_id: Option<String>,
     pub required_taints: Vec<String>,
     /// Soft preferences: taint name → weight in (-1, 1).
     pub preferred_taints: Vec<(String, f32)>,
@@ -73,6 +76,7 @@ impl RouteRequest {
             lora_name: None,
             cache_salt: None,
             session_id: None,
+            parent_session_id: None,
             required_taints: Vec::new(),
             preferred_taints: Vec::new(),
             allowed_worker_ids: None,
@@ -222,6 +226,25 @@ impl Router {
                     "request_id",
                     "must be 1 to 256 characters with no control characters",
                 ));
+            }
+        }
+        for (field, key) in [
+            ("session_id", &req.session_id),
+            ("parent_session_id", &req.parent_session_id),
+        ] {
+            if let Some(k) = key {
+                if k.is_empty()
+                    || k.len() > crate::sessions::MAX_SESSION_KEY_LEN
+                    || k.chars().any(char::is_control)
+                {
+                    return Err(invalid(
+                        field,
+                        format!(
+                            "must be 1 to {} bytes with no control characters",
+                            crate::sessions::MAX_SESSION_KEY_LEN
+                        ),
+                    ));
+                }
             }
         }
         let local = self.local_hashes(
