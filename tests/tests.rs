@@ -31,6 +31,7 @@ mod remote_indexer;
 mod replay;
 mod rollout;
 mod sandbox;
+mod sessions;
 mod state;
 mod tutorial;
 mod zmq_ingestion;
