@@ -14,7 +14,9 @@ use support::nats::Nats;
 use support::{metric, temp_file, Server};
 
 fn tokens(n: u32, salt: u32) -> Vec<u32> {
-    (0..n).map(|i| salt.wrapping_mul(1_000_003).wrapping_add(i * 7 + 1)).collect()
+    (0..n)
+        .map(|i| salt.wrapping_mul(1_000_003).wrapping_add(i * 7 + 1))
+        .collect()
 }
 
 /// A server with `[sessions]` as given and workers 1 to 3.
@@ -35,6 +37,18 @@ fn server(sessions: &str, extra: &[&str]) -> Server {
 fn turn(s: &Server, session: &str, salt: u32) -> u64 {
     let d = s.route_ok(&json!({"tokens": tokens(256, salt), "session_id": session}));
     d["worker_id"].as_u64().unwrap()
+}
+
+/// Uploads a policy component under `name` and activates it.
+#[track_caller]
+fn upload(s: &Server, name: &str, wasm: &[u8]) {
+    s.raw(
+        "PUT",
+        &format!("/v1/policies/{name}?activate=true"),
+        &[("content-type", "application/wasm")],
+        wasm,
+    )
+    .expect(201);
 }
 
 #[track_caller]
@@ -61,7 +75,10 @@ fn hard_mode_keeps_a_session_s_turns_on_one_worker_and_moves_it_off_a_draining_o
         assert_eq!(turn(&s, "agent-1", i), first, "turn {i}");
     }
     let v = session(&s, "agent-1");
-    assert_eq!((v["worker_id"].as_u64(), v["dp_rank"].as_u64()), (Some(first), Some(0)));
+    assert_eq!(
+        (v["worker_id"].as_u64(), v["dp_rank"].as_u64()),
+        (Some(first), Some(0))
+    );
     assert_eq!(v["turns"], 6);
     assert_eq!(affinity(&s, "kept", ""), 5.0);
     // Another session goes to a less loaded worker.
@@ -73,12 +90,18 @@ fn hard_mode_keeps_a_session_s_turns_on_one_worker_and_moves_it_off_a_draining_o
     assert_ne!(moved, first);
     assert_eq!(affinity(&s, "broken", "draining"), 1.0);
     let v = session(&s, "agent-1");
-    assert_eq!((v["worker_id"].as_u64(), v["moves"].as_u64()), (Some(moved), Some(1)));
+    assert_eq!(
+        (v["worker_id"].as_u64(), v["moves"].as_u64()),
+        (Some(moved), Some(1))
+    );
     // It stays on its new worker.
     assert_eq!(turn(&s, "agent-1", 7), moved);
     let m = s.metrics();
     assert_eq!(metric(&m, "kvroute_sessions_live"), Some(2.0));
-    assert_eq!(metric(&m, "kvroute_sessions_total{event=\"bound\"}"), Some(2.0));
+    assert_eq!(
+        metric(&m, "kvroute_sessions_total{event=\"bound\"}"),
+        Some(2.0)
+    );
 }
 
 #[test]
@@ -86,10 +109,10 @@ fn a_binding_survives_a_policy_swap() {
     let s = server("mode = \"hard\"", &[]);
     let first = turn(&s, "swap", 0);
     turn(&s, "swap", 1);
-    // Swap the active policy (the embedded default to the host's native cost): the binding is
-    // host state, not the policy's.
-    s.post("/v1/policies/native/activate", &json!({})).expect(200);
-    assert_eq!(s.get("/readyz").body()["policy"]["name"], "native");
+    // Swap the active policy (a new policy, fresh instances): the binding is host state, not the
+    // policy's.
+    upload(&s, "swapped", kvroute_server::serve::DEFAULT_POLICY_WASM);
+    assert_eq!(s.get("/readyz").body()["policy"]["name"], "swapped");
     for i in 2..5 {
         assert_eq!(turn(&s, "swap", i), first, "turn {i} after the swap");
     }
@@ -115,7 +138,10 @@ fn a_binding_expires_after_the_idle_ttl() {
     assert_ne!(again, first);
     assert_eq!(session(&s, "brief")["turns"], 1);
     let m = s.metrics();
-    assert!(metric(&m, "kvroute_sessions_total{event=\"expired\"}").unwrap() >= 1.0, "{m}");
+    assert!(
+        metric(&m, "kvroute_sessions_total{event=\"expired\"}").unwrap() >= 1.0,
+        "{m}"
+    );
     assert_eq!(affinity(&s, "kept", ""), 1.0);
 }
 
@@ -135,7 +161,10 @@ fn the_session_comes_from_the_agent_headers_and_a_subagent_starts_on_its_parent_
     assert_eq!(route(&[("X-SMG-Routing-Key", "root")], 2), parent);
     // kvroute's own header wins over a harness's.
     let other = route(
-        &[("x-kvroute-session-id", "mine"), ("x-dynamo-session-id", "root")],
+        &[
+            ("x-kvroute-session-id", "mine"),
+            ("x-dynamo-session-id", "root"),
+        ],
         3,
     );
     assert_ne!(other, parent);
@@ -167,15 +196,28 @@ fn bad_session_values_are_a_400_naming_the_field() {
     let s = server("mode = \"soft\"", &[]);
     for (body, field) in [
         (json!({"tokens": [1, 2, 3], "session_id": ""}), "session_id"),
-        (json!({"tokens": [1, 2, 3], "session_id": "x".repeat(257)}), "session_id"),
-        (json!({"tokens": [1, 2, 3], "session_id": "s", "parent_session_id": "a\tb"}), "parent_session_id"),
-        (json!({"tokens": [1, 2, 3], "parent_session_id": 7}), "parent_session_id"),
+        (
+            json!({"tokens": [1, 2, 3], "session_id": "x".repeat(257)}),
+            "session_id",
+        ),
+        (
+            json!({"tokens": [1, 2, 3], "session_id": "s", "parent_session_id": "a\tb"}),
+            "parent_session_id",
+        ),
+        (
+            json!({"tokens": [1, 2, 3], "parent_session_id": 7}),
+            "parent_session_id",
+        ),
     ] {
         let r = s.post("/v1/route", &body);
         r.expect_error(400, "invalid_request");
         assert_eq!(r.body()["error"]["field"], field, "{}", r.text);
     }
-    for (query, field) in [("?limit=0", "limit"), ("?limit=1001", "limit"), ("?limit=x", "limit")] {
+    for (query, field) in [
+        ("?limit=0", "limit"),
+        ("?limit=1001", "limit"),
+        ("?limit=x", "limit"),
+    ] {
         let r = s.get(&format!("/v1/sessions{query}"));
         r.expect_error(400, "invalid_request");
         assert_eq!(r.body()["error"]["field"], field, "{query}: {}", r.text);
@@ -214,7 +256,9 @@ fn a_binding_made_on_one_replica_is_honoured_by_another_and_outlives_it() {
     for w in 1..=3 {
         a.put_worker(w, &json!({"max_num_batched_tokens": 8192}));
     }
-    within(Duration::from_secs(2), "the workers on B", || b.workers().len() == 3);
+    within(Duration::from_secs(2), "the workers on B", || {
+        b.workers().len() == 3
+    });
     let first = turn(&a, "shared", 0);
     within(Duration::from_secs(2), "the binding on B", || {
         b.get("/v1/sessions/shared").status == 200
@@ -234,4 +278,80 @@ fn a_binding_made_on_one_replica_is_honoured_by_another_and_outlives_it() {
     });
     assert_eq!(session(&b, "shared")["worker_id"].as_u64(), Some(first));
     assert_eq!(turn(&b, "shared", 3), first);
+}
+
+#[test]
+fn in_soft_mode_the_binding_reaches_a_wasm_policy_as_the_session_bound_column() {
+    let s = server("mode = \"soft\"", &[]);
+    // The session-affinity example decides by the column alone (it keeps no state).
+    upload(
+        &s,
+        "sticky",
+        &support::plugin_bytes("kvroute-plugin-session-affinity"),
+    );
+    let first = turn(&s, "soft", 0);
+    // Later turns: the bound worker holds every booking, yet the policy keeps the session there
+    // because the host tells it where the session is bound.
+    for i in 1..4 {
+        let d = s.route_ok(&json!({"tokens": tokens(256, i), "session_id": "soft",
+            "explain": true}));
+        assert_eq!(d["worker_id"].as_u64(), Some(first), "turn {i}: {d}");
+        assert_eq!(d["answer"], "pick", "{d}");
+        for c in d["candidates"].as_array().unwrap() {
+            let bound = if c["worker_id"].as_u64() == Some(first) {
+                1
+            } else {
+                0
+            };
+            assert_eq!(c["session_bound"], bound, "{c}");
+        }
+    }
+    // A subagent of it: its parent's worker is marked 2, and the policy starts it there.
+    let d = s.route_ok(&json!({"tokens": tokens(256, 9), "session_id": "soft:sub",
+        "parent_session_id": "soft", "explain": true}));
+    assert_eq!(d["worker_id"].as_u64(), Some(first), "{d}");
+    let marked: Vec<_> = d["candidates"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|c| c["session_bound"] != 0)
+        .map(|c| {
+            (
+                c["worker_id"].as_u64().unwrap(),
+                c["session_bound"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(marked, vec![(first, 2)]);
+    // Under the default policy (a modest credit for the binding), the bound worker's four
+    // bookings outweigh it: the next turn goes to an idle worker, counted as the policy's call.
+    upload(&s, "plain", kvroute_server::serve::DEFAULT_POLICY_WASM);
+    assert_ne!(turn(&s, "soft", 10), first);
+    assert_eq!(affinity(&s, "broken", "policy"), 1.0);
+    assert_eq!(affinity(&s, "kept", ""), 3.0);
+}
+
+#[test]
+fn bad_session_settings_stop_the_start_naming_the_field() {
+    for (text, needle) in [
+        ("ttl_ms = 0", "sessions.ttl_ms"),
+        ("max_sessions = 0", "sessions.max_sessions"),
+        ("mode = \"sticky\"", "sticky"),
+        ("tll_ms = 5", "tll_ms"),
+    ] {
+        let cfg = temp_file("bad-sessions.toml", &format!("[sessions]\n{text}\n"));
+        let (status, _, stderr) = support::run_to_exit(
+            &[
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--config",
+                cfg.to_str().unwrap(),
+            ],
+            &[],
+            Duration::from_secs(30),
+        );
+        assert!(!status.success(), "{text}: started");
+        assert!(stderr.contains(needle), "{text}: {stderr}");
+    }
 }

@@ -646,7 +646,8 @@ mod tests {
     #[test]
     fn the_sessions_section_reaches_the_router_and_bad_values_name_the_field() {
         let c: ServeConfig =
-            toml::from_str("[sessions]\nmode = \"hard\"\nttl_ms = 250\nmax_sessions = 9\n").unwrap();
+            toml::from_str("[sessions]\nmode = \"hard\"\nttl_ms = 250\nmax_sessions = 9\n")
+                .unwrap();
         assert_eq!(c.validate(), Ok(()));
         let s = c.router_config().sessions;
         assert_eq!(s.mode, kvroute_core::sessions::SessionMode::Hard);
@@ -659,7 +660,10 @@ mod tests {
             assert!(c.validate().unwrap_err().starts_with(field), "{text}");
         }
         let e = toml::from_str::<ServeConfig>("[sessions]\nmode = \"sticky\"\n").unwrap_err();
-        assert!(e.to_string().contains("sticky") && e.to_string().contains("mode"), "{e}");
+        assert!(
+            e.to_string().contains("sticky") && e.to_string().contains("mode"),
+            "{e}"
+        );
     }
 
     #[test]

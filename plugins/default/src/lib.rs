@@ -157,7 +157,8 @@ impl Policy for DefaultPolicy {
         }
         // The session binding (at most one candidate has one): a modest share off its estimate.
         if let Some(i) = c.session_bound.iter().position(|&b| b != 0) {
-            costs[i] *= config.session_factor(req.stage, SessionBound::from_code(c.session_bound[i]));
+            costs[i] *=
+                config.session_factor(req.stage, SessionBound::from_code(c.session_bound[i]));
         }
         Decision::Costs(costs)
     }

@@ -213,10 +213,14 @@ mod tests {
     fn a_subagent_starts_on_its_parent_s_candidate() {
         let mut h = configured("{}");
         let mut set = fleet();
-        set[1] = candidate(2).session_bound(Parent).active_prefill_tokens(500);
+        set[1] = candidate(2)
+            .session_bound(Parent)
+            .active_prefill_tokens(500);
         assert_eq!(h.pick(&request(256).session("child"), &set).worker_id, 2);
         // Its own binding, when there is one, comes first.
-        set[3] = candidate(4).session_bound(Session).active_prefill_tokens(900);
+        set[3] = candidate(4)
+            .session_bound(Session)
+            .active_prefill_tokens(900);
         assert_eq!(h.pick(&request(256).session("child"), &set).worker_id, 4);
     }
 

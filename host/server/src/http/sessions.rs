@@ -35,9 +35,9 @@ pub const PARENT_SESSION_HEADERS: [&str; 2] =
 pub fn header_key(headers: &HeaderMap, names: &[&str]) -> Result<Option<String>, ApiError> {
     for &name in names {
         if let Some(v) = headers.get(name) {
-            let s = v.to_str().map_err(|_| {
-                ApiError::invalid_field(name, "not visible ASCII")
-            })?;
+            let s = v
+                .to_str()
+                .map_err(|_| ApiError::invalid_field(name, "not visible ASCII"))?;
             return Ok(Some(s.trim().to_owned()));
         }
     }
@@ -78,8 +78,7 @@ pub async fn list_sessions(
     State(s): State<AppState>,
     q: Result<Query<ListQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
-    let Query(q) =
-        q.map_err(|e| ApiError::invalid_field("query", e.body_text()))?;
+    let Query(q) = q.map_err(|e| ApiError::invalid_field("query", e.body_text()))?;
     let limit = match q.limit.as_deref() {
         None => 100,
         Some(l) => match l.parse::<usize>() {
@@ -95,7 +94,9 @@ pub async fn list_sessions(
     let r = &s.router;
     let sessions = r.sessions();
     let (page, more) = sessions.list(q.after.as_deref(), limit, r.clock_us());
-    let next_after = more.then(|| page.last().map(|v| v.session_id.clone())).flatten();
+    let next_after = more
+        .then(|| page.last().map(|v| v.session_id.clone()))
+        .flatten();
     Ok(Json(serde_json::json!({
         "mode": sessions.mode().as_str(),
         "live": sessions.len(),
