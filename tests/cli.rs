@@ -25,7 +25,7 @@ const SHIPPED: &[(&str, &[&str])] = &[
     ("kvroute-plugin-preferred-taints", &["{}"]),
     (
         "kvroute-plugin-session-affinity",
-        &["{}", r#"{"fallback": "hash", "ttl_ms": 60000}"#],
+        &["{}", r#"{"fallback": "hash", "max_kv_usage": 0.9}"#],
     ),
     (
         "kvroute-plugin-ttft-aware",

@@ -125,7 +125,7 @@ fn component_without_the_export_is_refused_as_wrong_world() {
     assert!(matches!(err, PolicyError::WrongWorld(_)), "{err}");
     let msg = err.to_string();
     assert!(
-        msg.contains("missing export kvroute:policy/policy@0.7.0")
+        msg.contains("missing export kvroute:policy/policy@0.8.0")
             && msg.contains("exports nothing"),
         "{msg}"
     );
@@ -363,7 +363,7 @@ fn activate_rollback_remove_list() {
 
     // check() validates without installing.
     let report = reg.check(&bytes, None).expect("check");
-    assert_eq!(report.plugin.map(|p| p.abi_version), Some(7));
+    assert_eq!(report.plugin.map(|p| p.abi_version), Some(8));
     assert_eq!(reg.list().len(), 2);
 }
 
@@ -598,9 +598,9 @@ fn subset(c: &CandidateColumns, keep: &[usize]) -> CandidateColumns {
     out
 }
 
-/// `session-affinity` keeps state in its instances. Across the pool's several instances, a
-/// replaced instance, and a swap to a new version, every decision stays valid (only current
-/// candidates), and sessions still land where they lived.
+/// `session-affinity` (stateless since interface 0.8.0: the host keeps the bindings). Across the
+/// pool's several instances, a replaced instance, and a swap to a new version, every decision
+/// stays valid (only current candidates), and sessions still land where they lived.
 #[test]
 fn session_affinity_is_safe_across_instances_and_swaps() {
     let reg = registry_with(PolicyRuntimeConfig {
@@ -663,7 +663,7 @@ fn session_affinity_is_safe_across_instances_and_swaps() {
     reg.load(
         "sticky-v2",
         &bytes,
-        Some(r#"{"fallback": "hash", "ttl_ms": 60000}"#),
+        Some(r#"{"fallback": "hash", "max_kv_usage": 0.9}"#),
         true,
     )
     .expect("swap");

@@ -2,7 +2,7 @@
 //! across the policy interface (the stage since `kvroute:policy@0.5.0`): it reaches real components through the
 //! request's flags, the shipped policies rank the decode step by load, `kvroute policy check`
 //! runs every scenario at every stage, and a component built against the previous interface
-//! (0.6.0, abi 6) is refused by name.
+//! (0.7.0, abi 7) is refused by name.
 
 use crate::support;
 use crate::support::plugins::plugin_bytes;
@@ -55,6 +55,7 @@ fn cached_vs_idle() -> (PolicyRequest, CandidateColumns) {
         total_kv_blocks: vec![16_384, 16_384],
         max_num_batched_tokens: vec![8_192, 8_192],
         kv_feed_trust: vec![0, 0],
+        session_bound: vec![0, 0],
         base_cost: Vec::new(),
         prefill_ms_per_token: vec![0.02, 0.02],
         decode_step_ms: vec![10.0, 10.0],
@@ -168,15 +169,15 @@ fn the_router_s_scorer_hands_its_stage_to_the_policy() {
 }
 
 #[test]
-fn a_component_built_against_0_6_0_is_refused_naming_both_versions() {
+fn a_component_built_against_0_7_0_is_refused_naming_both_versions() {
     let reg = registry();
     let bytes = plugin_bytes("kvroute-test-old-interface");
     let err = reg.load("old", &bytes, None, true).unwrap_err();
     assert!(matches!(err, PolicyError::WrongWorld(_)), "{err}");
     let msg = err.to_string();
     assert!(
-        msg.contains("kvroute:policy/policy@0.7.0")
-            && msg.contains("it exports kvroute:policy/policy@0.6.0")
+        msg.contains("kvroute:policy/policy@0.8.0")
+            && msg.contains("it exports kvroute:policy/policy@0.7.0")
             && msg.contains("rebuild it against this host's wit/policy.wit"),
         "{msg}"
     );
@@ -185,7 +186,7 @@ fn a_component_built_against_0_6_0_is_refused_naming_both_versions() {
 }
 
 #[test]
-fn uploading_a_0_6_0_component_is_a_400_naming_the_version_and_changes_nothing() {
+fn uploading_a_0_7_0_component_is_a_400_naming_the_version_and_changes_nothing() {
     let s = support::Server::start(&[]);
     let before = s.get("/v1/policies").expect(200).body().clone();
     let wasm = plugin_bytes("kvroute-test-old-interface");
@@ -198,8 +199,8 @@ fn uploading_a_0_6_0_component_is_a_400_naming_the_version_and_changes_nothing()
     r.expect_error(400, "wrong_world");
     let message = r.body()["error"]["message"].as_str().unwrap_or_default();
     assert!(
-        message.contains("kvroute:policy/policy@0.7.0")
-            && message.contains("kvroute:policy/policy@0.6.0"),
+        message.contains("kvroute:policy/policy@0.8.0")
+            && message.contains("kvroute:policy/policy@0.7.0"),
         "{}",
         r.text
     );

@@ -32,6 +32,7 @@ mod remote_indexer;
 mod replay;
 mod rollout;
 mod sandbox;
+mod sessions;
 mod state;
 mod tokenize_engine;
 mod tutorial;

@@ -107,7 +107,9 @@ class Engine:
         end = time.time() + timeout
         while time.time() < end:
             if self.proc.poll() is not None:
-                sys.exit(f"engine {self.name} exited; log: {self.log}")
+                lines = open(self.log).readlines()
+                tail = "".join([l for l in lines if "Error" in l][-8:] + lines[-6:])
+                sys.exit(f"engine {self.name} exited; the end of its log:\n{tail}")
             try:
                 status, _ = request("127.0.0.1", self.port, "GET", "/health")
                 if status == 200:

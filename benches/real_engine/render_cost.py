@@ -136,9 +136,13 @@ def main():
     engine, routers = None, []
     try:
         model, _ = make_model(os.path.join(vdir, "bin", "python"), work)
+        cfg_path = os.path.join(model, "config.json")
+        cfg = json.load(open(cfg_path))
+        cfg["max_position_embeddings"] = 65536
+        json.dump(cfg, open(cfg_path, "w"), indent=1)
         # 32k-token prompts: room for one in the KV cache (4 layers x 4 heads x 64 x K,V x bf16).
         kv_bytes = 48 * 1024 * 4 * 2 * 4 * 64 * 2
-        engine = Engine("r", vdir, model, kv_bytes, work, max_model_len=49152)
+        engine = Engine("r", vdir, model, kv_bytes, work, max_model_len=40960)
         engine.wait_ready()
         local_proc, local = start_router(args.kvroute, work, "local", model, engine, "local")
         routers.append(local_proc)

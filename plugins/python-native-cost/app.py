@@ -23,7 +23,7 @@ from componentize_py_types import Err
 from wit_world import exports
 from wit_world.imports import host_log, types
 
-ABI_VERSION = 7
+ABI_VERSION = 8
 DEFAULTS = {"prefill_load_scale": 1.0, "host_tier_weight": 0.75, "disk_tier_weight": 0.25}
 
 # Per-instance state lives at module level: componentize-py may create the exported class anew
@@ -78,10 +78,11 @@ class Policy(exports.Policy):
         host = c32[2 * n : 3 * n]
         disk = c32[3 * n : 4 * n]
         prompt_active = c32[5 * n : 6 * n]
-        # Column 7 is kv-feed-trust (since abi 7); the taint index follows it.
-        offsets = c32[8 * n : 9 * n + 1]
-        prefs_start = 9 * n + 1 + offsets[n]
-        taint_ids = c32[9 * n + 1 : prefs_start]
+        # Columns 7 and 8 are kv-feed-trust (since abi 7) and session-bound (since abi 8); the
+        # taint index follows them.
+        offsets = c32[9 * n : 10 * n + 1]
+        prefs_start = 10 * n + 1 + offsets[n]
+        taint_ids = c32[10 * n + 1 : prefs_start]
         # The request's preferred taints: ids after the taint index, weights after the base
         # costs and the two learned step-time columns (3n entries).
         prefs = list(zip(c32[prefs_start:], f64[3 * n :]))

@@ -82,8 +82,8 @@ pub use bindings::kvroute::policy::types::Request as WireRequest;
 pub use bindings::kvroute::policy::types::RequestFlags;
 pub use helpers::*;
 
-/// The ABI version this SDK speaks (`plugin-info.abi-version`): 7, for `kvroute:policy@0.7.0`.
-pub const ABI_VERSION: u32 = 7;
+/// The ABI version this SDK speaks (`plugin-info.abi-version`): 8, for `kvroute:policy@0.8.0`.
+pub const ABI_VERSION: u32 = 8;
 
 /// Which half of a routing decision the policy ranks (WIT `request-flags`: `prefill`, `decode`,
 /// or neither).
@@ -284,6 +284,36 @@ impl FeedTrust {
     }
 }
 
+/// Whether a candidate holds the request's session binding: WIT column `session-bound` (since
+/// 0.8.0). Bindings are the host's (`[sessions]`): made on a session's first booked turn, moved
+/// with it, expired after an idle TTL, shared by cluster replicas and kept across policy swaps.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum SessionBound {
+    /// No binding of this request here (no session, not bound yet, bound elsewhere, or off).
+    #[default]
+    None,
+    /// The request's own session is bound here: its earlier turns' cache is likely here.
+    Session,
+    /// The request's session is new and its parent's (a subagent's) is bound here.
+    Parent,
+}
+
+impl SessionBound {
+    /// The interface's code: 0 none, 1 session, 2 parent; reserved values read as none.
+    pub fn from_code(code: u32) -> SessionBound {
+        match code {
+            1 => SessionBound::Session,
+            2 => SessionBound::Parent,
+            _ => SessionBound::None,
+        }
+    }
+
+    /// The interface's code.
+    pub fn code(self) -> u32 {
+        self as u32
+    }
+}
+
 /// Where things are in the packed lists (see `record candidates` in `wit/policy.wit`).
 struct Layout {
     n: usize,
@@ -300,18 +330,18 @@ impl Layout {
             ));
         }
         let n = w.columns_u64.len() / 4;
-        if w.columns_u32.len() < 9 * n + 1 {
+        if w.columns_u32.len() < 10 * n + 1 {
             return Err(format!(
-                "columns-u32 has {} entries, expected at least 9 x {n} + 1",
+                "columns-u32 has {} entries, expected at least 10 x {n} + 1",
                 w.columns_u32.len()
             ));
         }
-        let t = w.columns_u32[9 * n] as usize;
-        let preferred_start = 9 * n + 1 + t;
+        let t = w.columns_u32[10 * n] as usize;
+        let preferred_start = 10 * n + 1 + t;
         if preferred_start > w.columns_u32.len() {
             return Err(format!(
                 "taint-offsets end at {t}, past the {} taint ids sent",
-                w.columns_u32.len() - (9 * n + 1)
+                w.columns_u32.len() - (10 * n + 1)
             ));
         }
         let p = w.columns_u32.len() - preferred_start;
@@ -463,6 +493,9 @@ pub struct Candidates<'a> {
     /// 1 recovering, 2 degraded; read them typed with [`Row::kv_feed_trust`] or
     /// [`FeedTrust::from_code`]).
     pub kv_feed_trust: &'a [u32],
+    /// Whether each candidate holds the request's session binding, as the interface's codes (0
+    /// none, 1 its session, 2 its parent session; typed: [`Row::session_bound`]).
+    pub session_bound: &'a [u32],
     /// The host's native cost (without preferred taints); in a pipeline's selector stage, the
     /// weighted sum of the scorer stages.
     pub base_cost: &'a [f64],
@@ -483,8 +516,8 @@ impl<'a> Candidates<'a> {
         let Layout { n, .. } = Layout::of(w)?;
         let c64 = |k: usize| &w.columns_u64[k * n..(k + 1) * n];
         let c32 = |k: usize| &w.columns_u32[k * n..(k + 1) * n];
-        let taint_offsets = &w.columns_u32[8 * n..9 * n + 1];
-        let taint_ids = &w.columns_u32[9 * n + 1..9 * n + 1 + taint_offsets[n] as usize];
+        let taint_offsets = &w.columns_u32[9 * n..10 * n + 1];
+        let taint_ids = &w.columns_u32[10 * n + 1..10 * n + 1 + taint_offsets[n] as usize];
         let ordered = taint_offsets.windows(2).all(|p| p[0] <= p[1]);
         if taint_offsets[0] != 0 || !ordered {
             return Err("taint-offsets are not a valid index into taint-ids".to_string());
@@ -502,6 +535,7 @@ impl<'a> Candidates<'a> {
             active_prompt_blocks: c32(5),
             max_num_batched_tokens: c32(6),
             kv_feed_trust: c32(7),
+            session_bound: c32(8),
             base_cost: &w.columns_f64[..n],
             prefill_ms_per_token: &w.columns_f64[n..2 * n],
             decode_step_ms: &w.columns_f64[2 * n..3 * n],
@@ -595,6 +629,10 @@ impl<'a> Row<'a> {
     /// How far the candidate's overlaps can be trusted (its KV event feed's state).
     pub fn kv_feed_trust(&self) -> FeedTrust {
         FeedTrust::from_code(self.cols.kv_feed_trust[self.index])
+    }
+    /// Whether the candidate holds the request's session binding (or its parent's).
+    pub fn session_bound(&self) -> SessionBound {
+        SessionBound::from_code(self.cols.session_bound[self.index])
     }
 
     /// The worker's learned prefill milliseconds per uncached prompt token, when learned.

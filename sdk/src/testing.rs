@@ -84,6 +84,7 @@ pub struct CandidateSpec {
     prefill_ms_per_token: f64,
     decode_step_ms: f64,
     kv_feed_trust: crate::FeedTrust,
+    session_bound: crate::SessionBound,
     base_cost: Option<f64>,
     taints: Vec<String>,
 }
@@ -147,6 +148,7 @@ impl CandidateSpec {
         prefill_ms_per_token: f64,
         decode_step_ms: f64,
         kv_feed_trust: crate::FeedTrust,
+        session_bound: crate::SessionBound,
     );
 
     /// The candidate's worker id.
@@ -292,6 +294,8 @@ pub struct CandidateSet {
     pub max_num_batched_tokens: Vec<u32>,
     /// See [`Candidates::kv_feed_trust`].
     pub kv_feed_trust: Vec<u32>,
+    /// See [`Candidates::session_bound`].
+    pub session_bound: Vec<u32>,
     /// See [`Candidates::base_cost`].
     pub base_cost: Vec<f64>,
     /// See [`Candidates::prefill_ms_per_token`].
@@ -320,6 +324,7 @@ impl CandidateSet {
             total_kv_blocks: &self.total_kv_blocks,
             max_num_batched_tokens: &self.max_num_batched_tokens,
             kv_feed_trust: &self.kv_feed_trust,
+            session_bound: &self.session_bound,
             base_cost: &self.base_cost,
             prefill_ms_per_token: &self.prefill_ms_per_token,
             decode_step_ms: &self.decode_step_ms,
@@ -350,6 +355,7 @@ impl CandidateSet {
             &self.active_prompt_blocks,
             &self.max_num_batched_tokens,
             &self.kv_feed_trust,
+            &self.session_bound,
             &self.taint_offsets,
             &self.taint_ids,
         ] {
@@ -398,6 +404,7 @@ pub fn build(req: &RequestSpec, set: &[CandidateSpec]) -> (Context, Request, Can
         c.total_kv_blocks.push(s.total_kv_blocks);
         c.max_num_batched_tokens.push(s.max_num_batched_tokens);
         c.kv_feed_trust.push(s.kv_feed_trust.code());
+        c.session_bound.push(s.session_bound.code());
         c.base_cost.push(0.0);
         c.prefill_ms_per_token.push(s.prefill_ms_per_token);
         c.decode_step_ms.push(s.decode_step_ms);
@@ -684,13 +691,49 @@ mod tests {
             h.policy.0,
             vec![(Recovering, vec![0]), (Exact, vec![]), (Degraded, vec![1])]
         );
-        // The packed list: column 7, then the taint index after it.
+        // The packed list: column 7, column 8, then the taint index after them.
         let (_, _, c) = build(&request(64), &set);
         let w = c.to_wire(&[]);
         assert_eq!(&w.columns_u32[7 * 3..8 * 3], &[1, 0, 2]);
-        assert_eq!(&w.columns_u32[8 * 3..9 * 3 + 1], &[0, 1, 1, 2]);
+        assert_eq!(&w.columns_u32[8 * 3..9 * 3], &[0, 0, 0]);
+        assert_eq!(&w.columns_u32[9 * 3..10 * 3 + 1], &[0, 1, 1, 2]);
         // Reserved codes read as degraded.
         assert_eq!(crate::FeedTrust::from_code(9), Degraded);
+    }
+
+    /// Records each candidate's session binding and taints.
+    #[derive(Default)]
+    struct SeenSession(Vec<(crate::SessionBound, Vec<u32>)>);
+    impl Policy for SeenSession {
+        fn decide(&mut self, _: &Context, _: &Request, c: &Candidates) -> Decision {
+            self.0 = c
+                .rows()
+                .map(|r| (r.session_bound(), r.taints().to_vec()))
+                .collect();
+            Decision::Costs(vec![0.0; c.count()])
+        }
+    }
+
+    #[test]
+    fn the_session_bound_column_reaches_the_policy_through_the_wire_form() {
+        use crate::SessionBound::*;
+        let mut h = Harness::<SeenSession>::new();
+        let set = [
+            candidate(1).taints(&["zone=a"]),
+            candidate(2).session_bound(Session),
+            candidate(3).session_bound(Parent).taints(&["zone=b"]),
+        ];
+        h.decide(&request(64).prefer("zone=b", 0.5), &set);
+        assert_eq!(
+            h.policy.0,
+            vec![(None, vec![0]), (Session, vec![]), (Parent, vec![1])]
+        );
+        let (_, _, c) = build(&request(64), &set);
+        let w = c.to_wire(&[]);
+        assert_eq!(&w.columns_u32[8 * 3..9 * 3], &[0, 1, 2]);
+        assert_eq!(&w.columns_u32[9 * 3..10 * 3 + 1], &[0, 1, 1, 2]);
+        // Reserved codes read as none.
+        assert_eq!(crate::SessionBound::from_code(7), None);
     }
 
     #[test]

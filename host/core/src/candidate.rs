@@ -66,6 +66,10 @@ pub struct CandidateColumns {
     /// [`Trust`](crate::feeds::Trust) code (0 exact, 1 recovering, 2 degraded; exact without a
     /// feed). Callers that leave it empty mean every candidate exact.
     pub kv_feed_trust: Vec<u8>,
+    /// Whether the candidate holds the request's session binding ([`crate::sessions`]): 1 its
+    /// own session's, 2 its parent session's (a subagent's first turn), 0 neither. Callers that
+    /// leave it empty mean 0 everywhere.
+    pub session_bound: Vec<u8>,
     /// The host's native cost (SPEC §7, without preferred taints); lower is better.
     pub base_cost: Vec<f64>,
     /// The candidate's worker's learned prefill milliseconds per uncached prompt token
@@ -101,6 +105,7 @@ impl CandidateColumns {
         self.total_kv_blocks.clear();
         self.max_num_batched_tokens.clear();
         self.kv_feed_trust.clear();
+        self.session_bound.clear();
         self.base_cost.clear();
         self.prefill_ms_per_token.clear();
         self.decode_step_ms.clear();

@@ -3,7 +3,7 @@
 //! One module per noun of the architecture (docs/ARCHITECTURE.md): [`hashing`] turns prompts into
 //! block hashes, [`indexer`] knows which candidate holds which blocks, [`workers`] is the registry,
 //! [`eligibility`] is the one hard-rule predicate, [`feeds`] is the health of each KV event feed, [`load`] tracks booked work, [`predict`] assumes routed prompts cached until events say otherwise, [`learn`] fits each worker's step times, [`queue`] holds
-//! requests while every eligible candidate is busy, [`cost`] is the native cost and picker, and
+//! requests while every eligible candidate is busy, [`sessions`] binds client sessions to workers, [`cost`] is the native cost and picker, and
 //! [`router`] ties them into the one entry point callers use.
 //!
 //! Why a crate of its own: everything here is pure bookkeeping on facts the host owns, and its
@@ -25,6 +25,7 @@ pub mod predict;
 pub mod queue;
 pub mod rng;
 pub mod router;
+pub mod sessions;
 pub mod stage;
 pub mod workers;
 

@@ -222,6 +222,15 @@ fn generate(
             });
         c.total_kv_blocks.push(16_384);
         c.max_num_batched_tokens.push(8_192);
+        // Session binding: the request's session on one candidate, its parent's on another, and
+        // a reserved code a policy must read as none.
+        c.session_bound.push(
+            if matches!(s, Scenario::Preferences | Scenario::EveryField) {
+                [1, 0, 2, 0, 9, 0][i % 6]
+            } else {
+                0
+            },
+        );
         // Feed trust: every state, and a reserved code a policy must read as degraded.
         c.kv_feed_trust.push(
             if matches!(s, Scenario::RandomLoad | Scenario::EveryField) {
@@ -492,6 +501,7 @@ fn stage_preferences(registry: &PolicyRegistry, taints: &TaintTable) -> CheckRes
         total_kv_blocks: vec![16_384, 16_384],
         max_num_batched_tokens: vec![8_192, 8_192],
         kv_feed_trust: vec![0, 0],
+        session_bound: vec![1, 0],
         base_cost: Vec::new(),
         prefill_ms_per_token: vec![0.02, 0.0],
         decode_step_ms: vec![12.0, 0.0],

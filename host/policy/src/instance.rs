@@ -286,7 +286,7 @@ pub(crate) fn link_host(linker: &mut Linker<HostState>) -> wasmtime::Result<()> 
 }
 
 /// The one import a policy gets.
-const HOST_LOG: &str = "kvroute:policy/host-log@0.7.0";
+const HOST_LOG: &str = "kvroute:policy/host-log@0.8.0";
 
 /// Creates a store for an instance of a component: limits, deadline behaviour, log bucket.
 pub(crate) fn new_store(

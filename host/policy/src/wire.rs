@@ -41,7 +41,7 @@ impl Packed {
             self.u64s.extend_from_slice(col);
         }
         self.u32s.clear();
-        self.u32s.reserve(9 * n + 1 + c.taint_ids.len() + p);
+        self.u32s.reserve(10 * n + 1 + c.taint_ids.len() + p);
         for col in [
             &c.dp_rank,
             &c.device_overlap,
@@ -57,6 +57,13 @@ impl Packed {
         if c.kv_feed_trust.len() == n {
             self.u32s
                 .extend(c.kv_feed_trust.iter().map(|&t| u32::from(t)));
+        } else {
+            self.u32s.resize(self.u32s.len() + n, 0);
+        }
+        // `session-bound` (column 8, since 0.8.0); a caller that left it empty means none.
+        if c.session_bound.len() == n {
+            self.u32s
+                .extend(c.session_bound.iter().map(|&b| u32::from(b)));
         } else {
             self.u32s.resize(self.u32s.len() + n, 0);
         }
@@ -163,6 +170,7 @@ mod tests {
             total_kv_blocks: vec![300, 301],
             max_num_batched_tokens: vec![512, 1024],
             kv_feed_trust: vec![2, 1],
+            session_bound: vec![0, 1],
             base_cost: vec![0.5, 1.5],
             prefill_ms_per_token: vec![0.02, 0.0],
             decode_step_ms: vec![11.0, 0.0],
@@ -190,7 +198,10 @@ mod tests {
             assert_eq!(w.columns_u64, &[10, 11, 100, 101, 200, 201, 300, 301]);
             assert_eq!(
                 w.columns_u32,
-                &[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 0, 512, 1024, 2, 1, 0, 1, 3, 7, 8, 9, 8, 2]
+                &[
+                    0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 0, 512, 1024, 2, 1, 0, 1, 0, 1, 3, 7, 8, 9, 8,
+                    2
+                ]
             );
             assert_eq!(w.columns_f64, &[0.5, 1.5, 0.02, 0.0, 11.0, 0.0, 0.5, -0.25]);
         });
@@ -199,11 +210,12 @@ mod tests {
             prefill_ms_per_token: Vec::new(),
             decode_step_ms: Vec::new(),
             kv_feed_trust: Vec::new(),
+            session_bound: Vec::new(),
             ..c.clone()
         };
         with_wit_decision(&req, &bare, Stage::Aggregated, |_, w| {
             assert_eq!(w.columns_f64, &[0.5, 1.5, 0.0, 0.0, 0.0, 0.0, 0.5, -0.25]);
-            assert_eq!(&w.columns_u32[14..16], &[0, 0]);
+            assert_eq!(&w.columns_u32[14..18], &[0, 0, 0, 0]);
         });
         let booked = PolicyRequest {
             ask_only: false,

@@ -86,6 +86,42 @@ pub struct ServeConfig {
     /// With `cluster`: a replica not heard from for this long (no heartbeat, no booking message)
     /// is forgotten and its bookings are dropped by the others.
     pub replica_timeout_ms: u64,
+    /// Session bindings (`[sessions]`: mode, idle TTL, cap; SPEC §12).
+    pub sessions: SessionsSection,
+}
+
+/// `[sessions]`: how client sessions are bound to workers ([`kvroute_core::sessions`]).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SessionsSection {
+    /// `hard` (a bound session goes to its worker while it is eligible), `soft` (policies see the
+    /// binding as the `session-bound` column) or `off`.
+    pub mode: kvroute_core::sessions::SessionMode,
+    /// A binding with no turn for this long is dropped (1 to 86,400,000).
+    pub ttl_ms: u64,
+    /// Most live bindings (1 to 10,000,000); the least recently seen is evicted to make room.
+    pub max_sessions: usize,
+}
+
+impl Default for SessionsSection {
+    fn default() -> Self {
+        let d = kvroute_core::sessions::SessionConfig::default();
+        Self {
+            mode: d.mode,
+            ttl_ms: d.ttl.as_millis() as u64,
+            max_sessions: d.max_sessions,
+        }
+    }
+}
+
+impl SessionsSection {
+    pub fn config(&self) -> kvroute_core::sessions::SessionConfig {
+        kvroute_core::sessions::SessionConfig {
+            mode: self.mode,
+            ttl: Duration::from_millis(self.ttl_ms),
+            max_sessions: self.max_sessions,
+        }
+    }
 }
 
 use crate::listen::deserialize_listen;
@@ -121,6 +157,7 @@ impl Default for ServeConfig {
             cluster: None,
             cluster_name: "kvroute".into(),
             replica_timeout_ms: 3000,
+            sessions: SessionsSection::default(),
         }
     }
 }
@@ -433,6 +470,7 @@ impl ServeConfig {
                 self.routing.predict_ttl_ms
             ));
         }
+        self.sessions.config().validate()?;
         if self.routing.queue_timeout_ms == 0 {
             return Err("routing.queue_timeout_ms must be at least 1".into());
         }
@@ -635,6 +673,7 @@ impl ServeConfig {
             disagg: self.disaggregation.clone(),
             fairness: self.fairness.queue.then(|| self.fairness.fair_config()),
             budgets: self.fairness.budgets(),
+            sessions: self.sessions.config(),
         }
     }
 }
@@ -700,6 +739,29 @@ mod tests {
         c.policy = None;
         c.policy_name = Some("mine".into());
         assert!(c.validate().unwrap_err().contains("policy is not"));
+    }
+
+    #[test]
+    fn the_sessions_section_reaches_the_router_and_bad_values_name_the_field() {
+        let c: ServeConfig =
+            toml::from_str("[sessions]\nmode = \"hard\"\nttl_ms = 250\nmax_sessions = 9\n")
+                .unwrap();
+        assert_eq!(c.validate(), Ok(()));
+        let s = c.router_config().sessions;
+        assert_eq!(s.mode, kvroute_core::sessions::SessionMode::Hard);
+        assert_eq!((s.ttl, s.max_sessions), (Duration::from_millis(250), 9));
+        for (text, field) in [
+            ("ttl_ms = 0", "sessions.ttl_ms"),
+            ("max_sessions = 0", "sessions.max_sessions"),
+        ] {
+            let c: ServeConfig = toml::from_str(&format!("[sessions]\n{text}\n")).unwrap();
+            assert!(c.validate().unwrap_err().starts_with(field), "{text}");
+        }
+        let e = toml::from_str::<ServeConfig>("[sessions]\nmode = \"sticky\"\n").unwrap_err();
+        assert!(
+            e.to_string().contains("sticky") && e.to_string().contains("mode"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -831,6 +893,11 @@ mod tests {
         ("prefill_load_scale", &["1.0", "-1.0", "nan"]),
         ("host_tier_weight", &["0.0", "inf"]),
     ];
+    const SESSIONS: [(&str, &[&str]); 3] = [
+        ("mode", &["\"hard\"", "\"soft\"", "\"off\""]),
+        ("ttl_ms", &["0", "1", "300000", "86400000", "86400001"]),
+        ("max_sessions", &["0", "1", "100000", "10000001"]),
+    ];
     const WORKER: [(&str, &[&str]); 3] = [
         ("dp_size", &["0", "1", "2", "100000"]),
         ("dp_start", &["0", "4294967295"]),
@@ -864,7 +931,7 @@ mod tests {
         #[test]
         fn generated_configs_are_accepted_whole_or_refused_with_a_reason(
             picks in proptest::collection::vec(
-                proptest::option::of(proptest::prelude::any::<proptest::sample::Index>()), 16),
+                proptest::option::of(proptest::prelude::any::<proptest::sample::Index>()), 18),
             workers in proptest::collection::vec(
                 (proptest::prelude::any::<proptest::sample::Index>(),
                  proptest::collection::vec(
@@ -875,6 +942,7 @@ mod tests {
             section(&mut text, "", &TOP, &picks[0..7]);
             section(&mut text, "[routing]\n", &ROUTING, &picks[7..13]);
             section(&mut text, "[cost]\n", &COST, &picks[13..15]);
+            section(&mut text, "[sessions]\n", &SESSIONS, &picks[15..18]);
             for (key, fields) in &workers {
                 let header = format!("[workers.\"{}\"]\n", WORKER_KEYS[key.index(WORKER_KEYS.len())]);
                 section(&mut text, &header, &WORKER, fields);

@@ -45,6 +45,12 @@
 //! costs a whole prompt's compute (`Config::trust_weight` has the reasoning). Blocks an earlier
 //! request booked on the candidate are the router's own knowledge and keep their credit.
 //!
+//! **Sessions** (interface 0.8.0's `session-bound`, SPEC §12): the candidate holding the request's
+//! session binding has its estimate multiplied by `1 - session_credit` (0.9), the one holding a
+//! new subagent's parent session by `1 - parent_session_credit` (0.9); not at the decode step.
+//! A modest share, so a session stays through small load swings but never piles onto a loaded
+//! worker (`Config::session_factor` has the reasoning).
+//!
 //! The estimate (always > 0) is multiplied by SPEC §7's preferred-taint multiplier, so preferences
 //! separate idle candidates too.
 //!
@@ -53,7 +59,8 @@
 //!   "default_max_num_batched_tokens": 8192, "residual_frac": 0.5, "host_tier_weight": 0.75,
 //!   "disk_tier_weight": 0.25, "overflow_penalty_ms": 10000, "credit_active_blocks": true,
 //!   "work_weight": 12, "work_weight_follows_load": true, "learned_step_times": false,
-//!   "recovering_overlap_weight": 0.5, "degraded_overlap_weight": 0}`
+//!   "recovering_overlap_weight": 0.5, "degraded_overlap_weight": 0, "session_credit": 0.1,
+//!   "parent_session_credit": 0.1}`
 
 mod model;
 
@@ -61,7 +68,7 @@ pub use model::{Config, Load, Prompt, StepTimes};
 
 use kvroute_sdk::{
     check_step_model, parse_config, preferred_multiplier, Candidates, Context, Decision, Policy,
-    RelativeSpeeds, Request,
+    RelativeSpeeds, Request, SessionBound,
 };
 
 /// The default policy.
@@ -102,6 +109,16 @@ fn check(c: &Config) -> Result<(), String> {
             ));
         }
     }
+    for (key, v) in [
+        ("session_credit", c.session_credit),
+        ("parent_session_credit", c.parent_session_credit),
+    ] {
+        if !(0.0..=0.5).contains(&v) {
+            return Err(format!(
+                "default: {key} must be a number in [0, 0.5], got {v}"
+            ));
+        }
+    }
     Ok(())
 }
 
@@ -137,6 +154,11 @@ impl Policy for DefaultPolicy {
             for (cost, r) in costs.iter_mut().zip(c.rows()) {
                 *cost *= preferred_multiplier(req, r);
             }
+        }
+        // The session binding (at most one candidate has one): a modest share off its estimate.
+        if let Some(i) = c.session_bound.iter().position(|&b| b != 0) {
+            costs[i] *=
+                config.session_factor(req.stage, SessionBound::from_code(c.session_bound[i]));
         }
         Decision::Costs(costs)
     }

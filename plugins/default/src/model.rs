@@ -5,7 +5,7 @@
 //! engine model unless overridden), scaled by the candidate's learned speed relative to the fleet
 //! (the SDK's [`Speed`], from the host's learned step times), and the candidate's own step budget.
 
-use kvroute_sdk::{Candidates, FeedTrust, Request, Speed, Stage};
+use kvroute_sdk::{Candidates, FeedTrust, Request, SessionBound, Speed, Stage};
 
 /// The larger of two finite figures. `f64::max` is a call into libm's `fmax` on wasm32 (NaN
 /// rules); a compare keeps the per-candidate loop inline (the decision-cost budget, BENCHMARKS.md).
@@ -64,6 +64,12 @@ pub struct Config {
     /// The same for a `degraded` feed (and reserved codes), in [0, 1]. See
     /// [`Config::trust_weight`] for why 0.
     pub degraded_overlap_weight: f64,
+    /// The share of its estimate a candidate holding the request's session binding is spared
+    /// (interface 0.8.0's `session-bound` = 1), in [0, 0.5]. See [`Config::session_factor`]
+    /// for why 0.1.
+    pub session_credit: f64,
+    /// The same for the candidate holding a new subagent session's parent (`session-bound` = 2).
+    pub parent_session_credit: f64,
 }
 
 impl Default for Config {
@@ -82,6 +88,8 @@ impl Default for Config {
             learned_step_times: false,
             recovering_overlap_weight: 0.5,
             degraded_overlap_weight: 0.0,
+            session_credit: 0.1,
+            parent_session_credit: 0.1,
         }
     }
 }
@@ -356,6 +364,30 @@ impl Config {
             FeedTrust::Exact => 1.0,
             FeedTrust::Recovering => self.recovering_overlap_weight,
             FeedTrust::Degraded => self.degraded_overlap_weight,
+        }
+    }
+
+    /// What a candidate's estimate is multiplied by for the request's session binding
+    /// (`session-bound`): `1 - session_credit` where the request's session is bound, `1 -
+    /// parent_session_credit` where a new subagent's parent is, 1 elsewhere and at the decode
+    /// step (the KV cache arrives by transfer there).
+    ///
+    /// Why a modest share and not a pin: the estimate already credits the session's cache where
+    /// the index sees it, so the binding matters where the index cannot: blocks not yet
+    /// reported, evicted or offloaded where the engine keeps more than the events say, and prompt
+    /// changes (tool output, summarisation) that end the shared prefix early. 10% decides near
+    /// ties and keeps a session through the small load swings between its turns, while a bound
+    /// worker more than ~11% slower than the best loses it: sessions do not pile onto one worker
+    /// (today's default packs agent sessions onto the workers holding their prefixes, and its ITL
+    /// runs above `dynamo`'s; issue 36). A proportional share, not milliseconds, so an idle fleet
+    /// and a saturated one weigh it alike. In `hard` mode the host pins a bound session itself
+    /// while its worker is eligible, and this credit only ranks the one candidate.
+    #[inline(always)]
+    pub fn session_factor(&self, stage: Stage, bound: SessionBound) -> f64 {
+        match (stage, bound) {
+            (Stage::Decode, _) | (_, SessionBound::None) => 1.0,
+            (_, SessionBound::Session) => 1.0 - self.session_credit,
+            (_, SessionBound::Parent) => 1.0 - self.parent_session_credit,
         }
     }
 

@@ -418,3 +418,57 @@ fn overlap_on_an_untrusted_feed_is_discounted() {
         .unwrap_err();
     assert!(e.contains("recovering_overlap_weight"), "{e}");
 }
+
+/// Interface 0.8.0: the candidate holding the request's session binding (or a new subagent's
+/// parent's) is spared `session_credit` of its estimate: it wins ties and small load gaps, and
+/// loses to a clearly less loaded peer, so sessions do not pile onto one worker.
+#[test]
+fn a_session_binding_is_worth_a_modest_share_of_the_estimate() {
+    use kvroute_sdk::SessionBound::{Parent, Session};
+    let mut h = Harness::<DefaultPolicy>::new();
+    let req = request(1024);
+    let idle = [
+        candidate(1),
+        candidate(2).session_bound(Session),
+        candidate(3),
+    ];
+    let plain = h.costs(&req, &[candidate(1), candidate(2), candidate(3)]);
+    let costs = h.costs(&req, &idle);
+    assert!(close(costs[1], 0.9 * plain[1]), "{costs:?} vs {plain:?}");
+    assert!(close(costs[0], plain[0]) && close(costs[2], plain[2]));
+    assert_eq!(h.pick(&req, &idle).worker_id, 2);
+    let parent = [
+        candidate(1),
+        candidate(2),
+        candidate(3).session_bound(Parent),
+    ];
+    assert_eq!(h.pick(&req, &parent).worker_id, 3);
+    // A small load gap (a few prompt tokens queued) is kept through; a large one (a decoding
+    // request and a full step queued) is not.
+    let loaded = |tokens, requests| {
+        [
+            candidate(1),
+            candidate(2)
+                .session_bound(Session)
+                .active_prefill_tokens(tokens)
+                .active_requests(requests),
+        ]
+    };
+    assert_eq!(h.pick(&req, &loaded(64, 0)).worker_id, 2);
+    assert_eq!(h.pick(&req, &loaded(8192, 1)).worker_id, 1);
+    // Configurable within [0, 0.5]; 0 turns it off.
+    h.configure(r#"{"session_credit": 0, "parent_session_credit": 0}"#)
+        .unwrap();
+    let off = h.costs(&req, &idle);
+    assert!(close(off[1], plain[1]), "{off:?}");
+    for (json, key) in [
+        (r#"{"session_credit": 0.6}"#, "session_credit"),
+        (
+            r#"{"parent_session_credit": -0.1}"#,
+            "parent_session_credit",
+        ),
+    ] {
+        let e = h.configure(json).unwrap_err();
+        assert!(e.contains(key), "{json}: {e}");
+    }
+}

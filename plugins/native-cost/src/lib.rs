@@ -65,7 +65,7 @@ impl Guest for NativeCost {
         PluginInfo {
             name: "native-cost".to_string(),
             version: env!("CARGO_PKG_VERSION").to_string(),
-            abi_version: 7,
+            abi_version: 8,
             deterministic: true,
             kind: PluginKind::Scorer,
         }
@@ -108,11 +108,11 @@ impl Guest for NativeCost {
         let (active_prefill_tokens, active_decode_blocks) = (col64(1), col64(2));
         let (device_overlap, host_overlap, disk_overlap) = (col32(1), col32(2), col32(3));
         let active_prompt_blocks = col32(5);
-        // Column 7 is `kv-feed-trust` (abi 7); this plugin mirrors the native cost, which does
-        // not use it. The taint index follows it.
-        let taint_offsets = &c.columns_u32[8 * n..9 * n + 1];
-        let prefs_start = 9 * n + 1 + taint_offsets[n] as usize;
-        let taint_ids = &c.columns_u32[9 * n + 1..prefs_start];
+        // Columns 7 and 8 are `kv-feed-trust` (abi 7) and `session-bound` (abi 8); this plugin
+        // mirrors the native cost, which uses neither. The taint index follows them.
+        let taint_offsets = &c.columns_u32[9 * n..10 * n + 1];
+        let prefs_start = 10 * n + 1 + taint_offsets[n] as usize;
+        let taint_ids = &c.columns_u32[10 * n + 1..prefs_start];
         // The request's preferred taints: ids after the taint index, weights after the base
         // costs and the two learned step-time columns (`3 * n` entries since abi 6).
         let pref_ids = &c.columns_u32[prefs_start..];

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use super::booking::{self, Half};
 use super::disagg::Placement;
-use super::replicas::{BookedHalf, BookingEvent, BookingRecord};
+use super::replicas::{BookedHalf, BookedSession, BookingEvent, BookingRecord};
 use super::request::Prepared;
 use super::step::Scratch;
 use super::{RouteDecision, RouteError, Router, Timings};
@@ -53,11 +53,27 @@ impl Router {
             }
             let matching = tm.elapsed();
 
-            let placed = self.place(p, &snap, pool, s).inspect_err(|_| {
+            // Session affinity: the bound candidate alone when `hard` and it may take the
+            // request; the whole pool otherwise (and the column marks it for the policy).
+            let mut plan = self.session_plan(p, &snap);
+            s.affinity = plan.affinity;
+            let hard = self.sessions.mode() == crate::sessions::SessionMode::Hard;
+            let placed = match plan.target.filter(|_| hard) {
+                Some(i) => match self.place(p, &snap, &snap.candidates[i..i + 1], s) {
+                    Ok(placed) => Ok(placed),
+                    Err(_) => {
+                        plan.unavailable = Some(crate::sessions::BreakReason::Excluded);
+                        self.place(p, &snap, pool, s)
+                    }
+                },
+                None => self.place(p, &snap, pool, s),
+            };
+            let placed = placed.inspect_err(|_| {
                 self.counters.rejected.fetch_add(1, Relaxed);
             })?;
             if p.req.book {
                 self.book(p, &placed)?;
+                self.session_booked(p, &plan, placed.decode.candidate);
             }
             self.counters.decisions.fetch_add(1, Relaxed);
             let policy = placed.decode.policy_time
@@ -171,6 +187,10 @@ impl Router {
                 prefill: prefill.as_ref().map(half),
                 block_hashes: Arc::from(&p.seq[..]),
                 local_hashes: self.approx.as_ref().map(|_| Arc::from(&p.local[..])),
+                session: p.req.session_id.as_ref().map(|id| BookedSession {
+                    session_id: id.clone(),
+                    parent_session_id: p.req.parent_session_id.clone(),
+                }),
             })
         });
         if let Some(a) = &self.approx {

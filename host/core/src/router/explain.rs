@@ -29,6 +29,9 @@ pub struct ExplainRow {
     /// How far the candidate's overlaps can be trusted: its KV event feed's state (`exact`,
     /// `recovering`, `degraded`; `exact` without a feed), the policy column `kv-feed-trust`.
     pub kv_feed_trust: crate::feeds::Trust,
+    /// The policy column `session-bound`: 1 the candidate holds the request's session binding,
+    /// 2 its parent session's, 0 neither ([`crate::sessions`]).
+    pub session_bound: u8,
     pub taints: Vec<String>,
     pub base_cost: f64,
     /// The cost the pick was made from: the policy's when it answered costs, else the native
@@ -85,6 +88,7 @@ pub(super) fn candidate_rows(
             kv_feed_trust: crate::feeds::Trust::from_code(
                 cols.kv_feed_trust.get(i).copied().unwrap_or(0),
             ),
+            session_bound: cols.session_bound.get(i).copied().unwrap_or(0),
             taints: cols
                 .taints_of(i)
                 .iter()

@@ -20,6 +20,9 @@
 //! (status, `Retry-After`) is the server's business, not the core's.
 
 mod admission;
+mod affinity;
+#[cfg(test)]
+mod affinity_tests;
 mod booking;
 mod decide;
 pub mod disagg;
@@ -51,8 +54,8 @@ pub use overlap_source::{
     CandidateOverlap, OverlapFuture, OverlapOrigin, OverlapSource, OverlapSourceError,
 };
 pub use replicas::{
-    BookedHalf, BookingEvent, BookingObserver, BookingRecord, MoveBookingError, OriginBookings,
-    RemoteBookingError,
+    BookedHalf, BookedSession, BookingEvent, BookingObserver, BookingRecord, MoveBookingError,
+    OriginBookings, RemoteBookingError,
 };
 pub use request::{preferred_taint_weight, DisaggMode, Pin, Prompt, RouteRequest};
 
@@ -68,6 +71,7 @@ use crate::load::{Booking, CandidateLoad, LoadConfig, LoadTracker};
 use crate::predict::{PredictConfig, PredictStats, Predictions};
 use crate::queue::{FairConfig, PendingQueue, QueueError, QueueLimits, QueueOrder};
 use crate::rng::{SeededRef, SeededRng};
+use crate::sessions::{SessionConfig, Sessions};
 pub use crate::stage::Stage;
 use crate::workers::{
     Registry, RegistryLimits, SpecError, TaintNames, Worker, WorkerPatch, WorkerSpec,
@@ -112,6 +116,8 @@ pub struct RouterConfig {
     /// Predict-on-route ([`crate::predict`]): a booked prompt counts as cached on its candidate
     /// for a TTL, max-combined with the event index. `None`: off.
     pub predict: Option<PredictConfig>,
+    /// Session bindings ([`crate::sessions`], `[sessions]`).
+    pub sessions: SessionConfig,
 }
 
 impl Default for RouterConfig {
@@ -134,6 +140,7 @@ impl Default for RouterConfig {
             feeds: FeedConfig::default(),
             disagg: DisaggConfig::default(),
             predict: None,
+            sessions: SessionConfig::default(),
         }
     }
 }
@@ -438,6 +445,8 @@ pub struct Router {
     overlap_source: ArcSwapOption<Arc<dyn OverlapSource>>,
     /// Told of every change to this router's own bookings (cluster mode: [`replicas`]).
     booking_observer: ArcSwapOption<Box<dyn BookingObserver>>,
+    /// Session bindings: host state, so they outlive any policy swap.
+    sessions: Sessions,
     pub counters: RouterCounters,
 }
 
@@ -552,6 +561,7 @@ impl Router {
             Some(f) => PendingQueue::fair(config.queue_order, config.queue_limits, f.clone()),
             None => PendingQueue::new(config.queue_order, config.queue_limits),
         };
+        config.sessions.validate()?;
         Ok(Self {
             busy: BusyRule {
                 threshold_frac: config.busy_threshold,
@@ -574,6 +584,7 @@ impl Router {
             feeds: Feeds::new(config.feeds),
             overlap_source: ArcSwapOption::empty(),
             booking_observer: ArcSwapOption::empty(),
+            sessions: Sessions::new(config.sessions),
             config,
             counters: RouterCounters::default(),
         })
@@ -590,6 +601,16 @@ impl Router {
             Some(s) => f(&mut SeededRef(s)),
             None => RNG.with(|r| f(&mut *r.borrow_mut())),
         }
+    }
+
+    /// The session bindings ([`crate::sessions`]).
+    pub fn sessions(&self) -> &Sessions {
+        &self.sessions
+    }
+
+    /// The router's clock in microseconds (what session bindings are aged by).
+    pub fn clock_us(&self) -> u64 {
+        self.now_us()
     }
 
     /// The KV event feeds' health (written by the event ingestion).

@@ -54,6 +54,17 @@ pub struct BookingRecord {
     /// prefix is cached. `None` from a router that learns the cache from KV events (every
     /// replica subscribes to the engines, so nothing need travel).
     pub local_hashes: Option<Arc<[u64]>>,
+    /// The request's session and its parent's, when it had one: a receiving router binds the
+    /// session to the placed candidate as if it had decided it, so a binding made on one replica
+    /// is honoured by the others and outlives the replica that made it ([`crate::sessions`]).
+    pub session: Option<BookedSession>,
+}
+
+/// A booked request's session keys.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BookedSession {
+    pub session_id: String,
+    pub parent_session_id: Option<String>,
 }
 
 /// A change to this router's bookings, as announced to the [`BookingObserver`].
@@ -174,6 +185,14 @@ impl Router {
                 .expect("booked under the lock just now");
         }
         drop(load);
+        if let Some(s) = &record.session {
+            self.sessions.record(
+                &s.session_id,
+                s.parent_session_id.as_deref(),
+                record.whole_or_decode.candidate,
+                self.now_us(),
+            );
+        }
         if let (Some(a), Some(local)) = (&self.approx, &record.local_hashes) {
             for h in std::iter::once(&record.whole_or_decode).chain(&record.prefill) {
                 a.record(&self.indexer, h.candidate, local, now);
@@ -316,6 +335,7 @@ impl Router {
                 prefill: None,
                 block_hashes: Arc::from(&b.block_hashes[..]),
                 local_hashes: None,
+                session: None,
             })
         });
         if b.prefill_done {

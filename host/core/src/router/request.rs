@@ -49,6 +49,9 @@ pub struct RouteRequest {
     /// Who the request is for: fair queueing's outer flow and the budget it counts against
     /// (`None`: [`crate::queue::DEFAULT_TENANT`]).
     pub tenant: Option<String>,
+    /// A subagent's parent session: a new session starts where its parent is bound
+    /// ([`crate::sessions`]).
+    pub parent_session_id: Option<String>,
     pub required_taints: Vec<String>,
     /// Soft preferences: taint name → weight in (-1, 1).
     pub preferred_taints: Vec<(String, f32)>,
@@ -77,6 +80,7 @@ impl RouteRequest {
             cache_salt: None,
             session_id: None,
             tenant: None,
+            parent_session_id: None,
             required_taints: Vec::new(),
             preferred_taints: Vec::new(),
             allowed_worker_ids: None,
@@ -234,6 +238,25 @@ impl Router {
                     "tenant",
                     "must be 1 to 128 bytes with no control characters",
                 ));
+            }
+        }
+        for (field, key) in [
+            ("session_id", &req.session_id),
+            ("parent_session_id", &req.parent_session_id),
+        ] {
+            if let Some(k) = key {
+                if k.is_empty()
+                    || k.len() > crate::sessions::MAX_SESSION_KEY_LEN
+                    || k.chars().any(char::is_control)
+                {
+                    return Err(invalid(
+                        field,
+                        format!(
+                            "must be 1 to {} bytes with no control characters",
+                            crate::sessions::MAX_SESSION_KEY_LEN
+                        ),
+                    ));
+                }
             }
         }
         let local = self.local_hashes(

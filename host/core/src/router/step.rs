@@ -42,6 +42,8 @@ pub(super) struct Scratch {
     /// The eligible candidates' device overlaps before the reuse cap (whether the index holds
     /// the whole prompt).
     uncapped_device: Vec<u32>,
+    /// The request's session bindings (the `session-bound` column).
+    pub(super) affinity: crate::sessions::Affinity,
 }
 
 /// Why the filter kept candidates out: the error's material when nobody is left.
@@ -366,6 +368,7 @@ impl Scratch {
             loads,
             eligible,
             uncapped_device,
+            affinity,
             ..
         } = self;
         cols.clear();
@@ -391,6 +394,8 @@ impl Scratch {
             cols.max_num_batched_tokens.push(c.max_num_batched_tokens);
             cols.kv_feed_trust
                 .push(untrusted.get(&c.key).map_or(0, |t| t.code()));
+            cols.session_bound
+                .push(super::affinity::session_bound(affinity, c.key));
             let [p, d] = learned.get(&c.key.worker_id).copied().unwrap_or_default();
             cols.prefill_ms_per_token.push(p);
             cols.decode_step_ms.push(d);

@@ -18,7 +18,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use serde::{Deserialize, Serialize};
 
 use kvroute_core::candidate::CandidateKey;
-use kvroute_core::router::{BookedHalf, BookingEvent, BookingRecord};
+use kvroute_core::router::{BookedHalf, BookedSession, BookingEvent, BookingRecord};
 
 /// One booking message: consecutive events of one replica, encoded by [`SyncBatch::encode`].
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -70,6 +70,11 @@ pub enum SyncOp {
         /// receivers' approximate indexes learn the placement (core's `BookingRecord`).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         local_hashes: Option<Vec<u64>>,
+        /// The request's session (and its parent's): receivers bind it to the placed
+        /// candidate, so a binding made on one replica is honoured by every other and outlives
+        /// its maker (core's `BookedSession`).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        session: Option<WireSession>,
     },
     PrefillComplete {
         request_id: String,
@@ -81,6 +86,32 @@ pub enum SyncOp {
     Free {
         request_id: String,
     },
+}
+
+/// A booked request's session on the wire.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WireSession {
+    pub id: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent: Option<String>,
+}
+
+impl From<BookedSession> for WireSession {
+    fn from(s: BookedSession) -> Self {
+        Self {
+            id: s.session_id,
+            parent: s.parent_session_id,
+        }
+    }
+}
+
+impl From<WireSession> for BookedSession {
+    fn from(s: WireSession) -> Self {
+        Self {
+            session_id: s.id,
+            parent_session_id: s.parent,
+        }
+    }
 }
 
 /// One half of a booking on the wire.
@@ -121,6 +152,7 @@ impl From<BookingEvent> for SyncOp {
                 prefill: r.prefill.as_ref().map(WireHalf::from),
                 block_hashes: r.block_hashes.to_vec(),
                 local_hashes: r.local_hashes.as_deref().map(<[u64]>::to_vec),
+                session: r.session.map(WireSession::from),
                 request_id: r.request_id,
             },
             BookingEvent::PrefillComplete { request_id } => SyncOp::PrefillComplete { request_id },
@@ -138,6 +170,7 @@ impl SyncOp {
         prefill: Option<WireHalf>,
         block_hashes: &[u64],
         local_hashes: Option<&[u64]>,
+        session: Option<&WireSession>,
     ) -> BookingRecord {
         BookingRecord {
             request_id: request_id.to_owned(),
@@ -145,6 +178,7 @@ impl SyncOp {
             prefill: prefill.map(Into::into),
             block_hashes: block_hashes.into(),
             local_hashes: local_hashes.map(Into::into),
+            session: session.cloned().map(Into::into),
         }
     }
 }
@@ -184,6 +218,7 @@ mod tests {
                         }),
                         block_hashes: vec![7, 8],
                         local_hashes: Some(vec![5, 6]),
+                        session: None,
                     },
                 },
                 SyncEvent {
@@ -244,14 +279,25 @@ mod tests {
             prefill: None,
             block_hashes: vec![1u64][..].into(),
             local_hashes: Some(vec![2u64][..].into()),
+            session: Some(BookedSession {
+                session_id: "s".into(),
+                parent_session_id: Some("p".into()),
+            }),
         };
+        let op = SyncOp::from(BookingEvent::Booked(rec.clone()));
+        // The session travels as {"id", "parent"}.
+        assert_eq!(
+            serde_json::to_value(&op).unwrap()["book"]["session"],
+            serde_json::json!({"id": "s", "parent": "p"})
+        );
         let SyncOp::Book {
             request_id,
             whole_or_decode,
             prefill,
             block_hashes,
             local_hashes,
-        } = SyncOp::from(BookingEvent::Booked(rec.clone()))
+            session,
+        } = op
         else {
             panic!("a booking is a book op");
         };
@@ -261,7 +307,8 @@ mod tests {
                 whole_or_decode,
                 prefill,
                 &block_hashes,
-                local_hashes.as_deref()
+                local_hashes.as_deref(),
+                session.as_ref()
             ),
             rec
         );

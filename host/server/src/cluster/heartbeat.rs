@@ -190,6 +190,7 @@ mod tests {
             prefill: None,
             block_hashes: vec![1u64, 2][..].into(),
             local_hashes: None,
+            session: None,
         };
         let p = Peers::default();
         let t0 = Instant::now();

@@ -222,6 +222,7 @@ mod tests {
             prefill: None,
             block_hashes: vec![u64::MAX - id as u64; hashes][..].into(),
             local_hashes: None,
+            session: None,
         })
     }
 

@@ -288,6 +288,7 @@ impl BookingSync {
                 prefill,
                 block_hashes,
                 local_hashes,
+                session,
             } => {
                 if self.early_frees.take(request_id, now) {
                     return Some("freed_before_booked");
@@ -298,6 +299,7 @@ impl BookingSync {
                     *prefill,
                     block_hashes,
                     local_hashes.as_deref(),
+                    session.as_ref(),
                 );
                 match r.apply_remote_book(origin, &rec, now) {
                     Ok(()) => None,

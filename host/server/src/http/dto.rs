@@ -51,6 +51,9 @@ pub struct RouteBody {
     /// Fair queueing's tenant and the budget the request counts against.
     #[serde(default)]
     pub tenant: Option<String>,
+    /// A subagent's parent session (API.md "Sessions").
+    #[serde(default)]
+    pub parent_session_id: Option<String>,
     #[serde(default)]
     pub routing_constraints: Option<RoutingConstraints>,
     #[serde(default)]
@@ -143,6 +146,7 @@ impl RouteBody {
             cache_salt: self.cache_salt,
             session_id: self.session_id,
             tenant: self.tenant,
+            parent_session_id: self.parent_session_id,
             required_taints: constraints.required_taints,
             preferred_taints: preferred,
             allowed_worker_ids: self.allowed_worker_ids,
@@ -184,6 +188,8 @@ pub struct CandidateOut {
     pub active_requests: u32,
     /// The candidate's KV feed trust state (`exact` without a feed), as policies see it.
     pub kv_feed_trust: kvroute_core::feeds::Trust,
+    /// 1: holds the request's session binding; 2: its parent session's; 0: neither.
+    pub session_bound: u8,
     pub taints: Vec<String>,
     pub base_cost: f64,
     /// What the pick was made from: the policy's cost when it answered costs, else the native.
@@ -204,6 +210,7 @@ impl From<ExplainRow> for CandidateOut {
             active_decode_blocks: r.active_decode_blocks,
             active_requests: r.active_requests,
             kv_feed_trust: r.kv_feed_trust,
+            session_bound: r.session_bound,
             taints: r.taints,
             base_cost: finite_or_max(r.base_cost),
             cost: finite_or_max(r.cost),

@@ -381,6 +381,7 @@ impl Metrics {
             router.registry().snapshot().workers.len()
         );
         render_learned(&mut out, router);
+        render_sessions(&mut out, router);
         if let Some(p) = policies {
             render_policies(&mut out, p);
             render_rollout(&mut out, p);
@@ -509,6 +510,59 @@ fn render_learned(out: &mut String, router: &Router) {
                 "kvroute_predictions_total{{outcome=\"{outcome}\"}} {n}"
             );
         }
+    }
+}
+
+/// Session bindings ([`kvroute_core::sessions`]): live ones, and what each bound turn did.
+fn render_sessions(out: &mut String, router: &Router) {
+    use kvroute_core::sessions::BreakReason;
+    use std::sync::atomic::Ordering::Relaxed;
+    let s = router.sessions();
+    let c = &s.counters;
+    gauge_header(
+        out,
+        "kvroute_sessions_live",
+        "Session bindings held now (expired ones are swept a few per decision).",
+    );
+    let _ = writeln!(out, "kvroute_sessions_live {}", s.len());
+    counter_header(
+        out,
+        "kvroute_session_affinity_total",
+        "Turns of bound sessions: kept on the bound worker, or broken (moved) by reason: \
+         draining, removed, busy, kv_feed_dead, excluded (the request's own constraints), \
+         policy (soft mode: the policy ranked another worker first).",
+    );
+    let _ = writeln!(
+        out,
+        "kvroute_session_affinity_total{{outcome=\"kept\",reason=\"\"}} {}",
+        c.kept.load(Relaxed)
+    );
+    for r in BreakReason::ALL {
+        let _ = writeln!(
+            out,
+            "kvroute_session_affinity_total{{outcome=\"broken\",reason=\"{}\"}} {}",
+            r.as_str(),
+            c.broken(r)
+        );
+    }
+    counter_header(
+        out,
+        "kvroute_sessions_total",
+        "Session bindings by event: bound (made), subagent_on_parent (a subagent's first turn \
+         placed on its parent's worker), expired (idle past [sessions] ttl_ms), evicted (by the \
+         [sessions] max_sessions cap, least recently seen first).",
+    );
+    for (event, n) in [
+        ("bound", &c.bound),
+        ("subagent_on_parent", &c.subagent_on_parent),
+        ("expired", &c.expired),
+        ("evicted", &c.evicted),
+    ] {
+        let _ = writeln!(
+            out,
+            "kvroute_sessions_total{{event=\"{event}\"}} {}",
+            n.load(Relaxed)
+        );
     }
 }
 

@@ -17,6 +17,7 @@ pub mod openapi;
 mod policies;
 pub mod prompt_json;
 pub mod serving;
+pub mod sessions;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -97,6 +98,8 @@ pub fn app(state: AppState) -> axum::Router {
         .route("/v1/overlap", post(overlap))
         .route("/v1/hash", post(hash::hash))
         .route("/v1/cluster", get(cluster::get_cluster))
+        .route("/v1/sessions", get(sessions::list_sessions))
+        .route("/v1/sessions/{session_id}", get(sessions::get_session))
         .route("/v1/policies", get(policies::list_policies))
         .route("/v1/policies/{name}", get(policies::policy_detail))
         .route("/v1/policies/{name}/shadow", get(policies::get_shadow))
@@ -406,6 +409,8 @@ async fn route(
         max_allowed_worker_ids: s.limits.max_allowed_worker_ids,
         max_request_taints: s.limits.max_request_taints,
     };
+    let mut body = body;
+    sessions::fill_from_headers(&headers, &mut body.session_id, &mut body.parent_session_id)?;
     let req = body.into_request(&limits)?;
     let d = s
         .router

@@ -9,8 +9,9 @@
 //! | header | field |
 //! |---|---|
 //! | `x-request-id` | `request_id` (also sent to the engine) |
-//! | `x-kvroute-session-id` | `session_id` |
 //! | `x-kvroute-tenant` | `tenant` (fair queueing and budgets) |
+//! | `x-kvroute-session-id`, `x-session-id`, `x-dynamo-session-id`, `x-smg-routing-key` (the first present) | `session_id` |
+//! | `x-kvroute-parent-session-id`, `x-dynamo-parent-session-id` | `parent_session_id` |
 //! | `x-kvroute-priority` | `priority` (a number) |
 //! | `x-kvroute-priority-class` | `priority_class` (an integer) |
 //! | `x-kvroute-required-taints` | `routing_constraints.required_taints` (comma-separated) |
@@ -366,12 +367,15 @@ fn route_body(ext: Option<Value>, headers: &HeaderMap) -> Result<RouteBody, Prox
                 .map_err(|_| bad(name, "not visible ASCII".into())),
         }
     };
-    if rb.session_id.is_none() {
-        rb.session_id = h("x-kvroute-session-id")?;
-    }
     if rb.tenant.is_none() {
         rb.tenant = h("x-kvroute-tenant")?;
     }
+    crate::http::sessions::fill_from_headers(
+        headers,
+        &mut rb.session_id,
+        &mut rb.parent_session_id,
+    )
+    .map_err(ProxyError)?;
     if rb.lora_name.is_none() {
         rb.lora_name = h("x-kvroute-lora-name")?;
     }

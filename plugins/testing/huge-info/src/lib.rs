@@ -17,7 +17,7 @@ impl Guest for HugeInfo {
         PluginInfo {
             name: "n".repeat(8 << 20),
             version: "v".repeat(8 << 20),
-            abi_version: 7,
+            abi_version: 8,
             deterministic: true,
             kind: PluginKind::Scorer,
         }

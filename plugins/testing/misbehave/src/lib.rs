@@ -128,7 +128,7 @@ impl Guest for Misbehave {
         PluginInfo {
             name: "misbehave".to_string(),
             version: env!("CARGO_PKG_VERSION").to_string(),
-            abi_version: 7,
+            abi_version: 8,
             deterministic: true,
             kind: PluginKind::Mixed,
         }

@@ -1,7 +1,7 @@
 //! Test-only component: a well-behaved policy built against the previous version of the
-//! interface, `kvroute:policy@0.6.0` (abi 6), whose definition is frozen in `wit/policy.wit` here.
-//! It stands for every plugin built before the interface learned the KV-feed trust column
-//! (0.7.0): the host must refuse it at load time with a message that names both versions, never
+//! interface, `kvroute:policy@0.7.0` (abi 7), whose definition is frozen in `wit/policy.wit` here.
+//! It stands for every plugin built before the interface learned the session-bound column
+//! (0.8.0): the host must refuse it at load time with a message that names both versions, never
 //! load it and call it with candidate lists it does not understand.
 
 wit_bindgen::generate!({
@@ -19,7 +19,7 @@ impl Guest for OldInterface {
         PluginInfo {
             name: "old-interface".to_string(),
             version: env!("CARGO_PKG_VERSION").to_string(),
-            abi_version: 6,
+            abi_version: 7,
             deterministic: true,
             kind: PluginKind::Scorer,
         }

@@ -165,6 +165,7 @@ fn drop_origin_releases_that_replicas_bookings_and_nothing_else() {
         }),
         block_hashes: Arc::from(&[7u64, 8][..]),
         local_hashes: None,
+        session: None,
     };
     let now = Instant::now();
     // A's own booking first: what is left when every other replica's is dropped.

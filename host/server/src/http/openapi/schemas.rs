@@ -263,8 +263,9 @@ pub fn schemas() -> Value {
         })),
         "RouteRequest": request(&[], merge(prompt_fields(), json!({
             "request_id": string("Unique among booked and queued requests while booking (default: generated, kvr- + 16 hex digits)."),
-            "session_id": opt_string("Passed to the policy (a policy may keep a session on one worker)."),
             "tenant": opt_string("Who the request is for: fair queueing's tenant and the budget it counts against (SPEC §9; default: `default`)."),
+            "session_id": opt_string("The request's session (1 to 256 bytes, no control characters): bound to the worker of its first booked turn ([sessions], SPEC §12); fair queueing's inner flow (SPEC §9). When absent, read from the headers x-kvroute-session-id, x-session-id, X-Dynamo-Session-ID, X-SMG-Routing-Key (the first present)."),
+            "parent_session_id": opt_string("A subagent's parent session: a new session starts on its parent's worker unless that worker is busy. When absent, read from x-kvroute-parent-session-id or X-Dynamo-Parent-Session-ID."),
             "routing_constraints": d(request(&[], json!({
                 "required_taints": strings("Hard: candidates must have every one (SPEC §6)."),
                 "preferred_taints": d(json!({"type": "object", "additionalProperties": {"type": "number", "exclusiveMinimum": -1, "exclusiveMaximum": 1}}), "Soft preferences by taint, each weight strictly between −1 and 1; positive = preferred (SPEC §7)."),
@@ -304,6 +305,7 @@ pub fn schemas() -> Value {
                 "active_decode_blocks": u64_int("Booked KV blocks."),
                 "active_requests": int("Bookings."),
                 "kv_feed_trust": d(json!({"type": "string", "enum": ["exact", "recovering", "degraded"]}), "How far its overlaps can be trusted: its KV event feed's trust state (exact without a feed; SPEC §4.4), the policy column kv-feed-trust."),
+                "session_bound": d(json!({"type": "integer", "enum": [0, 1, 2]}), "The policy column session-bound (SPEC §12): 1 the candidate holds the request's session binding, 2 its parent session's (a subagent's first turn), 0 neither."),
                 "taints": strings("Its taints."),
                 "base_cost": num("Native cost without preferences (SPEC §7)."),
                 "cost": num("What the pick was made from: the policy's cost when it answered costs, else the native cost (ranks for non-admin clients, docs/API.md §3.6)."),
@@ -368,6 +370,22 @@ pub fn schemas() -> Value {
         "PolicyDetail": object(&["name", "versions"], json!({
             "name": string("The policy's name."),
             "versions": array_of(object(POLICY_REQUIRED, merge(policy_fields(true), version_marks())), "Every loaded version of the name in full, by version."),
+        })),
+        "Session": object(&["session_id", "worker_id", "dp_rank", "age_ms", "idle_ms", "turns", "moves"], json!({
+            "session_id": string("The session's id."),
+            "worker_id": u64_int("The worker it is bound to."),
+            "dp_rank": int("The rank it is bound to."),
+            "parent_session_id": opt_string("Its parent session, when it was bound as a subagent."),
+            "age_ms": u64_int("Since the binding was made."),
+            "idle_ms": u64_int("Since its last booked turn (it expires at [sessions] ttl_ms)."),
+            "turns": u64_int("Booked turns seen (in a cluster, other replicas' too)."),
+            "moves": u64_int("Times it moved to another worker."),
+        })),
+        "SessionList": object(&["mode", "live", "sessions", "next_after"], json!({
+            "mode": d(json!({"type": "string", "enum": ["hard", "soft", "off"]}), "[sessions] mode."),
+            "live": int("Bindings held now."),
+            "sessions": array_of(json!({"$ref": "#/components/schemas/Session"}), "This page."),
+            "next_after": opt_string("Pass as after for the next page; null on the last page."),
         })),
         "Cluster": object(&["cluster_name", "replica_id", "nats", "replica_timeout_ms", "replicas"], json!({
             "cluster_name": string("The cluster's name (`cluster_name`)."),
