@@ -291,7 +291,7 @@ def main():
                                   stderr=subprocess.STDOUT)
         for _ in range(100):
             try:
-                if request("127.0.0.1", kv_port, "GET", "/health")[0] == 200:
+                if request("127.0.0.1", kv_port, "GET", "/healthz")[0] == 200:
                     break
             except OSError:
                 time.sleep(0.2)

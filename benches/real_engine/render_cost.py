@@ -11,8 +11,8 @@ with the model's `tokenize = "local"`, one with `tokenize = "engine"` and `rende
 prompt size, `--n` distinct requests (`max_tokens` 1) go to each server, the two alternated
 request by request, and per request:
 
-  kvroute CPU   user+system CPU of the kvroute process (from /proc) over the request;
-  engine CPU    user+system CPU of vLLM's API server process (not its engine core) over the
+  kvroute CPU   CPU time of the kvroute process's threads (/proc/PID/task/*/schedstat) over the request;
+  engine CPU    CPU time of vLLM's API server process (not its engine core) over the
                 request: in engine mode it also renders the prompt once more;
   render        the engine-mode server's own figure of the render round trip
                 (kvroute_render_seconds), i.e. the latency engine mode adds before routing;
@@ -38,13 +38,19 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from agents import (BLOCK, MODEL, ROOT, Engine, free_port, make_model,  # noqa: E402
                     request, venv)
 
-CLK = os.sysconf("SC_CLK_TCK")
 
 
 def cpu_s(pid):
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK
+    """Seconds on a CPU of every thread of `pid` (schedstat: nanoseconds, where /proc/PID/stat
+    counts 10 ms ticks, too coarse for one request)."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (FileNotFoundError, ProcessLookupError):
+            pass  # a thread that ended meanwhile
+    return total / 1e9
 
 
 def metric(port, series):
@@ -90,9 +96,9 @@ def start_router(kvroute, work, name, model_dir, engine, mode):
     proc = subprocess.Popen([kvroute, "serve", "--config", cfg],
                             stdout=open(os.path.join(work, f"{name}.log"), "w"),
                             stderr=subprocess.STDOUT)
-    for _ in range(200):
+    for _ in range(1200):  # policies compile at start: up to 2 minutes on a loaded machine
         try:
-            if request("127.0.0.1", port, "GET", "/health")[0] == 200:
+            if request("127.0.0.1", port, "GET", "/healthz")[0] == 200:
                 return proc, port
         except OSError:
             pass
@@ -159,8 +165,8 @@ def main():
         salt = 100
         for api in args.apis.split(","):
             for size in sizes:
-                # ~1.3 tokens per word with the test tokenizer.
-                n_words = int(size / 1.3)
+                # ~1.37 tokens per word with the test tokenizer and this prose.
+                n_words = int(size / 1.37)
                 for i in range(args.n):
                     for arm in (["local", "engine"] if i % 2 == 0 else ["engine", "local"]):
                         salt += 1

@@ -115,6 +115,7 @@ pub const INLINE_TOKENIZE_BYTES: usize = 16 * 1024;
 
 /// Parses, tokenizes and builds the routing request. `request_id` is the one the proxy chose
 /// (the client's `x-request-id`, or a fresh one).
+#[allow(clippy::too_many_arguments)]
 pub async fn prepare(
     endpoint: Endpoint,
     models: &ModelRegistry,
