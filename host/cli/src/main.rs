@@ -10,12 +10,6 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 mod demo;
-
-/// mimalloc rather than glibc's malloc: the data path allocates many small short-lived objects
-/// per request (headers, JSON values, routing state), and glibc's `malloc`/`free` (with its
-/// consolidation) was ~11% of a proxied small chat's CPU (BENCHMARKS.md, PX).
-#[global_allocator]
-static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 mod scaffold;
 
 use clap::{Args, Parser, Subcommand};
