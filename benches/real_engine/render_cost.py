@@ -77,7 +77,7 @@ def body_for(api, text):
     if api == "messages":
         return "/v1/messages", {"model": MODEL, "max_tokens": 1, "system": "Be careful.",
                                 "messages": [{"role": "user", "content": text}]}, \
-            ("input_tokens",)
+            ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
     return "/v1/responses", {"model": MODEL, "max_output_tokens": 1,
                              "instructions": "Be careful.", "input": text}, ("input_tokens",)
 
@@ -118,7 +118,8 @@ def one(port, router_pid, engine_pid, path, body, usage_key):
     if status != 200:
         raise RuntimeError(f"{path}: HTTP {status}: {raw[:300]!r}")
     usage = json.loads(raw)["usage"]
-    engine_tokens = usage[usage_key[0]]
+    # Anthropic's input_tokens leaves out the tokens read from and written to the cache.
+    engine_tokens = sum(usage.get(k) or 0 for k in usage_key)
     kv_tokens = metric(port, 'kvroute_proxy_tokens_total{direction="in"}') - before_tokens
     render = metric(port, f'kvroute_render_seconds_sum{{model="{MODEL}"}}') - rs0
     return {"kvroute_cpu_ms": 1e3 * (k1 - k0), "engine_cpu_ms": 1e3 * (e1 - e0),
