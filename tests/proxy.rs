@@ -551,14 +551,7 @@ fn an_adapter_learned_from_the_engine_goes_only_to_the_engines_that_serve_it() {
             &format!("Question number {i} for the adapter?"),
         );
         assert_eq!(r.status, 200, "{r}");
-        let w: usize = r
-            .header("x-kvroute-worker")
-            .unwrap()
-            .split('/')
-            .next()
-            .unwrap()
-            .parse()
-            .unwrap();
+        let w = r.worker();
         assert_ne!(w, 1, "worker 1 does not list tiny-lora: {r}");
     }
     // The base model is still served by every engine, worker 1 included. (Unpinned base requests
@@ -593,7 +586,7 @@ fn a_chat_with_an_image_is_forwarded_and_routed_by_its_text_prefix() {
             {"role": "system", "content": system}, {"role": "user", "content": "A question?"}]}),
     );
     assert_eq!(text.status, 200, "{text}");
-    let first = worker_of(&json!({"worker": text.header("x-kvroute-worker")}));
+    let first = text.worker() as usize;
     eventually("the text prompt's blocks indexed on its engine", || {
         (fleet.worker(first)["ranks"][0]["cached_blocks"].as_u64()? >= 10).then_some(())
     });
@@ -607,7 +600,7 @@ fn a_chat_with_an_image_is_forwarded_and_routed_by_its_text_prefix() {
         );
         assert_eq!(r.status, 200, "image request {i} was not forwarded: {r}");
         assert_eq!(
-            worker_of(&json!({"worker": r.header("x-kvroute-worker")})),
+            r.worker() as usize,
             first,
             "image request {i} did not follow its text prefix: {r}"
         );

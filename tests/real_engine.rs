@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 use crate::support::vllm::{self, Engine, BLOCK, LORA, MODEL};
-use crate::support::{Resp, Server};
+use crate::support::Server;
 
 /// One case at a time: the engines' caches are shared state.
 fn turn() -> MutexGuard<'static, ()> {
@@ -1069,16 +1069,7 @@ fn lora_adapter_learned_from_the_engine() {
         "[LoRA learned] {}: the proxy refuses {LORA:?}, which both engines list in /v1/models: {r1}",
         case.name
     );
-    let worker = |r: &Resp| -> u64 {
-        r.header("x-kvroute-worker")
-            .unwrap()
-            .split('/')
-            .next()
-            .unwrap()
-            .parse()
-            .unwrap()
-    };
-    let w1 = worker(&r1);
+    let w1 = r1.worker();
     let ids = vllm::kvroute_model()
         .completion_tokens(&json!({"prompt": body["prompt"]}))
         .unwrap();
@@ -1091,11 +1082,11 @@ fn lora_adapter_learned_from_the_engine() {
         .as_u64()
         .unwrap();
     assert!(
-        worker(&r2) == w1 && kv == engine && engine >= BLOCK as u64 && base == 0,
+        r2.worker() == w1 && kv == engine && engine >= BLOCK as u64 && base == 0,
         "[LoRA learned] {}: resend on worker {} (first on {w1}): engine {engine}, kvroute {kv} \
          with the adapter, {base} without it (must be 0)",
         case.name,
-        worker(&r2)
+        r2.worker()
     );
 }
 
@@ -1252,26 +1243,12 @@ fn proxy_routes_a_resend_to_its_cache() {
     let ids = check_ids(&case, "chat rendering", &body);
     let r1 = case.router.post("/v1/chat/completions", &body);
     assert_eq!(r1.status, 200, "{r1}");
-    let w1: u64 = r1
-        .header("x-kvroute-worker")
-        .unwrap()
-        .split('/')
-        .next()
-        .unwrap()
-        .parse()
-        .unwrap();
+    let w1 = r1.worker();
     settle(&case.router, w1, None);
     let kv = kvroute_cached(&case.router, w1, &ids, None, None);
     let r2 = case.router.post("/v1/chat/completions", &body);
     assert_eq!(r2.status, 200, "{r2}");
-    let w2: u64 = r2
-        .header("x-kvroute-worker")
-        .unwrap()
-        .split('/')
-        .next()
-        .unwrap()
-        .parse()
-        .unwrap();
+    let w2 = r2.worker();
     let engine = r2.body()["usage"]["prompt_tokens_details"]["cached_tokens"]
         .as_u64()
         .unwrap();
@@ -1339,7 +1316,7 @@ fn engine_tokenize_through_the_proxy() {
             "[engine tokenize] {path}: the proxy routed on other prompt tokens than the engine counts ({u})"
         );
         if first_chat_worker.is_none() {
-            first_chat_worker = Some(worker_of_header(&r));
+            first_chat_worker = Some(r.worker());
         }
     }
     assert_eq!(
@@ -1362,7 +1339,7 @@ fn engine_tokenize_through_the_proxy() {
     let kv = kvroute_cached(&case.router, w1, &ids, None, None);
     let r2 = case.router.post("/v1/chat/completions", &chat);
     assert_eq!(r2.status, 200, "{r2}");
-    assert_eq!(worker_of_header(&r2), w1, "the resend follows its cache");
+    assert_eq!(r2.worker(), w1, "the resend follows its cache");
     let engine = r2.body()["usage"]["prompt_tokens_details"]["cached_tokens"]
         .as_u64()
         .unwrap();
@@ -1378,16 +1355,6 @@ fn engine_tokenize_through_the_proxy() {
         )),
         1.0
     );
-}
-
-fn worker_of_header(r: &Resp) -> u64 {
-    r.header("x-kvroute-worker")
-        .unwrap_or_else(|| panic!("no x-kvroute-worker: {r}"))
-        .split('/')
-        .next()
-        .unwrap()
-        .parse()
-        .unwrap()
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1629,16 +1596,7 @@ fn proxy_routes_a_messages_second_turn_to_its_cache() {
         "messages": [{"role": "user", "content": "Summarize."}]});
     let r1 = case.router.post("/v1/messages", &first);
     assert_eq!(r1.status, 200, "{r1}");
-    let worker = |r: &crate::support::Resp| -> u64 {
-        r.header("x-kvroute-worker")
-            .unwrap()
-            .split('/')
-            .next()
-            .unwrap()
-            .parse()
-            .unwrap()
-    };
-    let w1 = worker(&r1);
+    let w1 = r1.worker();
     settle(&case.router, w1, None);
     let second = json!({"model": MODEL, "max_tokens": 1, "system": system, "messages": [
         {"role": "user", "content": "Summarize."},
@@ -1648,7 +1606,7 @@ fn proxy_routes_a_messages_second_turn_to_its_cache() {
     let kv = kvroute_cached(&case.router, w1, &ids, None, None);
     let r2 = case.router.post("/v1/messages", &second);
     assert_eq!(r2.status, 200, "{r2}");
-    assert_eq!(worker(&r2), w1, "the second turn follows its cache");
+    assert_eq!(r2.worker(), w1, "the second turn follows its cache");
     let engine = r2.body()["usage"]["cache_read_input_tokens"]
         .as_u64()
         .unwrap();

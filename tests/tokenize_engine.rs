@@ -37,15 +37,7 @@ fn chat(fleet: &Fleet, system: &str, q: &str, pin: Option<u64>) -> (usize, Value
     }
     let r = fleet.server.post("/v1/chat/completions", &body);
     assert_eq!(r.status, 200, "{r}");
-    let w = r
-        .header("x-kvroute-worker")
-        .unwrap()
-        .split('/')
-        .next()
-        .unwrap()
-        .parse()
-        .unwrap();
-    (w, r.body()["usage"].clone())
+    (r.worker() as usize, r.body()["usage"].clone())
 }
 
 /// The engines render chats with a template the router does not know. With `tokenize =

@@ -55,6 +55,14 @@ impl Resp {
             .map(|(_, v)| v.as_str())
     }
 
+    /// The worker id of the `x-kvroute-worker` header (`ID/RANK`) the proxy answers with; panics
+    /// (showing the answer) without one.
+    pub fn worker(&self) -> u64 {
+        self.header("x-kvroute-worker")
+            .and_then(|w| w.split('/').next()?.parse().ok())
+            .unwrap_or_else(|| panic!("no x-kvroute-worker ID/RANK header: {self}"))
+    }
+
     /// The JSON body; panics (showing the answer) when the body is not JSON.
     pub fn body(&self) -> &Value {
         self.json
