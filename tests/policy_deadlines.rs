@@ -138,8 +138,9 @@ fn trap_falls_back() {
 #[test]
 fn infinite_loop_hits_the_deadline_after_an_idle_spell() {
     let _serial = serial();
-    // After ~100 ms without a guest call the epoch ticker parks (an idle server must not wake
-    // 4,000 times a second); the next call wakes it, and a runaway call is still stopped in time.
+    // After ~5 ms without a guest call the epoch ticker parks (a sparse or idle server must not
+    // wake 4,000 times a second); the next call wakes it, and a runaway call is still stopped in
+    // time.
     let (reg, _) = load_misbehave("loop");
     let taints = support::taint_table(1, 4);
     let (req, cols) = decision(64, 7);

@@ -32,7 +32,8 @@
 //!   decisions in a row, the active version is taken out and the previously active one restored
 //!   (or none: native cost).
 //! - **Deadlines.** An epoch ticker thread (every `epoch_tick_us`) bounds each call's wall time;
-//!   it parks after 100 ms without a guest call (an idle server does not wake 4,000 times a second)
+//!   it parks after 5 ms without a guest call (a tick is a ~25 µs wake-up: sparse traffic does not
+//!   pay for hundreds of them per request)
 //!   and the next call wakes it, keeping its own time until the first tick (`ticker.rs`).
 //!   Wall time also runs while a router thread is descheduled, so a call reaching its deadline gets
 //!   a short grace window: if its thread spent most of that window off the CPU (an oversubscribed
