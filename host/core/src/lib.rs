@@ -20,6 +20,7 @@ pub mod feeds;
 pub mod hashing;
 pub mod indexer;
 pub mod learn;
+pub mod lineage;
 pub mod load;
 pub mod predict;
 pub mod queue;

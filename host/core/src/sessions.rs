@@ -36,6 +36,8 @@ use rustc_hash::FxHashMap;
 use serde::{Deserialize, Serialize};
 
 use crate::candidate::CandidateKey;
+pub use crate::lineage::SessionInference;
+use crate::lineage::{Inferred, Lineage};
 
 /// Most expired bindings one lookup or record removes.
 pub const EXPIRE_PER_CALL: usize = 8;
@@ -76,6 +78,9 @@ pub struct SessionConfig {
     pub ttl: Duration,
     /// Most live bindings; the least recently seen is evicted to make room.
     pub max_sessions: usize,
+    /// Sessions of requests that send no key: none, or inferred from prefix lineage
+    /// ([`crate::lineage`]).
+    pub infer: SessionInference,
 }
 
 impl Default for SessionConfig {
@@ -84,6 +89,7 @@ impl Default for SessionConfig {
             mode: SessionMode::Soft,
             ttl: Duration::from_secs(600),
             max_sessions: 100_000,
+            infer: SessionInference::Off,
         }
     }
 }
@@ -101,6 +107,12 @@ impl SessionConfig {
             return Err(format!(
                 "sessions.max_sessions must be between 1 and 10000000, got {}",
                 self.max_sessions
+            ));
+        }
+        if self.infer != SessionInference::Off && self.mode == SessionMode::Off {
+            return Err(format!(
+                "sessions.infer = \"{}\" needs sessions.mode \"soft\" or \"hard\" (inferred sessions bind like sent ones)",
+                self.infer.as_str()
             ));
         }
         Ok(())
@@ -291,6 +303,8 @@ pub struct Sessions {
     config: SessionConfig,
     inner: Mutex<Inner>,
     pub counters: SessionCounters,
+    /// Inferred sessions' tips (`infer = "prefix"`).
+    lineage: Option<Lineage>,
 }
 
 impl std::fmt::Debug for Sessions {
@@ -303,11 +317,35 @@ impl std::fmt::Debug for Sessions {
 
 impl Sessions {
     pub fn new(config: SessionConfig) -> Self {
+        let lineage = (config.infer == SessionInference::Prefix && config.mode != SessionMode::Off)
+            .then(|| {
+                let ttl_us = config.ttl.as_micros().min(u128::from(u64::MAX)) as u64;
+                Lineage::new(ttl_us, config.max_sessions)
+            });
         Self {
             config,
             inner: Mutex::new(Inner::default()),
             counters: SessionCounters::default(),
+            lineage,
         }
+    }
+
+    /// The inferred session of a keyless request with sequence hashes `seq` (`infer = "prefix"`;
+    /// `None` otherwise, or when the prompt has no full block).
+    pub fn infer(&self, seq: &[u64], now_us: u64) -> Option<Inferred> {
+        self.lineage.as_ref()?.infer(seq, now_us)
+    }
+
+    /// Records the tip of a booked request of an inferred session.
+    pub fn record_tip(&self, session: &Arc<str>, seq: &[u64], now_us: u64) {
+        if let (Some(l), Some(&tip)) = (&self.lineage, seq.last()) {
+            l.record(session, tip, now_us);
+        }
+    }
+
+    /// The lineage map's counters (`None` unless `infer = "prefix"`).
+    pub fn lineage(&self) -> Option<&Lineage> {
+        self.lineage.as_ref()
     }
 
     pub fn config(&self) -> &SessionConfig {
@@ -496,6 +534,7 @@ mod tests {
             mode,
             ttl: Duration::from_millis(ttl_ms),
             max_sessions: max,
+            infer: SessionInference::Off,
         })
     }
 

@@ -101,6 +101,9 @@ pub struct SessionsSection {
     pub ttl_ms: u64,
     /// Most live bindings (1 to 10,000,000); the least recently seen is evicted to make room.
     pub max_sessions: usize,
+    /// `prefix`: a request that sends no session key continues the session whose last prompt it
+    /// extends (SPEC §12); `off` (default): it has no session.
+    pub infer: kvroute_core::sessions::SessionInference,
 }
 
 impl Default for SessionsSection {
@@ -110,6 +113,7 @@ impl Default for SessionsSection {
             mode: d.mode,
             ttl_ms: d.ttl.as_millis() as u64,
             max_sessions: d.max_sessions,
+            infer: d.infer,
         }
     }
 }
@@ -120,6 +124,7 @@ impl SessionsSection {
             mode: self.mode,
             ttl: Duration::from_millis(self.ttl_ms),
             max_sessions: self.max_sessions,
+            infer: self.infer,
         }
     }
 }

@@ -235,3 +235,85 @@ fn a_binding_travels_with_the_booking_to_another_replica() {
         );
     }
 }
+
+/// A keyless conversation's turn `k`: the same `conv`'s prompt grows by 64 tokens a turn, so each
+/// turn holds the whole previous one.
+fn keyless_turn(conv: u32, k: u32) -> RouteRequest {
+    RouteRequest::tokens((0..64 * (k + 1)).map(|t| t + conv * 100_000).collect())
+}
+
+#[test]
+fn keyless_turns_continue_the_session_their_prompt_extends_when_inferred() {
+    let r = Router::new(RouterConfig {
+        rng_seed: Some(7),
+        sessions: SessionConfig {
+            mode: SessionMode::Hard,
+            infer: crate::lineage::SessionInference::Prefix,
+            ..Default::default()
+        },
+        ..RouterConfig::default()
+    })
+    .unwrap();
+    for w in 1..=4 {
+        r.upsert_worker(
+            w,
+            WorkerSpec {
+                max_num_batched_tokens: 1024,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+    }
+    // Every turn stays booked: load alone would spread them over the four workers.
+    let first = r.route_now(keyless_turn(1, 0)).unwrap().candidate;
+    for k in 1..5 {
+        assert_eq!(
+            r.route_now(keyless_turn(1, k)).unwrap().candidate,
+            first,
+            "turn {k}"
+        );
+    }
+    let s = r.sessions();
+    assert_eq!(s.counters.kept.load(Relaxed), 4);
+    let lineage = s.lineage().expect("inference on");
+    assert_eq!(lineage.counters.started.load(Relaxed), 1);
+    assert_eq!(lineage.counters.continued.load(Relaxed), 4);
+    let (listed, _) = s.list(None, 10, r.clock_us());
+    assert_eq!(listed.len(), 1);
+    assert!(listed[0].session_id.starts_with("~lineage:"), "{listed:?}");
+    assert_eq!(listed[0].turns, 5);
+    // Another conversation is another session, placed by load.
+    let other = r.route_now(keyless_turn(2, 0)).unwrap().candidate;
+    assert_ne!(other, first);
+    assert_eq!(s.len(), 2);
+    // A request with a key is not inferred.
+    let mut keyed = keyless_turn(1, 5);
+    keyed.session_id = Some("sent".into());
+    r.route_now(keyed).unwrap();
+    assert_eq!(lineage.counters.continued.load(Relaxed), 4);
+    assert!(s.get("sent", r.clock_us()).is_some());
+}
+
+#[test]
+fn keyless_requests_have_no_session_without_inference() {
+    let r = router(SessionMode::Hard, None);
+    let a = r.route_now(keyless_turn(1, 0)).unwrap().candidate;
+    let b = r.route_now(keyless_turn(1, 1)).unwrap().candidate;
+    assert_ne!(a, b, "load spreads turns that nothing binds");
+    assert!(r.sessions().is_empty());
+    assert!(r.sessions().lineage().is_none());
+}
+
+#[test]
+fn inference_needs_sessions_on() {
+    let e = Router::new(RouterConfig {
+        sessions: SessionConfig {
+            mode: SessionMode::Off,
+            infer: crate::lineage::SessionInference::Prefix,
+            ..Default::default()
+        },
+        ..RouterConfig::default()
+    })
+    .unwrap_err();
+    assert!(e.to_string().contains("sessions.infer"), "{e}");
+}

@@ -550,14 +550,20 @@ fn render_sessions(out: &mut String, router: &Router) {
         "kvroute_sessions_total",
         "Session bindings by event: bound (made), subagent_on_parent (a subagent's first turn \
          placed on its parent's worker), expired (idle past [sessions] ttl_ms), evicted (by the \
-         [sessions] max_sessions cap, least recently seen first).",
+         [sessions] max_sessions cap, least recently seen first); with [sessions] infer = \"prefix\", \
+         inferred_started and inferred_continued (keyless requests that started or continued a \
+         session).",
     );
+    let lineage = s.lineage().map(|l| &l.counters);
     for (event, n) in [
-        ("bound", &c.bound),
-        ("subagent_on_parent", &c.subagent_on_parent),
-        ("expired", &c.expired),
-        ("evicted", &c.evicted),
+        ("bound", Some(&c.bound)),
+        ("subagent_on_parent", Some(&c.subagent_on_parent)),
+        ("expired", Some(&c.expired)),
+        ("evicted", Some(&c.evicted)),
+        ("inferred_started", lineage.map(|l| &l.started)),
+        ("inferred_continued", lineage.map(|l| &l.continued)),
     ] {
+        let Some(n) = n else { continue };
         let _ = writeln!(
             out,
             "kvroute_sessions_total{{event=\"{event}\"}} {}",
