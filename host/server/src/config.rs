@@ -62,7 +62,7 @@ pub struct ServeConfig {
     /// The models the proxy serves (`[models.NAME]`: tokenizer, chat template, block size).
     pub models: std::collections::BTreeMap<String, kvroute_tokenize::ModelSpec>,
     /// `kvroute serve --proxy` (`[proxy]`): the OpenAI-compatible endpoints.
-    pub proxy: crate::proxy::config::ProxySection,
+    pub proxy: kvroute_dataplane::proxy::ProxySection,
     /// Where the worker registry and the policy store are kept across restarts (`--state-dir`);
     /// none: they live in memory only.
     pub state_dir: Option<PathBuf>,
@@ -75,7 +75,7 @@ pub struct ServeConfig {
     /// overlap (`overlap_source: none`).
     pub remote_indexer_timeout_ms: u64,
     /// `kvroute serve --ext-proc` (`[ext_proc]`): Envoy's endpoint picker over gRPC.
-    pub ext_proc: crate::extproc::config::ExtProcSection,
+    pub ext_proc: kvroute_dataplane::extproc::ExtProcSection,
     /// The NATS server of a cluster of replicas (`--cluster nats://HOST:PORT`): the worker
     /// registry and the policy store are kept in its JetStream buckets and shared by every
     /// replica of `cluster_name`; none: this server is alone.
@@ -124,8 +124,8 @@ impl SessionsSection {
     }
 }
 
-use crate::listen::deserialize_listen;
-pub use crate::listen::parse_listen;
+use kvroute_api::listen::deserialize_listen;
+pub use kvroute_api::listen::parse_listen;
 
 impl Default for ServeConfig {
     fn default() -> Self {

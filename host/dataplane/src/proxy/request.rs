@@ -40,8 +40,8 @@ use kvroute_core::router::{DisaggMode, RouteRequest};
 use kvroute_tokenize::{Model, ModelRegistry};
 
 use super::error::ProxyError;
-use crate::http::dto::{BodyLimits, PinnedWorker, RouteBody, RoutingConstraints};
-use crate::http::error::ApiError;
+use kvroute_api::dto::{BodyLimits, PinnedWorker, RouteBody, RoutingConstraints};
+use kvroute_api::ApiError;
 
 /// Which endpoint a request came to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -371,7 +371,7 @@ fn route_body(ext: Option<Value>, headers: &HeaderMap) -> Result<RouteBody, Prox
     if rb.tenant.is_none() {
         rb.tenant = h("x-kvroute-tenant")?;
     }
-    crate::http::sessions::fill_from_headers(
+    kvroute_api::session_headers::fill_from_headers(
         headers,
         &mut rb.session_id,
         &mut rb.parent_session_id,

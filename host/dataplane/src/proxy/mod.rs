@@ -26,11 +26,11 @@ pub mod adapters;
 pub mod config;
 pub mod error;
 pub mod health;
-pub(crate) mod lifecycle;
+pub mod lifecycle;
 mod metrics;
 pub mod render;
 pub mod request;
-pub(crate) mod upstream;
+pub mod upstream;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -53,8 +53,8 @@ pub use metrics::ProxyMetrics;
 use request::Endpoint;
 use upstream::{Upstream, HOP_BY_HOP};
 
-use crate::http::dto::BodyLimits;
-use crate::http::metrics::Metrics;
+use crate::RouteMetrics;
+use kvroute_api::dto::BodyLimits;
 
 /// The proxy routes' state: `None` when the server runs without `--proxy` (they answer 404).
 pub type ProxyState = Option<Arc<Proxy>>;
@@ -86,7 +86,7 @@ pub struct Proxy {
     upstream: Upstream,
     recorder: Arc<dyn Recorder>,
     limits: BodyLimits,
-    router_metrics: Metrics,
+    router_metrics: Arc<dyn RouteMetrics>,
 }
 
 impl Proxy {
@@ -95,7 +95,7 @@ impl Proxy {
         models: ModelRegistry,
         config: ProxySection,
         limits: BodyLimits,
-        router_metrics: Metrics,
+        router_metrics: Arc<dyn RouteMetrics>,
         policies: Option<Arc<kvroute_policy::PolicyRegistry>>,
     ) -> Self {
         let health = Arc::new(Health::new(config.failure_threshold));
@@ -280,7 +280,7 @@ impl Proxy {
             route.allowed_worker_ids = Some(allowed.clone());
             let (d, life) = lifecycle::route_and_guard(
                 &self.router,
-                &self.router_metrics,
+                &*self.router_metrics,
                 &self.recorder,
                 route.clone(),
                 request_id,
