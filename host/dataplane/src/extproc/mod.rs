@@ -22,7 +22,8 @@
 //! the stream closing or being dropped frees it.
 //!
 //! [`service`] is the tonic server (and the gRPC health service gateways probe), started by
-//! `serve::run` on the main runtime beside the HTTP serving threads and stopped with them.
+//! `kvroute-server`'s `serve::run` on the main runtime beside the HTTP serving threads and stopped
+//! with them.
 
 pub mod config;
 pub mod headers;
@@ -46,9 +47,10 @@ pub use config::ExtProcSection;
 pub use metrics::ExtProcMetrics;
 pub use service::serve;
 
+use crate::proxy::endpoint::Endpoint;
 use crate::proxy::error::ProxyError;
 use crate::proxy::lifecycle::{route_and_guard, Lifecycle, Recorder};
-use crate::proxy::request::{self, Endpoint};
+use crate::proxy::request;
 use crate::RouteMetrics;
 use headers::address_of;
 use kvroute_api::dto::BodyLimits;

@@ -19,11 +19,13 @@
 //! the KV transfer itself is the engine's (or its sidecar's) business, as with Dynamo's and
 //! llm-d's routers.
 //!
-//! Who calls it: the HTTP app (`http::app`) merges [`routes`] (this module knows nothing of the
-//! app's state); `serve::run` builds the [`Proxy`] and starts its health probe loop.
+//! Who calls it: `kvroute-server`'s `serve::run` builds the [`Proxy`], starts its health probe and
+//! adapter loops, and hands [`routes`] to the HTTP app to merge (this module knows nothing of the
+//! app's state, and the app nothing of this module).
 
 pub mod adapters;
 pub mod config;
+pub mod endpoint;
 pub mod error;
 pub mod health;
 pub mod lifecycle;
@@ -46,11 +48,11 @@ use kvroute_core::router::Router;
 use kvroute_tokenize::ModelRegistry;
 
 pub use config::ProxySection;
+use endpoint::Endpoint;
 use error::ProxyError;
 pub use health::Health;
 use lifecycle::{GuardedBody, ProxyRecorder, Recorder};
 pub use metrics::ProxyMetrics;
-use request::Endpoint;
 use upstream::{Upstream, HOP_BY_HOP};
 
 use crate::RouteMetrics;

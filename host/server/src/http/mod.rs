@@ -9,6 +9,7 @@ mod cluster;
 pub mod drain;
 mod events;
 pub mod hash;
+mod limits;
 pub mod metrics;
 pub mod openapi;
 mod policies;
@@ -21,6 +22,7 @@ pub use cluster::{ClusterStatus, ClusterView, PeerStatus};
 pub(crate) use events::apply_relayed;
 pub use events::EventRelay;
 pub use kvroute_api::{dto, error, prompt_json};
+pub use limits::LimitsSection;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -60,7 +62,7 @@ pub struct AppState {
     pub policies: Arc<PolicyRegistry>,
     pub metrics: Metrics,
     pub admin_token: Option<Arc<str>>,
-    pub limits: crate::config::LimitsSection,
+    pub limits: LimitsSection,
     pub ready: Arc<AtomicBool>,
     /// `serve --proxy`: the workers' circuit breakers (`GET /v1/workers` shows them).
     pub worker_health: Option<Arc<dyn WorkerHealth>>,
