@@ -1,5 +1,12 @@
 //! `kvroute serve`: wires the routing core, the policy registry and the HTTP API together, runs the
 //! maintenance ticker, and shuts down gracefully (in-flight requests finish; new ones are refused).
+//!
+//! The one file that knows every part: it builds the data plane (`kvroute-dataplane`'s proxy and
+//! endpoint picker) and cluster mode, and hands them to the HTTP API through `http`'s own traits
+//! (`ClusterView`, `EventRelay`, `WorkerHealth`) and routes, and the router's metrics to the data
+//! plane through its trait (`RouteMetrics`). Cluster mode implements `http`'s traits itself; the
+//! impls between the HTTP API and the data plane, which know neither, live at the bottom of this
+//! file.
 
 use std::future::Future;
 use std::net::SocketAddr;

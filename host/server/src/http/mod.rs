@@ -732,9 +732,9 @@ async fn openapi_json() -> Json<serde_json::Value> {
     Json(openapi::document())
 }
 
-/// The one application error also covers the state store: a server-side type, so its mapping lives
-/// with the handlers that write through it rather than in the contract's crate.
-//
+// The state store is the server's, so this mapping of the one application error lives with the
+// handlers that write through it rather than in the contract's crate (kvroute-api).
+
 /// The state store refused a write: the change was undone, so retrying once the store is
 /// writable again is safe. `cluster_unavailable` when the cluster's NATS server cannot be reached
 /// (retry after a second: it reconnects by itself), `state_unavailable` otherwise.
