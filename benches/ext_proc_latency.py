@@ -47,7 +47,7 @@ def start(kvroute, tokenizer):
     path = os.path.join(tempfile.mkdtemp(), "bench.toml")
     with open(path, "w") as f:
         f.write(cfg)
-    env = dict(os.environ, KVROUTE_LOG="info,kvroute_server::proxy::lifecycle=warn", NO_COLOR="1")
+    env = dict(os.environ, KVROUTE_LOG="info,kvroute_dataplane::proxy::lifecycle=warn", NO_COLOR="1")
     p = subprocess.Popen([kvroute, "serve", "--config", path, "--listen", "127.0.0.1:0",
                           "--ext-proc", "127.0.0.1:0"], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, env=env)

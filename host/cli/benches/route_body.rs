@@ -1,5 +1,5 @@
 //! Parsing a routing body with a 4,096-token prompt: serde_json alone vs the prompt fast path
-//! (`host/server/src/http/prompt_json.rs`), side by side in one run.
+//! (`host/api/src/prompt_json.rs`), side by side in one run.
 //!
 //! `cargo bench -p kvroute-host --bench route_body -- --warm-up-time 1 --measurement-time 3`
 

@@ -18,6 +18,8 @@ use kvroute_core::queue::{QueueLimits, QueueOrder};
 use kvroute_core::router::{DisaggConfig, RouterConfig};
 use kvroute_core::workers::RegistryLimits;
 
+use crate::http::LimitsSection;
+
 /// Everything `kvroute serve` can be told.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -62,7 +64,7 @@ pub struct ServeConfig {
     /// The models the proxy serves (`[models.NAME]`: tokenizer, chat template, block size).
     pub models: std::collections::BTreeMap<String, kvroute_tokenize::ModelSpec>,
     /// `kvroute serve --proxy` (`[proxy]`): the OpenAI-compatible endpoints.
-    pub proxy: crate::proxy::config::ProxySection,
+    pub proxy: kvroute_dataplane::proxy::ProxySection,
     /// Where the worker registry and the policy store are kept across restarts (`--state-dir`);
     /// none: they live in memory only.
     pub state_dir: Option<PathBuf>,
@@ -75,7 +77,7 @@ pub struct ServeConfig {
     /// overlap (`overlap_source: none`).
     pub remote_indexer_timeout_ms: u64,
     /// `kvroute serve --ext-proc` (`[ext_proc]`): Envoy's endpoint picker over gRPC.
-    pub ext_proc: crate::extproc::config::ExtProcSection,
+    pub ext_proc: kvroute_dataplane::extproc::ExtProcSection,
     /// The NATS server of a cluster of replicas (`--cluster nats://HOST:PORT`): the worker
     /// registry and the policy store are kept in its JetStream buckets and shared by every
     /// replica of `cluster_name`; none: this server is alone.
@@ -129,8 +131,8 @@ impl SessionsSection {
     }
 }
 
-use crate::listen::deserialize_listen;
-pub use crate::listen::parse_listen;
+use kvroute_api::listen::deserialize_listen;
+pub use kvroute_api::listen::parse_listen;
 
 impl Default for ServeConfig {
     fn default() -> Self {
@@ -313,45 +315,6 @@ impl Default for RoutingSection {
             dead_feed_after_ms: kvroute_core::feeds::FeedConfig::default()
                 .dead_after
                 .as_millis() as u64,
-        }
-    }
-}
-
-/// Input limits. Each rejection is a clear 4xx naming the limit.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct LimitsSection {
-    pub max_body_bytes: usize,
-    pub max_prompt_tokens: usize,
-    pub max_events_per_request: usize,
-    pub max_policy_bytes: usize,
-    pub max_workers: usize,
-    pub max_dp_size: u32,
-    pub max_taints_per_worker: usize,
-    pub max_taint_len: usize,
-    pub max_allowed_worker_ids: usize,
-    pub max_request_taints: usize,
-    /// Most (candidate, block) entries the KV index holds over all tiers; past it, the least
-    /// recently matched blocks of the largest holders are evicted (`None`: no cap).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub max_index_entries: Option<u64>,
-}
-
-impl Default for LimitsSection {
-    fn default() -> Self {
-        let r = RegistryLimits::default();
-        Self {
-            max_body_bytes: 16 << 20,
-            max_prompt_tokens: 1 << 20,
-            max_events_per_request: 10_000,
-            max_policy_bytes: 32 << 20,
-            max_workers: r.max_workers,
-            max_dp_size: r.max_dp_size,
-            max_taints_per_worker: r.max_taints_per_worker,
-            max_taint_len: r.max_taint_len,
-            max_allowed_worker_ids: 16_384,
-            max_request_taints: 256,
-            max_index_entries: None,
         }
     }
 }

@@ -1,23 +1,25 @@
-//! kvroute-server: the HTTP face of the router.
+//! kvroute-server: the HTTP face of the router, and `kvroute serve`'s wiring.
 //!
-//! [`http`] is the API v1 (axum handlers, request and answer bodies, errors mapped to status codes,
-//! Prometheus metrics, the OpenAPI document, the serving threads); [`config`] is `kvroute serve`'s
-//! configuration (file, environment, flags) and [`serve`] wires the core, the policy runtime and the
-//! event ingestion into a running server. [`proxy`] (`serve --proxy`) and [`extproc`]
-//! (`serve --ext-proc`, Envoy's endpoint picker) put the router in the data path.
+//! [`http`] is the API v1 (axum handlers, Prometheus metrics, the OpenAPI document, the serving
+//! threads; the bodies and the error mapping are the contract's, in `kvroute-api`); [`config`] is
+//! `kvroute serve`'s configuration (file, environment, flags) and [`serve`] wires the core, the
+//! policy runtime, the event ingestion, cluster mode ([`cluster`]) and the data plane
+//! (`kvroute-dataplane`: `serve --proxy` and `serve --ext-proc`) into a running server.
 //!
-//! Why a crate of its own: HTTP status codes, JSON bodies and the admin-token rule are this crate's
-//! business alone. The core reports typed errors and this crate maps them to answers (`From` impls in
-//! `http/error.rs`), so a library user of `kvroute-core` never meets axum.
+//! Which way the arrows run: `serve` knows everything; `http` knows neither the data plane nor
+//! cluster mode. What a handler needs of them is a trait `http` defines ([`http::ClusterView`],
+//! [`http::EventRelay`]) or routes handed to [`http::app`], and `serve` hands in the
+//! implementations, so the admin API builds and tests without either.
+//!
+//! Why a crate of its own: HTTP status codes, JSON bodies and the admin-token rule are not the
+//! core's business. The core reports typed errors and the contract maps them to answers (`From`
+//! impls in `kvroute_api::error`), so a library user of `kvroute-core` never meets axum.
 
 #![recursion_limit = "512"]
 
 pub mod cluster;
 pub mod config;
-pub mod extproc;
 pub mod http;
-mod listen;
-pub mod proxy;
 pub mod remote_indexer;
 pub mod serve;
 pub mod state;

@@ -1,5 +1,12 @@
 //! `kvroute serve`: wires the routing core, the policy registry and the HTTP API together, runs the
 //! maintenance ticker, and shuts down gracefully (in-flight requests finish; new ones are refused).
+//!
+//! The one file that knows every part: it builds the data plane (`kvroute-dataplane`'s proxy and
+//! endpoint picker) and cluster mode, and hands them to the HTTP API through `http`'s own traits
+//! (`ClusterView`, `EventRelay`, `WorkerHealth`) and routes, and the router's metrics to the data
+//! plane through its trait (`RouteMetrics`). Cluster mode implements `http`'s traits itself; the
+//! impls between the HTTP API and the data plane, which know neither, live at the bottom of this
+//! file.
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -310,12 +317,12 @@ pub async fn run(
     }
     let proxy = match (&models, config.proxy.enabled) {
         (Some(models), true) => {
-            let proxy = Arc::new(crate::proxy::Proxy::new(
+            let proxy = Arc::new(kvroute_dataplane::proxy::Proxy::new(
                 router.clone(),
                 models.clone(),
                 config.proxy.clone(),
                 limits,
-                metrics.clone(),
+                Arc::new(metrics.clone()),
                 Some(policies.clone()),
             ));
             let p = proxy.clone();
@@ -338,21 +345,21 @@ pub async fn run(
                 .local_addr()
                 .map_err(|e| format!("cannot read the ext_proc address: {e}"))?;
             let ext = Arc::new(
-                crate::extproc::ExtProc::new(
+                kvroute_dataplane::extproc::ExtProc::new(
                     router.clone(),
                     models.clone(),
                     limits,
                     config.limits.max_body_bytes,
-                    metrics.clone(),
+                    Arc::new(metrics.clone()),
                     config.ext_proc.clone(),
                 )
                 .with_policies(policies.clone())
                 .with_render(match &proxy {
                     Some(p) => p.render.clone(),
-                    None => Arc::new(crate::proxy::render::EngineRender::new(
+                    None => Arc::new(kvroute_dataplane::proxy::render::EngineRender::new(
                         router.clone(),
                         models.clone(),
-                        crate::proxy::upstream::Upstream::new(&config.proxy),
+                        kvroute_dataplane::proxy::upstream::Upstream::new(&config.proxy),
                         None,
                     )),
                 }),
@@ -369,7 +376,7 @@ pub async fn run(
             }
             tracing::info!(ext_proc = %bound, "kvroute ext_proc listening (Envoy endpoint picker, gRPC)");
             let mut stopped = ext_proc_stopped.clone();
-            Some(tokio::spawn(crate::extproc::serve(
+            Some(tokio::spawn(kvroute_dataplane::extproc::serve(
                 ext,
                 listener,
                 async move {
@@ -382,7 +389,9 @@ pub async fn run(
     let prober = proxy.clone().map(|p| tokio::spawn(p.probe_loop()));
     let adapter_poller = proxy.clone().map(|p| tokio::spawn(p.adapter_loop()));
     let state = AppState {
-        proxy,
+        worker_health: proxy
+            .as_ref()
+            .map(|p| p.health.clone() as Arc<dyn http::WorkerHealth>),
         router: router.clone(),
         policies: policies.clone(),
         metrics,
@@ -390,8 +399,8 @@ pub async fn run(
         limits: config.limits.clone(),
         ready: ready.clone(),
         state: persisted.clone(),
-        cluster: sync.clone(),
-        event_relay,
+        cluster: sync.clone().map(|s| s as Arc<dyn http::ClusterView>),
+        event_relay: event_relay.map(|r| r as Arc<dyn http::EventRelay>),
     };
     let ticker = {
         let router = router.clone();
@@ -418,7 +427,9 @@ pub async fn run(
             }
         })
     };
-    let app = http::app(state);
+    // The proxy's routes are mounted with or without `--proxy`, so other methods are 405 like
+    // every documented path; without it the handlers answer 404 `not_found`.
+    let app = http::app(state, kvroute_dataplane::proxy::routes(proxy));
     let block_size = config.block_size;
     let summary = settings_line(&config, router.registry().snapshot().workers.len());
     let active = policies
@@ -531,6 +542,26 @@ pub async fn shutdown_signal() {
     tokio::select! {
         _ = ctrl_c => {},
         _ = term => {},
+    }
+}
+
+/// `GET /v1/workers` shows the proxy's circuit breakers through the HTTP API's own trait.
+impl http::WorkerHealth for kvroute_dataplane::proxy::Health {
+    fn health(&self, worker: kvroute_core::candidate::WorkerId) -> http::dto::HealthOut {
+        self.status(worker)
+    }
+}
+
+/// The data plane records its routes in the router's own metrics, exactly as `POST /v1/route`
+/// does; the data plane names what it needs ([`kvroute_dataplane::RouteMetrics`]) and the wiring
+/// implements it here, so neither `http` nor the data plane knows the other.
+impl kvroute_dataplane::RouteMetrics for Metrics {
+    fn decision(&self, d: &kvroute_core::router::RouteDecision) {
+        self.record_decision(d);
+    }
+
+    fn refusal(&self, e: &kvroute_core::router::RouteError) {
+        self.record_route_error(e);
     }
 }
 

@@ -8,8 +8,8 @@
 //! a request re-asked through `/v1/route` and the proxy, a benchmark's repeated prompt, or the same
 //! body seen by the endpoint picker and then by the proxy is rendered once.
 //!
-//! Who calls it: the server's render client (`kvroute_server::proxy::render`) looks here before
-//! it asks an engine and stores what the engine answered; this crate does no I/O.
+//! Who calls it: the data plane's render client (`kvroute_dataplane::proxy::render`) looks here
+//! before it asks an engine and stores what the engine answered; this crate does no I/O.
 //!
 //! The key is exact for the prompt: a 128-bit xxh3 of the endpoint and of every top-level field
 //! of the body except those that cannot change the prompt (sampling and streaming knobs such as

@@ -14,6 +14,8 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
+use crate::http::PeerStatus;
+
 use kvroute_core::router::Router;
 
 /// How often a replica says it is alive.
@@ -48,16 +50,6 @@ pub enum SeqCheck {
     Duplicate,
     /// `n` events were lost before this run; apply it.
     Gap(u64),
-}
-
-/// One other replica, as `GET /v1/cluster` lists it.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-pub struct PeerStatus {
-    pub replica_id: String,
-    /// Milliseconds since this replica last heard from it.
-    pub last_seen_ms: u64,
-    /// Its own bookings, as its last heartbeat said.
-    pub bookings: u64,
 }
 
 /// The replicas heard from, by id.

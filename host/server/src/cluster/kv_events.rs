@@ -82,16 +82,20 @@ impl EventRelay {
         })
     }
 
-    /// Queues `payload` (a JSON array of `events` events) for the other replicas.
-    pub fn relay(&self, payload: Vec<u8>, events: u64) {
-        if self.tx.send(payload).is_ok() {
-            self.published.inc_by(events);
-        }
-    }
-
     /// The relay's metrics, rendered at each scrape.
     pub fn renderer(self: &Arc<Self>) -> crate::http::metrics::ExtraRenderer {
         let s = self.clone();
         Arc::new(move |out: &mut String| super::render(&s.registry, out))
+    }
+}
+
+/// `POST /v1/events` hands what it applied to the HTTP API's own trait (`serve` hands the relay
+/// in), so `http` knows nothing of cluster mode.
+impl crate::http::EventRelay for EventRelay {
+    /// Queues `payload` (a JSON array of `events` events) for the other replicas; never waits.
+    fn relay(&self, payload: Vec<u8>, events: u64) {
+        if self.tx.send(payload).is_ok() {
+            self.published.inc_by(events);
+        }
     }
 }

@@ -15,13 +15,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry};
-use serde::Serialize;
 
 use super::bookings::{self, SyncBatch, SyncOp};
 use super::early_frees::EarlyFrees;
-use super::heartbeat::{Heartbeat, PeerStatus, Peers, SeqCheck, HEARTBEAT_EVERY};
+use super::heartbeat::{Heartbeat, Peers, SeqCheck, HEARTBEAT_EVERY};
 use super::outbox::{self, Outbox, OutboxObserver};
 use super::Cluster;
+use crate::http::{ClusterStatus, ClusterView, PeerStatus};
 use kvroute_core::router::{RemoteBookingError, Router};
 
 /// Buckets of the sync lag, in seconds: fine below 10 ms, where it should be.
@@ -124,18 +124,6 @@ const DROP_REASONS: [&str; 6] = [
     "duplicate_request",
     "unknown_request",
 ];
-
-/// `GET /v1/cluster`.
-#[derive(Clone, Debug, Serialize)]
-pub struct ClusterStatus {
-    pub cluster_name: String,
-    pub replica_id: String,
-    /// `connected` or `reconnecting`.
-    pub nats: &'static str,
-    pub replica_timeout_ms: u64,
-    /// Every replica alive as this one sees it, itself included, sorted by id.
-    pub replicas: Vec<PeerStatus>,
-}
 
 /// The booking sync of one replica.
 pub struct BookingSync {
@@ -323,8 +311,21 @@ impl BookingSync {
         }
     }
 
+    /// The sync's metrics, rendered at each scrape.
+    pub fn renderer(self: &Arc<Self>) -> crate::http::metrics::ExtraRenderer {
+        let s = self.clone();
+        Arc::new(move |out: &mut String| {
+            s.metrics.replicas.set(1 + s.peers.len() as i64);
+            super::render(&s.metrics.registry, out);
+        })
+    }
+}
+
+/// `GET /v1/cluster` reads this replica's view through the HTTP API's own trait (`serve` hands
+/// the sync in), so `http` knows nothing of the sync.
+impl ClusterView for BookingSync {
     /// `GET /v1/cluster`: this replica and every other one heard from within the timeout.
-    pub fn status(&self) -> ClusterStatus {
+    fn status(&self) -> ClusterStatus {
         let mut replicas = self.peers.status(Instant::now());
         replicas.push(PeerStatus {
             replica_id: self.cluster.replica_id.clone(),
@@ -343,14 +344,5 @@ impl BookingSync {
             replica_timeout_ms: u64::try_from(self.timeout.as_millis()).unwrap_or(u64::MAX),
             replicas,
         }
-    }
-
-    /// The sync's metrics, rendered at each scrape.
-    pub fn renderer(self: &Arc<Self>) -> crate::http::metrics::ExtraRenderer {
-        let s = self.clone();
-        Arc::new(move |out: &mut String| {
-            s.metrics.replicas.set(1 + s.peers.len() as i64);
-            super::render(&s.metrics.registry, out);
-        })
     }
 }

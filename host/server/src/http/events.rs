@@ -15,9 +15,10 @@
 //! truncated body applies nothing), and a malformed event is still dropped on its own, named by
 //! its index and JSON path.
 //!
-//! In a cluster the events applied here are relayed, as posted, to the other replicas
-//! (cluster/kv_events.rs), which apply them with [`apply_relayed`]: the same reading and
-//! applying as a post, so a relayed event means on every replica what it meant here.
+//! In a cluster the events applied here are relayed, as posted, to the other replicas through
+//! [`EventRelay`] (`serve` hands in cluster/kv_events.rs's), which apply them with
+//! [`apply_relayed`]: the same reading and applying as a post, so a relayed event means on every
+//! replica what it meant here.
 
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
@@ -31,6 +32,16 @@ use kvroute_core::router::Router;
 use super::dto::{EventEnvelope, EventErrorOut, EventsResponse};
 use super::error::{self, ApiError, RawBody};
 use super::AppState;
+
+/// Where the events a post applied go next: the other replicas of a cluster.
+///
+/// Called by the handler on a serving thread once per post that applied anything; it must only
+/// queue (never wait for the network). A trait of this module so that the handler knows nothing
+/// of cluster mode; `serve` puts the cluster's relay in [`AppState::event_relay`].
+pub trait EventRelay: Send + Sync {
+    /// Queues `payload` (a JSON array of `events` events, as this endpoint takes them).
+    fn relay(&self, payload: Vec<u8>, events: u64);
+}
 
 pub(super) async fn post_events(
     State(s): State<AppState>,

@@ -7,17 +7,22 @@
 
 mod cluster;
 pub mod drain;
-pub mod dto;
-pub mod error;
 mod events;
-pub(crate) use events::apply_relayed;
 pub mod hash;
+mod limits;
 pub mod metrics;
 pub mod openapi;
 mod policies;
-pub mod prompt_json;
 pub mod serving;
 pub mod sessions;
+
+// The contract's bodies, its one error and the body readers are `kvroute-api`'s (the data plane
+// reads the same bodies); they are spoken here under their usual names.
+pub use cluster::{ClusterStatus, ClusterView, PeerStatus};
+pub(crate) use events::apply_relayed;
+pub use events::EventRelay;
+pub use kvroute_api::{dto, error, prompt_json};
+pub use limits::LimitsSection;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -40,6 +45,16 @@ use kvroute_policy::{PolicyError, PolicyRegistry};
 pub use metrics::Metrics;
 use prompt_json::PromptJson;
 
+/// A worker's health as the data path sees it (`serve --proxy`: its circuit breaker), shown by
+/// `GET /v1/workers`.
+///
+/// Called on a serving thread for each worker listed; implementations read a snapshot and must
+/// not block. A trait of this module so that the handlers know nothing of the data plane; `serve`
+/// puts the proxy's breakers in [`AppState::worker_health`].
+pub trait WorkerHealth: Send + Sync {
+    fn health(&self, worker: kvroute_core::candidate::WorkerId) -> HealthOut;
+}
+
 /// Everything a handler may touch.
 #[derive(Clone)]
 pub struct AppState {
@@ -47,20 +62,22 @@ pub struct AppState {
     pub policies: Arc<PolicyRegistry>,
     pub metrics: Metrics,
     pub admin_token: Option<Arc<str>>,
-    pub limits: crate::config::LimitsSection,
+    pub limits: LimitsSection,
     pub ready: Arc<AtomicBool>,
-    /// `serve --proxy`: the OpenAI-compatible endpoints and their state.
-    pub proxy: Option<Arc<crate::proxy::Proxy>>,
+    /// `serve --proxy`: the workers' circuit breakers (`GET /v1/workers` shows them).
+    pub worker_health: Option<Arc<dyn WorkerHealth>>,
     /// `serve --state-dir`: where worker and policy changes are written through.
     pub state: Option<Arc<crate::state::Persisted>>,
-    /// `serve --cluster`: the booking sync with the other replicas (`GET /v1/cluster`).
-    pub cluster: Option<Arc<crate::cluster::sync::BookingSync>>,
+    /// `serve --cluster`: this replica's view of its cluster (`GET /v1/cluster`).
+    pub cluster: Option<Arc<dyn ClusterView>>,
     /// `serve --cluster`: relays the KV events posted here to the other replicas.
-    pub event_relay: Option<Arc<crate::cluster::kv_events::EventRelay>>,
+    pub event_relay: Option<Arc<dyn EventRelay>>,
 }
 
-/// Builds the axum application.
-pub fn app(state: AppState) -> axum::Router {
+/// Builds the axum application: the API v1's routes, then `data_plane`'s (`serve` hands in the
+/// proxy's OpenAI-compatible routes, mounted with or without `--proxy`), all behind the same body
+/// limit, leftover draining and 404/405 answers.
+pub fn app(state: AppState, data_plane: axum::Router<AppState>) -> axum::Router {
     let admin = axum::Router::new()
         .route(
             "/v1/workers/{worker_id}",
@@ -108,9 +125,7 @@ pub fn app(state: AppState) -> axum::Router {
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics_text))
         .route("/openapi.json", get(openapi_json));
-    // Always routed, so other methods are 405 like every documented path; without `--proxy` the
-    // handlers answer 404 `not_found`.
-    let public = public.merge(crate::proxy::routes(state.proxy.clone()));
+    let public = public.merge(data_plane);
     let body_limit = state.limits.max_body_bytes;
     admin
         .merge(public)
@@ -202,7 +217,7 @@ fn parse_worker_id(raw: &str) -> Result<u64, ApiError> {
 
 fn worker_out(s: &AppState, w: kvroute_core::workers::Worker) -> WorkerOut {
     let router = &s.router;
-    let health = s.proxy.as_ref().map(|p| p.health.status(w.worker_id));
+    let health = s.worker_health.as_ref().map(|h| h.health(w.worker_id));
     let ranks = w
         .ranks()
         .map(|r| {
@@ -410,7 +425,11 @@ async fn route(
         max_request_taints: s.limits.max_request_taints,
     };
     let mut body = body;
-    sessions::fill_from_headers(&headers, &mut body.session_id, &mut body.parent_session_id)?;
+    kvroute_api::session_headers::fill_from_headers(
+        &headers,
+        &mut body.session_id,
+        &mut body.parent_session_id,
+    )?;
     let req = body.into_request(&limits)?;
     let d = s
         .router
@@ -711,4 +730,30 @@ async fn metrics_text(State(s): State<AppState>) -> Response {
 
 async fn openapi_json() -> Json<serde_json::Value> {
     Json(openapi::document())
+}
+
+// The state store is the server's, so this mapping of the one application error lives with the
+// handlers that write through it rather than in the contract's crate (kvroute-api).
+
+/// The state store refused a write: the change was undone, so retrying once the store is
+/// writable again is safe. `cluster_unavailable` when the cluster's NATS server cannot be reached
+/// (retry after a second: it reconnects by itself), `state_unavailable` otherwise.
+impl From<crate::state::StateError> for ApiError {
+    fn from(e: crate::state::StateError) -> Self {
+        let unreachable = matches!(e, crate::state::StateError::Unavailable { .. });
+        let err = ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            if unreachable {
+                "cluster_unavailable"
+            } else {
+                "state_unavailable"
+            },
+            format!("the change could not be persisted and was undone: {e}"),
+        );
+        if unreachable {
+            err.retry_after(1)
+        } else {
+            err
+        }
+    }
 }

@@ -17,7 +17,7 @@ use rustc_hash::FxHashMap;
 
 use kvroute_core::candidate::WorkerId;
 
-use crate::http::dto::HealthOut;
+use kvroute_api::dto::HealthOut;
 
 /// One worker's breaker.
 #[derive(Clone, Copy, Debug, Default)]

@@ -155,29 +155,6 @@ impl From<LifecycleError> for ApiError {
     }
 }
 
-/// The state store refused a write: the change was undone, so retrying once the store is
-/// writable again is safe. `cluster_unavailable` when the cluster's NATS server cannot be reached
-/// (retry after a second: it reconnects by itself), `state_unavailable` otherwise.
-impl From<crate::state::StateError> for ApiError {
-    fn from(e: crate::state::StateError) -> Self {
-        let unreachable = matches!(e, crate::state::StateError::Unavailable { .. });
-        let err = ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            if unreachable {
-                "cluster_unavailable"
-            } else {
-                "state_unavailable"
-            },
-            format!("the change could not be persisted and was undone: {e}"),
-        );
-        if unreachable {
-            err.retry_after(1)
-        } else {
-            err
-        }
-    }
-}
-
 /// A worker spec the registry refused: a 400 naming the field.
 impl From<SpecError> for ApiError {
     fn from(e: SpecError) -> Self {

@@ -622,7 +622,7 @@ pub struct OverlapResponse {
 /// One event, typed straight from its text. The message is `"{path}: {reason}"`, the reason
 /// without serde_json's `at line L column C` suffix (positions inside one event's slice would
 /// mislead; the index and path locate it).
-pub(super) fn parse_event(raw: &serde_json::value::RawValue) -> Result<EventEnvelope, String> {
+pub fn parse_event(raw: &serde_json::value::RawValue) -> Result<EventEnvelope, String> {
     let mut de = serde_json::Deserializer::from_str(raw.get());
     serde_path_to_error::deserialize(&mut de).map_err(|e| {
         let path = e.path().to_string();

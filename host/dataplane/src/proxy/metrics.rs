@@ -1,6 +1,6 @@
 //! The proxy's Prometheus metrics: per proxied request, as the router saw it.
 //!
-//! Rendered into `/metrics` beside the router's own (a renderer of [`crate::http::Metrics`]), in
+//! Rendered into `/metrics` beside the router's own (a renderer the server adds to its own metrics), in
 //! a registry of their own so the routing metrics carry no proxy labels.
 
 use std::sync::Arc;

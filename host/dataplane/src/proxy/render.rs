@@ -37,8 +37,8 @@ use serde_json::Value;
 use kvroute_core::router::Router;
 use kvroute_tokenize::{Model, ModelRegistry, TokenizeMode};
 
+use super::endpoint::Endpoint;
 use super::health::Health;
-use super::request::Endpoint;
 use super::upstream::{SmallError, Upstream};
 
 /// The largest render answer read (a 1M-token prompt's ids as JSON fit).

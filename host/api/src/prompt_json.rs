@@ -342,7 +342,7 @@ fn eight_digits(t: u64) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::http::dto::{OverlapBody, RouteBody};
+    use crate::dto::{OverlapBody, RouteBody};
 
     /// Both paths agree: the same value, or the fast path stood aside and the ordinary path ran.
     fn same_as_serde(body: &str) {

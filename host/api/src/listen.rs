@@ -27,9 +27,7 @@ pub fn parse_listen(s: &str) -> Result<SocketAddr, String> {
     }
 }
 
-pub(crate) fn deserialize_listen<'de, D: serde::Deserializer<'de>>(
-    d: D,
-) -> Result<SocketAddr, D::Error> {
+pub fn deserialize_listen<'de, D: serde::Deserializer<'de>>(d: D) -> Result<SocketAddr, D::Error> {
     let s = String::deserialize(d)?;
     parse_listen(&s).map_err(serde::de::Error::custom)
 }

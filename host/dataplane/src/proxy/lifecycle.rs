@@ -134,7 +134,7 @@ pub struct Lifecycle {
 #[allow(clippy::too_many_arguments)]
 pub async fn route_and_guard(
     router: &Arc<Router>,
-    router_metrics: &crate::http::metrics::Metrics,
+    router_metrics: &dyn crate::RouteMetrics,
     recorder: &Arc<dyn Recorder>,
     route: kvroute_core::router::RouteRequest,
     request_id: &str,
@@ -146,8 +146,8 @@ pub async fn route_and_guard(
     let d = router
         .route(route)
         .await
-        .inspect_err(|e| router_metrics.record_route_error(e))?;
-    router_metrics.record_decision(&d);
+        .inspect_err(|e| router_metrics.refusal(e))?;
+    router_metrics.decision(&d);
     let mut life = Lifecycle::new(
         router.clone(),
         recorder.clone(),

@@ -39,61 +39,10 @@ use kvroute_core::candidate::WorkerId;
 use kvroute_core::router::{DisaggMode, RouteRequest};
 use kvroute_tokenize::{Model, ModelRegistry};
 
+use super::endpoint::Endpoint;
 use super::error::ProxyError;
-use crate::http::dto::{BodyLimits, PinnedWorker, RouteBody, RoutingConstraints};
-use crate::http::error::ApiError;
-
-/// Which endpoint a request came to.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Endpoint {
-    Completions,
-    ChatCompletions,
-    /// Anthropic's Messages API.
-    Messages,
-    /// OpenAI's Responses API.
-    Responses,
-}
-
-impl Endpoint {
-    pub fn path(self) -> &'static str {
-        match self {
-            Endpoint::Completions => "/v1/completions",
-            Endpoint::ChatCompletions => "/v1/chat/completions",
-            Endpoint::Messages => "/v1/messages",
-            Endpoint::Responses => "/v1/responses",
-        }
-    }
-
-    pub fn label(self) -> &'static str {
-        match self {
-            Endpoint::Completions => "completions",
-            Endpoint::ChatCompletions => "chat_completions",
-            Endpoint::Messages => "messages",
-            Endpoint::Responses => "responses",
-        }
-    }
-
-    /// The endpoint a request path names (the ext_proc service reads it off `:path`).
-    pub fn from_path(path: &str) -> Option<Endpoint> {
-        let path = path.split('?').next().unwrap_or(path);
-        [
-            Endpoint::Completions,
-            Endpoint::ChatCompletions,
-            Endpoint::Messages,
-            Endpoint::Responses,
-        ]
-        .into_iter()
-        .find(|e| e.path() == path)
-    }
-
-    /// The error shape its clients expect.
-    pub fn error_shape(self) -> super::error::ErrorShape {
-        match self {
-            Endpoint::Messages => super::error::ErrorShape::Anthropic,
-            _ => super::error::ErrorShape::OpenAi,
-        }
-    }
-}
+use kvroute_api::dto::{BodyLimits, PinnedWorker, RouteBody, RoutingConstraints};
+use kvroute_api::ApiError;
 
 /// A request ready to route and forward.
 pub struct Inbound {
@@ -371,7 +320,7 @@ fn route_body(ext: Option<Value>, headers: &HeaderMap) -> Result<RouteBody, Prox
     if rb.tenant.is_none() {
         rb.tenant = h("x-kvroute-tenant")?;
     }
-    crate::http::sessions::fill_from_headers(
+    kvroute_api::session_headers::fill_from_headers(
         headers,
         &mut rb.session_id,
         &mut rb.parent_session_id,

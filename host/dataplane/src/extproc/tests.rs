@@ -12,9 +12,15 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 
 use super::stream::{Exchange, Step};
 use super::ExtProc;
-use crate::config::ServeConfig;
-use crate::http::dto::BodyLimits;
-use crate::http::metrics::Metrics;
+use kvroute_api::dto::BodyLimits;
+
+/// The router's metrics are not under test here.
+struct NoRouteMetrics;
+
+impl crate::RouteMetrics for NoRouteMetrics {
+    fn decision(&self, _: &kvroute_core::router::RouteDecision) {}
+    fn refusal(&self, _: &kvroute_core::router::RouteError) {}
+}
 
 fn ext() -> Arc<ExtProc> {
     ext_with(1, Default::default())
@@ -32,9 +38,18 @@ fn ext_with(n: usize, settings: super::ExtProcSection) -> Arc<ExtProc> {
             i + 1
         );
     }
-    let config: ServeConfig = toml::from_str(&toml).unwrap();
-    let router = Arc::new(kvroute_core::router::Router::new(config.router_config()).unwrap());
-    config.register_workers(&router).unwrap();
+    /// The part of `kvroute serve`'s configuration this test needs.
+    #[derive(serde::Deserialize)]
+    struct Config {
+        models: std::collections::BTreeMap<String, kvroute_tokenize::ModelSpec>,
+        #[serde(default)]
+        workers: std::collections::BTreeMap<u64, kvroute_core::workers::WorkerSpec>,
+    }
+    let config: Config = toml::from_str(&toml).unwrap();
+    let router = Arc::new(kvroute_core::router::Router::new(Default::default()).unwrap());
+    for (id, spec) in config.workers {
+        router.upsert_worker(id, spec).unwrap();
+    }
     let models = kvroute_tokenize::ModelRegistry::load_all(&config.models).unwrap();
     let limits = BodyLimits {
         max_allowed_worker_ids: 64,
@@ -45,7 +60,7 @@ fn ext_with(n: usize, settings: super::ExtProcSection) -> Arc<ExtProc> {
         models,
         limits,
         1 << 20,
-        Metrics::new(),
+        Arc::new(NoRouteMetrics),
         settings,
     ))
 }

@@ -22,7 +22,8 @@
 //! the stream closing or being dropped frees it.
 //!
 //! [`service`] is the tonic server (and the gRPC health service gateways probe), started by
-//! `serve::run` on the main runtime beside the HTTP serving threads and stopped with them.
+//! `kvroute-server`'s `serve::run` on the main runtime beside the HTTP serving threads and stopped
+//! with them.
 
 pub mod config;
 pub mod headers;
@@ -46,12 +47,13 @@ pub use config::ExtProcSection;
 pub use metrics::ExtProcMetrics;
 pub use service::serve;
 
-use crate::http::dto::BodyLimits;
-use crate::http::metrics::Metrics;
+use crate::proxy::endpoint::Endpoint;
 use crate::proxy::error::ProxyError;
 use crate::proxy::lifecycle::{route_and_guard, Lifecycle, Recorder};
-use crate::proxy::request::{self, Endpoint};
+use crate::proxy::request;
+use crate::RouteMetrics;
 use headers::address_of;
+use kvroute_api::dto::BodyLimits;
 
 /// Everything the endpoint picker needs, shared by every stream.
 pub struct ExtProc {
@@ -59,7 +61,7 @@ pub struct ExtProc {
     models: ModelRegistry,
     limits: BodyLimits,
     max_body_bytes: usize,
-    router_metrics: Metrics,
+    router_metrics: Arc<dyn RouteMetrics>,
     pub metrics: ExtProcMetrics,
     recorder: Arc<dyn Recorder>,
     settings: ExtProcSection,
@@ -106,7 +108,7 @@ impl ExtProc {
         models: ModelRegistry,
         limits: BodyLimits,
         max_body_bytes: usize,
-        router_metrics: Metrics,
+        router_metrics: Arc<dyn RouteMetrics>,
         settings: ExtProcSection,
     ) -> Self {
         let metrics = ExtProcMetrics::new();
@@ -310,7 +312,7 @@ impl ExtProc {
         let mut ranked = None;
         let (mut d, mut life) = route_and_guard(
             &self.router,
-            &self.router_metrics,
+            &*self.router_metrics,
             &self.recorder,
             route,
             request_id,
@@ -347,7 +349,7 @@ impl ExtProc {
                 });
                 (d, life) = route_and_guard(
                     &self.router,
-                    &self.router_metrics,
+                    &*self.router_metrics,
                     &self.recorder,
                     again,
                     request_id,

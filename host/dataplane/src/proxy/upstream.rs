@@ -1,8 +1,8 @@
 //! The HTTP/1.1 client to engines: pooled hyper clients (keep-alive connections per engine), one
 //! per thread that sends.
 //!
-//! Each serving thread runs its own current-thread runtime (`http::serving`), and a hyper
-//! connection is driven by a task on the runtime that opened it. One client shared by every
+//! Each serving thread runs its own current-thread runtime (the server's `http::serving`), and a
+//! hyper connection is driven by a task on the runtime that opened it. One client shared by every
 //! thread hands a connection opened on one runtime (the main one's adapter or health polls, or
 //! another serving thread) to a request on another, and every request and answer on it then
 //! crosses threads: two wake-ups (an eventfd write and a context switch each) per request. So

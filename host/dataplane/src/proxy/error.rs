@@ -13,7 +13,7 @@ use axum::response::{IntoResponse, Response};
 use kvroute_core::router::RouteError;
 use kvroute_tokenize::TokenizeError;
 
-use crate::http::error::ApiError;
+use kvroute_api::ApiError;
 
 /// An error answered to a proxied request.
 #[derive(Debug)]

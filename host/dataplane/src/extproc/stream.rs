@@ -33,9 +33,9 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 
 use super::headers::{self, Headers};
 use super::ExtProc;
+use crate::proxy::endpoint::Endpoint;
 use crate::proxy::error::{ErrorShape, ProxyError};
 use crate::proxy::lifecycle::Lifecycle;
-use crate::proxy::request::Endpoint;
 
 /// Body chunks sent back to Envoy in full-duplex mode are at most this long (well under gRPC's
 /// usual 4 MiB message limit).

@@ -19,18 +19,20 @@
 //! the KV transfer itself is the engine's (or its sidecar's) business, as with Dynamo's and
 //! llm-d's routers.
 //!
-//! Who calls it: the HTTP app (`http::app`) merges [`routes`] (this module knows nothing of the
-//! app's state); `serve::run` builds the [`Proxy`] and starts its health probe loop.
+//! Who calls it: `kvroute-server`'s `serve::run` builds the [`Proxy`], starts its health probe and
+//! adapter loops, and hands [`routes`] to the HTTP app to merge (this module knows nothing of the
+//! app's state, and the app nothing of this module).
 
 pub mod adapters;
 pub mod config;
+pub mod endpoint;
 pub mod error;
 pub mod health;
-pub(crate) mod lifecycle;
+pub mod lifecycle;
 mod metrics;
 pub mod render;
 pub mod request;
-pub(crate) mod upstream;
+pub mod upstream;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -46,15 +48,15 @@ use kvroute_core::router::Router;
 use kvroute_tokenize::ModelRegistry;
 
 pub use config::ProxySection;
+use endpoint::Endpoint;
 use error::ProxyError;
 pub use health::Health;
 use lifecycle::{GuardedBody, ProxyRecorder, Recorder};
 pub use metrics::ProxyMetrics;
-use request::Endpoint;
 use upstream::{Upstream, HOP_BY_HOP};
 
-use crate::http::dto::BodyLimits;
-use crate::http::metrics::Metrics;
+use crate::RouteMetrics;
+use kvroute_api::dto::BodyLimits;
 
 /// The proxy routes' state: `None` when the server runs without `--proxy` (they answer 404).
 pub type ProxyState = Option<Arc<Proxy>>;
@@ -86,7 +88,7 @@ pub struct Proxy {
     upstream: Upstream,
     recorder: Arc<dyn Recorder>,
     limits: BodyLimits,
-    router_metrics: Metrics,
+    router_metrics: Arc<dyn RouteMetrics>,
 }
 
 impl Proxy {
@@ -95,7 +97,7 @@ impl Proxy {
         models: ModelRegistry,
         config: ProxySection,
         limits: BodyLimits,
-        router_metrics: Metrics,
+        router_metrics: Arc<dyn RouteMetrics>,
         policies: Option<Arc<kvroute_policy::PolicyRegistry>>,
     ) -> Self {
         let health = Arc::new(Health::new(config.failure_threshold));
@@ -280,7 +282,7 @@ impl Proxy {
             route.allowed_worker_ids = Some(allowed.clone());
             let (d, life) = lifecycle::route_and_guard(
                 &self.router,
-                &self.router_metrics,
+                &*self.router_metrics,
                 &self.recorder,
                 route.clone(),
                 request_id,

@@ -48,7 +48,7 @@ impl ExtProcSection {
 fn listen_opt<'de, D: Deserializer<'de>>(d: D) -> Result<Option<SocketAddr>, D::Error> {
     match Option::<String>::deserialize(d)? {
         None => Ok(None),
-        Some(s) => crate::listen::parse_listen(&s)
+        Some(s) => kvroute_api::listen::parse_listen(&s)
             .map(Some)
             .map_err(serde::de::Error::custom),
     }
