@@ -133,6 +133,15 @@ impl AgentFlows {
         format!("agent-{}", self.session[i])
     }
 
+    /// The parent session id request `i` is routed with: a subagent's turns name their parent's
+    /// session, as agent harnesses do (the server reads it from their headers), so the router
+    /// can start a subagent where its parent is bound (SPEC §12).
+    pub fn parent_session_id(&self, i: usize) -> Option<String> {
+        self.sessions[self.session[i] as usize]
+            .parent
+            .map(|p| format!("agent-{p}"))
+    }
+
     /// The tenant request `i` is routed with.
     pub fn tenant(&self, i: usize) -> String {
         format!("tenant-{}", self.sessions[self.session[i] as usize].tenant)

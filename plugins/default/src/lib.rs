@@ -22,7 +22,10 @@
 //!   `w = work_weight × load`, `load` = the mean over candidates of their queued prompt tokens
 //!   over their step budget, each at most 1 (`Config::prefill_load`). Idle fleet: pure greedy;
 //!   saturated: 12. A fixed weight had to trade the conv trace's p99 (4) against Azure code ×40's
-//!   mean (8+); the load-scaled one wins both (BENCHMARKS.md).
+//!   mean (8+); the load-scaled one wins both (BENCHMARKS.md). A **new session's first turn**
+//!   (a session id no candidate is bound to) is priced at most at each candidate's own load
+//!   (`new_session_local_work`): it decides where the session's later turns run, and a miss on
+//!   an engine with nothing queued delays no one (`Config::local_work_weight` has the reasoning).
 //! - `overflow_penalty_ms` when the request's blocks would not fit in the candidate's KV capacity
 //!   (the engine would preempt).
 //!
@@ -60,7 +63,7 @@
 //!   "disk_tier_weight": 0.25, "overflow_penalty_ms": 10000, "credit_active_blocks": true,
 //!   "work_weight": 12, "work_weight_follows_load": true, "learned_step_times": false,
 //!   "recovering_overlap_weight": 0.5, "degraded_overlap_weight": 0, "session_credit": 0.1,
-//!   "parent_session_credit": 0.1}`
+//!   "parent_session_credit": 0.1, "new_session_local_work": true}`
 
 mod model;
 
@@ -133,7 +136,8 @@ impl Policy for DefaultPolicy {
     fn decide(&mut self, _ctx: &Context, req: &Request, c: &Candidates) -> Decision {
         let config = &self.config;
         let load = config.prefill_load(c);
-        let prompt = Prompt::of(req, config.work_weight_at(load));
+        let mut prompt = Prompt::of(req, config.work_weight_at(load));
+        prompt.new_session = req.session_id.is_some() && c.session_bound.iter().all(|&b| b == 0);
         let mut costs: Vec<f64> = if config.learned_step_times {
             let speeds = RelativeSpeeds::of(c);
             Load::all(c)

@@ -54,6 +54,10 @@ pub struct Config {
     /// Scale `work_weight` by the candidates' prefill load (`false`: the fixed weight, for
     /// comparison).
     pub work_weight_follows_load: bool,
+    /// Price a **new session's** first turn (a session id no candidate holds a binding for) with
+    /// the work weight at most `work_weight ×` each candidate's own prefill load
+    /// ([`Config::local_work_weight`]).
+    pub new_session_local_work: bool,
     /// Scale each candidate's step times by its learned speed relative to the fleet (`false`:
     /// the configured model for every candidate, for comparison).
     pub learned_step_times: bool,
@@ -85,6 +89,7 @@ impl Default for Config {
             credit_active_blocks: true,
             work_weight: 12.0,
             work_weight_follows_load: true,
+            new_session_local_work: true,
             learned_step_times: false,
             recovering_overlap_weight: 0.5,
             degraded_overlap_weight: 0.0,
@@ -110,6 +115,8 @@ pub struct Prompt {
     /// The weight of this request's own prefill compute in this decision
     /// ([`Config::work_weight_at`]).
     pub work_weight: f64,
+    /// The first turn of a new session: its work weight is capped at each candidate's own load.
+    pub new_session: bool,
 }
 
 impl Prompt {
@@ -124,6 +131,7 @@ impl Prompt {
             reusable_blocks: f64::from(isl.saturating_sub(1) / b),
             blocks: isl.div_ceil(b),
             work_weight,
+            new_session: false,
         }
     }
 }
@@ -425,6 +433,27 @@ impl Config {
         }
     }
 
+    /// The work weight on one candidate: the decision's ([`Self::work_weight_at`]); for a new
+    /// session's first turn (with `new_session_local_work` and a weight that follows the load), at
+    /// most `work_weight ×` the candidate's own prefill load (its queued prompt tokens over its
+    /// budget, at most 1).
+    ///
+    /// Why: the work term prices the compute a request adds by the fleet's load, because later
+    /// arrivals wait behind it. A new session's first turn is different: it decides where every
+    /// later turn runs (the binding keeps it there and its cache grows there), and its miss on an
+    /// engine with nothing queued delays no one. Priced at the fleet's load, an idle engine that
+    /// lacks a shared system prompt never wins a first turn, so agent sessions packed onto the
+    /// engines that had it: on the agentic replay half the fleet got no request at all, and ITL
+    /// rose 50% above `dynamo`'s (BENCHMARKS.md, issue 36). Later turns and requests without a
+    /// session keep the fleet's weight (for all requests the cap cost Azure code ×25 8% of p50).
+    #[inline(always)]
+    pub fn local_work_weight(&self, p: &Prompt, ahead: f64, t: &StepTimes) -> f64 {
+        if !(p.new_session && self.new_session_local_work && self.work_weight_follows_load) {
+            return p.work_weight;
+        }
+        min(p.work_weight, self.work_weight * min(ahead / t.budget, 1.0))
+    }
+
     /// An aggregated decision or the prefill step: the chosen engine computes the prompt.
     #[inline(always)]
     pub fn prefill_estimate(&self, p: &Prompt, l: &Load, t: &StepTimes) -> f64 {
@@ -445,7 +474,7 @@ impl Config {
             est += self.residual_frac * current;
         }
         // The compute this request adds, which later arrivals on that engine wait behind.
-        est += p.work_weight * t.marginal_prefill(own);
+        est += self.local_work_weight(p, ahead, t) * t.marginal_prefill(own);
         est + self.overflow(l, new_blocks)
     }
 

@@ -472,3 +472,62 @@ fn a_session_binding_is_worth_a_modest_share_of_the_estimate() {
         assert!(e.contains(key), "{json}: {e}");
     }
 }
+
+/// A new session's first turn (a session id, no binding anywhere) is priced with the work weight
+/// capped at each candidate's own load: on a loaded fleet it takes an idle engine that lacks the
+/// shared prefix rather than pile onto the loaded ones that hold it. Requests without a session,
+/// and a bound session's later turns, keep the fleet's weight and the cache hit.
+#[test]
+fn a_new_session_s_first_turn_prices_its_miss_by_the_candidate_s_own_load() {
+    use kvroute_sdk::SessionBound::Session;
+    let mut h = Harness::<DefaultPolicy>::new();
+    // 7,500 tokens, 6,000 of them (93 blocks) cached on three loaded workers (6,000 to 8,000
+    // prompt tokens queued: fleet load 0.65); one idle and cold.
+    let loaded = |id: u64| {
+        candidate(id)
+            .device_overlap(93)
+            .active_prefill_tokens(5000 + 1000 * id)
+            .active_requests(40)
+            .active_decode_blocks(8000)
+            .total_kv_blocks(16_384)
+    };
+    let set = [
+        loaded(1),
+        loaded(2),
+        loaded(3),
+        candidate(4).total_kv_blocks(16_384),
+    ];
+    let plain = request(7500).block_size(64);
+    let first = plain.clone().session("agent-7");
+    assert_eq!(
+        h.pick(&plain, &set).worker_id,
+        1,
+        "{:?}",
+        h.costs(&plain, &set)
+    );
+    assert_eq!(
+        h.pick(&first, &set).worker_id,
+        4,
+        "{:?}",
+        h.costs(&first, &set)
+    );
+    // The loaded candidates, each above the fleet's load, are priced as before.
+    let (a, b) = (h.costs(&plain, &set), h.costs(&first, &set));
+    assert!(close(a[0], b[0]) && b[3] < a[3], "{a:?} vs {b:?}");
+    // A later turn (its session bound to worker 1) keeps the fleet's weight and its cache.
+    let bound = [
+        loaded(1).session_bound(Session),
+        loaded(2),
+        loaded(3),
+        candidate(4).total_kv_blocks(16_384),
+    ];
+    assert_eq!(
+        h.pick(&first, &bound).worker_id,
+        1,
+        "{:?}",
+        h.costs(&first, &bound)
+    );
+    // Configurable: off, a first turn is priced as any request.
+    h.configure(r#"{"new_session_local_work": false}"#).unwrap();
+    assert_eq!(h.costs(&first, &set), a);
+}

@@ -468,6 +468,7 @@ impl<'r> Fleet<'_, 'r> {
             request_id: Some(request_id(i)),
             expected_output_tokens: Some(tr.output_len),
             session_id: flows.map(|f| f.session_id(i)),
+            parent_session_id: flows.and_then(|f| f.parent_session_id(i)),
             tenant: flows.map(|f| f.tenant(i)),
             ..RouteRequest::tokens(tr.tokens.clone())
         }
