@@ -278,3 +278,68 @@ fn replay_runs_agent_sessions_through_both_queues_and_the_peer_policies() {
     assert!(!o.status.success());
     assert!(String::from_utf8_lossy(&o.stderr).contains("--queue \"lifo\""));
 }
+
+/// `kvroute replay --session-keys inferred`: the clients send no session key and the router
+/// infers sessions from prefix lineage. Every top-level session is found once (its subagents,
+/// forked from its prompt, continue it), every later turn continues one, and `none` keeps nothing.
+#[test]
+fn replay_infers_agent_sessions_from_prefix_lineage() {
+    let dir = support::temp_dir("replay-lineage");
+    let run = |keys: &str| -> serde_json::Value {
+        let out = dir.join(keys);
+        let o = crate::replay::kvroute(&[
+            "replay",
+            "--workload",
+            "agents",
+            "--sessions",
+            "8",
+            "--session-count",
+            "12",
+            "--agent-max-context",
+            "12000",
+            "--workers",
+            "2",
+            "--worker-speedup",
+            "0.5",
+            "--policy",
+            "default",
+            "--session-keys",
+            keys,
+            "--seed",
+            "5",
+            "--no-plots",
+            "--out",
+            out.to_str().unwrap(),
+        ]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let v: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(out.join("results.json")).unwrap()).unwrap();
+        v["policies"][0].clone()
+    };
+    let p = run("inferred");
+    let inf = &p["inferred_sessions"];
+    let requests = p["requests"].as_u64().unwrap();
+    let top = inf["true_top_level"].as_u64().unwrap();
+    assert_eq!(top, 12, "{inf}");
+    assert_eq!(inf["started"].as_u64().unwrap(), top, "{inf}");
+    assert_eq!(
+        inf["started"].as_u64().unwrap() + inf["continued"].as_u64().unwrap(),
+        requests,
+        "every request is inferred once: {inf}"
+    );
+    assert!(inf["true_sessions"].as_u64().unwrap() >= top);
+    assert!(run("none")["inferred_sessions"].is_null());
+    let o = crate::replay::kvroute(&[
+        "replay",
+        "--workload",
+        "agents",
+        "--workers",
+        "2",
+        "--session-keys",
+        "guessed",
+        "--out",
+        dir.join("bad").to_str().unwrap(),
+    ]);
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--session-keys \"guessed\""));
+}

@@ -355,3 +355,56 @@ fn bad_session_settings_stop_the_start_naming_the_field() {
         assert!(stderr.contains(needle), "{text}: {stderr}");
     }
 }
+
+/// `[sessions] infer = "prefix"`: keyless turns of a conversation, each holding the whole previous
+/// prompt, are one inferred session held on one worker while load would spread them; another
+/// conversation is another session; the metrics count both; a config asking for inference with
+/// sessions off is refused naming the field.
+#[test]
+fn keyless_turns_are_one_inferred_session_when_inference_is_on() {
+    let s = server("mode = \"hard\"\ninfer = \"prefix\"", &[]);
+    let conversation = |salt: u32, turn: u32| tokens(256 * (turn + 1), salt);
+    let route = |t: Vec<u32>| {
+        s.route_ok(&json!({"tokens": t}))["worker_id"]
+            .as_u64()
+            .unwrap()
+    };
+    let first = route(conversation(1, 0));
+    for k in 1..5 {
+        assert_eq!(route(conversation(1, k)), first, "turn {k}");
+    }
+    let list = s.get("/v1/sessions");
+    list.expect(200);
+    let sessions = list.body()["sessions"].as_array().unwrap().clone();
+    assert_eq!(sessions.len(), 1, "{sessions:?}");
+    let id = sessions[0]["session_id"].as_str().unwrap().to_string();
+    assert!(id.starts_with("~lineage:"), "{id}");
+    assert_eq!(sessions[0]["turns"], 5);
+    assert_ne!(
+        route(conversation(2, 0)),
+        first,
+        "another conversation, by load"
+    );
+    let m = s.metrics();
+    assert_eq!(
+        metric(&m, "kvroute_sessions_total{event=\"inferred_started\"}"),
+        Some(2.0)
+    );
+    assert_eq!(
+        metric(&m, "kvroute_sessions_total{event=\"inferred_continued\"}"),
+        Some(4.0)
+    );
+    assert_eq!(affinity(&s, "kept", ""), 4.0);
+
+    let cfg = temp_file(
+        "sessions-bad.toml",
+        "[sessions]\nmode = \"off\"\ninfer = \"prefix\"\n",
+    );
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_kvroute"))
+        .args(["serve", "--config", cfg.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("sessions.infer"), "{err}");
+}

@@ -31,7 +31,7 @@ enum Command {
     /// Run the router's HTTP server (API v1).
     Serve(ServeArgs),
     /// Replay a request trace on a simulated fleet to compare routing policies.
-    Replay(kvroute_replay::ReplayArgs),
+    Replay(Box<kvroute_replay::ReplayArgs>),
     /// Run a simulated engine: the replay's engine model in real time behind an OpenAI-compatible
     /// server, publishing vLLM-format KV events over ZMQ (for demos and tests without GPUs).
     MockEngine(kvroute_mock_engine::MockEngineArgs),
@@ -378,7 +378,7 @@ fn env_source_of(arg: &str) -> Option<String> {
 fn main() -> ExitCode {
     let cli = parse_cli();
     match cli.command {
-        Command::Replay(args) => kvroute_replay::cli_main(args),
+        Command::Replay(args) => kvroute_replay::cli_main(*args),
         Command::MockEngine(args) => kvroute_mock_engine::cli_main(args),
         Command::Policy(cmd) => policy_main(cmd),
         Command::Demo(args) => {

@@ -21,9 +21,10 @@
 //! ~100 ms of tokenizing it). `record` takes the write lock for a few map updates and expires a
 //! bounded number of idle tips ([`EXPIRE_PER_CALL`]).
 //!
-//! Memory: one tip per session (a turn replaces its session's previous tip; a retried turn finds
-//! its own tip, a forked one its parent's), at most `max_sessions` of them, idle ones expiring with
-//! the bindings' TTL: ~80 bytes a session.
+//! Memory: a tip per booked request of an inferred session (a retried turn finds its own tip, a
+//! subagent forked from a parent's prompt finds the parent's, and the parent's next turn still
+//! finds the parent's own), at most `max_tips` of them (4 × `max_sessions`: the least recently
+//! recorded go first), idle ones expiring with the bindings' TTL: ~80 bytes a tip.
 //!
 //! Limits, by construction: two conversations whose first turns fall entirely inside a prefix they
 //! share (a system prompt and a few-token question ending within the same block) cannot be told
@@ -98,8 +99,6 @@ struct Tip {
 #[derive(Default)]
 struct Inner {
     tips: FxHashMap<u64, Tip>,
-    /// Each session's current tip.
-    by_session: FxHashMap<Arc<str>, u64>,
     /// Recency order: (last recorded, tick) → tip. The first entry is the least recent.
     order: BTreeMap<(u64, u64), u64>,
     tick: u64,
@@ -109,9 +108,6 @@ impl Inner {
     fn remove(&mut self, tip: u64) {
         if let Some(t) = self.tips.remove(&tip) {
             self.order.remove(&(t.last_us, t.tick));
-            if self.by_session.get(&t.session) == Some(&tip) {
-                self.by_session.remove(&t.session);
-            }
         }
     }
 }
@@ -172,8 +168,7 @@ impl Lineage {
     }
 
     /// Records that a booked request of `session` had tip `tip` (its prompt's last sequence hash)
-    /// at `now_us`: the session's earlier tip is replaced, and a tip another session held now
-    /// names this one (the latest request wins).
+    /// at `now_us`. A tip another session held now names this one (the latest request wins).
     pub fn record(&self, session: &Arc<str>, tip: u64, now_us: u64) {
         let mut inner = self.inner.write();
         // Expire a bounded number of idle tips.
@@ -185,11 +180,6 @@ impl Lineage {
                 break;
             }
             inner.remove(old);
-        }
-        if let Some(&previous) = inner.by_session.get(session) {
-            if previous != tip {
-                inner.remove(previous);
-            }
         }
         inner.remove(tip);
         while inner.tips.len() >= self.max_tips {
@@ -208,7 +198,6 @@ impl Lineage {
                 tick,
             },
         );
-        inner.by_session.insert(session.clone(), tip);
         inner.order.insert((now_us, tick), tip);
     }
 
@@ -252,8 +241,7 @@ mod tests {
             Some(Inferred::Continued(a.clone()))
         );
         assert_eq!(l.infer(&t2, 2 * MS), Some(Inferred::Continued(a.clone())));
-        // One tip per session: turn 1's tip was replaced by turn 2's.
-        assert_eq!(l.len(), 1);
+        assert_eq!(l.len(), 2, "a tip per booked turn");
         assert_eq!(l.counters.continued.load(Relaxed), 3);
         assert_eq!(l.counters.started.load(Relaxed), 1);
     }
@@ -283,6 +271,26 @@ mod tests {
     }
 
     #[test]
+    fn a_fork_does_not_hide_its_parent_s_tip() {
+        let l = Lineage::new(1000 * MS, 100);
+        let p1 = chain(&[1, 2], &[3]);
+        let p = l.infer(&p1, 0).unwrap();
+        l.record(p.key(), 3, 0);
+        // A subagent forks from the parent's prompt: it continues the parent's session here.
+        let fork = chain(&p1, &[70, 71]);
+        assert_eq!(
+            l.infer(&fork, MS),
+            Some(Inferred::Continued(p.key().clone()))
+        );
+        l.record(p.key(), 71, MS);
+        // The parent's own next turn still finds the parent's prompt.
+        assert_eq!(
+            l.infer(&chain(&p1, &[4]), 2 * MS),
+            Some(Inferred::Continued(p.key().clone()))
+        );
+    }
+
+    #[test]
     fn tips_expire_after_the_ttl_and_the_cap_evicts_the_least_recent() {
         let l = Lineage::new(100 * MS, 2);
         let a: Arc<str> = Arc::from("a");
@@ -298,7 +306,7 @@ mod tests {
         );
         l.record(&c, 3, 105 * MS);
         assert_eq!(l.len(), 2, "a's tip expired, b's and c's stay");
-        // The cap: a fourth session evicts the least recent tip (b's).
+        // The cap: a fourth tip evicts the least recent (b's).
         let d: Arc<str> = Arc::from("d");
         l.record(&d, 4, 106 * MS);
         assert_eq!(l.len(), 2);
@@ -313,6 +321,6 @@ mod tests {
             l.infer(&[3, 9], 109 * MS),
             Some(Inferred::Continued(d.clone()))
         );
-        assert_eq!(l.len(), 1, "d's old tip replaced, c's taken over");
+        assert_eq!(l.len(), 2);
     }
 }

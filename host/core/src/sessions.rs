@@ -320,7 +320,7 @@ impl Sessions {
         let lineage = (config.infer == SessionInference::Prefix && config.mode != SessionMode::Off)
             .then(|| {
                 let ttl_us = config.ttl.as_micros().min(u128::from(u64::MAX)) as u64;
-                Lineage::new(ttl_us, config.max_sessions)
+                Lineage::new(ttl_us, config.max_sessions.saturating_mul(4))
             });
         Self {
             config,
@@ -337,9 +337,9 @@ impl Sessions {
     }
 
     /// Records the tip of a booked request of an inferred session.
-    pub fn record_tip(&self, session: &Arc<str>, seq: &[u64], now_us: u64) {
+    pub fn record_tip(&self, session: &str, seq: &[u64], now_us: u64) {
         if let (Some(l), Some(&tip)) = (&self.lineage, seq.last()) {
-            l.record(session, tip, now_us);
+            l.record(&Arc::from(session), tip, now_us);
         }
     }
 

@@ -58,6 +58,11 @@ pub struct ReplayArgs {
     /// prefill tokens past which a worker is busy).
     #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     pub busy_threshold: f64,
+    /// Agents: what the clients send: `sent` (each request's session and parent ids, as agent
+    /// harnesses send them), `none` (no key: the router has no sessions), `inferred` (no key, and
+    /// the router infers sessions from prefix lineage: `[sessions] infer = "prefix"`).
+    #[arg(long, default_value = "sent")]
+    pub session_keys: String,
     /// With --queue fair: the half-life of attained service, seconds.
     #[arg(long, default_value_t = 60.0, allow_negative_numbers = true)]
     pub fair_half_life_secs: f64,
@@ -252,7 +257,17 @@ fn cli_run(args: ReplayArgs) -> Result<()> {
                 .collect()
         }
     };
+    let (send_session_keys, infer) = match args.session_keys.as_str() {
+        "sent" => (true, kvroute_core::lineage::SessionInference::Off),
+        "none" => (false, kvroute_core::lineage::SessionInference::Off),
+        "inferred" => (false, kvroute_core::lineage::SessionInference::Prefix),
+        other => bail!("--session-keys {other:?}: expected sent, none or inferred"),
+    };
     let base_router = RouterConfig {
+        sessions: kvroute_core::sessions::SessionConfig {
+            infer,
+            ..Default::default()
+        },
         rng_seed: Some(args.seed),
         default_temperature: args.temperature,
         predict: args
@@ -279,6 +294,7 @@ fn cli_run(args: ReplayArgs) -> Result<()> {
         speedup: args.worker_speedup,
         worker_speeds: args.worker_speed.clone(),
         kv_event_lag_ms: args.kv_event_lag_ms,
+        send_session_keys,
         ..SimConfig::default()
     };
     sim.validate().map_err(|e| anyhow!(e))?;

@@ -664,6 +664,10 @@ pub struct SimConfig {
     pub prefill_poly: [f64; 3],
     /// `decode(u) = max(1, c0 + c1·u + c2·u²)` ms.
     pub decode_poly: [f64; 3],
+    /// The clients send their session keys (an agentic workload's session and parent ids);
+    /// `false` sends none, so the router has sessions only if it infers them
+    /// (`--session-keys none|inferred`).
+    pub send_session_keys: bool,
 }
 
 impl Default for SimConfig {
@@ -678,6 +682,7 @@ impl Default for SimConfig {
             kv_event_lag_ms: 5.0,
             prefill_poly: [16.50142, 1.518344e-2, 4.209989e-7],
             decode_poly: [5.74, 54.01, -25.74],
+            send_session_keys: true,
         }
     }
 }

@@ -381,6 +381,16 @@ pub fn run_policy(
     }
     if let Some(flows) = &prepared.trace.agents {
         run.result.sessions = Some(report::SessionFigures::from_output(&out, flows));
+        run.result.inferred_sessions =
+            router
+                .sessions()
+                .lineage()
+                .map(|l| report::InferredSessions {
+                    started: l.counters.started.load(Relaxed),
+                    continued: l.counters.continued.load(Relaxed),
+                    true_sessions: flows.sessions.len(),
+                    true_top_level: flows.sessions.iter().filter(|s| s.parent.is_none()).count(),
+                });
     }
     run.result.index_entries = index.held_blocks.iter().sum();
     run.result.fleet = opts.fleet.label();

@@ -126,6 +126,24 @@ pub struct PolicyResult {
     /// An agentic workload's sessions (`--workload agents`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub sessions: Option<SessionFigures>,
+    /// Sessions the router inferred from prefix lineage (`--session-keys inferred`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub inferred_sessions: Option<InferredSessions>,
+}
+
+/// What prefix-lineage inference made of a keyless workload (`results.json`
+/// `inferred_sessions`), beside what the workload really was.
+#[derive(Clone, Debug, Serialize)]
+pub struct InferredSessions {
+    /// Keyless requests that started an inferred session.
+    pub started: u64,
+    /// Keyless requests found to continue one.
+    pub continued: u64,
+    /// The workload's sessions (subagents included): the `started` of a perfect inference,
+    /// subagents aside (a subagent forked from its parent's prompt continues the parent's).
+    pub true_sessions: usize,
+    /// The workload's top-level sessions.
+    pub true_top_level: usize,
 }
 
 /// One agent session's figures.
@@ -523,6 +541,7 @@ impl PolicyRun {
             learned: Vec::new(),
             predictions: None,
             canary: None,
+            inferred_sessions: None,
             queued_ms: {
                 let mut q: Vec<f64> = out.requests.iter().map(|o| o.queued_ms).collect();
                 q.sort_by(f64::total_cmp);

@@ -10,24 +10,20 @@
 //! turn it sends elsewhere is counted as moved by `policy` (or by the rule that kept the bound
 //! candidate out). `off`: nothing is read or recorded.
 //!
-//! A request that sends no session key gets one inferred from its prompt's lineage when
-//! `[sessions] infer = "prefix"` ([`crate::lineage`]); from then on it is treated as sent.
+//! A request that sends no session key may have one inferred from its prompt's lineage when it is
+//! prepared (`[sessions] infer = "prefix"`, [`crate::lineage`]); here it is a key like a sent one,
+//! and a booked turn of an inferred session also leaves its tip.
 
 use super::request::Prepared;
 use super::Router;
 use crate::candidate::CandidateKey;
 use crate::eligibility::{self, RoleNeed};
-use std::sync::Arc;
-
-use crate::lineage::Inferred;
 use crate::sessions::{Affinity, BreakReason, Recorded, SessionMode};
 use crate::workers::RegistrySnapshot;
 
 /// What a decision knows of its session before placing.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Copy, Debug, Default)]
 pub(super) struct SessionPlan {
-    /// The session inferred for a keyless request (`infer = "prefix"`).
-    pub(super) inferred: Option<Arc<str>>,
     pub(super) affinity: Affinity,
     /// The bound (or parent's) candidate's index in the snapshot, when it passes the hard rules.
     pub(super) target: Option<usize>,
@@ -42,25 +38,17 @@ impl Router {
         if sessions.mode() == SessionMode::Off {
             return SessionPlan::default();
         }
-        let now = self.now_us();
-        let inferred = match p.req.session_id {
-            Some(_) => None,
-            None => sessions.infer(&p.seq, now).map(|i| match i {
-                Inferred::Continued(k) | Inferred::New(k) => k,
-            }),
-        };
         let affinity = sessions.lookup(
-            p.req.session_id.as_deref().or(inferred.as_deref()),
+            p.req.session_id.as_deref(),
             p.req.parent_session_id.as_deref(),
-            now,
+            self.now_us(),
         );
+        let Some(key) = affinity.target() else {
+            return SessionPlan::default();
+        };
         let mut plan = SessionPlan {
             affinity,
-            inferred,
             ..Default::default()
-        };
-        let Some(key) = affinity.target() else {
-            return plan;
         };
         match self.bound_candidate(p, snap, key) {
             Ok(i) => plan.target = Some(i),
@@ -101,15 +89,15 @@ impl Router {
     /// After a booked decision on `chosen`: binds, refreshes or moves the session, and counts
     /// a bound session's turn as kept or broken (with its reason).
     pub(super) fn session_booked(&self, p: &Prepared, plan: &SessionPlan, chosen: CandidateKey) {
-        let Some(session) = p.req.session_id.as_deref().or(plan.inferred.as_deref()) else {
+        let Some(session) = p.req.session_id.as_deref() else {
             return;
         };
         let now = self.now_us();
         let recorded =
             self.sessions
                 .record(session, p.req.parent_session_id.as_deref(), chosen, now);
-        if let Some(key) = &plan.inferred {
-            self.sessions.record_tip(key, &p.seq, now);
+        if p.inferred_session {
+            self.sessions.record_tip(session, &p.seq, now);
         }
         match recorded {
             Some(Recorded::Kept) => self.sessions.count(None),

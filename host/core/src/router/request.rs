@@ -144,6 +144,8 @@ pub(super) struct Prepared {
     pub(super) hash_time: Duration,
     /// Overlaps an [`super::OverlapSource`] gave (`None`: the router's own index serves).
     pub(super) external: Option<super::overlap_source::External>,
+    /// `req.session_id` was inferred from prefix lineage ([`crate::lineage`]), not sent.
+    pub(super) inferred_session: bool,
 }
 
 impl Router {
@@ -203,7 +205,7 @@ impl Router {
 
     /// Checks every field, hashes the prompt and settles the request id. A booked request whose
     /// id is already booked or queued is refused here, before it is scored.
-    pub(super) fn prepare(&self, req: RouteRequest) -> Result<Prepared, RouteError> {
+    pub(super) fn prepare(&self, mut req: RouteRequest) -> Result<Prepared, RouteError> {
         let t0 = Instant::now();
         for (i, (name, w)) in req.preferred_taints.iter().enumerate() {
             check_preferred_weight(name, *w)?;
@@ -269,6 +271,15 @@ impl Router {
             Prompt::BlockHashes(h) => (h.len() as u32).saturating_mul(self.config.block_size),
         };
         let seq = hashing::sequence_hashes(&local);
+        // A keyless request may be given a session from its prompt's lineage (`[sessions]
+        // infer = "prefix"`); from here on the key is handled as a sent one (SPEC §12).
+        let mut inferred_session = false;
+        if req.session_id.is_none() {
+            if let Some(i) = self.sessions.infer(&seq, self.now_us()) {
+                req.session_id = Some(i.key().to_string());
+                inferred_session = true;
+            }
+        }
         let request_id = req
             .request_id
             .clone()
@@ -290,6 +301,7 @@ impl Router {
             temperature,
             hash_time: t0.elapsed(),
             external: None,
+            inferred_session,
         })
     }
 }

@@ -464,11 +464,12 @@ impl<'r> Fleet<'_, 'r> {
     fn route_request(&self, i: usize) -> RouteRequest {
         let tr = &self.prepared.trace.requests[i];
         let flows = self.prepared.trace.agents.as_ref();
+        let keys = flows.filter(|_| self.cfg.send_session_keys);
         RouteRequest {
             request_id: Some(request_id(i)),
             expected_output_tokens: Some(tr.output_len),
-            session_id: flows.map(|f| f.session_id(i)),
-            parent_session_id: flows.and_then(|f| f.parent_session_id(i)),
+            session_id: keys.map(|f| f.session_id(i)),
+            parent_session_id: keys.and_then(|f| f.parent_session_id(i)),
             tenant: flows.map(|f| f.tenant(i)),
             ..RouteRequest::tokens(tr.tokens.clone())
         }
@@ -484,9 +485,10 @@ impl<'r> Fleet<'_, 'r> {
         };
         let out = self.prepared.trace.requests[i].output_len;
         let tokens = u64::from(d.prompt_tokens.saturating_sub(d.cached_tokens)) + u64::from(out);
+        let session = self.cfg.send_session_keys.then(|| flows.session_id(i));
         q.charge(
             Some(&flows.tenant(i)),
-            Some(&flows.session_id(i)),
+            session.as_deref(),
             tokens,
             now / 1000.0,
         );
@@ -614,7 +616,9 @@ impl<'r> Fleet<'_, 'r> {
                 prompt_tokens: tr.tokens.len() as u32,
                 best_cached_tokens: 0,
                 tenant: flows.map(|f| f.tenant(i)),
-                session: flows.map(|f| f.session_id(i)),
+                session: flows
+                    .filter(|_| self.cfg.send_session_keys)
+                    .map(|f| f.session_id(i)),
                 payload: i,
             };
             let workers = self.engines.len();
