@@ -25,9 +25,14 @@
 //! open loop below saturation, but delivers less near it (BENCHMARKS.md, rows LE and LR), so it
 //! stays an option and `threads` the default.
 //!
+//! `--workload agents` is another mode: the replay's agentic workload (closed-loop sessions,
+//! subagents, think times) sent live through a proxy's `/v1/completions`, streamed, with the
+//! session headers agent harnesses send; see [`agents`].
+//!
 //! Files: [`phases`] (one measured phase each, and the rows they print), [`server`] (the server
 //! under test: spawn, register, check), [`client`], [`poll`], [`workload`], [`timeline`].
 
+mod agents;
 mod client;
 mod phases;
 mod poll;
@@ -151,6 +156,42 @@ struct Cli {
     /// each upload made unique so that the server compiles it): routes while the server compiles.
     #[arg(long)]
     upload: Option<String>,
+
+    /// `agents`: instead of route queries, send the replay's agentic workload live through the
+    /// proxy at `--url` (docs/SIMULATOR.md §8; [`agents`]), and print its figures as JSON.
+    #[arg(long, requires = "url")]
+    workload: Option<String>,
+    /// Agents: sessions running at once.
+    #[arg(long, default_value_t = 32)]
+    agent_sessions: u32,
+    /// Agents: top-level sessions in all [default: 2 x --agent-sessions].
+    #[arg(long)]
+    agent_session_count: Option<u32>,
+    /// Agents: the workload's seed.
+    #[arg(long, default_value_t = 0)]
+    agent_seed: u64,
+    /// Agents: a session ends before its prompt passes this many tokens.
+    #[arg(long, default_value_t = 40_000)]
+    agent_max_context: u32,
+    /// Agents: multiplies think times and the first sessions' ramp.
+    #[arg(long, default_value_t = 1.0)]
+    time_scale: f64,
+    /// Agents: `sent` (session headers, as harnesses send them) or `none`.
+    #[arg(long, default_value = "sent")]
+    session_keys: String,
+    /// Agents: the model name requests carry.
+    #[arg(long, default_value = "demo")]
+    model: String,
+    /// Agents: stop after this many requests.
+    #[arg(long)]
+    max_requests: Option<usize>,
+    /// Agents: the model's vocabulary size (token ids are sent modulo it; `kvroute demo`'s
+    /// tokenizer has 767).
+    #[arg(long, default_value_t = 32_000)]
+    vocab: u32,
+    /// Agents: also write the JSON here.
+    #[arg(long)]
+    out: Option<String>,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
@@ -283,6 +324,9 @@ impl Queries {
 
 fn run() -> Result<(), String> {
     let cli = Cli::parse();
+    if let Some(w) = &cli.workload {
+        return run_agents(&cli, w);
+    }
     if let Some(bad) = cli.load.iter().find(|l| !(l.is_finite() && **l > 0.0)) {
         return Err(format!(
             "--load: each value must be a fraction > 0, got {bad}"
@@ -501,6 +545,43 @@ struct Summary {
     /// The phase's rate as a fraction of the peak (`None`: `--rate`).
     load: Option<f64>,
     open: PhaseResult,
+}
+
+/// `--workload agents` ([`agents`]).
+fn run_agents(cli: &Cli, workload: &str) -> Result<(), String> {
+    if workload != "agents" {
+        return Err(format!("--workload {workload:?}: expected agents"));
+    }
+    let send_session_keys = match cli.session_keys.as_str() {
+        "sent" => true,
+        "none" => false,
+        other => return Err(format!("--session-keys {other:?}: expected sent or none")),
+    };
+    let opts = kvroute_replay::agents::AgentOptions {
+        concurrency: cli.agent_sessions,
+        sessions: cli
+            .agent_session_count
+            .unwrap_or(cli.agent_sessions.saturating_mul(2)),
+        seed: cli.agent_seed,
+        max_context: cli.agent_max_context,
+        ..Default::default()
+    };
+    opts.validate()?;
+    let live = agents::LiveOptions {
+        url: cli.url.clone().expect("required by clap"),
+        model: cli.model.clone(),
+        time_scale: cli.time_scale,
+        send_session_keys,
+        max_requests: cli.max_requests,
+        vocab: cli.vocab,
+    };
+    let v = agents::run(&opts, &live)?;
+    let text = serde_json::to_string_pretty(&v).expect("JSON");
+    println!("{text}");
+    if let Some(path) = &cli.out {
+        std::fs::write(path, &text).map_err(|e| format!("--out {path}: {e}"))?;
+    }
+    Ok(())
 }
 
 fn main() -> std::process::ExitCode {
