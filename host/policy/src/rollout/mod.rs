@@ -1186,6 +1186,7 @@ impl Rollout {
 /// evaluates them in order and hands the slots back in batches. After a second without work it
 /// frees the spare slots. It ends once the queue (the registry) is gone.
 fn shadow_thread(queue: Weak<CachePadded<Mutex<ShadowQueue>>>, ticks: u64) {
+    crate::ticker::mark_background_thread();
     if let Err(e) = crate::worker::lower_priority(crate::worker::COMPILE_NICE) {
         tracing::warn!(error = %e, "could not lower the priority of the shadow thread");
     }
