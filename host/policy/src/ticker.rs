@@ -7,16 +7,25 @@
 //! [`IDLE_BEFORE_PARK`], and the next call wakes it.
 //!
 //! Every guest call (instantiation, `configure`, `info`, `set-context`, `decide`) runs inside a
-//! [`GuestActivity::enter`] guard: one atomic add on entry and one on exit. The guard and the
-//! ticker's decision to park form a Dekker pair over two sequentially consistent variables (the
-//! activity word and the `parked` flag): either the caller sees `parked` and unparks the ticker,
-//! or the ticker sees the call and does not park, so no call ever runs without a ticking clock.
+//! [`GuestActivity::enter`] guard: one atomic add on entry and one on exit, on the activity word
+//! of its thread's kind: one word for the request path, another (on its own cache line) for the
+//! shadow thread, whose calls would otherwise bounce the deciding threads' word between cores on
+//! every call (issue 37). The guard and the ticker's decision to park form a Dekker pair over
+//! sequentially consistent variables (the activity words and the `parked` flag): the ticker
+//! stores `parked` and then reads every word again, parking only if none changed; a call adds to
+//! its word and then reads `parked`. In the single total order of these operations either the
+//! call's add comes before the ticker's second read of that word (the ticker sees it and does not
+//! park) or after it, and so after the store of `parked` (the caller sees `parked` and unparks
+//! the ticker): no call ever runs without a ticking clock.
 //! A parked ticker resumes after the thread wake-up latency (tens of µs, but measured at 1.2 ms on
 //! a virtual machine), so a call that found it parked keeps its own time until the first tick
 //! (`instance::arm_call`) and its deadline is not stretched by the wake-up.
 
+use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::SeqCst};
 use std::sync::{Arc, OnceLock};
+
+use crossbeam_utils::CachePadded;
 use std::thread::Thread;
 use std::time::{Duration, Instant};
 
@@ -40,11 +49,25 @@ pub(crate) fn idle_ticks(period: Duration) -> u32 {
 const STARTED: u64 = 1 << 32;
 const RUNNING_MASK: u64 = STARTED - 1;
 
+/// Activity words: the request path's, and the background threads'.
+const WORDS: usize = 2;
+
+thread_local! {
+    /// Which activity word this thread's calls use (0: the request path's).
+    static WORD: Cell<usize> = const { Cell::new(0) };
+}
+
+/// Makes the calling thread's guest calls count on the background activity word (the shadow
+/// thread), so they do not share a cache line with the deciding threads' calls.
+pub(crate) fn mark_background_thread() {
+    WORD.with(|w| w.set(1));
+}
+
 /// What the guest calls tell the ticker, and how the ticker is woken.
 #[derive(Default)]
 pub(crate) struct GuestActivity {
-    /// High 32 bits: calls started (wrapping); low 32 bits: calls running.
-    word: AtomicU64,
+    /// Per kind of thread: high 32 bits, calls started (wrapping); low 32 bits, calls running.
+    words: [CachePadded<AtomicU64>; WORDS],
     /// Set by the ticker just before it parks, cleared when it resumes.
     parked: AtomicBool,
     /// Set when the runtime is dropped: the ticker exits.
@@ -57,7 +80,7 @@ pub(crate) struct GuestActivity {
 }
 
 /// Marks a guest call as running until dropped.
-pub(crate) struct CallGuard<'a>(&'a GuestActivity, bool);
+pub(crate) struct CallGuard<'a>(&'a AtomicU64, bool);
 
 impl CallGuard<'_> {
     /// Whether the call found the ticker parked: the epoch may stand still for a moment, so the
@@ -71,7 +94,7 @@ impl CallGuard<'_> {
 impl Drop for CallGuard<'_> {
     #[inline]
     fn drop(&mut self) {
-        self.0.word.fetch_sub(1, SeqCst);
+        self.0.fetch_sub(1, SeqCst);
     }
 }
 
@@ -79,12 +102,18 @@ impl GuestActivity {
     /// Declares a guest call; keep the guard alive for the whole call.
     #[inline]
     pub(crate) fn enter(&self) -> CallGuard<'_> {
-        self.word.fetch_add(STARTED + 1, SeqCst);
+        let word = &*self.words[WORD.with(Cell::get)];
+        word.fetch_add(STARTED + 1, SeqCst);
         let parked = self.parked.load(SeqCst);
         if parked {
             self.wake();
         }
-        CallGuard(self, parked)
+        CallGuard(word, parked)
+    }
+
+    /// Every activity word (each read sequentially consistent).
+    fn words(&self) -> [u64; WORDS] {
+        std::array::from_fn(|i| self.words[i].load(SeqCst))
     }
 
     #[cold]
@@ -123,26 +152,31 @@ pub(crate) fn run(
     // A second registration (not expected) keeps the first thread handle.
     let _ = activity.thread.set(std::thread::current());
     let mut next = Instant::now() + period;
-    let mut last_word = activity.word.load(SeqCst);
+    let mut last_words = activity.words();
     let mut idle_ticks = 0u32;
     while !activity.stop.load(SeqCst) {
-        let word = activity.word.load(SeqCst);
-        if word & RUNNING_MASK == 0 && word >> 32 == last_word >> 32 {
+        let words = activity.words();
+        let idle = words
+            .iter()
+            .zip(&last_words)
+            .all(|(w, last)| w & RUNNING_MASK == 0 && w >> 32 == last >> 32);
+        if idle {
             idle_ticks = idle_ticks.saturating_add(1);
         } else {
             idle_ticks = 0;
         }
-        last_word = word;
+        last_words = words;
         if idle_ticks >= idle_ticks_to_park {
             activity.parked.store(true, SeqCst);
-            // Dekker with `enter`: a call that started after the load above either shows up here
-            // or saw `parked` and unparks us (an unpark before `park` makes it return at once).
-            if activity.word.load(SeqCst) == last_word && !activity.stop.load(SeqCst) {
+            // Dekker with `enter`: a call that started after the loads above either shows up in
+            // one of these (every started call changes its word) or saw `parked` and unparks us
+            // (an unpark before `park` makes it return at once).
+            if activity.words() == last_words && !activity.stop.load(SeqCst) {
                 std::thread::park();
             }
             activity.parked.store(false, SeqCst);
             idle_ticks = 0;
-            last_word = activity.word.load(SeqCst);
+            last_words = activity.words();
             // Tick at once, then on a fresh schedule: the call that woke us counts its deadline
             // from the epoch it found, and a tick may come at any moment after a call starts.
             next = Instant::now();
@@ -238,6 +272,38 @@ mod tests {
         }
         assert!(!parked_seen, "parked under steady calls");
 
+        activity.stop();
+        thread.join().expect("ticker thread");
+    }
+
+    /// A call on a background thread (its own activity word) wakes the ticker and keeps it ticking
+    /// just as a call on the request path does.
+    #[test]
+    fn background_calls_wake_and_hold_the_ticker() {
+        let activity = Arc::new(GuestActivity::default());
+        let thread = {
+            let activity = activity.clone();
+            std::thread::spawn(move || run(engine(), Duration::from_millis(1), 5, activity))
+        };
+        eventually("parked while idle", || activity.is_parked());
+        let parked_at = activity.ticks();
+        let background = {
+            let activity = activity.clone();
+            std::thread::spawn(move || {
+                mark_background_thread();
+                let call = activity.enter();
+                assert!(call.found_ticker_parked());
+                eventually("woken by a background call", || {
+                    activity.ticks() > parked_at
+                });
+                let during = activity.ticks();
+                std::thread::sleep(Duration::from_millis(30));
+                assert!(activity.ticks() >= during + 10, "stalled under a call");
+                assert!(!activity.is_parked());
+            })
+        };
+        background.join().expect("background call");
+        eventually("parked again", || activity.is_parked());
         activity.stop();
         thread.join().expect("ticker thread");
     }

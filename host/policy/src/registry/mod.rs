@@ -298,11 +298,8 @@ impl PolicyRegistry {
             policy,
             req,
             cols,
-            || {
-                self.last_taints
-                    .load_full()
-                    .unwrap_or_else(|| Arc::new(taints.clone()))
-            },
+            &self.last_taints,
+            taints,
             stage,
             &outcome,
             ticks,

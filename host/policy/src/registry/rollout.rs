@@ -87,6 +87,7 @@ impl PolicyRegistry {
             name: name.to_string(),
             what: "shadow",
         })?;
+        self.rollout.forget_shadows();
         tracing::info!(
             policy = name,
             version = shadow.version().version,

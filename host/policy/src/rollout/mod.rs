@@ -6,6 +6,15 @@
 //!   answer into a bounded queue (full: the copy is dropped and counted) and returns; one
 //!   background thread, niced like the compile thread, asks the shadow version and compares its
 //!   pick with the active one's. Nothing it does reaches the answer a client gets.
+//!
+//!   The copy is what the deciding thread pays (issue 37: at most 1 µs at the p50), so it
+//!   allocates nothing and shares as little as it can with the shadow thread: the copies live in
+//!   reused slots (their buffers keep their capacity; the shadow thread hands emptied slots back
+//!   rather than freeing memory another thread allocated, which made glibc's arena lock bounce
+//!   between the two threads, with a futex wake on the deciding thread every few decisions); the
+//!   shadow thread takes the whole queue at once instead of locking it per decision; the slot
+//!   keeps its `Arc`s of the shadow and the taint table while they do not change (no reference
+//!   count bouncing); and what each side writes sits on its own cache line.
 //! - A canary routes a fraction of decisions with a candidate version. The arm is a stable hash of
 //!   the session id (of the request id when there is none, [`canary_arm`]), so a session never
 //!   changes arms. The candidate's decisions and fallbacks are counted here; the outcomes (TTFT,
@@ -21,6 +30,7 @@ use std::sync::{Arc, OnceLock, Weak};
 use std::time::SystemTime;
 
 use arc_swap::{ArcSwap, ArcSwapOption};
+use crossbeam_utils::CachePadded;
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
@@ -36,8 +46,11 @@ use crate::DecisionContext;
 
 pub use stats::{Difference, Samples, Summary};
 
-/// Decisions the shadow queue holds; past that a sampled decision is dropped (and counted).
+/// Decisions the shadow queue holds (waiting or being evaluated); past that a sampled decision is
+/// dropped (and counted).
 pub const SHADOW_QUEUE_CAPACITY: usize = 1024;
+/// Evaluated slots the shadow thread hands back at once.
+const RETURN_BATCH: usize = 32;
 /// Ended canaries kept (the oldest go first).
 pub const MAX_RECORDS: usize = 32;
 
@@ -280,20 +293,135 @@ impl CanarySpec {
 
 // ---------------------------------------------------------------------------------- shadow
 
-/// The active policy's answer, as the shadow compares it.
+/// The active policy's answer, as the shadow compares it (its costs are in [`ShadowJob::costs`]).
+#[derive(Clone, Copy, Default)]
 enum ActiveAnswer {
-    Costs(Vec<f64>),
+    Costs,
     Pick(usize),
+    #[default]
     Fallback,
 }
 
+/// One sampled decision's copy. A slot is reused for decision after decision: its buffers keep
+/// their capacity, and its `Arc`s stay while the next decision has the same ones.
+#[derive(Default)]
 struct ShadowJob {
-    shadow: Arc<Shadow>,
+    shadow: Option<Arc<Shadow>>,
     req: PolicyRequest,
     cols: CandidateColumns,
-    taints: Arc<TaintTable>,
+    taints: Option<Arc<TaintTable>>,
     stage: Stage,
     active: ActiveAnswer,
+    costs: Vec<f64>,
+}
+
+impl ShadowJob {
+    /// Copies one decision into this slot, reusing its buffers.
+    #[allow(clippy::too_many_arguments)]
+    fn fill(
+        &mut self,
+        shadow: &Arc<Shadow>,
+        req: &PolicyRequest,
+        cols: &CandidateColumns,
+        last_taints: &ArcSwapOption<TaintTable>,
+        taints: &TaintTable,
+        stage: Stage,
+        answer: &Result<Answer, FallbackReason>,
+    ) {
+        if !self.shadow.as_ref().is_some_and(|s| Arc::ptr_eq(s, shadow)) {
+            self.shadow = Some(shadow.clone());
+        }
+        copy_request(&mut self.req, req);
+        copy_columns(&mut self.cols, cols);
+        let known = last_taints.load();
+        match (&*known, &self.taints) {
+            (Some(k), Some(t)) if Arc::ptr_eq(k, t) => {}
+            (Some(k), _) => self.taints = Some(k.clone()),
+            (None, _) => self.taints = Some(Arc::new(taints.clone())),
+        }
+        self.stage = stage;
+        self.active = match answer {
+            Ok(Answer::Costs(c)) => {
+                self.costs.clear();
+                self.costs.extend_from_slice(c);
+                ActiveAnswer::Costs
+            }
+            Ok(Answer::Pick(i)) => ActiveAnswer::Pick(*i),
+            Err(_) => ActiveAnswer::Fallback,
+        };
+    }
+}
+
+/// `dst = src.clone()`, reusing `dst`'s buffers. Every field is named, so a new one cannot be
+/// forgotten.
+fn copy_request(dst: &mut PolicyRequest, src: &PolicyRequest) {
+    let PolicyRequest {
+        request_id,
+        prompt_tokens,
+        request_blocks,
+        block_size,
+        preferred_taints,
+        priority,
+        expected_output_tokens,
+        temperature,
+        session_id,
+        now_ms,
+        ask_only,
+    } = src;
+    dst.request_id.clone_from(request_id);
+    dst.prompt_tokens = *prompt_tokens;
+    dst.request_blocks = *request_blocks;
+    dst.block_size = *block_size;
+    dst.preferred_taints.clone_from(preferred_taints);
+    dst.priority = *priority;
+    dst.expected_output_tokens = *expected_output_tokens;
+    dst.temperature = *temperature;
+    dst.session_id.clone_from(session_id);
+    dst.now_ms = *now_ms;
+    dst.ask_only = *ask_only;
+}
+
+/// `dst = src.clone()`, reusing `dst`'s buffers (every column named, as above).
+fn copy_columns(dst: &mut CandidateColumns, src: &CandidateColumns) {
+    let CandidateColumns {
+        worker_id,
+        dp_rank,
+        device_overlap,
+        host_overlap,
+        disk_overlap,
+        active_prefill_tokens,
+        active_decode_blocks,
+        active_requests,
+        active_prompt_blocks,
+        total_kv_blocks,
+        max_num_batched_tokens,
+        kv_feed_trust,
+        session_bound,
+        base_cost,
+        prefill_ms_per_token,
+        decode_step_ms,
+        taint_offsets,
+        taint_ids,
+    } = src;
+    dst.worker_id.clone_from(worker_id);
+    dst.dp_rank.clone_from(dp_rank);
+    dst.device_overlap.clone_from(device_overlap);
+    dst.host_overlap.clone_from(host_overlap);
+    dst.disk_overlap.clone_from(disk_overlap);
+    dst.active_prefill_tokens.clone_from(active_prefill_tokens);
+    dst.active_decode_blocks.clone_from(active_decode_blocks);
+    dst.active_requests.clone_from(active_requests);
+    dst.active_prompt_blocks.clone_from(active_prompt_blocks);
+    dst.total_kv_blocks.clone_from(total_kv_blocks);
+    dst.max_num_batched_tokens
+        .clone_from(max_num_batched_tokens);
+    dst.kv_feed_trust.clone_from(kv_feed_trust);
+    dst.session_bound.clone_from(session_bound);
+    dst.base_cost.clone_from(base_cost);
+    dst.prefill_ms_per_token.clone_from(prefill_ms_per_token);
+    dst.decode_step_ms.clone_from(decode_step_ms);
+    dst.taint_offsets.clone_from(taint_offsets);
+    dst.taint_ids.clone_from(taint_ids);
 }
 
 #[derive(Default)]
@@ -313,15 +441,23 @@ struct ShadowAcc {
     latency_ns: u64,
 }
 
+/// What the deciding threads count of a shadow (on a cache line of their own).
+#[derive(Default)]
+struct OfferCounts {
+    seq: AtomicU64,
+    queued: AtomicU64,
+    dropped: AtomicU64,
+}
+
 /// One shadowed version and what it was seen to do.
 pub struct Shadow {
     policy: Arc<PolicyVersion>,
     sample: f64,
     started_at: SystemTime,
-    seq: AtomicU64,
-    queued: AtomicU64,
-    dropped: AtomicU64,
-    acc: Mutex<ShadowAcc>,
+    /// Written by the deciding threads.
+    counts: CachePadded<OfferCounts>,
+    /// Written by the shadow thread.
+    acc: CachePadded<Mutex<ShadowAcc>>,
 }
 
 /// A shadow's figures (`GET /v1/policies/{name}/shadow`).
@@ -370,7 +506,7 @@ impl Shadow {
             return true;
         }
         // A low-discrepancy sequence: every window of decisions gets its share.
-        let n = self.seq.fetch_add(1, Relaxed);
+        let n = self.counts.seq.fetch_add(1, Relaxed);
         let u = (n.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 11) as f64 / (1u64 << 53) as f64;
         u < self.sample
     }
@@ -380,8 +516,11 @@ impl Shadow {
     }
 
     fn evaluate(&self, job: &ShadowJob, ticks: u64) {
+        let Some(taints) = &job.taints else {
+            return;
+        };
         let ctx = DecisionContext {
-            taints: &job.taints,
+            taints,
             block_size: job.req.block_size,
         };
         let start = std::time::Instant::now();
@@ -400,9 +539,9 @@ impl Shadow {
                 return;
             }
         };
-        let (active_pick, costs) = match &job.active {
-            ActiveAnswer::Costs(c) => (argmin(c), Some(c)),
-            ActiveAnswer::Pick(i) => (*i, None),
+        let (active_pick, costs) = match job.active {
+            ActiveAnswer::Costs => (argmin(&job.costs), Some(&job.costs)),
+            ActiveAnswer::Pick(i) => (i, None),
             ActiveAnswer::Fallback => {
                 acc.active_fallbacks += 1;
                 return;
@@ -442,8 +581,8 @@ impl Shadow {
             digest: self.policy.digest().to_string(),
             sample: self.sample,
             started_at: rfc3339(self.started_at),
-            queued: self.queued.load(Relaxed),
-            dropped: self.dropped.load(Relaxed),
+            queued: self.counts.queued.load(Relaxed),
+            dropped: self.counts.dropped.load(Relaxed),
             evaluated: acc.evaluated,
             compared: acc.compared,
             agreed: acc.agreed,
@@ -844,10 +983,10 @@ pub(crate) struct Rollout {
     pub shadows: ArcSwap<Vec<Arc<Shadow>>>,
     pub canary: ArcSwapOption<Canary>,
     pub records: Mutex<VecDeque<(String, CanaryRecord)>>,
-    /// The shadow queue. A plain bounded deque the shadow thread polls (every millisecond when
-    /// empty): a channel would wake the sleeping thread on every send, a system call on the
-    /// deciding thread.
-    queue: Arc<Mutex<VecDeque<ShadowJob>>>,
+    /// The shadow queue and its spare slots. A plain locked list the shadow thread polls (every
+    /// millisecond when empty) and empties at once: a channel would wake the sleeping thread on
+    /// every send, a system call on the deciding thread.
+    queue: Arc<CachePadded<Mutex<ShadowQueue>>>,
     worker: OnceLock<()>,
     pub counters: RolloutCounters,
     next_id: AtomicU64,
@@ -859,7 +998,7 @@ impl Default for Rollout {
             shadows: ArcSwap::from_pointee(Vec::new()),
             canary: ArcSwapOption::empty(),
             records: Mutex::new(VecDeque::new()),
-            queue: Arc::new(Mutex::new(VecDeque::with_capacity(SHADOW_QUEUE_CAPACITY))),
+            queue: Arc::new(CachePadded::new(Mutex::new(ShadowQueue::default()))),
             worker: OnceLock::new(),
             counters: RolloutCounters::default(),
             next_id: AtomicU64::new(1),
@@ -867,43 +1006,44 @@ impl Default for Rollout {
     }
 }
 
+/// The shadow queue and the slots that carry it. Boxed: a slot (~20 `Vec` headers) moves between
+/// the lists as one pointer.
+#[derive(Default)]
+#[allow(clippy::vec_box)]
+struct ShadowQueue {
+    /// Copies waiting for the shadow thread, oldest first.
+    pending: Vec<Box<ShadowJob>>,
+    /// Evaluated slots, kept for the next copies.
+    free: Vec<Box<ShadowJob>>,
+    /// Slots that exist (waiting, being evaluated or free): at most [`SHADOW_QUEUE_CAPACITY`].
+    slots: usize,
+}
+
+/// A slot for a copy, or why there is none.
+enum Slot {
+    Reused(Box<ShadowJob>),
+    /// None free, and fewer than the capacity exist: make one (counted already).
+    New,
+    Full,
+}
+
 impl Rollout {
     /// Starts the shadow thread on first use. It ends once the registry (and its queue) is gone.
     fn start_worker(&self, ticks: u64) {
         self.worker.get_or_init(|| {
-            let queue: Weak<Mutex<VecDeque<ShadowJob>>> = Arc::downgrade(&self.queue);
+            let queue = Arc::downgrade(&self.queue);
             let spawned = std::thread::Builder::new()
                 .name("kvroute-policy-shadow".into())
-                .spawn(move || {
-                    if let Err(e) = crate::worker::lower_priority(crate::worker::COMPILE_NICE) {
-                        tracing::warn!(error = %e, "could not lower the priority of the shadow thread");
-                    }
-                    // Polls every millisecond while there is work, every 50 ms after a second
-                    // without any (no shadow running: 20 wake-ups a second).
-                    let mut idle = 0u32;
-                    while let Some(q) = queue.upgrade() {
-                        let job = q.lock().pop_front();
-                        drop(q);
-                        match job {
-                            Some(job) => {
-                                idle = 0;
-                                job.shadow.evaluate(&job, ticks)
-                            }
-                            None => {
-                                idle = idle.saturating_add(1);
-                                let ms = if idle < 1000 { 1 } else { 50 };
-                                std::thread::sleep(std::time::Duration::from_millis(ms));
-                            }
-                        }
-                    }
-                });
+                .spawn(move || shadow_thread(queue, ticks));
             if let Err(e) = spawned {
                 tracing::error!(error = %e, "could not start the shadow thread: shadows evaluate nothing");
             }
         });
     }
 
-    /// Hands a sampled decision to every shadow (except the version that decided). Never blocks.
+    /// Hands a sampled decision to every shadow (except the version that decided). Never blocks
+    /// (beyond the queue's lock, held for a few pointer moves) and, once the slots exist, never
+    /// allocates.
     #[allow(clippy::too_many_arguments)]
     #[inline]
     pub(crate) fn offer(
@@ -911,7 +1051,8 @@ impl Rollout {
         decided_by: &Arc<PolicyVersion>,
         req: &PolicyRequest,
         cols: &CandidateColumns,
-        taints: impl Fn() -> Arc<TaintTable>,
+        last_taints: &ArcSwapOption<TaintTable>,
+        taints: &TaintTable,
         stage: Stage,
         answer: &Result<Answer, FallbackReason>,
         ticks: u64,
@@ -924,31 +1065,39 @@ impl Rollout {
             if Arc::ptr_eq(&s.policy, decided_by) || !s.sampled() {
                 continue;
             }
-            let active = match answer {
-                Ok(Answer::Costs(c)) => ActiveAnswer::Costs(c.clone()),
-                Ok(Answer::Pick(i)) => ActiveAnswer::Pick(*i),
-                Err(_) => ActiveAnswer::Fallback,
+            let slot = {
+                let mut q = self.queue.lock();
+                match q.free.pop() {
+                    Some(job) => Slot::Reused(job),
+                    None if q.slots < SHADOW_QUEUE_CAPACITY => {
+                        q.slots += 1;
+                        Slot::New
+                    }
+                    None => Slot::Full,
+                }
             };
-            let job = ShadowJob {
-                shadow: s.clone(),
-                req: req.clone(),
-                cols: cols.clone(),
-                taints: taints(),
-                stage,
-                active,
+            let mut job = match slot {
+                Slot::Reused(job) => job,
+                Slot::New => Box::default(),
+                Slot::Full => {
+                    s.counts.dropped.fetch_add(1, Relaxed);
+                    continue;
+                }
             };
-            let mut q = self.queue.lock();
-            if q.len() < SHADOW_QUEUE_CAPACITY {
-                q.push_back(job);
-                drop(q);
-                s.queued.fetch_add(1, Relaxed);
-            } else {
-                drop(q);
-                drop(job);
-                s.dropped.fetch_add(1, Relaxed);
-            }
+            job.fill(s, req, cols, last_taints, taints, stage, answer);
+            self.queue.lock().pending.push(job);
+            s.counts.queued.fetch_add(1, Relaxed);
         }
         self.start_worker(ticks);
+    }
+
+    /// Lets go of the shadow `Arc`s the free slots keep (a stopped shadow's version is not kept
+    /// alive by them).
+    pub(crate) fn forget_shadows(&self) {
+        let mut q = self.queue.lock();
+        for job in q.free.iter_mut() {
+            job.shadow = None;
+        }
     }
 
     pub(crate) fn new_shadow(&self, policy: Arc<PolicyVersion>, sample: f64) -> Arc<Shadow> {
@@ -956,10 +1105,8 @@ impl Rollout {
             policy,
             sample,
             started_at: SystemTime::now(),
-            seq: AtomicU64::new(0),
-            queued: AtomicU64::new(0),
-            dropped: AtomicU64::new(0),
-            acc: Mutex::new(ShadowAcc::default()),
+            counts: CachePadded::new(OfferCounts::default()),
+            acc: CachePadded::new(Mutex::new(ShadowAcc::default())),
         })
     }
 
@@ -1033,5 +1180,133 @@ impl Rollout {
 
     pub(crate) fn is_ended(c: &Canary) -> bool {
         c.ended.load(Relaxed)
+    }
+}
+
+/// The shadow thread's body: every millisecond while there is work (every 50 ms after a second
+/// without any: 20 wake-ups a second while no shadow runs), it takes every waiting copy at once,
+/// evaluates them in order and hands the slots back in batches. After a second without work it
+/// frees the spare slots. It ends once the queue (the registry) is gone.
+fn shadow_thread(queue: Weak<CachePadded<Mutex<ShadowQueue>>>, ticks: u64) {
+    crate::ticker::mark_background_thread();
+    if let Err(e) = crate::worker::lower_priority(crate::worker::COMPILE_NICE) {
+        tracing::warn!(error = %e, "could not lower the priority of the shadow thread");
+    }
+    let mut batch: Vec<Box<ShadowJob>> = Vec::new();
+    let mut done: Vec<Box<ShadowJob>> = Vec::new();
+    let mut idle = 0u32;
+    while let Some(q) = queue.upgrade() {
+        {
+            let mut q = q.lock();
+            q.free.append(&mut done);
+            std::mem::swap(&mut q.pending, &mut batch);
+        }
+        if batch.is_empty() {
+            idle = idle.saturating_add(1);
+            if idle == 1000 {
+                let spare = {
+                    let mut q = q.lock();
+                    q.slots -= q.free.len();
+                    std::mem::take(&mut q.free)
+                };
+                drop(q);
+                drop(spare);
+            } else {
+                drop(q);
+            }
+            let ms = if idle < 1000 { 1 } else { 50 };
+            std::thread::sleep(std::time::Duration::from_millis(ms));
+            continue;
+        }
+        idle = 0;
+        for job in batch.drain(..) {
+            if let Some(shadow) = &job.shadow {
+                shadow.evaluate(&job, ticks);
+            }
+            done.push(job);
+            if done.len() >= RETURN_BATCH {
+                q.lock().free.append(&mut done);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn columns(n: usize, seed: u32) -> CandidateColumns {
+        let u32s = |k: u32| (0..n as u32).map(|i| i * k + seed).collect::<Vec<u32>>();
+        let u64s = |k: u64| {
+            (0..n as u64)
+                .map(|i| i * k + u64::from(seed))
+                .collect::<Vec<u64>>()
+        };
+        let f64s = |k: f64| {
+            (0..n)
+                .map(|i| i as f64 * k + f64::from(seed))
+                .collect::<Vec<f64>>()
+        };
+        CandidateColumns {
+            worker_id: u64s(3),
+            dp_rank: u32s(1),
+            device_overlap: u32s(2),
+            host_overlap: u32s(3),
+            disk_overlap: u32s(4),
+            active_prefill_tokens: u64s(5),
+            active_decode_blocks: u64s(6),
+            active_requests: u32s(7),
+            active_prompt_blocks: u32s(8),
+            total_kv_blocks: u64s(9),
+            max_num_batched_tokens: u32s(10),
+            kv_feed_trust: (0..n).map(|i| (i % 3) as u8).collect(),
+            session_bound: if seed.is_multiple_of(2) {
+                vec![1; n]
+            } else {
+                Vec::new()
+            },
+            base_cost: f64s(0.5),
+            prefill_ms_per_token: f64s(0.25),
+            decode_step_ms: Vec::new(),
+            taint_offsets: (0..=n as u32).collect(),
+            taint_ids: u32s(11),
+        }
+    }
+
+    fn request(id: &str, session: Option<&str>, taints: usize) -> PolicyRequest {
+        PolicyRequest {
+            request_id: id.into(),
+            prompt_tokens: 100 + taints as u32,
+            request_blocks: 6,
+            block_size: 16,
+            preferred_taints: (0..taints as u32).map(|t| (t, 0.5)).collect(),
+            priority: 1.5,
+            expected_output_tokens: Some(taints as u32),
+            temperature: 0.25,
+            session_id: session.map(Into::into),
+            now_ms: 17,
+            ask_only: !taints.is_multiple_of(2),
+        }
+    }
+
+    /// A reused slot ends up equal to a fresh clone, whatever it held before (longer, shorter,
+    /// columns present or left empty).
+    #[test]
+    fn copies_into_a_reused_slot_equal_clones() {
+        let mut req = PolicyRequest::default();
+        let mut cols = CandidateColumns::default();
+        for (n, seed, id, session, taints) in [
+            (64, 2, "a-long-request-id", Some("session"), 3),
+            (8, 1, "b", None, 0),
+            (1024, 4, "c", Some("s"), 1),
+            (0, 3, "", None, 2),
+        ] {
+            let src_cols = columns(n, seed);
+            let src_req = request(id, session, taints);
+            copy_columns(&mut cols, &src_cols);
+            copy_request(&mut req, &src_req);
+            assert_eq!(cols, src_cols);
+            assert_eq!(req, src_req);
+        }
     }
 }
