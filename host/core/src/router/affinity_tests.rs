@@ -10,13 +10,21 @@ use super::*;
 use crate::sessions::{BreakReason, SessionConfig, SessionMode};
 
 fn router(mode: SessionMode, busy: Option<f64>) -> Router {
-    let r = Router::new(RouterConfig {
-        busy_threshold: busy,
-        rng_seed: Some(7),
-        sessions: SessionConfig {
+    router_with(
+        SessionConfig {
             mode,
             ..Default::default()
         },
+        busy,
+    )
+}
+
+/// A router with `[sessions]` as given and workers 1 to 4 (1,024-token step budgets).
+fn router_with(sessions: SessionConfig, busy: Option<f64>) -> Router {
+    let r = Router::new(RouterConfig {
+        busy_threshold: busy,
+        rng_seed: Some(7),
+        sessions,
         ..RouterConfig::default()
     })
     .unwrap();
@@ -244,26 +252,14 @@ fn keyless_turn(conv: u32, k: u32) -> RouteRequest {
 
 #[test]
 fn keyless_turns_continue_the_session_their_prompt_extends_when_inferred() {
-    let r = Router::new(RouterConfig {
-        rng_seed: Some(7),
-        sessions: SessionConfig {
+    let r = router_with(
+        SessionConfig {
             mode: SessionMode::Hard,
             infer: crate::lineage::SessionInference::Prefix,
             ..Default::default()
         },
-        ..RouterConfig::default()
-    })
-    .unwrap();
-    for w in 1..=4 {
-        r.upsert_worker(
-            w,
-            WorkerSpec {
-                max_num_batched_tokens: 1024,
-                ..Default::default()
-            },
-        )
-        .unwrap();
-    }
+        None,
+    );
     // Every turn stays booked: load alone would spread them over the four workers.
     let first = r.route_now(keyless_turn(1, 0)).unwrap().candidate;
     for k in 1..5 {
