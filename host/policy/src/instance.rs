@@ -57,6 +57,11 @@ pub(crate) struct HostState {
     tick: std::time::Duration,
     /// A call that found the ticker parked keeps its own time until the ticker has ticked again.
     self_timed: Option<SelfTimed>,
+    /// When the current call started, and the ticks to its first deadline check: the ticker may
+    /// add several ticks at once (`ticker::run`), so a first check that comes early is measured
+    /// against the call's own start (`on_deadline`).
+    call_start: Instant,
+    first_check_ticks: u64,
 }
 
 impl HostState {
@@ -78,6 +83,8 @@ impl HostState {
             activity: shared.activity.clone(),
             tick: std::time::Duration::from_micros(shared.config.epoch_tick_us),
             self_timed: None,
+            call_start: Instant::now(),
+            first_check_ticks: 0,
         }
     }
 
@@ -112,9 +119,11 @@ struct SelfTimed {
 pub(crate) fn arm_call(store: &mut Store<HostState>, ticks: u64, running: &CallGuard<'_>) {
     let s = store.data_mut();
     s.arm();
+    s.call_start = Instant::now();
+    s.first_check_ticks = ticks;
     if running.found_ticker_parked() {
         s.self_timed = Some(SelfTimed {
-            start: Instant::now(),
+            start: s.call_start,
             ticks_at_start: s.activity.ticks(),
             deadline: ticks,
         });
@@ -151,6 +160,14 @@ fn thread_cpu_time() -> Option<std::time::Duration> {
 fn on_deadline(mut ctx: StoreHookState<'_, HostState>) -> wasmtime::Result<UpdateDeadline> {
     let s = ctx.data_mut();
     let Some(mut timed) = s.self_timed else {
+        if s.grace_window.is_none() {
+            // The first check. The ticker adds the periods it slept through at once, so this can
+            // come before the call has run its ticks (minus one: a running ticker's next tick
+            // comes anywhere within a period of a call's start): then wait out the rest.
+            if let Some(left) = early_check(s.call_start.elapsed(), s.tick, s.first_check_ticks) {
+                return Ok(UpdateDeadline::Continue(left));
+            }
+        }
         return Ok(deadline_passed(s));
     };
     // The call started while the ticker was parked (see `arm_call`): it counts ticks of the wall
@@ -183,6 +200,18 @@ fn on_deadline(mut ctx: StoreHookState<'_, HostState>) -> wasmtime::Result<Updat
         }
         other => other,
     })
+}
+
+/// Whether a call's first deadline check came before the call ran its ticks (less one: a running
+/// ticker's next tick comes anywhere within a period of a call's start), and if so the ticks left
+/// to wait: `ran` of wall time against `first_check` ticks of `tick`.
+fn early_check(
+    ran: std::time::Duration,
+    tick: std::time::Duration,
+    first_check: u64,
+) -> Option<u64> {
+    let ran = u64::try_from(ran.as_nanos() / tick.as_nanos().max(1)).unwrap_or(u64::MAX);
+    (ran.saturating_add(1) < first_check).then(|| first_check - 1 - ran)
 }
 
 /// The ordinary deadline decision (see [`on_deadline`]): open a grace window, or at the end of
@@ -503,5 +532,26 @@ impl Failure {
             detail: FailureDetail::Wasm { during, error },
             counts: true,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::early_check;
+    use std::time::Duration;
+
+    #[test]
+    fn an_early_first_check_waits_out_the_rest_of_the_call_s_ticks() {
+        let tick = Duration::from_micros(250);
+        // Six ticks to the first check (a 2 ms deadline less a 500 µs grace window).
+        // The ticker caught up four ticks 0.3 ms into the call: wait four more.
+        assert_eq!(early_check(Duration::from_micros(300), tick, 6), Some(4));
+        assert_eq!(early_check(Duration::ZERO, tick, 6), Some(5));
+        // Within a tick of the check, or past it: the check stands.
+        assert_eq!(early_check(Duration::from_micros(1_250), tick, 6), None);
+        assert_eq!(early_check(Duration::from_micros(1_499), tick, 6), None);
+        assert_eq!(early_check(Duration::from_millis(40), tick, 6), None);
+        // A one-tick deadline is never early.
+        assert_eq!(early_check(Duration::ZERO, tick, 1), None);
     }
 }

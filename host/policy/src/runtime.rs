@@ -43,9 +43,12 @@ impl PolicyRuntime {
             let engine = engine.clone();
             let activity = activity.clone();
             let period = Duration::from_micros(config.epoch_tick_us);
+            let coarse = ticker::coarse_ticks(config.deadline_ticks());
             std::thread::Builder::new()
                 .name("kvroute-policy-epoch".into())
-                .spawn(move || ticker::run(engine, period, ticker::idle_ticks(period), activity))
+                .spawn(move || {
+                    ticker::run(engine, period, coarse, ticker::idle_ticks(period), activity)
+                })
                 .map_err(|e| {
                     PolicyError::Engine(format!("could not start the epoch ticker thread: {e}"))
                 })?

@@ -2,9 +2,14 @@
 //!
 //! Wasmtime's epoch interruption needs another thread to advance the engine's epoch: a call's
 //! deadline is "N ticks from now", so the tick period is the deadline's resolution (250 µs by
-//! default). Ticking 4,000 times a second for ever cost an idle `kvroute serve` ~15% of a core in
-//! wake-ups alone, so the ticker parks once no guest call has run or started for
-//! [`IDLE_BEFORE_PARK`], and the next call wakes it.
+//! default). Every wake-up of that thread costs ~25 µs of CPU on a virtual machine, so it wakes
+//! as little as the deadlines allow:
+//! - it parks once no guest call has run or started for [`IDLE_BEFORE_PARK`], and the next call
+//!   wakes it (ticking 4,000 times a second for ever cost an idle `kvroute serve` ~15% of a core);
+//! - between calls it sleeps [`COARSE_TICKS`] periods at once and then adds them all, so the epoch
+//!   still counts the wall clock's ticks; only while a call is running does it wake every period
+//!   (see [`run`]: under steady traffic most wake-ups find no call running, and this cut the
+//!   ticker's CPU per proxied request about fourfold).
 //!
 //! Every guest call (instantiation, `configure`, `info`, `set-context`, `decide`) runs inside a
 //! [`GuestActivity::enter`] guard: one atomic add on entry and one on exit, on the activity word
@@ -22,7 +27,7 @@
 //! (`instance::arm_call`) and its deadline is not stretched by the wake-up.
 
 use std::cell::Cell;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::SeqCst};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed, Ordering::SeqCst};
 use std::sync::{Arc, OnceLock};
 
 use crossbeam_utils::CachePadded;
@@ -75,6 +80,8 @@ pub(crate) struct GuestActivity {
     /// Epoch increments so far (a call that found the ticker parked watches it for the first
     /// tick; also for tests).
     ticks: AtomicU64,
+    /// The ticker's wake-ups so far (for tests and benchmarks: what the ticker costs).
+    wakeups: AtomicU64,
     /// The ticker thread, to unpark it.
     thread: OnceLock<Thread>,
 }
@@ -128,6 +135,12 @@ impl GuestActivity {
         self.ticks.load(SeqCst)
     }
 
+    /// The ticker's wake-ups so far.
+    #[cfg(test)]
+    pub(crate) fn wakeups(&self) -> u64 {
+        self.wakeups.load(SeqCst)
+    }
+
     /// Whether the ticker is parked (no guest call for a while).
     pub(crate) fn is_parked(&self) -> bool {
         self.parked.load(SeqCst)
@@ -140,33 +153,60 @@ impl GuestActivity {
     }
 }
 
-/// The ticker thread's body: increments the engine's epoch every `period` on an absolute schedule
-/// (sleeps that overshoot do not stretch deadlines; missed ticks are skipped, never burst), and
-/// parks after `idle_ticks` ticks in which no guest call ran or started (see the module docs).
+/// How many ticks the ticker may sleep at once while no guest call is running: at most
+/// [`COARSE_TICKS`], and never more than a call's first deadline check (`deadline_ticks`), so a
+/// runaway call is always seen running before its first check is due.
+pub(crate) fn coarse_ticks(deadline_ticks: u64) -> u32 {
+    u32::try_from(deadline_ticks.clamp(1, u64::from(COARSE_TICKS))).unwrap_or(1)
+}
+
+/// Ticks slept at once while no call runs (1 ms at the default 250 µs tick).
+pub(crate) const COARSE_TICKS: u32 = 4;
+
+/// The ticker thread's body: keeps the engine's epoch at the wall clock's tick count (ticks of
+/// `period` since it last started ticking), and parks after `idle_ticks` periods in which no guest
+/// call ran or started (see the module docs).
+///
+/// It need not wake every period to do that. Almost every guest call lasts microseconds, so while
+/// no call is running at a wake-up it sleeps `coarse` periods, and on waking adds every period
+/// that passed at once; only when a call is running at a wake-up does it wake every period until
+/// none is. A runaway call is running at the first wake-up after it started, at most `coarse`
+/// periods in, which is before its first deadline check ([`coarse_ticks`]); from there the epoch
+/// moves every period, as before. Adding several periods at once can bring a call's deadline
+/// early (its deadline was counted from an epoch that lagged the clock); the deadline callback
+/// checks every first deadline against the call's own start time and waits out the rest
+/// (`instance::on_deadline`), so no call is cut short. Waking a quarter as often saves most of
+/// the ticker's CPU under steady traffic (BENCHMARKS.md, "Proxy").
 pub(crate) fn run(
     engine: Engine,
     period: Duration,
+    coarse: u32,
     idle_ticks_to_park: u32,
     activity: Arc<GuestActivity>,
 ) {
     // A second registration (not expected) keeps the first thread handle.
     let _ = activity.thread.set(std::thread::current());
-    let mut next = Instant::now() + period;
+    let coarse = u64::from(coarse.max(1));
+    let idle_to_park = period * idle_ticks_to_park;
+    let period_ns = period.as_nanos().max(1);
+    // Ticks are counted from `origin`; `done` of them have been added to the epoch.
+    let mut origin = Instant::now();
+    let mut done = 0u64;
+    let mut next_tick = 1u64;
     let mut last_words = activity.words();
-    let mut idle_ticks = 0u32;
+    let mut busy_at = origin;
     while !activity.stop.load(SeqCst) {
         let words = activity.words();
-        let idle = words
+        let running = words.iter().any(|w| w & RUNNING_MASK != 0);
+        let started = words
             .iter()
             .zip(&last_words)
-            .all(|(w, last)| w & RUNNING_MASK == 0 && w >> 32 == last >> 32);
-        if idle {
-            idle_ticks = idle_ticks.saturating_add(1);
-        } else {
-            idle_ticks = 0;
-        }
+            .any(|(w, last)| w >> 32 != last >> 32);
         last_words = words;
-        if idle_ticks >= idle_ticks_to_park {
+        let now = Instant::now();
+        if running || started {
+            busy_at = now;
+        } else if now.duration_since(busy_at) >= idle_to_park {
             activity.parked.store(true, SeqCst);
             // Dekker with `enter`: a call that started after the loads above either shows up in
             // one of these (every started call changes its word) or saw `parked` and unparks us
@@ -175,25 +215,34 @@ pub(crate) fn run(
                 std::thread::park();
             }
             activity.parked.store(false, SeqCst);
-            idle_ticks = 0;
             last_words = activity.words();
             // Tick at once, then on a fresh schedule: the call that woke us counts its deadline
             // from the epoch it found, and a tick may come at any moment after a call starts.
-            next = Instant::now();
+            origin = Instant::now();
+            busy_at = origin;
+            done = 0;
+            next_tick = 0;
         }
+        let due = origin
+            + Duration::from_nanos(
+                u64::try_from(u128::from(next_tick) * period_ns).unwrap_or(u64::MAX),
+            );
         let now = Instant::now();
-        if next > now {
-            std::thread::sleep(next - now);
+        if due > now {
+            std::thread::sleep(due - now);
         }
-        engine.increment_epoch();
-        activity.ticks.fetch_add(1, SeqCst);
-        next += period;
-        let now = Instant::now();
-        if next < now {
-            // The ticker was starved: never catch up with a burst of ticks, which would expire
-            // in-flight deadlines early. A late tick only makes a deadline later.
-            next = now + period / 2;
+        activity.wakeups.fetch_add(1, Relaxed);
+        // Every period that has passed since `origin`, at least the one slept for: a starved or
+        // coarse sleep catches up at once (see above for why that never cuts a call short).
+        let elapsed = u64::try_from(origin.elapsed().as_nanos() / period_ns).unwrap_or(u64::MAX);
+        let target = elapsed.max(next_tick).max(done + 1);
+        for _ in done..target {
+            engine.increment_epoch();
         }
+        activity.ticks.fetch_add(target - done, SeqCst);
+        done = target;
+        let running = activity.words().iter().any(|w| w & RUNNING_MASK != 0);
+        next_tick = done + if running { 1 } else { coarse };
     }
 }
 
@@ -232,7 +281,7 @@ mod tests {
         let activity = Arc::new(GuestActivity::default());
         let thread = {
             let activity = activity.clone();
-            std::thread::spawn(move || run(engine(), Duration::from_millis(1), 10, activity))
+            std::thread::spawn(move || run(engine(), Duration::from_millis(1), 4, 10, activity))
         };
         // No call: it parks after 10 idle ticks and stops ticking.
         eventually("parked while idle", || activity.is_parked());
@@ -276,6 +325,53 @@ mod tests {
         thread.join().expect("ticker thread");
     }
 
+    /// While no call runs the ticker wakes once per `coarse` periods, yet the epoch keeps the wall
+    /// clock's count; while a call runs it wakes every period.
+    #[test]
+    fn sleeps_coarse_while_no_call_runs_and_keeps_the_clock() {
+        let activity = Arc::new(GuestActivity::default());
+        let thread = {
+            let activity = activity.clone();
+            // 1 ms ticks, 4 at once while idle, never parks in this test.
+            std::thread::spawn(move || {
+                run(engine(), Duration::from_millis(1), 4, 100_000, activity)
+            })
+        };
+        let start = Instant::now();
+        let (ticks0, wakes0) = (activity.ticks(), activity.wakeups());
+        // Short calls every 0.5 ms: never running at a wake-up (or rarely).
+        while start.elapsed() < Duration::from_millis(200) {
+            drop(activity.enter());
+            std::thread::sleep(Duration::from_micros(500));
+        }
+        let ms = u64::try_from(start.elapsed().as_millis()).expect("ms");
+        let (ticks, wakes) = (activity.ticks() - ticks0, activity.wakeups() - wakes0);
+        // The epoch follows the clock (a tick may be pending, and the thread may run late)...
+        assert!(ticks + 6 >= ms, "{ticks} ticks in {ms} ms");
+        assert!(ticks <= ms + 6, "{ticks} ticks in {ms} ms");
+        // ... with a quarter of the wake-ups (a few more when a call happened to be running).
+        assert!(
+            wakes * 2 <= ms,
+            "{wakes} wake-ups in {ms} ms of short calls"
+        );
+
+        // A call that runs: a wake-up every period.
+        let call = activity.enter();
+        std::thread::sleep(Duration::from_millis(10));
+        let wakes1 = activity.wakeups();
+        let t1 = Instant::now();
+        std::thread::sleep(Duration::from_millis(100));
+        let ms = u64::try_from(t1.elapsed().as_millis()).expect("ms");
+        let wakes = activity.wakeups() - wakes1;
+        assert!(
+            wakes * 10 >= ms * 7,
+            "{wakes} wake-ups in {ms} ms of a running call"
+        );
+        drop(call);
+        activity.stop();
+        thread.join().expect("ticker thread");
+    }
+
     /// A call on a background thread (its own activity word) wakes the ticker and keeps it ticking
     /// just as a call on the request path does.
     #[test]
@@ -283,7 +379,7 @@ mod tests {
         let activity = Arc::new(GuestActivity::default());
         let thread = {
             let activity = activity.clone();
-            std::thread::spawn(move || run(engine(), Duration::from_millis(1), 5, activity))
+            std::thread::spawn(move || run(engine(), Duration::from_millis(1), 4, 5, activity))
         };
         eventually("parked while idle", || activity.is_parked());
         let parked_at = activity.ticks();
