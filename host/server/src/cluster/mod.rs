@@ -23,6 +23,7 @@ pub mod early_frees;
 pub mod heartbeat;
 pub mod kv_events;
 pub mod outbox;
+pub mod rollout;
 pub mod store;
 pub mod sync;
 pub mod watch;

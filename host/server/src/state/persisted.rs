@@ -19,7 +19,7 @@ use parking_lot::Mutex;
 use super::{Record, Revision, StateError, StateStore, StoredState, StoredWorker};
 use kvroute_core::router::Router;
 use kvroute_core::workers::WorkerPatch;
-use kvroute_policy::{PolicyRegistry, RegistryImage};
+use kvroute_policy::{PolicyRegistry, RegistryImage, RolloutImage};
 
 /// A store and the write lock around it.
 pub struct Persisted {
@@ -36,6 +36,8 @@ pub struct Persisted {
 struct Written {
     /// The policy image last written or applied (to skip unchanged ones).
     image: Option<RegistryImage>,
+    /// The rollout state last written or applied (`None`: never written).
+    rollout: Option<RolloutImage>,
     /// Each record's revision last written or applied here.
     revisions: HashMap<Record, Revision>,
 }
@@ -81,6 +83,7 @@ impl Persisted {
         let state = self.store.load()?;
         let mut written = self.written.lock();
         written.image = state.policies.clone();
+        written.rollout = state.rollout.clone();
         written.revisions = state.revisions.iter().map(|(&k, &v)| (k, v)).collect();
         drop(written);
         self.restored_policies.store(
@@ -150,8 +153,25 @@ impl Persisted {
             Ok(v) => v,
             Err(e) => return Ok(Err(e)),
         };
+        // The rollout first: it is the record a concurrent change can conflict on (compare and
+        // set), and a promotion's record must not be lost after its activation was written.
+        if let Err(e) = self.write_rollout(registry, &mut written) {
+            registry.revert(checkpoint);
+            if matches!(e, StateError::Conflict { .. }) {
+                // Take up what the other replica wrote, so a retry starts from it.
+                if let Err(e) = self.catch_up_rollout(registry, &mut written) {
+                    tracing::warn!(error = %e, "cannot read the rollout state after a conflict");
+                }
+            }
+            tracing::error!(error = %e, "policy change not persisted: undone");
+            return Err(e);
+        }
         if let Err(e) = self.write_image(registry, &mut written) {
             registry.revert(checkpoint);
+            // The rollout state was written with the change: put it back as it was.
+            if let Err(e) = self.write_rollout(registry, &mut written) {
+                tracing::error!(error = %e, "cannot put the rollout state back; retrying in a second");
+            }
             tracing::error!(error = %e, "policy change not persisted: undone");
             return Err(e);
         }
@@ -160,11 +180,105 @@ impl Persisted {
 
     /// Persists the policy registry's image if it changed since the last write (changes made
     /// outside the API). A failure is logged and retried on the next call.
+    ///
+    /// The rollout state goes first (a guardrail's rollback or promotion decided here), by
+    /// compare-and-set: if another replica wrote it meanwhile, its record is read and applied
+    /// ([`kvroute_policy::merge_rollout`]: a canary another replica ended first keeps that
+    /// replica's record everywhere, and a promotion of this one that lost is undone) and what
+    /// remains of this replica's change is written on top. The image is written only once the
+    /// rollout state is.
     pub fn sync_policies(&self, registry: &PolicyRegistry) {
         let mut written = self.written.lock();
+        let mut rollout = self.write_rollout(registry, &mut written);
+        if matches!(rollout, Err(StateError::Conflict { .. })) {
+            rollout = self
+                .catch_up_rollout(registry, &mut written)
+                .and_then(|()| self.write_rollout(registry, &mut written));
+        }
+        if let Err(e) = rollout {
+            tracing::warn!(error = %e, "rollout state not persisted; retrying in a second");
+            return;
+        }
         if let Err(e) = self.write_image(registry, &mut written) {
             tracing::warn!(error = %e, "policy state not persisted; retrying in a second");
         }
+    }
+
+    /// Applies the rollout state another replica wrote at `revision` (the watch), under the
+    /// write lock; an older one than held here is skipped. Returns whether anything changed.
+    pub fn apply_remote_rollout(
+        &self,
+        registry: &PolicyRegistry,
+        image: &RolloutImage,
+        revision: Revision,
+    ) -> bool {
+        let mut written = self.written.lock();
+        if !written.newer(Record::Rollout, revision) {
+            return false;
+        }
+        self.apply_rollout(registry, image, revision, &mut written)
+    }
+
+    /// Reads the store's rollout state and applies it (after a write refused as a conflict).
+    fn catch_up_rollout(
+        &self,
+        registry: &PolicyRegistry,
+        written: &mut Written,
+    ) -> Result<(), StateError> {
+        if let Some((image, revision)) = self.store.rollout()? {
+            self.apply_rollout(registry, &image, revision, written);
+        }
+        Ok(())
+    }
+
+    /// Makes the registry's rollout state the store's `image` (at `revision`), keeping what this
+    /// replica decided and has not written yet unless the store already decided otherwise
+    /// ([`kvroute_policy::merge_rollout`]).
+    fn apply_rollout(
+        &self,
+        registry: &PolicyRegistry,
+        image: &RolloutImage,
+        revision: Revision,
+        written: &mut Written,
+    ) -> bool {
+        let before = written.rollout.clone().unwrap_or_default();
+        let (target, overridden) =
+            kvroute_policy::merge_rollout(image, &registry.rollout_image(), &before);
+        for r in &overridden {
+            registry.undo_promotion(r);
+        }
+        let changed = registry.set_rollout(&target);
+        written.rollout = Some(image.clone());
+        written.note(Record::Rollout, revision);
+        changed
+    }
+
+    /// Writes the registry's rollout state if it changed since it was last written or applied,
+    /// compare-and-set on the revision last seen.
+    fn write_rollout(
+        &self,
+        registry: &PolicyRegistry,
+        written: &mut Written,
+    ) -> Result<(), StateError> {
+        let image = registry.rollout_image();
+        let unchanged = match &written.rollout {
+            Some(w) => *w == image,
+            None => image == RolloutImage::default(),
+        };
+        if unchanged {
+            return Ok(());
+        }
+        let expected = written.rollout.as_ref().map(|_| {
+            written
+                .revisions
+                .get(&Record::Rollout)
+                .copied()
+                .unwrap_or(0)
+        });
+        let revision = self.store.put_rollout(&image, expected)?;
+        written.note(Record::Rollout, revision);
+        written.rollout = Some(image);
+        Ok(())
     }
 
     /// Persists every registered worker (at start, after the configuration file's are applied).
@@ -240,6 +354,7 @@ impl Persisted {
         let StoredState {
             workers,
             policies,
+            rollout,
             revisions,
         } = self.store.load()?;
         let mut out = Reconciled::default();
@@ -262,6 +377,12 @@ impl Persisted {
                      keeps its policies as they were"
                 ),
             }
+        }
+        if let Some(image) = &rollout {
+            let revision = revisions.get(&Record::Rollout).copied().unwrap_or(0);
+            // Not "newer" checked: the store's record is the one to hold now.
+            written.revisions.remove(&Record::Rollout);
+            self.apply_rollout(registry, image, revision, &mut written);
         }
         written.revisions = revisions.into_iter().collect();
         Ok(out)
