@@ -461,3 +461,183 @@ fn restore_worker(router: &Router, worker_id: u64, before: Option<&StoredWorker>
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvroute_policy::{CanarySpec, PolicyRuntimeConfig, ShadowSpec};
+
+    /// A store with revisions in memory, as the cluster's bucket numbers its writes: a rollout
+    /// write is refused unless the record is still at the revision the writer expects.
+    #[derive(Default)]
+    struct Shared {
+        seq: u64,
+        image: Option<RegistryImage>,
+        rollout: Option<(RolloutImage, Revision)>,
+        rollout_writes: Vec<RolloutImage>,
+    }
+
+    struct MemStore(Arc<Mutex<Shared>>);
+
+    impl StateStore for MemStore {
+        fn load(&self) -> Result<StoredState, StateError> {
+            let s = self.0.lock();
+            Ok(StoredState {
+                workers: Default::default(),
+                policies: s.image.clone(),
+                rollout: s.rollout.as_ref().map(|r| r.0.clone()),
+                revisions: s
+                    .rollout
+                    .as_ref()
+                    .map(|r| (Record::Rollout, r.1))
+                    .into_iter()
+                    .collect(),
+            })
+        }
+        fn put_worker(&self, _: u64, _: &StoredWorker) -> Result<Revision, StateError> {
+            let mut s = self.0.lock();
+            s.seq += 1;
+            Ok(s.seq)
+        }
+        fn delete_worker(&self, _: u64) -> Result<Revision, StateError> {
+            let mut s = self.0.lock();
+            s.seq += 1;
+            Ok(s.seq)
+        }
+        fn has_policy_bytes(&self, _: &str) -> bool {
+            true
+        }
+        fn put_policy_bytes(&self, _: &str, _: &[u8]) -> Result<(), StateError> {
+            Ok(())
+        }
+        fn policy_bytes(&self, digest: &str) -> Result<Vec<u8>, StateError> {
+            Err(StateError::Io {
+                path: digest.into(),
+                message: "not kept".into(),
+            })
+        }
+        fn put_policies(&self, image: &RegistryImage) -> Result<Revision, StateError> {
+            let mut s = self.0.lock();
+            s.seq += 1;
+            s.image = Some(image.clone());
+            Ok(s.seq)
+        }
+        fn put_rollout(
+            &self,
+            image: &RolloutImage,
+            expected: Option<Revision>,
+        ) -> Result<Revision, StateError> {
+            let mut s = self.0.lock();
+            if s.rollout.as_ref().map(|r| r.1) != expected {
+                return Err(StateError::Conflict {
+                    path: "memory".into(),
+                    message: format!("expected {expected:?}"),
+                });
+            }
+            s.seq += 1;
+            s.rollout = Some((image.clone(), s.seq));
+            s.rollout_writes.push(image.clone());
+            Ok(s.seq)
+        }
+        fn rollout(&self) -> Result<Option<(RolloutImage, Revision)>, StateError> {
+            Ok(self.0.lock().rollout.clone())
+        }
+        fn retain_policy_bytes(&self, _: &[&str]) -> Result<(), StateError> {
+            Ok(())
+        }
+        fn describe(&self) -> String {
+            "memory".into()
+        }
+    }
+
+    fn replica(shared: &Arc<Mutex<Shared>>) -> (Arc<Persisted>, PolicyRegistry) {
+        let reg = PolicyRegistry::new(PolicyRuntimeConfig::default()).unwrap();
+        reg.set_shared_rollout(true);
+        reg.load("default", kvroute_policy::DEFAULT_POLICY_WASM, None, true)
+            .unwrap();
+        reg.load("dynamo", kvroute_policy::DYNAMO_POLICY_WASM, None, false)
+            .unwrap();
+        let p = Persisted::new(Box::new(MemStore(shared.clone())));
+        p.load().unwrap();
+        (p, reg)
+    }
+
+    fn spec() -> CanarySpec {
+        CanarySpec::from_json(r#"{"fraction": 0.3}"#).unwrap()
+    }
+
+    /// Two replicas end the same canary at once, one rolling it back (here: stopped), the other
+    /// promoting it. The first to write wins; the other's compare-and-set is refused, it takes the
+    /// winner's record up and undoes its own promotion. One end is written, the same record is
+    /// held by both, the active version is the same on both.
+    #[test]
+    fn two_replicas_ending_one_canary_at_once_write_one_record() {
+        let shared = Arc::new(Mutex::new(Shared::default()));
+        let ((pa, a), (pb, b)) = (replica(&shared), replica(&shared));
+        pa.policy_write(&a, || a.start_canary("dynamo", &spec()))
+            .unwrap()
+            .unwrap();
+        let (image, rev) = shared.lock().rollout.clone().unwrap();
+        assert!(pb.apply_remote_rollout(&b, &image, rev));
+        assert_eq!(b.rollout_image(), image);
+        // Applied again (the watch and a catch-up both deliver it): skipped.
+        assert!(!pb.apply_remote_rollout(&b, &image, rev));
+
+        // Both decide, in memory, before either writes.
+        a.stop_canary("dynamo").unwrap();
+        b.promote("dynamo").unwrap();
+        assert_eq!(b.active_info().unwrap().name, "dynamo");
+        pa.sync_policies(&a);
+        pb.sync_policies(&b);
+
+        let s = shared.lock();
+        assert_eq!(s.rollout_writes.len(), 2, "the start and one end");
+        let stored = s.rollout.as_ref().unwrap().0.clone();
+        drop(s);
+        assert!(stored.canary.is_none());
+        assert_eq!(stored.records.len(), 1);
+        assert_eq!(stored.records[0].outcome, "stopped");
+        assert_eq!(a.rollout_image(), stored);
+        assert_eq!(b.rollout_image(), stored, "B took A's record up");
+        assert_eq!(
+            b.active_info().unwrap().name,
+            "default",
+            "B's promotion that lost was undone"
+        );
+        assert!(b.canary_report("dynamo").0.is_none());
+    }
+
+    /// A replica whose view of the rollout is stale (another replica wrote since) is refused its
+    /// change: undone here (no canary half started), the other's change taken up, and a retry
+    /// then goes through.
+    #[test]
+    fn a_rollout_change_on_a_stale_replica_is_refused_and_undone() {
+        let shared = Arc::new(Mutex::new(Shared::default()));
+        let ((pa, a), (pb, b)) = (replica(&shared), replica(&shared));
+        pa.policy_write(&a, || {
+            a.start_shadow(
+                "dynamo",
+                &ShadowSpec {
+                    version: None,
+                    sample: 0.5,
+                },
+            )
+        })
+        .unwrap()
+        .unwrap();
+        // B has not heard of it: its write must not erase A's shadow.
+        let e = pb
+            .policy_write(&b, || b.start_canary("dynamo", &spec()))
+            .unwrap_err();
+        assert!(matches!(e, StateError::Conflict { .. }), "{e}");
+        assert!(b.canary_report("dynamo").0.is_none(), "undone");
+        assert_eq!(b.shadow_report("dynamo").map(|s| s.sample), Some(0.5));
+        // Retried, it goes through on top of A's change.
+        pb.policy_write(&b, || b.start_canary("dynamo", &spec()))
+            .unwrap()
+            .unwrap();
+        let stored = shared.lock().rollout.clone().unwrap().0;
+        assert_eq!(stored.shadows.len(), 1);
+        assert_eq!(stored.canary.as_ref().map(|c| c.spec.fraction), Some(0.3));
+    }
+}
