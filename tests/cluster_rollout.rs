@@ -265,11 +265,25 @@ fn e2e_a_canary_on_one_replica_routes_counts_and_ends_on_every_replica() {
         canary_state(&a, "random")["canary"].is_null()
             && canary_state(&b, "random")["canary"].is_null()
     });
+    // Both may have decided from their own (merged) figures at about the same moment: the first
+    // end written is the one both hold, once the other's compare-and-set is refused.
+    let converged = within(Duration::from_secs(2), "the same records on both", || {
+        canary_state(&a, "random")["records"] == canary_state(&b, "random")["records"]
+    });
     let (ra, rb) = (
         canary_state(&a, "random")["records"].clone(),
         canary_state(&b, "random")["records"].clone(),
     );
     assert_eq!(ra, rb, "the same records on both replicas");
+    assert_eq!(
+        ra.as_array().unwrap().len(),
+        2,
+        "one record per canary: {ra}"
+    );
+    // And they stay so (no replica writes its own record over the winner's later).
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_eq!(canary_state(&a, "random")["records"], ra);
+    assert_eq!(canary_state(&b, "random")["records"], ra);
     let rec = ra.as_array().unwrap().last().unwrap().clone();
     assert_eq!(rec["evidence"]["id"], id2, "{rec}");
     assert_eq!(
@@ -284,7 +298,7 @@ fn e2e_a_canary_on_one_replica_routes_counts_and_ends_on_every_replica() {
     let judged =
         ev["control"]["requests"].as_u64().unwrap() + ev["candidate"]["requests"].as_u64().unwrap();
     eprintln!(
-        "rolled back after {sent} requests ({:?}, both replicas agreed {took:?} later), judged on {judged}: {}",
+        "rolled back after {sent} requests ({:?}; ended on both {took:?} and the same record on both {converged:?} after the drive), judged on {judged}: {}",
         started.elapsed(),
         rec["reason"]
     );

@@ -422,6 +422,23 @@ pub async fn run(
         cluster: sync.clone().map(|s| s as Arc<dyn http::ClusterView>),
         event_relay: event_relay.map(|r| r as Arc<dyn http::EventRelay>),
     };
+    // A guardrail's verdict (a rollback or promotion decided here) is written within 100 ms, not
+    // at the next maintenance tick: in a cluster, the sooner it is written the sooner every
+    // replica holds it, and the sooner a replica whose own verdict lost takes the winner's up.
+    let rollout_writer = persisted.clone().map(|p| {
+        let policies = policies.clone();
+        tokio::spawn(async move {
+            let mut every = tokio::time::interval(Duration::from_millis(100));
+            every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                every.tick().await;
+                if p.rollout_dirty(&policies) {
+                    let (p, policies) = (p.clone(), policies.clone());
+                    let _ = tokio::task::spawn_blocking(move || p.sync_policies(&policies)).await;
+                }
+            }
+        })
+    });
     let ticker = {
         let router = router.clone();
         let policies = policies.clone();
@@ -493,6 +510,9 @@ pub async fn run(
     .await
     .map_err(|e| format!("server error: {e}"));
     ticker.abort();
+    if let Some(w) = rollout_writer {
+        w.abort();
+    }
     if let Some(task) = ext_proc {
         // Open streams (requests Envoy is still processing) get what is left of the grace.
         let abort = task.abort_handle();

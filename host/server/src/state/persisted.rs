@@ -204,6 +204,16 @@ impl Persisted {
         }
     }
 
+    /// Whether the registry's rollout state differs from what was last written or applied: a
+    /// guardrail ended a canary here and [`Self::sync_policies`] has yet to write it.
+    pub fn rollout_dirty(&self, registry: &PolicyRegistry) -> bool {
+        let image = registry.rollout_image();
+        match &self.written.lock().rollout {
+            Some(w) => *w != image,
+            None => image != RolloutImage::default(),
+        }
+    }
+
     /// Applies the rollout state another replica wrote at `revision` (the watch), under the
     /// write lock; an older one than held here is skipped. Returns whether anything changed.
     pub fn apply_remote_rollout(
