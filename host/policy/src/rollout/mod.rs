@@ -1725,6 +1725,101 @@ mod tests {
         }
     }
 
+    fn record(id: u64, outcome: &str) -> CanaryRecord {
+        let arm = serde_json::json!({"policy": "p", "version": 1, "decisions": 0,
+            "decision_fallbacks": 0, "fallback_rate": 0.0, "requests": 0, "errors": 0,
+            "error_rate": 0.0, "ttft_ms": Summary::default(), "itl_ms": Summary::default(),
+            "cached_tokens": Summary::default(), "cached_token_ratio": 0.0});
+        serde_json::from_value(serde_json::json!({
+            "outcome": outcome, "rule": "manual", "reason": format!("{outcome} {id}"),
+            "ended_at": "2026-01-01T00:00:00Z",
+            "evidence": {"id": id, "policy": "cand", "version": 2, "fraction": 0.2,
+                "started_at": "2026-01-01T00:00:00Z", "guardrails": Guardrails::default(),
+                "auto_promote": null, "control": arm, "candidate": arm,
+                "differences": Differences::default()}
+        }))
+        .expect("a record reads back")
+    }
+
+    fn canary_image(id: u64) -> CanaryImage {
+        CanaryImage {
+            id,
+            name: "cand".into(),
+            version: 2,
+            control: "default".into(),
+            control_version: 1,
+            spec: CanarySpec::from_json(r#"{"fraction": 0.2}"#).unwrap(),
+            started_at_ms: 1,
+        }
+    }
+
+    /// What a replica holds after reading the store's rollout record, given what it decided and
+    /// has not written.
+    #[test]
+    fn merging_the_stored_rollout_keeps_unwritten_local_ends_unless_the_store_decided() {
+        let shadow = ShadowImage {
+            name: "other".into(),
+            version: 1,
+            sample: 0.5,
+            started_at_ms: 3,
+        };
+        let written = RolloutImage {
+            canary: Some(canary_image(7)),
+            records: vec![record(6, "stopped")],
+            ..Default::default()
+        };
+        // This replica rolled canary 7 back and has not written it yet.
+        let local = RolloutImage {
+            canary: None,
+            records: vec![record(6, "stopped"), record(7, "rolled_back")],
+            ..Default::default()
+        };
+        // Meanwhile another replica started a shadow (canary 7 still runs in its record): the
+        // shadow is taken, canary 7 stays ended with this replica's record, to be written.
+        let stored = RolloutImage {
+            shadows: vec![shadow.clone()],
+            ..written.clone()
+        };
+        let (out, undo) = merge_rollout(&stored, &local, &written);
+        assert_eq!(out.shadows, vec![shadow.clone()]);
+        assert_eq!(out.canary, None);
+        assert_eq!(out.records, local.records);
+        assert!(undo.is_empty());
+        // Another replica ended canary 7 first (stopped): its record wins, nothing to undo.
+        let stored = RolloutImage {
+            canary: None,
+            records: vec![record(6, "stopped"), record(7, "stopped")],
+            ..Default::default()
+        };
+        let (out, undo) = merge_rollout(&stored, &local, &written);
+        assert_eq!(out, stored);
+        assert!(undo.is_empty());
+        // This replica had promoted 7: that promotion lost and must be undone.
+        let promoted = RolloutImage {
+            records: vec![record(6, "stopped"), record(7, "promoted")],
+            ..Default::default()
+        };
+        let (out, undo) = merge_rollout(&stored, &promoted, &written);
+        assert_eq!(out, stored);
+        assert_eq!(undo, vec![record(7, "promoted")]);
+        // The same verdict on both: nothing to undo either.
+        let (_, undo) = merge_rollout(&promoted, &promoted, &written);
+        assert!(undo.is_empty());
+        // Nothing pending here: the store's record, whatever it is (a new canary 8).
+        let stored = RolloutImage {
+            canary: Some(canary_image(8)),
+            records: vec![record(6, "stopped"), record(7, "stopped")],
+            ..Default::default()
+        };
+        let (out, _) = merge_rollout(&stored, &written, &written);
+        assert_eq!(out, stored);
+        // A record read back names only the outcomes and rules kvroute writes.
+        let mut bad = serde_json::to_value(record(1, "stopped")).unwrap();
+        bad["outcome"] = "exploded".into();
+        let e = serde_json::from_value::<CanaryRecord>(bad).unwrap_err();
+        assert!(e.to_string().contains("exploded"), "{e}");
+    }
+
     /// A reused slot ends up equal to a fresh clone, whatever it held before (longer, shorter,
     /// columns present or left empty).
     #[test]
