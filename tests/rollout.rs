@@ -1016,3 +1016,37 @@ fn outcome_batches_merge_into_every_replicas_canary() {
     );
     assert_eq!(b.active_info().unwrap().name, "default");
 }
+
+/// A replica that cannot run a shared shadow or canary (a version it does not hold) routes by its
+/// active version, and keeps them in its image, so that its next write does not end them for the
+/// replicas that run them.
+#[test]
+fn a_shared_shadow_or_canary_a_replica_cannot_run_stays_in_its_image() {
+    let a = registry();
+    a.load("default", kvroute_policy::DEFAULT_POLICY_WASM, None, true)
+        .unwrap();
+    misbehave(&a, "random", "random");
+    a.start_shadow(
+        "random",
+        &ShadowSpec {
+            version: None,
+            sample: 0.5,
+        },
+    )
+    .unwrap();
+    a.start_canary("random", &canary(0.2)).unwrap();
+    let image = a.rollout_image();
+    let b = registry();
+    b.load("default", kvroute_policy::DEFAULT_POLICY_WASM, None, true)
+        .unwrap();
+    assert!(b.set_rollout(&image));
+    assert!(b.shadow_report("random").is_none());
+    assert!(b.running_canary_report().is_none());
+    assert_eq!(b.rollout_image(), image, "kept for the others");
+    // Every decision on B is the active version's.
+    let taints = plugins::taint_table(1, 4);
+    for (req, cols) in decisions(50) {
+        let d = b.decide(&req, &cols, &taints);
+        assert_eq!(d.policy.unwrap().name(), "default");
+    }
+}

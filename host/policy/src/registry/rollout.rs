@@ -54,6 +54,7 @@ impl PolicyRegistry {
         }
         let shadow = self.rollout.new_shadow(version.clone(), spec.sample);
         let report = shadow.report();
+        self.rollout.held_shadows.lock().retain(|s| s.name != name);
         self.rollout.shadows.rcu(|list| {
             let mut list: Vec<_> = list
                 .iter()
@@ -295,6 +296,7 @@ impl PolicyRegistry {
         // Shadows: the same (name, version, sample) keeps running with its figures.
         let current = self.rollout.shadows.load_full();
         let mut shadows = Vec::new();
+        let mut held = Vec::new();
         for si in &image.shadows {
             let same = current.iter().find(|s| {
                 s.version().name() == si.name
@@ -310,16 +312,20 @@ impl PolicyRegistry {
                         std::time::SystemTime::UNIX_EPOCH
                             + std::time::Duration::from_millis(si.started_at_ms),
                     )),
-                    Err(e) => tracing::warn!(
-                        policy = %si.name,
-                        version = si.version,
-                        error = %e,
-                        "a shared shadow is not loaded here: not run on this replica"
-                    ),
+                    Err(e) => {
+                        tracing::warn!(
+                            policy = %si.name,
+                            version = si.version,
+                            error = %e,
+                            "a shared shadow is not loaded here: not run on this replica"
+                        );
+                        held.push(si.clone());
+                    }
                 },
             }
         }
         self.rollout.shadows.store(Arc::new(shadows));
+        *self.rollout.held_shadows.lock() = held;
         self.rollout.forget_shadows();
         // The canary.
         let running = self.rollout.canary.load_full();

@@ -1321,6 +1321,8 @@ pub(crate) struct Rollout {
     /// A canary the shared state runs that this replica cannot (its versions are not the ones
     /// loaded and active here): kept as is, so this replica's writes do not end it everywhere.
     pub held: Mutex<Option<CanaryImage>>,
+    /// The same for shadows.
+    pub held_shadows: Mutex<Vec<ShadowImage>>,
 }
 
 /// The rollout state at one moment, to undo an operation ([`crate::Checkpoint`]).
@@ -1329,6 +1331,7 @@ pub(crate) struct RolloutCheckpoint {
     canary: Option<Arc<Canary>>,
     records: VecDeque<(String, CanaryRecord)>,
     held: Option<CanaryImage>,
+    held_shadows: Vec<ShadowImage>,
 }
 
 impl Default for Rollout {
@@ -1343,6 +1346,7 @@ impl Default for Rollout {
             next_id: AtomicU64::new(1),
             share: AtomicBool::new(false),
             held: Mutex::new(None),
+            held_shadows: Mutex::new(Vec::new()),
         }
     }
 }
@@ -1512,20 +1516,24 @@ impl Rollout {
         })
     }
 
-    /// The state as kept in a store.
+    /// The state as kept in a store (shadows by name, so two replicas holding the same ones
+    /// write the same image).
     pub(crate) fn image(&self) -> RolloutImage {
+        let mut shadows: Vec<ShadowImage> = self
+            .shadows
+            .load()
+            .iter()
+            .map(|s| ShadowImage {
+                name: s.policy.name().to_string(),
+                version: s.policy.version(),
+                sample: s.sample,
+                started_at_ms: epoch_ms(s.started_at),
+            })
+            .chain(self.held_shadows.lock().iter().cloned())
+            .collect();
+        shadows.sort_by(|a, b| a.name.cmp(&b.name));
         RolloutImage {
-            shadows: self
-                .shadows
-                .load()
-                .iter()
-                .map(|s| ShadowImage {
-                    name: s.policy.name().to_string(),
-                    version: s.policy.version(),
-                    sample: s.sample,
-                    started_at_ms: epoch_ms(s.started_at),
-                })
-                .collect(),
+            shadows,
             canary: self
                 .canary
                 .load_full()
@@ -1541,6 +1549,7 @@ impl Rollout {
             canary: self.canary.load_full(),
             records: self.records.lock().clone(),
             held: self.held.lock().clone(),
+            held_shadows: self.held_shadows.lock().clone(),
         }
     }
 
@@ -1553,6 +1562,7 @@ impl Rollout {
         self.canary.store(c.canary);
         *self.records.lock() = c.records;
         *self.held.lock() = c.held;
+        *self.held_shadows.lock() = c.held_shadows;
         self.forget_shadows();
     }
 
