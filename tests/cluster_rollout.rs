@@ -6,7 +6,8 @@
 //! by the candidate on every replica, each replica's `GET .../canary` counts every replica's
 //! requests, a stop through one ends it on all with one record, a random-placement candidate is
 //! rolled back on the fleet's measured TTFT with the same record on both and neither routes by it
-//! afterwards, a replica started mid-canary takes it up, and a NATS outage refuses rollout
+//! afterwards, a replica started mid-canary takes it up (and its promotion there is the active
+//! version everywhere), and a NATS outage refuses rollout
 //! changes (503, nothing half-applied). With `--state-dir` the rollout survives a restart.
 
 use std::collections::BTreeMap;
@@ -361,15 +362,21 @@ fn e2e_a_replica_started_mid_canary_takes_it_up() {
             k + c >= 24
         },
     );
-    // Stopping it on the new replica ends it on A.
-    b.delete("/v1/policies/random/canary").expect(200);
-    within(Duration::from_secs(2), "the stop on A", || {
+    // Promoted through the new replica: the candidate is active on A too, with the same record.
+    b.raw("POST", "/v1/policies/random/promote", &[], b"")
+        .expect(200);
+    within(Duration::from_secs(2), "the promotion on A", || {
         canary_state(&a, "random")["canary"].is_null()
+            && a.get("/v1/policies").body()["active"] == "random"
     });
-    assert_eq!(
-        canary_state(&a, "random")["records"],
-        canary_state(&b, "random")["records"]
-    );
+    let records = canary_state(&a, "random")["records"].clone();
+    assert_eq!(records, canary_state(&b, "random")["records"]);
+    assert_eq!(records[0]["outcome"], "promoted", "{records}");
+    assert_eq!(records[0]["evidence"]["id"], id, "{records}");
+    // Every session is routed by the promoted version on both.
+    for (session, by) in turns(&[&a, &b], 0..12, 1000) {
+        assert!(by.iter().all(|p| p == "random@1"), "{session}: {by:?}");
+    }
 }
 
 #[test]
