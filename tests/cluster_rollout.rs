@@ -337,6 +337,18 @@ fn e2e_a_replica_started_mid_canary_takes_it_up() {
         canary_state(&b, "random")["canary"]["id"] == id
     });
     let before = turns(&[&b], 0..12, 1);
+    turns(&[&a], 0..12, 50);
+    within(
+        Duration::from_secs(2),
+        "24 requests counted on both",
+        || {
+            let ((ka, ca), (kb, cb)) = (requests(&a, "random"), requests(&b, "random"));
+            ka + ca == 24 && kb + cb == 24
+        },
+    );
+    // Each replica keeps what it published in the cluster at most a second later.
+    std::thread::sleep(Duration::from_millis(1500));
+    let on_a = canary_state(&a, "random")["canary"].clone();
     b.terminate(Duration::from_secs(10));
     drop(b);
     // B comes back (a new process, a new replica id) while the canary runs.
@@ -344,6 +356,36 @@ fn e2e_a_replica_started_mid_canary_takes_it_up() {
     let c = canary_state(&b, "random")["canary"].clone();
     assert_eq!(c["id"], id, "the canary taken up at start: {c}");
     assert_eq!(c["started_at"], r.body()["canary"]["started_at"], "{c}");
+    // With the outcomes measured before it started, its own previous run's included: the same
+    // figures as A's.
+    let took = within(
+        Duration::from_secs(2),
+        "the earlier outcomes on the new B",
+        || {
+            let (k, c) = requests(&b, "random");
+            k + c == 24
+        },
+    );
+    eprintln!("a restarted replica held the canary's earlier outcomes {took:?} after it listened");
+    let c = canary_state(&b, "random")["canary"].clone();
+    for arm in ["control", "candidate"] {
+        for k in ["requests", "decisions"] {
+            assert_eq!(c[arm][k], on_a[arm][k], "{arm}.{k}\n{c}\n{on_a}");
+        }
+        for figure in ["ttft_ms", "itl_ms", "cached_tokens"] {
+            let (x, y) = (&c[arm][figure], &on_a[arm][figure]);
+            assert_eq!(
+                (&x["n"], &x["p50"], &x["p90"]),
+                (&y["n"], &y["p50"], &y["p90"])
+            );
+            // Summed in another order: equal but for rounding.
+            let (mx, my) = (x["mean"].as_f64().unwrap(), y["mean"].as_f64().unwrap());
+            assert!(
+                (mx - my).abs() <= 1e-9 * my.abs().max(1.0),
+                "{arm}.{figure}: {x} {y}"
+            );
+        }
+    }
     // The same sessions in the same arms as before the restart, and as on A.
     let again = turns(&[&b, &a], 0..12, 100);
     for (session, by) in &again {
@@ -353,13 +395,13 @@ fn e2e_a_replica_started_mid_canary_takes_it_up() {
             "{session}: {first} then {by:?}"
         );
     }
-    // The restarted replica counts A's outcomes from then on, and A counts its.
+    // And from then on every replica's, on both.
     within(
         Duration::from_secs(2),
-        "A's requests counted on the new B",
+        "48 requests counted on both",
         || {
-            let (k, c) = requests(&b, "random");
-            k + c >= 24
+            let ((ka, ca), (kb, cb)) = (requests(&a, "random"), requests(&b, "random"));
+            ka + ca == 48 && kb + cb == 48
         },
     );
     // Promoted through the new replica: the candidate is active on A too, with the same record.

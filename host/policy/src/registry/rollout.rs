@@ -442,6 +442,36 @@ impl PolicyRegistry {
         c.take_batch()
     }
 
+    /// Notes that this replica's outcome message `seq` carried `batch` (it is then part of
+    /// [`Self::published_snapshot`]).
+    pub fn note_published(&self, seq: u64, batch: &OutcomeBatch) {
+        if let Some(c) = self.rollout.canary.load_full() {
+            if c.id() == batch.canary {
+                c.note_published(seq, batch);
+            }
+        }
+    }
+
+    /// The running canary's outcomes this replica published so far, whole, with the last
+    /// message's number, if they changed since the last call: what a replica that takes the
+    /// canary up later merges first.
+    pub fn published_snapshot(&self) -> Option<(u64, OutcomeBatch)> {
+        let c = self.rollout.canary.load_full()?;
+        if Rollout::is_ended(&c) {
+            return None;
+        }
+        c.published_snapshot()
+    }
+
+    /// The running canary's id.
+    pub fn running_canary_id(&self) -> Option<u64> {
+        self.rollout
+            .canary
+            .load_full()
+            .filter(|c| !Rollout::is_ended(c))
+            .map(|c| c.id())
+    }
+
     /// Merges another replica's outcome batch into the running canary (same id) and judges its
     /// guardrails on every replica's figures, which may roll it back or promote it here. False
     /// when no canary of that id runs here.

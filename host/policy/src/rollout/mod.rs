@@ -786,6 +786,8 @@ pub struct Canary {
     outcomes: Mutex<[ArmOutcomes; 2]>,
     /// This replica's outcomes not yet handed to the publisher (cluster mode only).
     unsent: Option<Mutex<Unsent>>,
+    /// Everything this replica published of this canary, for a replica that takes it up later.
+    published: Mutex<Published>,
     ended: AtomicBool,
 }
 
@@ -796,6 +798,19 @@ struct Unsent {
     outcomes: usize,
     dropped: u64,
 }
+
+/// This replica's published outcomes of a canary, whole (samples up to [`SNAPSHOT_SAMPLES`] per
+/// arm and figure), and the number of the last message they include.
+#[derive(Default)]
+struct Published {
+    arms: [ArmDelta; 2],
+    seq: u64,
+    changed: bool,
+}
+
+/// Samples per arm and figure a replica's snapshot of its published outcomes carries (the counts
+/// are whole; past this many, a later replica's figures for it rest on the first ones).
+pub const SNAPSHOT_SAMPLES: usize = 10_000;
 
 /// Outcomes a batch carries at most; past that (the publisher is stuck) an outcome is counted
 /// here but not shared, and the batch says how many were left out.
@@ -822,6 +837,25 @@ pub struct ArmDelta {
 impl ArmDelta {
     fn is_empty(&self) -> bool {
         self.decisions == 0 && self.requests == 0
+    }
+
+    /// Adds `other` (samples up to [`SNAPSHOT_SAMPLES`] per figure).
+    fn absorb(&mut self, other: &ArmDelta) {
+        self.decisions += other.decisions;
+        self.decision_fallbacks += other.decision_fallbacks;
+        self.requests += other.requests;
+        self.errors += other.errors;
+        self.fallbacks += other.fallbacks;
+        for (dst, src) in [
+            (&mut self.ttft, &other.ttft),
+            (&mut self.itl, &other.itl),
+            (&mut self.cached, &other.cached),
+        ] {
+            let room = SNAPSHOT_SAMPLES.saturating_sub(dst.len());
+            dst.extend(src.iter().take(room));
+        }
+        self.cached_tokens += other.cached_tokens;
+        self.prompt_tokens += other.prompt_tokens;
     }
 
     fn push(&mut self, out: &RequestOutcome) {
@@ -1025,6 +1059,33 @@ impl Canary {
             arms,
             dropped,
         })
+    }
+
+    /// Notes that this replica's message `seq` carried `batch` (published).
+    pub(crate) fn note_published(&self, seq: u64, batch: &OutcomeBatch) {
+        let mut p = self.published.lock();
+        for (dst, src) in p.arms.iter_mut().zip(&batch.arms) {
+            dst.absorb(src);
+        }
+        p.seq = seq;
+        p.changed = true;
+    }
+
+    /// Everything this replica published, if it changed since the last call: the last message's
+    /// number, and the outcomes as one batch.
+    pub(crate) fn published_snapshot(&self) -> Option<(u64, OutcomeBatch)> {
+        let mut p = self.published.lock();
+        if !std::mem::take(&mut p.changed) {
+            return None;
+        }
+        Some((
+            p.seq,
+            OutcomeBatch {
+                canary: self.id,
+                arms: p.arms.clone(),
+                dropped: 0,
+            },
+        ))
     }
 
     /// Merges another replica's batch and judges the guardrails on every replica's figures.
@@ -1512,6 +1573,7 @@ impl Rollout {
                 .share
                 .load(Relaxed)
                 .then(|| Mutex::new(Unsent::default())),
+            published: Mutex::new(Published::default()),
             ended: AtomicBool::new(false),
         })
     }

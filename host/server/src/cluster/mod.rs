@@ -18,6 +18,9 @@
 //!                                     key: rollout     value: {"origin": REPLICA, "rollout":
 //!                                                        {shadows, canary, records}} (written by
 //!                                                        compare-and-set on its revision)
+//!                                     key: outcomes.ID.REPLICA  value: {"seq", "batch"}: what
+//!                                                        REPLICA published of canary ID, for
+//!                                                        replicas that start later ([`rollout`])
 //! objects    kvroute-NAME-components  name: sha256 hex of a component, its bytes
 //! subject    kvroute.NAME.bookings    booking events, MessagePack batches ([`bookings`], [`outbox`])
 //! subject    kvroute.NAME.heartbeats  {"origin", "sent_us", "bookings"} every 200 ms ([`heartbeat`])

@@ -15,8 +15,15 @@
 //! rather than queued: the replica's own figures keep it, the others miss it.
 //!
 //! A replica that starts while a canary runs takes the canary up from the shared state with its
-//! id and start time, and from then on merges the others' new outcomes: what they measured
-//! before it started is not replayed to it (its figures are the fleet's since it joined).
+//! id and start time. So that its figures are the fleet's from the canary's start, every replica
+//! also keeps everything it published of the running canary in the policies bucket, key
+//! `outcomes.ID.REPLICA` (`{"seq", "batch"}`: the last message it includes, and the outcomes as
+//! one batch, at most 10,000 samples per arm and figure, `kvroute_policy::rollout::SNAPSHOT_SAMPLES`), rewritten at most every
+//! [`SNAPSHOT_EVERY`] while it changes and removed when the canary ends. At start, after
+//! subscribing and before merging any message, a replica merges every other replica's snapshot
+//! of the running canary (a replica that is gone, its own previous run included, too) and then
+//! only the messages numbered after each one. What a replica published after its last snapshot
+//! and before the newcomer subscribed (at most [`SNAPSHOT_EVERY`] of it) is missing there.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -29,6 +36,21 @@ use kvroute_policy::{OutcomeBatch, PolicyRegistry};
 
 /// How often a replica publishes its new outcomes (when it has any).
 pub const EVERY: Duration = Duration::from_millis(100);
+/// How often a replica rewrites its snapshot of what it published (when it changed).
+pub const SNAPSHOT_EVERY: Duration = Duration::from_secs(1);
+
+/// The key of `replica`'s snapshot of canary `id` in the policies bucket.
+fn snapshot_key(id: u64, replica: &str) -> String {
+    format!("outcomes.{id}.{replica}")
+}
+
+/// A replica's snapshot of what it published of one canary.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Snapshot {
+    seq: u64,
+    batch: OutcomeBatch,
+}
 
 /// One message on `kvroute.NAME.rollout`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -121,11 +143,103 @@ impl RolloutSync {
                 .spawn(async move { s.publish_forever(c, p, subject).await });
         }
         let (s, me) = (sync.clone(), cluster.replica_id.clone());
-        let mut seqs = std::collections::HashMap::<String, u64>::new();
-        cluster.runtime.spawn(super::subscribe_forever(
-            cluster.client.clone(),
-            subject,
-            move |payload| {
+        let (c, p) = (cluster.clone(), policies.clone());
+        cluster.runtime.spawn(async move {
+            use futures_util::StreamExt;
+            let mut seqs = std::collections::HashMap::<String, u64>::new();
+            let mut caught_up = false;
+            loop {
+                match c.client.subscribe(subject.clone()).await {
+                    Ok(mut sub) => {
+                        if !caught_up {
+                            // Subscribed first: what is published from now on waits in the
+                            // subscription while the snapshots are merged.
+                            s.catch_up(&c, &p, &mut seqs).await;
+                            caught_up = true;
+                        }
+                        while let Some(msg) = sub.next().await {
+                            s.on_message(&me, &p, &mut seqs, &msg.payload);
+                        }
+                    }
+                    Err(e) => tracing::warn!(%subject, error = %e, "cannot subscribe"),
+                }
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        });
+        sync
+    }
+
+    /// Merges every other replica's snapshot of the running canary (at start).
+    async fn catch_up(
+        &self,
+        cluster: &Cluster,
+        policies: &PolicyRegistry,
+        seqs: &mut std::collections::HashMap<String, u64>,
+    ) {
+        use futures_util::StreamExt;
+        let Some(id) = policies.running_canary_id() else {
+            return;
+        };
+        let prefix = snapshot_key(id, "");
+        let kv = cluster.policies.clone();
+        let read = async {
+            let mut keys = kv.keys().await.map_err(|e| e.to_string())?;
+            let mut out = Vec::new();
+            while let Some(k) = keys.next().await {
+                let k = k.map_err(|e| e.to_string())?;
+                if let Some(origin) = k.strip_prefix(&prefix) {
+                    if origin == cluster.replica_id {
+                        continue;
+                    }
+                    if let Some(v) = kv.get(&k).await.map_err(|e| e.to_string())? {
+                        out.push((origin.to_string(), v));
+                    }
+                }
+            }
+            Ok::<_, String>(out)
+        };
+        let snapshots = match tokio::time::timeout(Duration::from_secs(5), read).await {
+            Ok(Ok(s)) => s,
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "cannot read the canary's outcomes from the other replicas: counting from now on");
+                return;
+            }
+            Err(_) => {
+                tracing::warn!("no answer reading the canary's outcomes from the other replicas: counting from now on");
+                return;
+            }
+        };
+        let mut merged = 0;
+        for (origin, bytes) in snapshots {
+            let Ok(snap) = serde_json::from_slice::<Snapshot>(&bytes) else {
+                self.metrics.dropped.with_label_values(&["malformed"]).inc();
+                continue;
+            };
+            let n = snap.batch.requests();
+            if policies.merge_outcome_batch(&snap.batch) {
+                self.metrics.merged.inc_by(n);
+                merged += n;
+                seqs.insert(origin, snap.seq);
+            }
+        }
+        tracing::info!(
+            canary = id,
+            outcomes = merged,
+            "took up the canary's outcomes so far from the other replicas"
+        );
+    }
+
+    /// One message from another replica.
+    fn on_message(
+        &self,
+        me: &str,
+        policies: &PolicyRegistry,
+        seqs: &mut std::collections::HashMap<String, u64>,
+        payload: &[u8],
+    ) {
+        let s = self;
+        {
+            {
                 let Ok(m) = serde_json::from_slice::<RolloutMessage>(payload) else {
                     s.metrics.dropped.with_label_values(&["malformed"]).inc();
                     return;
@@ -155,9 +269,8 @@ impl RolloutSync {
                         .with_label_values(&["unknown_canary"])
                         .inc_by(n);
                 }
-            },
-        ));
-        sync
+            }
+        }
     }
 
     async fn publish_forever(
@@ -169,8 +282,15 @@ impl RolloutSync {
         let mut every = tokio::time::interval(EVERY);
         every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut seq = 0u64;
+        let mut last_snapshot = tokio::time::Instant::now();
+        // The canary whose snapshot this replica keeps in the bucket.
+        let mut kept: Option<u64> = None;
         loop {
             every.tick().await;
+            if last_snapshot.elapsed() >= SNAPSHOT_EVERY && cluster.connected() {
+                last_snapshot = tokio::time::Instant::now();
+                self.keep_snapshot(&cluster, &policies, &mut kept).await;
+            }
             let Some(batch) = policies.take_outcome_batch() else {
                 continue;
             };
@@ -198,7 +318,10 @@ impl RolloutSync {
                 continue;
             };
             match cluster.client.publish(subject.clone(), bytes.into()).await {
-                Ok(()) => self.metrics.published.inc_by(n),
+                Ok(()) => {
+                    policies.note_published(seq, &message.batch);
+                    self.metrics.published.inc_by(n);
+                }
                 Err(e) => {
                     tracing::warn!(error = %e, "cannot publish canary outcomes");
                     self.metrics
@@ -206,6 +329,38 @@ impl RolloutSync {
                         .with_label_values(&["disconnected"])
                         .inc_by(n);
                 }
+            }
+        }
+    }
+
+    /// Rewrites this replica's snapshot of the running canary if it changed; removes the one of
+    /// a canary that ended. Best effort: a failure is logged and retried at the next change.
+    async fn keep_snapshot(
+        &self,
+        cluster: &Cluster,
+        policies: &PolicyRegistry,
+        kept: &mut Option<u64>,
+    ) {
+        let running = policies.running_canary_id();
+        if let Some(old) = kept.filter(|k| Some(*k) != running) {
+            let key = snapshot_key(old, &cluster.replica_id);
+            match cluster.policies.purge(&key).await {
+                Ok(()) => *kept = None,
+                Err(e) => tracing::debug!(%key, error = %e, "cannot remove a canary snapshot"),
+            }
+        }
+        let Some((seq, batch)) = policies.published_snapshot() else {
+            return;
+        };
+        let id = batch.canary;
+        let key = snapshot_key(id, &cluster.replica_id);
+        let Ok(bytes) = serde_json::to_vec(&Snapshot { seq, batch }) else {
+            return;
+        };
+        match cluster.policies.put(&key, bytes.into()).await {
+            Ok(_) => *kept = Some(id),
+            Err(e) => {
+                tracing::warn!(%key, error = %e, "cannot keep this replica's canary outcomes in the cluster")
             }
         }
     }
