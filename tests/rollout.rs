@@ -478,7 +478,7 @@ fn fleet(n: usize, engine_args: &[&str], kv_blocks: u32) -> (Server, Vec<MockEng
     (server, engines)
 }
 
-fn load_misbehave(server: &Server, name: &str, mode: &str, activate: bool) {
+pub(crate) fn load_misbehave(server: &Server, name: &str, mode: &str, activate: bool) {
     let bytes = plugins::plugin_bytes(MISBEHAVE);
     let config = json!({"mode": mode}).to_string();
     let query: String = config
@@ -503,7 +503,7 @@ fn load_misbehave(server: &Server, name: &str, mode: &str, activate: bool) {
 /// One streamed completion of `session`: its prompt (token ids, so the proxy spends no time
 /// tokenizing) is the session's own long prefix and a short turn. Returns the `x-kvroute-policy`
 /// header (`NAME@VERSION`).
-fn turn(server: &Server, agent: &ureq::Agent, session: usize, k: usize) -> String {
+pub(crate) fn turn(server: &Server, agent: &ureq::Agent, session: usize, k: usize) -> String {
     let mut prompt: Vec<u32> = (0..PROMPT_TOKENS)
         .map(|j| 10 + ((session * 7919 + j * 31 + j * j) % 200) as u32)
         .collect();
@@ -579,7 +579,7 @@ fn drive(
     (seen.into_inner().unwrap(), n)
 }
 
-fn canary_state(server: &Server, name: &str) -> Value {
+pub(crate) fn canary_state(server: &Server, name: &str) -> Value {
     let r = server.get(&format!("/v1/policies/{name}/canary"));
     r.expect(200);
     r.body().clone()
@@ -588,7 +588,7 @@ fn canary_state(server: &Server, name: &str) -> Value {
 /// While a canary runs a session is routed by one arm only, the one its id hashes to; after it
 /// ends, every session is routed by the active version (a candidate session goes back to it, never
 /// the other way round).
-fn assert_one_arm_per_session(
+pub(crate) fn assert_one_arm_per_session(
     seen: &BTreeMap<String, Vec<String>>,
     fraction: f64,
     control: &str,
@@ -624,11 +624,11 @@ fn assert_one_arm_per_session(
 }
 
 /// KV blocks per engine in the end-to-end fleets: about a dozen sessions' system prompts.
-const FLEET_BLOCKS: u32 = 1536;
+pub(crate) const FLEET_BLOCKS: u32 = 1536;
 /// Tokens of each session's prefix.
-const PROMPT_TOKENS: usize = 2000;
+pub(crate) const PROMPT_TOKENS: usize = 2000;
 /// Sessions driven, 4 threads at a time.
-const SESSIONS: usize = 40;
+pub(crate) const SESSIONS: usize = 40;
 
 /// The most requests the rollback (or the promotion) may take: 20% of the sessions are in the
 /// candidate arm, and each arm needs at least 20 measured requests.
@@ -914,4 +914,139 @@ fn replay_predicts_a_canary_split() {
         stdout.contains("canary of kvroute_test_misbehave at 20%"),
         "{stdout}"
     );
+}
+
+// ------------------------------------------------------------------- shared between replicas
+
+/// Two registries as two cluster replicas: B takes A's canary up from its image (the same id,
+/// spec and start), A's outcomes reach B as a batch and B's reach A, each one's report is then the
+/// same (the fleet's), and B's guardrails judge A's outcomes too: a slower candidate measured on
+/// A alone is rolled back on B once A's batches are merged there.
+#[test]
+fn outcome_batches_merge_into_every_replicas_canary() {
+    let replica = || {
+        let reg = registry();
+        reg.set_shared_rollout(true);
+        reg.load("default", kvroute_policy::DEFAULT_POLICY_WASM, None, true)
+            .unwrap();
+        misbehave(&reg, "random", "random");
+        reg
+    };
+    let (a, b) = (replica(), replica());
+    a.start_canary("random", &canary(0.2)).unwrap();
+    let image = a.rollout_image();
+    assert!(b.set_rollout(&image));
+    assert_eq!(b.rollout_image(), image, "B holds A's canary as A does");
+    assert!(!b.set_rollout(&image), "applying it again changes nothing");
+    let outcome = |ttft: f64| RequestOutcome {
+        ttft_ms: Some(ttft),
+        itl_ms: Some(5.0),
+        cached_tokens: Some(100),
+        prompt_tokens: 400,
+        error: false,
+        fallback: false,
+    };
+    // Equal arms, measured half on A, half on B.
+    for i in 0..60 {
+        let t = 50.0 + (i % 10) as f64;
+        let r = if i % 2 == 0 { &a } else { &b };
+        r.record_outcome("default", 1, &outcome(t));
+        r.record_outcome("random", 1, &outcome(t));
+    }
+    let (from_a, from_b) = (
+        a.take_outcome_batch().expect("A's batch"),
+        b.take_outcome_batch().expect("B's batch"),
+    );
+    assert_eq!(from_a.requests(), 60);
+    assert_eq!(from_a.arms[1].ttft.len(), 30);
+    assert!(a.take_outcome_batch().is_none(), "taken means gone");
+    assert!(b.merge_outcome_batch(&from_a));
+    assert!(a.merge_outcome_batch(&from_b));
+    let (ra, rb) = (
+        a.canary_report("random").0.unwrap(),
+        b.canary_report("random").0.unwrap(),
+    );
+    assert_eq!(ra.candidate.requests, 60);
+    assert_eq!(ra.control, rb.control);
+    assert_eq!(ra.candidate, rb.candidate);
+    assert_eq!(ra.differences, rb.differences);
+    // A batch of another canary (an id neither runs) is refused.
+    let mut other = from_a.clone();
+    other.canary += 7;
+    assert!(!b.merge_outcome_batch(&other));
+    // The candidate turns slow on A only: B has seen none of it until the batch arrives, then its
+    // guardrail rolls the canary back on the merged samples.
+    for n in 0..120 {
+        a.record_outcome("random", 1, &outcome(80.0 + (n % 10) as f64));
+        a.record_outcome("default", 1, &outcome(50.0 + (n % 10) as f64));
+        if a.canary_report("random").0.is_none() {
+            break;
+        }
+    }
+    assert!(
+        a.canary_report("random").0.is_none(),
+        "A rolls back on its own"
+    );
+    assert!(b.canary_report("random").0.is_some());
+    // A's remaining outcomes went with its canary; B judges from the batches it got. Feed B A's
+    // slow outcomes as one batch, as the publisher would have before the rollback.
+    let slow = kvroute_policy::OutcomeBatch {
+        canary: ra.id,
+        arms: [
+            kvroute_policy::ArmDelta {
+                requests: 60,
+                ttft: (0..60).map(|n| 50.0 + (n % 10) as f64).collect(),
+                ..Default::default()
+            },
+            kvroute_policy::ArmDelta {
+                requests: 60,
+                ttft: (0..60).map(|n| 80.0 + (n % 10) as f64).collect(),
+                ..Default::default()
+            },
+        ],
+        dropped: 0,
+    };
+    assert!(b.merge_outcome_batch(&slow));
+    let (live, records) = b.canary_report("random");
+    assert!(live.is_none(), "B rolled back on the merged samples");
+    assert_eq!(records[0].outcome, "rolled_back", "{:?}", records[0]);
+    assert_eq!(
+        records[0].evidence.candidate.ttft_ms.n, 120,
+        "60 + 60 samples"
+    );
+    assert_eq!(b.active_info().unwrap().name, "default");
+}
+
+/// A replica that cannot run a shared shadow or canary (a version it does not hold) routes by its
+/// active version, and keeps them in its image, so that its next write does not end them for the
+/// replicas that run them.
+#[test]
+fn a_shared_shadow_or_canary_a_replica_cannot_run_stays_in_its_image() {
+    let a = registry();
+    a.load("default", kvroute_policy::DEFAULT_POLICY_WASM, None, true)
+        .unwrap();
+    misbehave(&a, "random", "random");
+    a.start_shadow(
+        "random",
+        &ShadowSpec {
+            version: None,
+            sample: 0.5,
+        },
+    )
+    .unwrap();
+    a.start_canary("random", &canary(0.2)).unwrap();
+    let image = a.rollout_image();
+    let b = registry();
+    b.load("default", kvroute_policy::DEFAULT_POLICY_WASM, None, true)
+        .unwrap();
+    assert!(b.set_rollout(&image));
+    assert!(b.shadow_report("random").is_none());
+    assert!(b.running_canary_report().is_none());
+    assert_eq!(b.rollout_image(), image, "kept for the others");
+    // Every decision on B is the active version's.
+    let taints = plugins::taint_table(1, 4);
+    for (req, cols) in decisions(50) {
+        let d = b.decide(&req, &cols, &taints);
+        assert_eq!(d.policy.unwrap().name(), "default");
+    }
 }

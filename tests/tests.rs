@@ -12,6 +12,7 @@ mod builtins;
 mod cli;
 mod cluster;
 mod cluster_outage;
+mod cluster_rollout;
 mod cluster_sync;
 mod disaggregation;
 mod ext_proc;

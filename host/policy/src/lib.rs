@@ -89,8 +89,8 @@ pub use registry::{
     PolicyVersion, RegistryCounters, RegistryImage, StageInfo, VersionImage,
 };
 pub use rollout::{
-    canary_arm, Arm, CanaryRecord, CanaryReport, CanarySpec, RequestOutcome, ShadowReport,
-    ShadowSpec,
+    canary_arm, merge_rollout, Arm, ArmDelta, CanaryImage, CanaryRecord, CanaryReport, CanarySpec,
+    OutcomeBatch, RequestOutcome, RolloutImage, ShadowImage, ShadowReport, ShadowSpec,
 };
 pub use scorer::RegistryScorer;
 pub use shared::engine_config;

@@ -92,6 +92,8 @@ pub fn build_with_state(
     }
     let policies =
         Arc::new(PolicyRegistry::new(config.policy_runtime.clone()).map_err(|e| e.to_string())?);
+    // Cluster mode: canaries keep their outcomes for the other replicas (cluster/rollout.rs).
+    policies.set_shared_rollout(config.cluster.is_some());
     let image = stored.as_ref().and_then(|s| s.policies.as_ref());
     if let (Some(image), Some(p)) = (image, state) {
         policies
@@ -152,6 +154,19 @@ pub fn build_with_state(
         }
     }
     router.set_scorer(Some(Box::new(RegistryScorer::new(policies.clone()))));
+    // The shadows and the canary that ran, once the versions they name are loaded.
+    if let Some(rollout) = stored.as_ref().and_then(|s| s.rollout.as_ref()) {
+        policies.set_rollout(rollout);
+        tracing::info!(
+            shadows = rollout.shadows.len(),
+            canary = rollout
+                .canary
+                .as_ref()
+                .map(|c| format!("{} v{} (id {})", c.name, c.version, c.id)),
+            from = what,
+            "rollout restored"
+        );
+    }
     if let Some(p) = state {
         let persist = |e: crate::state::StateError| format!("{what}: {e}");
         p.put_all_workers(&router).map_err(persist)?;
@@ -264,6 +279,11 @@ pub async fn run(
     }
     if let Some(s) = &sync {
         metrics.add_renderer(s.renderer());
+    }
+    // A canary's outcomes shared with the other replicas (its spec and records are state).
+    if let Some(c) = &cluster {
+        let r = crate::cluster::rollout::RolloutSync::start(c.clone(), policies.clone());
+        metrics.add_renderer(r.renderer());
     }
     // KV events posted to this replica are applied by the others too, and theirs here.
     let event_relay = cluster.as_ref().map(|c| {
@@ -402,6 +422,23 @@ pub async fn run(
         cluster: sync.clone().map(|s| s as Arc<dyn http::ClusterView>),
         event_relay: event_relay.map(|r| r as Arc<dyn http::EventRelay>),
     };
+    // A guardrail's verdict (a rollback or promotion decided here) is written within 100 ms, not
+    // at the next maintenance tick: in a cluster, the sooner it is written the sooner every
+    // replica holds it, and the sooner a replica whose own verdict lost takes the winner's up.
+    let rollout_writer = persisted.clone().map(|p| {
+        let policies = policies.clone();
+        tokio::spawn(async move {
+            let mut every = tokio::time::interval(Duration::from_millis(100));
+            every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                every.tick().await;
+                if p.rollout_dirty(&policies) {
+                    let (p, policies) = (p.clone(), policies.clone());
+                    let _ = tokio::task::spawn_blocking(move || p.sync_policies(&policies)).await;
+                }
+            }
+        })
+    });
     let ticker = {
         let router = router.clone();
         let policies = policies.clone();
@@ -473,6 +510,9 @@ pub async fn run(
     .await
     .map_err(|e| format!("server error: {e}"));
     ticker.abort();
+    if let Some(w) = rollout_writer {
+        w.abort();
+    }
     if let Some(task) = ext_proc {
         // Open streams (requests Envoy is still processing) get what is left of the grace.
         let abort = task.abort_handle();

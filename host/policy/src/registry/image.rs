@@ -77,6 +77,7 @@ pub struct Checkpoint {
     history: Vec<Arc<PolicyVersion>>,
     versions: HashMap<String, u64>,
     active: Option<Arc<ActivePolicy>>,
+    rollout: crate::rollout::RolloutCheckpoint,
 }
 
 fn image_of(v: &PolicyVersion) -> Option<VersionImage> {
@@ -202,11 +203,12 @@ impl PolicyRegistry {
             history: state.history.clone(),
             versions: state.versions.clone(),
             active: self.active.load_full(),
+            rollout: self.rollout.checkpoint(),
         }
     }
 
     /// Puts the registry back as it was at `checkpoint`: the same versions (the same instances),
-    /// the same history and the same active pointer.
+    /// the same history and the same active pointer, and the same shadows, canary and records.
     pub fn revert(&self, checkpoint: Checkpoint) {
         let _admin = self.admin.lock();
         let mut state = self.state.lock();
@@ -214,6 +216,7 @@ impl PolicyRegistry {
         state.history = checkpoint.history;
         state.versions = checkpoint.versions;
         self.active.store(checkpoint.active);
+        self.rollout.revert(checkpoint.rollout);
     }
 }
 

@@ -18,8 +18,8 @@ use super::error::{FallbackReason, PolicyError};
 use super::pipeline::PipelineSpec;
 use super::plugin::CompiledPlugin;
 use super::rollout::{
-    Arm, Canary, CanaryRecord, CanaryReport, CanarySpec, RequestOutcome, Rollout, RolloutCounters,
-    ShadowReport, ShadowSpec, Verdict,
+    Arm, Canary, CanaryImage, CanaryRecord, CanaryReport, CanarySpec, OutcomeBatch, RequestOutcome,
+    Rollout, RolloutCounters, RolloutImage, ShadowReport, ShadowSpec, Verdict,
 };
 use super::runtime::PolicyRuntime;
 use super::wire::with_wit_decision;

@@ -54,6 +54,7 @@ impl PolicyRegistry {
         }
         let shadow = self.rollout.new_shadow(version.clone(), spec.sample);
         let report = shadow.report();
+        self.rollout.held_shadows.lock().retain(|s| s.name != name);
         self.rollout.shadows.rcu(|list| {
             let mut list: Vec<_> = list
                 .iter()
@@ -268,6 +269,236 @@ impl PolicyRegistry {
         &self.rollout.counters
     }
 
+    /// Cluster mode: canaries started from now on keep their outcomes for
+    /// [`Self::take_outcome_batch`] (the other replicas merge them).
+    pub fn set_shared_rollout(&self, on: bool) {
+        self.rollout.share.store(on, Relaxed);
+    }
+
+    /// The rollout state as a state store keeps it: the shadows' and the canary's specs, and the
+    /// ended canaries' records.
+    pub fn rollout_image(&self) -> RolloutImage {
+        self.rollout.image()
+    }
+
+    /// Makes the rollout state what `image` says (at start, from a state store, or another
+    /// replica's change): shadows started or stopped, the canary started with its stored id and
+    /// start time (a running one with the same id keeps its figures) or ended, the records
+    /// replaced. A shadow or canary whose versions are not loaded here (or whose control is not
+    /// the active version) is logged and not run; the canary is kept in the image all the same,
+    /// so this replica does not end it for the others. Returns whether anything changed.
+    pub fn set_rollout(&self, image: &RolloutImage) -> bool {
+        let _admin = self.admin.lock();
+        let before = self.rollout.image();
+        if before == *image {
+            return false;
+        }
+        // Shadows: the same (name, version, sample) keeps running with its figures.
+        let current = self.rollout.shadows.load_full();
+        let mut shadows = Vec::new();
+        let mut held = Vec::new();
+        for si in &image.shadows {
+            let same = current.iter().find(|s| {
+                s.version().name() == si.name
+                    && s.version().version() == si.version
+                    && s.report().sample == si.sample
+            });
+            match same {
+                Some(s) => shadows.push(s.clone()),
+                None => match self.rollout_version(&si.name, Some(si.version)) {
+                    Ok(v) => shadows.push(self.rollout.new_shadow_at(
+                        v,
+                        si.sample,
+                        std::time::SystemTime::UNIX_EPOCH
+                            + std::time::Duration::from_millis(si.started_at_ms),
+                    )),
+                    Err(e) => {
+                        tracing::warn!(
+                            policy = %si.name,
+                            version = si.version,
+                            error = %e,
+                            "a shared shadow is not loaded here: not run on this replica"
+                        );
+                        held.push(si.clone());
+                    }
+                },
+            }
+        }
+        self.rollout.shadows.store(Arc::new(shadows));
+        *self.rollout.held_shadows.lock() = held;
+        self.rollout.forget_shadows();
+        // The canary.
+        let running = self.rollout.canary.load_full();
+        let keep = matches!((&running, &image.canary), (Some(r), Some(ci)) if r.id() == ci.id);
+        if !keep {
+            if let Some(r) = &running {
+                // Ended elsewhere (its record comes with the image) or replaced.
+                if !Rollout::is_ended(r) {
+                    self.rollout.end_quietly(r);
+                }
+            }
+            *self.rollout.held.lock() = None;
+            if let Some(ci) = &image.canary {
+                match self.canary_of(ci) {
+                    Ok((candidate, control)) => {
+                        let c = self.rollout.canary_with(
+                            ci.id,
+                            candidate,
+                            control,
+                            ci.spec.clone(),
+                            std::time::SystemTime::UNIX_EPOCH
+                                + std::time::Duration::from_millis(ci.started_at_ms),
+                        );
+                        self.rollout.canary.store(Some(c));
+                        tracing::info!(
+                            policy = %ci.name,
+                            version = ci.version,
+                            id = ci.id,
+                            fraction = ci.spec.fraction,
+                            "canary taken up from the shared state"
+                        );
+                    }
+                    Err(e) => {
+                        tracing::error!(
+                            policy = %ci.name,
+                            version = ci.version,
+                            error = %e,
+                            "the shared canary cannot run on this replica: its sessions are routed by the active version here"
+                        );
+                        *self.rollout.held.lock() = Some(ci.clone());
+                    }
+                }
+            }
+        }
+        {
+            let mut records = self.rollout.records.lock();
+            *records = image
+                .records
+                .iter()
+                .map(|r| (r.evidence.policy.clone(), r.clone()))
+                .collect();
+            if let Some(max) = image.records.iter().map(|r| r.evidence.id).max() {
+                self.rollout.next_id.fetch_max(max + 1, Relaxed);
+            }
+        }
+        true
+    }
+
+    /// The candidate and control versions of a stored canary, if this replica holds them and the
+    /// control is the active version.
+    fn canary_of(
+        &self,
+        ci: &CanaryImage,
+    ) -> Result<(Arc<PolicyVersion>, Arc<PolicyVersion>), PolicyError> {
+        let candidate = self.rollout_version(&ci.name, Some(ci.version))?;
+        let active = self.active.load_full();
+        match active {
+            Some(a)
+                if a.policy.name() == ci.control && a.policy.version() == ci.control_version =>
+            {
+                Ok((candidate, a.policy.clone()))
+            }
+            _ => Err(PolicyError::RolloutConflict(format!(
+                "its control {} v{} is not the active version here",
+                ci.control, ci.control_version
+            ))),
+        }
+    }
+
+    /// Undoes this replica's promotion recorded by `record` when the shared state says the canary
+    /// ended otherwise (another replica's rollback was written first): the control is active
+    /// again, as it is everywhere else.
+    pub fn undo_promotion(&self, record: &CanaryRecord) {
+        let _admin = self.admin.lock();
+        let mut state = self.state.lock();
+        let ev = &record.evidence;
+        let active = self.active.load_full();
+        let promoted = active
+            .as_ref()
+            .is_some_and(|a| a.policy.name() == ev.policy && a.policy.version() == ev.version);
+        let control = state
+            .history
+            .last()
+            .cloned()
+            .filter(|c| c.name() == ev.control.policy && c.version() == ev.control.version);
+        if let (true, Some(control)) = (promoted, control) {
+            state.history.pop();
+            self.set_active(&mut state, Some(control), false);
+            tracing::warn!(
+                policy = %ev.policy,
+                version = ev.version,
+                "this replica's promotion lost to another replica's decision on the same canary: undone"
+            );
+        }
+    }
+
+    /// This replica's new outcomes of the running canary since the last call (cluster mode), for
+    /// the other replicas.
+    pub fn take_outcome_batch(&self) -> Option<OutcomeBatch> {
+        let c = self.rollout.canary.load_full()?;
+        if Rollout::is_ended(&c) {
+            return None;
+        }
+        c.take_batch()
+    }
+
+    /// Notes that this replica's outcome message `seq` carried `batch` (it is then part of
+    /// [`Self::published_snapshot`]).
+    pub fn note_published(&self, seq: u64, batch: &OutcomeBatch) {
+        if let Some(c) = self.rollout.canary.load_full() {
+            if c.id() == batch.canary {
+                c.note_published(seq, batch);
+            }
+        }
+    }
+
+    /// The running canary's outcomes this replica published so far, whole, with the last
+    /// message's number, if they changed since the last call: what a replica that takes the
+    /// canary up later merges first.
+    pub fn published_snapshot(&self) -> Option<(u64, OutcomeBatch)> {
+        let c = self.rollout.canary.load_full()?;
+        if Rollout::is_ended(&c) {
+            return None;
+        }
+        c.published_snapshot()
+    }
+
+    /// The running canary's id.
+    pub fn running_canary_id(&self) -> Option<u64> {
+        self.rollout
+            .canary
+            .load_full()
+            .filter(|c| !Rollout::is_ended(c))
+            .map(|c| c.id())
+    }
+
+    /// Merges another replica's outcome batch into the running canary (same id) and judges its
+    /// guardrails on every replica's figures, which may roll it back or promote it here. False
+    /// when no canary of that id runs here.
+    pub fn merge_outcome_batch(&self, batch: &OutcomeBatch) -> bool {
+        let Some(c) = self.rollout.canary.load_full() else {
+            return false;
+        };
+        if c.id() != batch.canary || Rollout::is_ended(&c) {
+            return false;
+        }
+        if let Some((verdict, evidence)) = c.merge(batch) {
+            self.act_on(&c, verdict, evidence);
+        }
+        true
+    }
+
+    fn act_on(&self, canary: &Arc<Canary>, verdict: Verdict, evidence: CanaryReport) {
+        match verdict {
+            Verdict::RollBack(rule, reason) => {
+                self.roll_back_canary(canary, rule, reason, Some(evidence))
+            }
+            Verdict::Promote(reason) => {
+                self.promote_canary(canary, "auto_promote", reason, Some(evidence));
+            }
+        }
+    }
+
     /// What the data path learned about a request routed by `policy` version `version`: counted
     /// in the running canary's arm of that version (if any), and judged by its guardrails, which
     /// may roll it back or promote it here. Cheap when no canary runs.
@@ -276,13 +507,6 @@ impl PolicyRegistry {
         else {
             return;
         };
-        match verdict {
-            Verdict::RollBack(rule, reason) => {
-                self.roll_back_canary(&canary, rule, reason, Some(evidence))
-            }
-            Verdict::Promote(reason) => {
-                self.promote_canary(&canary, "auto_promote", reason, Some(evidence));
-            }
-        }
+        self.act_on(&canary, verdict, evidence);
     }
 }

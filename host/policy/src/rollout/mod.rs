@@ -46,6 +46,65 @@ use crate::DecisionContext;
 
 pub use stats::{Difference, Samples, Summary};
 
+/// One of the `known` names a report writes as a `&'static str`, read back (a record another
+/// replica wrote, or one kept in a state store); any other name is refused.
+pub(crate) fn known_str(s: &str, known: &[&'static str]) -> Result<&'static str, String> {
+    known
+        .iter()
+        .find(|k| **k == s)
+        .copied()
+        .ok_or_else(|| format!("unknown name {s:?} (one of {known:?})"))
+}
+
+const RECORD_OUTCOMES: [&str; 4] = ["rolled_back", "promoted", "stopped", "superseded"];
+const RECORD_RULES: [&str; 9] = [
+    "ttft_mean",
+    "ttft_p90",
+    "itl_mean",
+    "error_rate",
+    "fallback_rate",
+    "consecutive_failures",
+    "auto_promote",
+    "manual",
+    "activation",
+];
+
+/// A [`CanaryRecord`] as read back.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CanaryRecordWire {
+    outcome: String,
+    rule: String,
+    reason: String,
+    ended_at: String,
+    evidence: CanaryReport,
+}
+
+// By hand: derived, the `&'static str`s would tie it to `'static` input.
+impl<'de> Deserialize<'de> for CanaryRecord {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        use serde::de::Error;
+        let w = CanaryRecordWire::deserialize(d)?;
+        Ok(Self {
+            outcome: known_str(&w.outcome, &RECORD_OUTCOMES).map_err(D::Error::custom)?,
+            rule: known_str(&w.rule, &RECORD_RULES).map_err(D::Error::custom)?,
+            reason: w.reason,
+            ended_at: w.ended_at,
+            evidence: w.evidence,
+        })
+    }
+}
+
+/// Milliseconds since the Unix epoch of `t` (0 before it).
+fn epoch_ms(t: SystemTime) -> u64 {
+    t.duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+fn from_epoch_ms(ms: u64) -> SystemTime {
+    SystemTime::UNIX_EPOCH + std::time::Duration::from_millis(ms)
+}
+
 /// Decisions the shadow queue holds (waiting or being evaluated); past that a sampled decision is
 /// dropped (and counted).
 pub const SHADOW_QUEUE_CAPACITY: usize = 1024;
@@ -646,7 +705,7 @@ struct ArmOutcomes {
 }
 
 /// One arm as reported.
-#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 pub struct ArmReport {
     pub policy: String,
     pub version: u64,
@@ -667,7 +726,7 @@ pub struct ArmReport {
 }
 
 /// Candidate minus control, figure by figure (absent until both arms have 2 samples).
-#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 pub struct Differences {
     pub ttft_mean_ms: Option<Difference>,
     pub ttft_p90_ms: Option<Difference>,
@@ -678,7 +737,7 @@ pub struct Differences {
 }
 
 /// A canary as reported (`GET /v1/policies/{name}/canary`), live or in a record.
-#[derive(Clone, Debug, Serialize, PartialEq)]
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct CanaryReport {
     pub id: u64,
     pub policy: String,
@@ -714,11 +773,216 @@ pub struct Canary {
     pub(crate) control: Arc<PolicyVersion>,
     spec: CanarySpec,
     started_at: SystemTime,
+    /// This replica's decisions (the request path counts them here).
     decisions: [AtomicU64; 2],
     fallbacks: [AtomicU64; 2],
+    /// The other replicas' decisions, merged from their outcome batches.
+    remote_decisions: [AtomicU64; 2],
+    remote_fallbacks: [AtomicU64; 2],
+    /// This replica's decisions already handed to [`Canary::take_batch`].
+    sent: Mutex<[(u64, u64); 2]>,
     pub(crate) consecutive: AtomicU32,
+    /// Every replica's outcomes (this one's and the merged batches').
     outcomes: Mutex<[ArmOutcomes; 2]>,
+    /// This replica's outcomes not yet handed to the publisher (cluster mode only).
+    unsent: Option<Mutex<Unsent>>,
+    /// Everything this replica published of this canary, for a replica that takes it up later.
+    published: Mutex<Published>,
     ended: AtomicBool,
+}
+
+/// Outcomes waiting for the publisher, and those it had no room for.
+#[derive(Default)]
+struct Unsent {
+    arms: [ArmDelta; 2],
+    outcomes: usize,
+    dropped: u64,
+}
+
+/// This replica's published outcomes of a canary, whole (samples up to [`SNAPSHOT_SAMPLES`] per
+/// arm and figure), and the number of the last message they include.
+#[derive(Default)]
+struct Published {
+    arms: [ArmDelta; 2],
+    seq: u64,
+    changed: bool,
+}
+
+/// Samples per arm and figure a replica's snapshot of its published outcomes carries (the counts
+/// are whole; past this many, a later replica's figures for it rest on the first ones).
+pub const SNAPSHOT_SAMPLES: usize = 10_000;
+
+/// Outcomes a batch carries at most; past that (the publisher is stuck) an outcome is counted
+/// here but not shared, and the batch says how many were left out.
+pub const MAX_UNSENT_OUTCOMES: usize = 20_000;
+
+/// One arm's new outcomes and decisions on one replica, as shared with the others.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ArmDelta {
+    pub decisions: u64,
+    pub decision_fallbacks: u64,
+    pub requests: u64,
+    pub errors: u64,
+    pub fallbacks: u64,
+    /// Each request's TTFT (ms), ITL (ms) and engine-reported cached tokens, when measured.
+    pub ttft: Vec<f64>,
+    pub itl: Vec<f64>,
+    pub cached: Vec<f64>,
+    /// Sums for the cached-token ratio (requests that reported both).
+    pub cached_tokens: u64,
+    pub prompt_tokens: u64,
+}
+
+impl ArmDelta {
+    fn is_empty(&self) -> bool {
+        self.decisions == 0 && self.requests == 0
+    }
+
+    /// Adds `other` (samples up to [`SNAPSHOT_SAMPLES`] per figure).
+    fn absorb(&mut self, other: &ArmDelta) {
+        self.decisions += other.decisions;
+        self.decision_fallbacks += other.decision_fallbacks;
+        self.requests += other.requests;
+        self.errors += other.errors;
+        self.fallbacks += other.fallbacks;
+        for (dst, src) in [
+            (&mut self.ttft, &other.ttft),
+            (&mut self.itl, &other.itl),
+            (&mut self.cached, &other.cached),
+        ] {
+            let room = SNAPSHOT_SAMPLES.saturating_sub(dst.len());
+            dst.extend(src.iter().take(room));
+        }
+        self.cached_tokens += other.cached_tokens;
+        self.prompt_tokens += other.prompt_tokens;
+    }
+
+    fn push(&mut self, out: &RequestOutcome) {
+        self.requests += 1;
+        self.errors += u64::from(out.error);
+        self.fallbacks += u64::from(out.fallback);
+        if let Some(t) = out.ttft_ms {
+            self.ttft.push(t);
+        }
+        if let Some(t) = out.itl_ms {
+            self.itl.push(t);
+        }
+        if let Some(c) = out.cached_tokens {
+            self.cached.push(c as f64);
+            self.cached_tokens += c;
+            self.prompt_tokens += out.prompt_tokens;
+        }
+    }
+}
+
+/// A replica's new outcomes of one canary since its last batch (`PolicyRegistry::
+/// take_outcome_batch`), merged by the others (`PolicyRegistry::merge_outcome_batch`).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OutcomeBatch {
+    /// The canary's id (the same on every replica).
+    pub canary: u64,
+    /// Control, candidate.
+    pub arms: [ArmDelta; 2],
+    /// Outcomes the replica measured but could not fit in its batches (counted, not shared).
+    pub dropped: u64,
+}
+
+impl OutcomeBatch {
+    /// Outcomes (requests) it carries.
+    pub fn requests(&self) -> u64 {
+        self.arms.iter().map(|a| a.requests).sum()
+    }
+}
+
+/// The rollout state as kept in a state store and shared between replicas: what runs (the
+/// shadows' and the canary's specs) and how the last canaries ended. The figures are not in it:
+/// they travel as [`OutcomeBatch`]es.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RolloutImage {
+    #[serde(default)]
+    pub shadows: Vec<ShadowImage>,
+    #[serde(default)]
+    pub canary: Option<CanaryImage>,
+    /// Ended canaries, oldest first (at most [`MAX_RECORDS`]).
+    #[serde(default)]
+    pub records: Vec<CanaryRecord>,
+}
+
+/// A running shadow's spec.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ShadowImage {
+    pub name: String,
+    pub version: u64,
+    pub sample: f64,
+    pub started_at_ms: u64,
+}
+
+/// The running canary's spec.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CanaryImage {
+    pub id: u64,
+    pub name: String,
+    pub version: u64,
+    /// The version active when it started (its control arm).
+    pub control: String,
+    pub control_version: u64,
+    pub spec: CanarySpec,
+    pub started_at_ms: u64,
+}
+
+/// What a replica should hold after reading `stored` (the store's rollout record, newer than
+/// `written`, the last one this replica wrote or applied), given what it holds now (`local`).
+///
+/// The store's record wins, except for canaries this replica ended itself and has not written
+/// yet (a guardrail fired here; their records are in `local` but not in `written`): those stay
+/// ended, with their records, unless the store already has a record of them, which then wins
+/// (two replicas deciding at once: the first written is the one every replica keeps). Returns
+/// the image to hold, and the records of this replica's promotions the store's record overrode
+/// (the promotion must be undone here).
+pub fn merge_rollout(
+    stored: &RolloutImage,
+    local: &RolloutImage,
+    written: &RolloutImage,
+) -> (RolloutImage, Vec<CanaryRecord>) {
+    let ids = |r: &[CanaryRecord]| r.iter().map(|r| r.evidence.id).collect::<Vec<_>>();
+    let (written_ids, stored_ids) = (ids(&written.records), ids(&stored.records));
+    let pending: Vec<&CanaryRecord> = local
+        .records
+        .iter()
+        .filter(|r| !written_ids.contains(&r.evidence.id))
+        .collect();
+    let mut out = stored.clone();
+    let mut overridden = Vec::new();
+    for r in pending {
+        match stored
+            .records
+            .iter()
+            .find(|s| s.evidence.id == r.evidence.id)
+        {
+            Some(s) => {
+                if r.outcome == "promoted" && s.outcome != "promoted" {
+                    overridden.push(r.clone());
+                }
+            }
+            None => {
+                if out.canary.as_ref().is_some_and(|c| c.id == r.evidence.id) {
+                    out.canary = None;
+                }
+                if !stored_ids.contains(&r.evidence.id) {
+                    out.records.push(r.clone());
+                }
+            }
+        }
+    }
+    while out.records.len() > MAX_RECORDS {
+        out.records.remove(0);
+    }
+    (out, overridden)
 }
 
 impl Canary {
@@ -726,14 +990,132 @@ impl Canary {
         canary_arm(arm_key(req), self.spec.fraction)
     }
 
+    /// Counts a decision of this replica; every replica's decisions and fallbacks in `arm` so far.
     pub(crate) fn count_decision(&self, arm: Arm, fallback: bool) -> (u64, u64) {
-        let d = self.decisions[arm.index()].fetch_add(1, Relaxed) + 1;
+        let i = arm.index();
+        let d = self.decisions[i].fetch_add(1, Relaxed) + 1;
         let f = if fallback {
-            self.fallbacks[arm.index()].fetch_add(1, Relaxed) + 1
+            self.fallbacks[i].fetch_add(1, Relaxed) + 1
         } else {
-            self.fallbacks[arm.index()].load(Relaxed)
+            self.fallbacks[i].load(Relaxed)
         };
-        (d, f)
+        (
+            d + self.remote_decisions[i].load(Relaxed),
+            f + self.remote_fallbacks[i].load(Relaxed),
+        )
+    }
+
+    /// Every replica's decisions and fallbacks in arm `i`.
+    fn fleet_decisions(&self, i: usize) -> (u64, u64) {
+        (
+            self.decisions[i].load(Relaxed) + self.remote_decisions[i].load(Relaxed),
+            self.fallbacks[i].load(Relaxed) + self.remote_fallbacks[i].load(Relaxed),
+        )
+    }
+
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// The spec as kept in a state store.
+    pub fn image(&self) -> CanaryImage {
+        CanaryImage {
+            id: self.id,
+            name: self.candidate.name().to_string(),
+            version: self.candidate.version(),
+            control: self.control.name().to_string(),
+            control_version: self.control.version(),
+            spec: self.spec.clone(),
+            started_at_ms: epoch_ms(self.started_at),
+        }
+    }
+
+    /// This replica's outcomes and decisions since the last batch (cluster mode), or `None` when
+    /// there are none.
+    pub(crate) fn take_batch(&self) -> Option<OutcomeBatch> {
+        let unsent = self.unsent.as_ref()?;
+        let (mut arms, dropped) = {
+            let mut u = unsent.lock();
+            u.outcomes = 0;
+            (std::mem::take(&mut u.arms), std::mem::take(&mut u.dropped))
+        };
+        {
+            let mut sent = self.sent.lock();
+            for (i, a) in arms.iter_mut().enumerate() {
+                let (d, f) = (
+                    self.decisions[i].load(Relaxed),
+                    self.fallbacks[i].load(Relaxed),
+                );
+                a.decisions = d - sent[i].0;
+                a.decision_fallbacks = f - sent[i].1;
+                sent[i] = (d, f);
+            }
+        }
+        if arms.iter().all(ArmDelta::is_empty) && dropped == 0 {
+            return None;
+        }
+        Some(OutcomeBatch {
+            canary: self.id,
+            arms,
+            dropped,
+        })
+    }
+
+    /// Notes that this replica's message `seq` carried `batch` (published).
+    pub(crate) fn note_published(&self, seq: u64, batch: &OutcomeBatch) {
+        let mut p = self.published.lock();
+        for (dst, src) in p.arms.iter_mut().zip(&batch.arms) {
+            dst.absorb(src);
+        }
+        p.seq = seq;
+        p.changed = true;
+    }
+
+    /// Everything this replica published, if it changed since the last call: the last message's
+    /// number, and the outcomes as one batch.
+    pub(crate) fn published_snapshot(&self) -> Option<(u64, OutcomeBatch)> {
+        let mut p = self.published.lock();
+        if !std::mem::take(&mut p.changed) {
+            return None;
+        }
+        Some((
+            p.seq,
+            OutcomeBatch {
+                canary: self.id,
+                arms: p.arms.clone(),
+                dropped: 0,
+            },
+        ))
+    }
+
+    /// Merges another replica's batch and judges the guardrails on every replica's figures.
+    pub(crate) fn merge(&self, batch: &OutcomeBatch) -> Option<(Verdict, CanaryReport)> {
+        for (i, a) in batch.arms.iter().enumerate() {
+            self.remote_decisions[i].fetch_add(a.decisions, Relaxed);
+            self.remote_fallbacks[i].fetch_add(a.decision_fallbacks, Relaxed);
+        }
+        let mut o = self.outcomes.lock();
+        for (dst, a) in o.iter_mut().zip(&batch.arms) {
+            dst.requests += a.requests;
+            dst.errors += a.errors;
+            dst.fallbacks += a.fallbacks;
+            for &t in &a.ttft {
+                dst.ttft.push(t);
+            }
+            for &t in &a.itl {
+                dst.itl.push(t);
+            }
+            for &c in &a.cached {
+                dst.cached.push(c);
+            }
+            dst.cached_tokens += a.cached_tokens;
+            dst.prompt_tokens += a.prompt_tokens;
+        }
+        let (d, f) = self.fleet_decisions(Arm::Candidate.index());
+        let verdict = self
+            .outcome_verdict(&o, true)
+            .or_else(|| self.decision_verdict(d, f))?;
+        Some((verdict, self.report_of(&o)))
     }
 
     pub fn spec(&self) -> &CanarySpec {
@@ -764,8 +1146,7 @@ impl Canary {
             Arm::Control => &self.control,
             Arm::Candidate => &self.candidate,
         };
-        let d = self.decisions[arm.index()].load(Relaxed);
-        let f = self.fallbacks[arm.index()].load(Relaxed);
+        let (d, f) = self.fleet_decisions(arm.index());
         let div = |a: u64, b: u64| if b == 0 { 0.0 } else { a as f64 / b as f64 };
         ArmReport {
             policy: v.name().to_string(),
@@ -785,18 +1166,14 @@ impl Canary {
 
     fn report_of(&self, o: &[ArmOutcomes; 2]) -> CanaryReport {
         let (k, c) = (&o[0], &o[1]);
+        let ((kd, kf), (cd, cf)) = (self.fleet_decisions(0), self.fleet_decisions(1));
         let differences = Differences {
             ttft_mean_ms: stats::mean_difference(&c.ttft, &k.ttft),
             ttft_p90_ms: stats::p90_difference(&c.ttft, &k.ttft),
             itl_mean_ms: stats::mean_difference(&c.itl, &k.itl),
             cached_tokens_mean: stats::mean_difference(&c.cached, &k.cached),
             error_rate: stats::rate_difference(c.errors, c.requests, k.errors, k.requests),
-            fallback_rate: stats::rate_difference(
-                self.fallbacks[1].load(Relaxed),
-                self.decisions[1].load(Relaxed),
-                self.fallbacks[0].load(Relaxed),
-                self.decisions[0].load(Relaxed),
-            ),
+            fallback_rate: stats::rate_difference(cf, cd, kf, kd),
         };
         CanaryReport {
             id: self.id,
@@ -850,11 +1227,21 @@ impl Canary {
             a.cached_tokens += c;
             a.prompt_tokens += out.prompt_tokens;
         }
-        let verdict = self.outcome_verdict(&o)?;
+        if let Some(unsent) = &self.unsent {
+            let mut u = unsent.lock();
+            if u.outcomes < MAX_UNSENT_OUTCOMES {
+                u.outcomes += 1;
+                u.arms[arm.index()].push(out);
+            } else {
+                u.dropped += 1;
+            }
+        }
+        let verdict = self.outcome_verdict(&o, false)?;
         Some((verdict, self.report_of(&o)))
     }
 
-    fn outcome_verdict(&self, o: &[ArmOutcomes; 2]) -> Option<Verdict> {
+    /// `every`: judge the p90 now whatever the count (a merged batch moves it by many).
+    fn outcome_verdict(&self, o: &[ArmOutcomes; 2], every: bool) -> Option<Verdict> {
         let g = &self.spec.guardrails;
         let (k, c) = (&o[0], &o[1]);
         if let Some(max) = g.max_error_rate {
@@ -908,7 +1295,7 @@ impl Canary {
             // about one in a hundred.
             let total = c.ttft.count() + k.ttft.count();
             if let Some(max) = g.ttft_p90_max_increase {
-                if total % (total / 100).max(1) == 0 {
+                if every || total % (total / 100).max(1) == 0 {
                     let control = k.ttft.quantile_ci(0.9).0;
                     if let Some(v) = worse(
                         "ttft_p90",
@@ -989,7 +1376,23 @@ pub(crate) struct Rollout {
     queue: Arc<CachePadded<Mutex<ShadowQueue>>>,
     worker: OnceLock<()>,
     pub counters: RolloutCounters,
-    next_id: AtomicU64,
+    pub(crate) next_id: AtomicU64,
+    /// Cluster mode: canaries keep their outcomes for the publisher ([`Canary::take_batch`]).
+    pub share: AtomicBool,
+    /// A canary the shared state runs that this replica cannot (its versions are not the ones
+    /// loaded and active here): kept as is, so this replica's writes do not end it everywhere.
+    pub held: Mutex<Option<CanaryImage>>,
+    /// The same for shadows.
+    pub held_shadows: Mutex<Vec<ShadowImage>>,
+}
+
+/// The rollout state at one moment, to undo an operation ([`crate::Checkpoint`]).
+pub(crate) struct RolloutCheckpoint {
+    shadows: Arc<Vec<Arc<Shadow>>>,
+    canary: Option<Arc<Canary>>,
+    records: VecDeque<(String, CanaryRecord)>,
+    held: Option<CanaryImage>,
+    held_shadows: Vec<ShadowImage>,
 }
 
 impl Default for Rollout {
@@ -1002,6 +1405,9 @@ impl Default for Rollout {
             worker: OnceLock::new(),
             counters: RolloutCounters::default(),
             next_id: AtomicU64::new(1),
+            share: AtomicBool::new(false),
+            held: Mutex::new(None),
+            held_shadows: Mutex::new(Vec::new()),
         }
     }
 }
@@ -1101,10 +1507,19 @@ impl Rollout {
     }
 
     pub(crate) fn new_shadow(&self, policy: Arc<PolicyVersion>, sample: f64) -> Arc<Shadow> {
+        self.new_shadow_at(policy, sample, SystemTime::now())
+    }
+
+    pub(crate) fn new_shadow_at(
+        &self,
+        policy: Arc<PolicyVersion>,
+        sample: f64,
+        started_at: SystemTime,
+    ) -> Arc<Shadow> {
         Arc::new(Shadow {
             policy,
             sample,
-            started_at: SystemTime::now(),
+            started_at: from_epoch_ms(epoch_ms(started_at)),
             counts: CachePadded::new(OfferCounts::default()),
             acc: CachePadded::new(Mutex::new(ShadowAcc::default())),
         })
@@ -1116,18 +1531,101 @@ impl Rollout {
         control: Arc<PolicyVersion>,
         spec: CanarySpec,
     ) -> Arc<Canary> {
+        // Above every id this replica knows of (ended ones too): ids stay unique in a cluster
+        // as long as its replicas share the state (two starting at once: one write is refused).
+        let known = self
+            .records
+            .lock()
+            .iter()
+            .map(|(_, r)| r.evidence.id)
+            .chain(self.held.lock().as_ref().map(|c| c.id))
+            .max()
+            .unwrap_or(0);
+        self.next_id.fetch_max(known + 1, Relaxed);
+        let id = self.next_id.fetch_add(1, Relaxed);
+        self.canary_with(id, candidate, control, spec, SystemTime::now())
+    }
+
+    pub(crate) fn canary_with(
+        &self,
+        id: u64,
+        candidate: Arc<PolicyVersion>,
+        control: Arc<PolicyVersion>,
+        spec: CanarySpec,
+        started_at: SystemTime,
+    ) -> Arc<Canary> {
+        self.next_id.fetch_max(id + 1, Relaxed);
         Arc::new(Canary {
-            id: self.next_id.fetch_add(1, Relaxed),
+            id,
             candidate,
             control,
             spec,
-            started_at: SystemTime::now(),
+            // Kept to the millisecond, as a state store keeps it.
+            started_at: from_epoch_ms(epoch_ms(started_at)),
             decisions: Default::default(),
             fallbacks: Default::default(),
+            remote_decisions: Default::default(),
+            remote_fallbacks: Default::default(),
+            sent: Mutex::new(Default::default()),
             consecutive: AtomicU32::new(0),
             outcomes: Mutex::new(Default::default()),
+            unsent: self
+                .share
+                .load(Relaxed)
+                .then(|| Mutex::new(Unsent::default())),
+            published: Mutex::new(Published::default()),
             ended: AtomicBool::new(false),
         })
+    }
+
+    /// The state as kept in a store (shadows by name, so two replicas holding the same ones
+    /// write the same image).
+    pub(crate) fn image(&self) -> RolloutImage {
+        let mut shadows: Vec<ShadowImage> = self
+            .shadows
+            .load()
+            .iter()
+            .map(|s| ShadowImage {
+                name: s.policy.name().to_string(),
+                version: s.policy.version(),
+                sample: s.sample,
+                started_at_ms: epoch_ms(s.started_at),
+            })
+            .chain(self.held_shadows.lock().iter().cloned())
+            .collect();
+        shadows.sort_by(|a, b| a.name.cmp(&b.name));
+        RolloutImage {
+            shadows,
+            canary: self
+                .canary
+                .load_full()
+                .map(|c| c.image())
+                .or_else(|| self.held.lock().clone()),
+            records: self.records.lock().iter().map(|(_, r)| r.clone()).collect(),
+        }
+    }
+
+    pub(crate) fn checkpoint(&self) -> RolloutCheckpoint {
+        RolloutCheckpoint {
+            shadows: self.shadows.load_full(),
+            canary: self.canary.load_full(),
+            records: self.records.lock().clone(),
+            held: self.held.lock().clone(),
+            held_shadows: self.held_shadows.lock().clone(),
+        }
+    }
+
+    /// Puts the state back as it was at `c` (a canary ended since runs again).
+    pub(crate) fn revert(&self, c: RolloutCheckpoint) {
+        self.shadows.store(c.shadows);
+        if let Some(canary) = &c.canary {
+            canary.ended.store(false, Relaxed);
+        }
+        self.canary.store(c.canary);
+        *self.records.lock() = c.records;
+        *self.held.lock() = c.held;
+        *self.held_shadows.lock() = c.held_shadows;
+        self.forget_shadows();
     }
 
     /// Takes `canary` out (if it still runs) and keeps its record. False if it had ended already.
@@ -1160,6 +1658,16 @@ impl Rollout {
             records.pop_front();
         }
         Some(record)
+    }
+
+    /// Takes `canary` out without a record (the shared state ended or replaced it; its record,
+    /// if any, comes with that state).
+    pub(crate) fn end_quietly(&self, canary: &Arc<Canary>) {
+        canary.ended.store(true, Relaxed);
+        let current = self.canary.load();
+        if current.as_ref().is_some_and(|c| Arc::ptr_eq(c, canary)) {
+            self.canary.compare_and_swap(&*current, None);
+        }
     }
 
     /// Records an outcome in the running canary; the verdict (with the evidence) if one is due.
@@ -1287,6 +1795,101 @@ mod tests {
             now_ms: 17,
             ask_only: !taints.is_multiple_of(2),
         }
+    }
+
+    fn record(id: u64, outcome: &str) -> CanaryRecord {
+        let arm = serde_json::json!({"policy": "p", "version": 1, "decisions": 0,
+            "decision_fallbacks": 0, "fallback_rate": 0.0, "requests": 0, "errors": 0,
+            "error_rate": 0.0, "ttft_ms": Summary::default(), "itl_ms": Summary::default(),
+            "cached_tokens": Summary::default(), "cached_token_ratio": 0.0});
+        serde_json::from_value(serde_json::json!({
+            "outcome": outcome, "rule": "manual", "reason": format!("{outcome} {id}"),
+            "ended_at": "2026-01-01T00:00:00Z",
+            "evidence": {"id": id, "policy": "cand", "version": 2, "fraction": 0.2,
+                "started_at": "2026-01-01T00:00:00Z", "guardrails": Guardrails::default(),
+                "auto_promote": null, "control": arm, "candidate": arm,
+                "differences": Differences::default()}
+        }))
+        .expect("a record reads back")
+    }
+
+    fn canary_image(id: u64) -> CanaryImage {
+        CanaryImage {
+            id,
+            name: "cand".into(),
+            version: 2,
+            control: "default".into(),
+            control_version: 1,
+            spec: CanarySpec::from_json(r#"{"fraction": 0.2}"#).unwrap(),
+            started_at_ms: 1,
+        }
+    }
+
+    /// What a replica holds after reading the store's rollout record, given what it decided and
+    /// has not written.
+    #[test]
+    fn merging_the_stored_rollout_keeps_unwritten_local_ends_unless_the_store_decided() {
+        let shadow = ShadowImage {
+            name: "other".into(),
+            version: 1,
+            sample: 0.5,
+            started_at_ms: 3,
+        };
+        let written = RolloutImage {
+            canary: Some(canary_image(7)),
+            records: vec![record(6, "stopped")],
+            ..Default::default()
+        };
+        // This replica rolled canary 7 back and has not written it yet.
+        let local = RolloutImage {
+            canary: None,
+            records: vec![record(6, "stopped"), record(7, "rolled_back")],
+            ..Default::default()
+        };
+        // Meanwhile another replica started a shadow (canary 7 still runs in its record): the
+        // shadow is taken, canary 7 stays ended with this replica's record, to be written.
+        let stored = RolloutImage {
+            shadows: vec![shadow.clone()],
+            ..written.clone()
+        };
+        let (out, undo) = merge_rollout(&stored, &local, &written);
+        assert_eq!(out.shadows, vec![shadow.clone()]);
+        assert_eq!(out.canary, None);
+        assert_eq!(out.records, local.records);
+        assert!(undo.is_empty());
+        // Another replica ended canary 7 first (stopped): its record wins, nothing to undo.
+        let stored = RolloutImage {
+            canary: None,
+            records: vec![record(6, "stopped"), record(7, "stopped")],
+            ..Default::default()
+        };
+        let (out, undo) = merge_rollout(&stored, &local, &written);
+        assert_eq!(out, stored);
+        assert!(undo.is_empty());
+        // This replica had promoted 7: that promotion lost and must be undone.
+        let promoted = RolloutImage {
+            records: vec![record(6, "stopped"), record(7, "promoted")],
+            ..Default::default()
+        };
+        let (out, undo) = merge_rollout(&stored, &promoted, &written);
+        assert_eq!(out, stored);
+        assert_eq!(undo, vec![record(7, "promoted")]);
+        // The same verdict on both: nothing to undo either.
+        let (_, undo) = merge_rollout(&promoted, &promoted, &written);
+        assert!(undo.is_empty());
+        // Nothing pending here: the store's record, whatever it is (a new canary 8).
+        let stored = RolloutImage {
+            canary: Some(canary_image(8)),
+            records: vec![record(6, "stopped"), record(7, "stopped")],
+            ..Default::default()
+        };
+        let (out, _) = merge_rollout(&stored, &written, &written);
+        assert_eq!(out, stored);
+        // A record read back names only the outcomes and rules kvroute writes.
+        let mut bad = serde_json::to_value(record(1, "stopped")).unwrap();
+        bad["outcome"] = "exploded".into();
+        let e = serde_json::from_value::<CanaryRecord>(bad).unwrap_err();
+        assert!(e.to_string().contains("exploded"), "{e}");
     }
 
     /// A reused slot ends up equal to a fresh clone, whatever it held before (longer, shorter,

@@ -9,7 +9,7 @@
 //!   practice above 95%: it is wider than the exact interval).
 //! - Rates (errors, fallbacks): the normal (Wald) interval of the difference of two proportions.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// Samples kept per arm and figure; later samples are counted but not kept.
 pub const MAX_SAMPLES: usize = 100_000;
@@ -115,7 +115,7 @@ fn quantile_ci_sorted(v: &[f64], q: f64) -> (f64, f64, f64) {
 }
 
 /// A figure of one arm as reported.
-#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 pub struct Summary {
     pub n: u64,
     pub mean: f64,
@@ -269,5 +269,35 @@ mod tests {
         assert_eq!(t95(10.5), 2.228);
         assert!((t95(60.0) - 2.000).abs() < 0.005);
         assert!((t95(1e9) - 1.96).abs() < 1e-6);
+    }
+}
+
+/// A [`Difference`] as read back (a record another replica wrote, or a state store kept).
+#[derive(Deserialize)]
+struct DifferenceWire {
+    difference: f64,
+    relative: f64,
+    ci95: [f64; 2],
+    significant: bool,
+    method: String,
+    n: [u64; 2],
+}
+
+// By hand: derived, the `&'static str` would tie it to `'static` input.
+impl<'de> Deserialize<'de> for Difference {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let w = DifferenceWire::deserialize(d)?;
+        Ok(Self {
+            difference: w.difference,
+            relative: w.relative,
+            ci95: w.ci95,
+            significant: w.significant,
+            method: super::known_str(
+                &w.method,
+                &["welch_t", "order_statistics", "two_proportions"],
+            )
+            .map_err(serde::de::Error::custom)?,
+            n: w.n,
+        })
     }
 }

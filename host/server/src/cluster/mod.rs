@@ -15,14 +15,30 @@
 //! ```text
 //! KV bucket  kvroute-NAME-workers     key: worker id   value: {"origin": REPLICA, "worker": {spec, draining}}
 //! KV bucket  kvroute-NAME-policies    key: image       value: {"origin": REPLICA, "image": {...}}
+//!                                     key: rollout     value: {"origin": REPLICA, "rollout":
+//!                                                        {shadows, canary, records}} (written by
+//!                                                        compare-and-set on its revision)
+//!                                     key: outcomes.ID.REPLICA  value: {"seq", "batch"}: what
+//!                                                        REPLICA published of canary ID, for
+//!                                                        replicas that start later ([`rollout`])
 //! objects    kvroute-NAME-components  name: sha256 hex of a component, its bytes
+//! subject    kvroute.NAME.bookings    booking events, MessagePack batches ([`bookings`], [`outbox`])
+//! subject    kvroute.NAME.heartbeats  {"origin", "sent_us", "bookings"} every 200 ms ([`heartbeat`])
+//! subject    kvroute.NAME.kv_events   KV events posted over HTTP, relayed ([`kv_events`])
+//! subject    kvroute.NAME.rollout     a canary's new outcomes, JSON batches every 100 ms ([`rollout`])
 //! ```
+//!
+//! The rollout (docs/POLICIES.md, "Shared between cluster replicas"): what runs (shadow and canary
+//! specs) and how canaries ended (records) is state, in the `rollout` key, so a change on any
+//! replica, and a guardrail's verdict on any replica, takes effect on all; a canary's figures are
+//! merged from every replica's [`rollout`] batches, so every replica reports and judges the fleet's.
 
 pub mod bookings;
 pub mod early_frees;
 pub mod heartbeat;
 pub mod kv_events;
 pub mod outbox;
+pub mod rollout;
 pub mod store;
 pub mod sync;
 pub mod watch;

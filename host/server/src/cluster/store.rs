@@ -20,10 +20,14 @@ use tokio::io::AsyncReadExt;
 
 use super::Cluster;
 use crate::state::{Record, Revision, StateError, StateStore, StoredState, StoredWorker};
-use kvroute_policy::{sha256_hex, RegistryImage};
+use kvroute_policy::{sha256_hex, RegistryImage, RolloutImage};
 
 /// The key of the policy registry's image in the policies bucket.
 pub(crate) const IMAGE_KEY: &str = "image";
+/// The key of the rollout state (shadows, canary, records) in the policies bucket: in the same
+/// bucket as the image, so one watch delivers both in the order they were written (a canary's
+/// versions are loaded before the canary is applied).
+pub(crate) const ROLLOUT_KEY: &str = "rollout";
 
 /// A worker record in the workers bucket. A removed worker stays as a tombstone (`worker`
 /// null) rather than a KV delete, so the removal carries its origin too (a replica that removes
@@ -41,6 +45,14 @@ pub(crate) struct WorkerRecord {
 pub(crate) struct ImageRecord {
     pub origin: String,
     pub image: RegistryImage,
+}
+
+/// The rollout record in the policies bucket.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RolloutRecord {
+    pub origin: String,
+    pub rollout: RolloutImage,
 }
 
 /// The cluster's state store (cheap to clone: the connection is shared).
@@ -116,9 +128,14 @@ impl StateStore for ClusterStore {
                     }
                 }
                 let image = policies.entry(IMAGE_KEY).await.map_err(|e| e.to_string())?;
-                Ok::<_, String>((out, image))
+                let rollout = policies
+                    .entry(ROLLOUT_KEY)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                Ok::<_, String>((out, (image, rollout)))
             })?
             .map_err(|e| self.io(e))?;
+        let (raw_image, raw_rollout) = raw_image;
         let mut workers = BTreeMap::new();
         let mut revisions = BTreeMap::new();
         for (key, entry) in raw_workers {
@@ -146,9 +163,21 @@ impl StateStore for ClusterStore {
                 )
             }
         };
+        let rollout = match raw_rollout.filter(|e| e.operation == kv::Operation::Put) {
+            None => None,
+            Some(e) => {
+                revisions.insert(Record::Rollout, e.revision);
+                Some(
+                    serde_json::from_slice::<RolloutRecord>(&e.value)
+                        .map_err(|e| self.corrupt("rollout state", e))?
+                        .rollout,
+                )
+            }
+        };
         Ok(StoredState {
             workers,
             policies,
+            rollout,
             revisions,
         })
     }
@@ -217,6 +246,66 @@ impl StateStore for ClusterStore {
         let kv = self.cluster.policies.clone();
         self.run(async move { kv.put(IMAGE_KEY, bytes.into()).await })?
             .map_err(|e| self.io(e))
+    }
+
+    fn put_rollout(
+        &self,
+        image: &RolloutImage,
+        expected: Option<Revision>,
+    ) -> Result<Revision, StateError> {
+        let record = RolloutRecord {
+            origin: self.cluster.replica_id.clone(),
+            rollout: image.clone(),
+        };
+        let bytes = serde_json::to_vec(&record).map_err(|e| self.io(e))?;
+        let kv = self.cluster.policies.clone();
+        let written = self.run(async move {
+            use kv::{CreateErrorKind, UpdateErrorKind};
+            match expected {
+                // Never written (as far as this replica knows): only if it still is not.
+                None => kv
+                    .create(ROLLOUT_KEY, bytes.into())
+                    .await
+                    .map_err(|e| (e.kind() == CreateErrorKind::AlreadyExists, e.to_string())),
+                Some(revision) => kv
+                    .update(ROLLOUT_KEY, bytes.into(), revision)
+                    .await
+                    .map_err(|e| {
+                        (
+                            e.kind() == UpdateErrorKind::WrongLastRevision,
+                            e.to_string(),
+                        )
+                    }),
+            }
+        })?;
+        written.map_err(|(conflict, e)| {
+            if conflict {
+                StateError::Conflict {
+                    path: self.cluster.describe(),
+                    message: format!(
+                        "another replica changed the rollout state meanwhile ({e}): nothing was written"
+                    ),
+                }
+            } else {
+                self.io(e)
+            }
+        })
+    }
+
+    fn rollout(&self) -> Result<Option<(RolloutImage, Revision)>, StateError> {
+        let kv = self.cluster.policies.clone();
+        let entry = self
+            .run(async move { kv.entry(ROLLOUT_KEY).await })?
+            .map_err(|e| self.io(e))?;
+        match entry.filter(|e| e.operation == kv::Operation::Put) {
+            None => Ok(None),
+            Some(e) => Ok(Some((
+                serde_json::from_slice::<RolloutRecord>(&e.value)
+                    .map_err(|err| self.corrupt("rollout state", err))?
+                    .rollout,
+                e.revision,
+            ))),
+        }
     }
 
     fn retain_policy_bytes(&self, _keep: &[&str]) -> Result<(), StateError> {

@@ -26,7 +26,7 @@ use async_nats::jetstream::kv::{Operation, Store};
 use futures_util::StreamExt;
 use tokio::task::JoinHandle;
 
-use super::store::{ImageRecord, WorkerRecord, IMAGE_KEY};
+use super::store::{ImageRecord, RolloutRecord, WorkerRecord, IMAGE_KEY, ROLLOUT_KEY};
 use super::Cluster;
 use crate::state::Persisted;
 use kvroute_core::router::Router;
@@ -158,6 +158,30 @@ fn open_watches(cluster: &Cluster, target: &Target) -> Vec<JoinHandle<()>> {
         let (kv, t) = (cluster.policies.clone(), target.clone());
         cluster.runtime.spawn(async move {
             watch_forever(kv, "policies", move |key, value, revision| {
+                if key == ROLLOUT_KEY {
+                    let Some(v) = value else {
+                        return Ok(None);
+                    };
+                    let record: RolloutRecord =
+                        serde_json::from_slice(&v).map_err(|e| e.to_string())?;
+                    if record.origin == t.me {
+                        return Ok(None);
+                    }
+                    let t = t.clone();
+                    return Ok(Some(apply(move || {
+                        if t.persisted
+                            .apply_remote_rollout(&t.policies, &record.rollout, revision)
+                        {
+                            tracing::info!(
+                                origin = %record.origin,
+                                shadows = record.rollout.shadows.len(),
+                                canary = record.rollout.canary.as_ref().map(|c| c.id),
+                                records = record.rollout.records.len(),
+                                "rollout change from another replica applied"
+                            );
+                        }
+                    })));
+                }
                 let Some(v) = value.filter(|_| key == IMAGE_KEY) else {
                     return Ok(None);
                 };

@@ -791,7 +791,7 @@ fn render_rollout(out: &mut String, p: &kvroute_policy::PolicyRegistry) {
     counter_header(
         out,
         "kvroute_policy_canary_decisions_total",
-        "Decisions in each arm of the running canary.",
+        "Decisions in each arm of the running canary (every replica's in a cluster).",
     );
     if let Some(c) = &canary {
         let _ = writeln!(

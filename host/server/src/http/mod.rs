@@ -740,6 +740,13 @@ async fn openapi_json() -> Json<serde_json::Value> {
 /// (retry after a second: it reconnects by itself), `state_unavailable` otherwise.
 impl From<crate::state::StateError> for ApiError {
     fn from(e: crate::state::StateError) -> Self {
+        if let crate::state::StateError::Conflict { .. } = e {
+            return ApiError::new(
+                StatusCode::CONFLICT,
+                "rollout_conflict",
+                format!("{e}; this replica now holds that change: retry against it"),
+            );
+        }
         let unreachable = matches!(e, crate::state::StateError::Unavailable { .. });
         let err = ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,

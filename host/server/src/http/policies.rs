@@ -126,6 +126,17 @@ fn known(s: &AppState, name: &str) -> Result<(), ApiError> {
     Ok(())
 }
 
+/// A shadow's figures as answered: in cluster mode they are this replica's own (the shadow's
+/// spec is shared, every replica runs it on its own decisions, and the figures are not merged),
+/// which `replica` says.
+fn shadow_json(s: &AppState, report: Option<kvroute_policy::ShadowReport>) -> Value {
+    let mut v = serde_json::to_value(report).unwrap_or_default();
+    if let (Some(o), Some(c)) = (v.as_object_mut(), &s.cluster) {
+        o.insert("replica".into(), c.status().replica_id.into());
+    }
+    json!({"shadow": v})
+}
+
 /// `POST /v1/policies/{name}/shadow` `{"version"?, "sample"?}`.
 pub(super) async fn start_shadow(
     State(s): State<AppState>,
@@ -136,7 +147,7 @@ pub(super) async fn start_shadow(
     kvroute_policy::validate_name(&name)?;
     let spec = ShadowSpec::from_json(&rollout_body(&headers, &body)?)?;
     let report = on_policy(&s, &name, move |r, name| r.start_shadow(name, &spec)).await?;
-    Ok(Json(json!({"shadow": report})))
+    Ok(Json(shadow_json(&s, Some(report))))
 }
 
 /// `DELETE /v1/policies/{name}/shadow`: the shadow's last figures.
@@ -147,7 +158,7 @@ pub(super) async fn stop_shadow(
 ) -> Result<Json<Value>, ApiError> {
     kvroute_policy::validate_name(&name)?;
     let report = on_policy(&s, &name, move |r, name| r.stop_shadow(name)).await?;
-    Ok(Json(json!({"shadow": report})))
+    Ok(Json(shadow_json(&s, Some(report))))
 }
 
 /// `GET /v1/policies/{name}/shadow`: `{"shadow": null}` when none runs.
@@ -157,7 +168,7 @@ pub(super) async fn get_shadow(
 ) -> Result<Json<Value>, ApiError> {
     kvroute_policy::validate_name(&name)?;
     known(&s, &name)?;
-    Ok(Json(json!({"shadow": s.policies.shadow_report(&name)})))
+    Ok(Json(shadow_json(&s, s.policies.shadow_report(&name))))
 }
 
 /// `POST /v1/policies/{name}/canary` `{"version"?, "fraction", "guardrails"?, "auto_promote"?}`.

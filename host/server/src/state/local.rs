@@ -4,6 +4,7 @@
 //! DIR/lock                      held (flock) while a server uses the directory
 //! DIR/workers.json              {"format": 1, "workers": {"ID": {"spec": {...}, "draining": b}}}
 //! DIR/policies.json             {"format": 1, "image": {current, active, history, last_versions}}
+//! DIR/rollout.json              {"format": 1, "rollout": {shadows, canary, records}}
 //! DIR/components/SHA256.wasm    component bytes, by digest
 //! ```
 //!
@@ -22,12 +23,13 @@ use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
 use super::{Revision, StateError, StateStore, StoredState, StoredWorker};
-use kvroute_policy::{sha256_hex, RegistryImage};
+use kvroute_policy::{sha256_hex, RegistryImage, RolloutImage};
 
 /// The layout version written in every manifest.
 const FORMAT: u32 = 1;
 const WORKERS: &str = "workers.json";
 const POLICIES: &str = "policies.json";
+const ROLLOUT: &str = "rollout.json";
 const COMPONENTS: &str = "components";
 const LOCK: &str = "lock";
 /// Temporary files: `.NAME.tmp` beside their target.
@@ -45,6 +47,13 @@ struct WorkersFile {
 struct PoliciesFile {
     format: u32,
     image: RegistryImage,
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RolloutFile {
+    format: u32,
+    rollout: RolloutImage,
 }
 
 /// The state in a local directory (created if missing).
@@ -136,7 +145,7 @@ impl LocalDirStore {
         };
         for (path, name, is_dir) in listing(&self.dir)? {
             match (name.as_str(), is_dir) {
-                (WORKERS | POLICIES | LOCK, false) | (COMPONENTS, true) => {}
+                (WORKERS | POLICIES | ROLLOUT | LOCK, false) | (COMPONENTS, true) => {}
                 (n, false) if n.starts_with('.') && n.ends_with(TMP_SUFFIX) => {
                     fs::remove_file(&path).map_err(|e| io_error(&path, e))?;
                 }
@@ -223,9 +232,11 @@ impl StateStore for LocalDirStore {
             }
         }
         *self.workers.lock() = workers.clone();
+        let rollout = self.read_json::<RolloutFile>(ROLLOUT)?.map(|f| f.rollout);
         Ok(StoredState {
             workers,
             policies,
+            rollout,
             revisions: Default::default(),
         })
     }
@@ -276,6 +287,25 @@ impl StateStore for LocalDirStore {
         };
         let bytes = serde_json::to_vec_pretty(&file).map_err(|e| io_error(&self.dir, e))?;
         write_atomic(&self.dir.join(POLICIES), &bytes).map(|()| 0)
+    }
+
+    fn put_rollout(
+        &self,
+        image: &RolloutImage,
+        _expected: Option<Revision>,
+    ) -> Result<Revision, StateError> {
+        let file = RolloutFile {
+            format: FORMAT,
+            rollout: image.clone(),
+        };
+        let bytes = serde_json::to_vec_pretty(&file).map_err(|e| io_error(&self.dir, e))?;
+        write_atomic(&self.dir.join(ROLLOUT), &bytes).map(|()| 0)
+    }
+
+    fn rollout(&self) -> Result<Option<(RolloutImage, Revision)>, StateError> {
+        Ok(self
+            .read_json::<RolloutFile>(ROLLOUT)?
+            .map(|f| (f.rollout, 0)))
     }
 
     fn retain_policy_bytes(&self, keep: &[&str]) -> Result<(), StateError> {

@@ -16,7 +16,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 use kvroute_core::workers::{Worker, WorkerSpec};
-use kvroute_policy::RegistryImage;
+use kvroute_policy::{RegistryImage, RolloutImage};
 
 pub use persisted::{Persisted, Reconciled};
 
@@ -34,6 +34,10 @@ pub enum StateError {
     /// answer): the replica serves its local view and refuses writes until it is back.
     #[error("{path}: {message}")]
     Unavailable { path: String, message: String },
+    /// A compare-and-set write found the record changed since the revision the writer last saw
+    /// (another replica wrote it meanwhile): nothing was written.
+    #[error("{path}: {message}")]
+    Conflict { path: String, message: String },
 }
 
 /// A store's version number of one record, increasing with every write of the store (JetStream's
@@ -47,6 +51,8 @@ pub type Revision = u64;
 pub enum Record {
     Worker(u64),
     Policies,
+    /// The rollout state (shadows, canary, records).
+    Rollout,
 }
 
 /// A worker as kept: what `PUT /v1/workers/{id}` registered (taints, role, topology, kv_events,
@@ -85,6 +91,8 @@ pub struct StoredState {
     pub workers: BTreeMap<u64, StoredWorker>,
     /// `None`: no policy state was ever written (a fresh store).
     pub policies: Option<RegistryImage>,
+    /// `None`: no rollout state was ever written.
+    pub rollout: Option<RolloutImage>,
     /// The revision of every record read (empty from a store without revisions).
     pub revisions: BTreeMap<Record, Revision>,
 }
@@ -107,6 +115,17 @@ pub trait StateStore: Send + Sync {
     /// Records the policy registry's image (versions, active pointer, history); returns its
     /// revision.
     fn put_policies(&self, image: &RegistryImage) -> Result<Revision, StateError>;
+    /// Records the rollout state (shadows, canary, ended canaries' records) if the record is
+    /// still at `expected` (the revision the caller last wrote or read of it; `None`: it was never
+    /// written), else refuses with [`StateError::Conflict`] and writes nothing (a store without
+    /// revisions has one writer and does not check). Returns the new revision.
+    fn put_rollout(
+        &self,
+        image: &RolloutImage,
+        expected: Option<Revision>,
+    ) -> Result<Revision, StateError>;
+    /// The rollout state as the store holds it now, with its revision.
+    fn rollout(&self) -> Result<Option<(RolloutImage, Revision)>, StateError>;
     /// Drops the components no kept version uses any more (best effort).
     fn retain_policy_bytes(&self, keep: &[&str]) -> Result<(), StateError>;
     /// Where the state is, for logs.

@@ -19,7 +19,7 @@ use parking_lot::Mutex;
 use super::{Record, Revision, StateError, StateStore, StoredState, StoredWorker};
 use kvroute_core::router::Router;
 use kvroute_core::workers::WorkerPatch;
-use kvroute_policy::{PolicyRegistry, RegistryImage};
+use kvroute_policy::{PolicyRegistry, RegistryImage, RolloutImage};
 
 /// A store and the write lock around it.
 pub struct Persisted {
@@ -36,6 +36,8 @@ pub struct Persisted {
 struct Written {
     /// The policy image last written or applied (to skip unchanged ones).
     image: Option<RegistryImage>,
+    /// The rollout state last written or applied (`None`: never written).
+    rollout: Option<RolloutImage>,
     /// Each record's revision last written or applied here.
     revisions: HashMap<Record, Revision>,
 }
@@ -81,6 +83,7 @@ impl Persisted {
         let state = self.store.load()?;
         let mut written = self.written.lock();
         written.image = state.policies.clone();
+        written.rollout = state.rollout.clone();
         written.revisions = state.revisions.iter().map(|(&k, &v)| (k, v)).collect();
         drop(written);
         self.restored_policies.store(
@@ -150,8 +153,25 @@ impl Persisted {
             Ok(v) => v,
             Err(e) => return Ok(Err(e)),
         };
+        // The rollout first: it is the record a concurrent change can conflict on (compare and
+        // set), and a promotion's record must not be lost after its activation was written.
+        if let Err(e) = self.write_rollout(registry, &mut written) {
+            registry.revert(checkpoint);
+            if matches!(e, StateError::Conflict { .. }) {
+                // Take up what the other replica wrote, so a retry starts from it.
+                if let Err(e) = self.catch_up_rollout(registry, &mut written) {
+                    tracing::warn!(error = %e, "cannot read the rollout state after a conflict");
+                }
+            }
+            tracing::error!(error = %e, "policy change not persisted: undone");
+            return Err(e);
+        }
         if let Err(e) = self.write_image(registry, &mut written) {
             registry.revert(checkpoint);
+            // The rollout state was written with the change: put it back as it was.
+            if let Err(e) = self.write_rollout(registry, &mut written) {
+                tracing::error!(error = %e, "cannot put the rollout state back; retrying in a second");
+            }
             tracing::error!(error = %e, "policy change not persisted: undone");
             return Err(e);
         }
@@ -160,11 +180,115 @@ impl Persisted {
 
     /// Persists the policy registry's image if it changed since the last write (changes made
     /// outside the API). A failure is logged and retried on the next call.
+    ///
+    /// The rollout state goes first (a guardrail's rollback or promotion decided here), by
+    /// compare-and-set: if another replica wrote it meanwhile, its record is read and applied
+    /// ([`kvroute_policy::merge_rollout`]: a canary another replica ended first keeps that
+    /// replica's record everywhere, and a promotion of this one that lost is undone) and what
+    /// remains of this replica's change is written on top. The image is written only once the
+    /// rollout state is.
     pub fn sync_policies(&self, registry: &PolicyRegistry) {
         let mut written = self.written.lock();
+        let mut rollout = self.write_rollout(registry, &mut written);
+        if matches!(rollout, Err(StateError::Conflict { .. })) {
+            rollout = self
+                .catch_up_rollout(registry, &mut written)
+                .and_then(|()| self.write_rollout(registry, &mut written));
+        }
+        if let Err(e) = rollout {
+            tracing::warn!(error = %e, "rollout state not persisted; retrying in a second");
+            return;
+        }
         if let Err(e) = self.write_image(registry, &mut written) {
             tracing::warn!(error = %e, "policy state not persisted; retrying in a second");
         }
+    }
+
+    /// Whether the registry's rollout state differs from what was last written or applied: a
+    /// guardrail ended a canary here and [`Self::sync_policies`] has yet to write it.
+    pub fn rollout_dirty(&self, registry: &PolicyRegistry) -> bool {
+        let image = registry.rollout_image();
+        match &self.written.lock().rollout {
+            Some(w) => *w != image,
+            None => image != RolloutImage::default(),
+        }
+    }
+
+    /// Applies the rollout state another replica wrote at `revision` (the watch), under the
+    /// write lock; an older one than held here is skipped. Returns whether anything changed.
+    pub fn apply_remote_rollout(
+        &self,
+        registry: &PolicyRegistry,
+        image: &RolloutImage,
+        revision: Revision,
+    ) -> bool {
+        let mut written = self.written.lock();
+        if !written.newer(Record::Rollout, revision) {
+            return false;
+        }
+        self.apply_rollout(registry, image, revision, &mut written)
+    }
+
+    /// Reads the store's rollout state and applies it (after a write refused as a conflict).
+    fn catch_up_rollout(
+        &self,
+        registry: &PolicyRegistry,
+        written: &mut Written,
+    ) -> Result<(), StateError> {
+        if let Some((image, revision)) = self.store.rollout()? {
+            self.apply_rollout(registry, &image, revision, written);
+        }
+        Ok(())
+    }
+
+    /// Makes the registry's rollout state the store's `image` (at `revision`), keeping what this
+    /// replica decided and has not written yet unless the store already decided otherwise
+    /// ([`kvroute_policy::merge_rollout`]).
+    fn apply_rollout(
+        &self,
+        registry: &PolicyRegistry,
+        image: &RolloutImage,
+        revision: Revision,
+        written: &mut Written,
+    ) -> bool {
+        let before = written.rollout.clone().unwrap_or_default();
+        let (target, overridden) =
+            kvroute_policy::merge_rollout(image, &registry.rollout_image(), &before);
+        for r in &overridden {
+            registry.undo_promotion(r);
+        }
+        let changed = registry.set_rollout(&target);
+        written.rollout = Some(image.clone());
+        written.note(Record::Rollout, revision);
+        changed
+    }
+
+    /// Writes the registry's rollout state if it changed since it was last written or applied,
+    /// compare-and-set on the revision last seen.
+    fn write_rollout(
+        &self,
+        registry: &PolicyRegistry,
+        written: &mut Written,
+    ) -> Result<(), StateError> {
+        let image = registry.rollout_image();
+        let unchanged = match &written.rollout {
+            Some(w) => *w == image,
+            None => image == RolloutImage::default(),
+        };
+        if unchanged {
+            return Ok(());
+        }
+        let expected = written.rollout.as_ref().map(|_| {
+            written
+                .revisions
+                .get(&Record::Rollout)
+                .copied()
+                .unwrap_or(0)
+        });
+        let revision = self.store.put_rollout(&image, expected)?;
+        written.note(Record::Rollout, revision);
+        written.rollout = Some(image);
+        Ok(())
     }
 
     /// Persists every registered worker (at start, after the configuration file's are applied).
@@ -240,6 +364,7 @@ impl Persisted {
         let StoredState {
             workers,
             policies,
+            rollout,
             revisions,
         } = self.store.load()?;
         let mut out = Reconciled::default();
@@ -262,6 +387,12 @@ impl Persisted {
                      keeps its policies as they were"
                 ),
             }
+        }
+        if let Some(image) = &rollout {
+            let revision = revisions.get(&Record::Rollout).copied().unwrap_or(0);
+            // Not "newer" checked: the store's record is the one to hold now.
+            written.revisions.remove(&Record::Rollout);
+            self.apply_rollout(registry, image, revision, &mut written);
         }
         written.revisions = revisions.into_iter().collect();
         Ok(out)
@@ -338,5 +469,185 @@ fn restore_worker(router: &Router, worker_id: u64, before: Option<&StoredWorker>
                 },
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvroute_policy::{CanarySpec, PolicyRuntimeConfig, ShadowSpec};
+
+    /// A store with revisions in memory, as the cluster's bucket numbers its writes: a rollout
+    /// write is refused unless the record is still at the revision the writer expects.
+    #[derive(Default)]
+    struct Shared {
+        seq: u64,
+        image: Option<RegistryImage>,
+        rollout: Option<(RolloutImage, Revision)>,
+        rollout_writes: Vec<RolloutImage>,
+    }
+
+    struct MemStore(Arc<Mutex<Shared>>);
+
+    impl StateStore for MemStore {
+        fn load(&self) -> Result<StoredState, StateError> {
+            let s = self.0.lock();
+            Ok(StoredState {
+                workers: Default::default(),
+                policies: s.image.clone(),
+                rollout: s.rollout.as_ref().map(|r| r.0.clone()),
+                revisions: s
+                    .rollout
+                    .as_ref()
+                    .map(|r| (Record::Rollout, r.1))
+                    .into_iter()
+                    .collect(),
+            })
+        }
+        fn put_worker(&self, _: u64, _: &StoredWorker) -> Result<Revision, StateError> {
+            let mut s = self.0.lock();
+            s.seq += 1;
+            Ok(s.seq)
+        }
+        fn delete_worker(&self, _: u64) -> Result<Revision, StateError> {
+            let mut s = self.0.lock();
+            s.seq += 1;
+            Ok(s.seq)
+        }
+        fn has_policy_bytes(&self, _: &str) -> bool {
+            true
+        }
+        fn put_policy_bytes(&self, _: &str, _: &[u8]) -> Result<(), StateError> {
+            Ok(())
+        }
+        fn policy_bytes(&self, digest: &str) -> Result<Vec<u8>, StateError> {
+            Err(StateError::Io {
+                path: digest.into(),
+                message: "not kept".into(),
+            })
+        }
+        fn put_policies(&self, image: &RegistryImage) -> Result<Revision, StateError> {
+            let mut s = self.0.lock();
+            s.seq += 1;
+            s.image = Some(image.clone());
+            Ok(s.seq)
+        }
+        fn put_rollout(
+            &self,
+            image: &RolloutImage,
+            expected: Option<Revision>,
+        ) -> Result<Revision, StateError> {
+            let mut s = self.0.lock();
+            if s.rollout.as_ref().map(|r| r.1) != expected {
+                return Err(StateError::Conflict {
+                    path: "memory".into(),
+                    message: format!("expected {expected:?}"),
+                });
+            }
+            s.seq += 1;
+            s.rollout = Some((image.clone(), s.seq));
+            s.rollout_writes.push(image.clone());
+            Ok(s.seq)
+        }
+        fn rollout(&self) -> Result<Option<(RolloutImage, Revision)>, StateError> {
+            Ok(self.0.lock().rollout.clone())
+        }
+        fn retain_policy_bytes(&self, _: &[&str]) -> Result<(), StateError> {
+            Ok(())
+        }
+        fn describe(&self) -> String {
+            "memory".into()
+        }
+    }
+
+    fn replica(shared: &Arc<Mutex<Shared>>) -> (Arc<Persisted>, PolicyRegistry) {
+        let reg = PolicyRegistry::new(PolicyRuntimeConfig::default()).unwrap();
+        reg.set_shared_rollout(true);
+        reg.load("default", kvroute_policy::DEFAULT_POLICY_WASM, None, true)
+            .unwrap();
+        reg.load("dynamo", kvroute_policy::DYNAMO_POLICY_WASM, None, false)
+            .unwrap();
+        let p = Persisted::new(Box::new(MemStore(shared.clone())));
+        p.load().unwrap();
+        (p, reg)
+    }
+
+    fn spec() -> CanarySpec {
+        CanarySpec::from_json(r#"{"fraction": 0.3}"#).unwrap()
+    }
+
+    /// Two replicas end the same canary at once, one rolling it back (here: stopped), the other
+    /// promoting it. The first to write wins; the other's compare-and-set is refused, it takes the
+    /// winner's record up and undoes its own promotion. One end is written, the same record is
+    /// held by both, the active version is the same on both.
+    #[test]
+    fn two_replicas_ending_one_canary_at_once_write_one_record() {
+        let shared = Arc::new(Mutex::new(Shared::default()));
+        let ((pa, a), (pb, b)) = (replica(&shared), replica(&shared));
+        pa.policy_write(&a, || a.start_canary("dynamo", &spec()))
+            .unwrap()
+            .unwrap();
+        let (image, rev) = shared.lock().rollout.clone().unwrap();
+        assert!(pb.apply_remote_rollout(&b, &image, rev));
+        assert_eq!(b.rollout_image(), image);
+        // Applied again (the watch and a catch-up both deliver it): skipped.
+        assert!(!pb.apply_remote_rollout(&b, &image, rev));
+
+        // Both decide, in memory, before either writes.
+        a.stop_canary("dynamo").unwrap();
+        b.promote("dynamo").unwrap();
+        assert_eq!(b.active_info().unwrap().name, "dynamo");
+        pa.sync_policies(&a);
+        pb.sync_policies(&b);
+
+        let s = shared.lock();
+        assert_eq!(s.rollout_writes.len(), 2, "the start and one end");
+        let stored = s.rollout.as_ref().unwrap().0.clone();
+        drop(s);
+        assert!(stored.canary.is_none());
+        assert_eq!(stored.records.len(), 1);
+        assert_eq!(stored.records[0].outcome, "stopped");
+        assert_eq!(a.rollout_image(), stored);
+        assert_eq!(b.rollout_image(), stored, "B took A's record up");
+        assert_eq!(
+            b.active_info().unwrap().name,
+            "default",
+            "B's promotion that lost was undone"
+        );
+        assert!(b.canary_report("dynamo").0.is_none());
+    }
+
+    /// A replica whose view of the rollout is stale (another replica wrote since) is refused its
+    /// change: undone here (no canary half started), the other's change taken up, and a retry
+    /// then goes through.
+    #[test]
+    fn a_rollout_change_on_a_stale_replica_is_refused_and_undone() {
+        let shared = Arc::new(Mutex::new(Shared::default()));
+        let ((pa, a), (pb, b)) = (replica(&shared), replica(&shared));
+        pa.policy_write(&a, || {
+            a.start_shadow(
+                "dynamo",
+                &ShadowSpec {
+                    version: None,
+                    sample: 0.5,
+                },
+            )
+        })
+        .unwrap()
+        .unwrap();
+        // B has not heard of it: its write must not erase A's shadow.
+        let e = pb
+            .policy_write(&b, || b.start_canary("dynamo", &spec()))
+            .unwrap_err();
+        assert!(matches!(e, StateError::Conflict { .. }), "{e}");
+        assert!(b.canary_report("dynamo").0.is_none(), "undone");
+        assert_eq!(b.shadow_report("dynamo").map(|s| s.sample), Some(0.5));
+        // Retried, it goes through on top of A's change.
+        pb.policy_write(&b, || b.start_canary("dynamo", &spec()))
+            .unwrap()
+            .unwrap();
+        let stored = shared.lock().rollout.clone().unwrap().0;
+        assert_eq!(stored.shadows.len(), 1);
+        assert_eq!(stored.canary.as_ref().map(|c| c.spec.fraction), Some(0.3));
     }
 }
