@@ -34,7 +34,9 @@
 //! - **Deadlines.** An epoch ticker thread (every `epoch_tick_us`) bounds each call's wall time;
 //!   it parks after 5 ms without a guest call (a tick is a ~25 µs wake-up: sparse traffic does not
 //!   pay for hundreds of them per request)
-//!   and the next call wakes it, keeping its own time until the first tick (`ticker.rs`).
+//!   and the next call wakes it, keeping its own time until the first tick (`ticker.rs`). Between
+//!   calls it sleeps four ticks at once and catches the epoch up on waking; it wakes every tick
+//!   only while a call runs.
 //!   Wall time also runs while a router thread is descheduled, so a call reaching its deadline gets
 //!   a short grace window: if its thread spent most of that window off the CPU (an oversubscribed
 //!   machine), it gets another one; if it kept running, it is interrupted. A runaway guest is
