@@ -125,7 +125,7 @@ fn component_without_the_export_is_refused_as_wrong_world() {
     assert!(matches!(err, PolicyError::WrongWorld(_)), "{err}");
     let msg = err.to_string();
     assert!(
-        msg.contains("missing export kvroute:policy/policy@0.8.0")
+        msg.contains("missing export kvroute:policy/policy@0.9.0")
             && msg.contains("exports nothing"),
         "{msg}"
     );

@@ -38,7 +38,7 @@ mod probe {
     });
 }
 
-use policy::kvroute::policy::types::{Candidates, HostContext, Request, RequestFlags};
+use policy::kvroute::policy::types::{HostContext, Request, RequestFlags};
 
 fn parts(c: &mut Criterion) {
     let mut config = engine_config(&PolicyRuntimeConfig::default());
@@ -100,16 +100,30 @@ fn parts(c: &mut Criterion) {
         let mut rng = SmallRng::seed_from_u64(n as u64);
         let (mut req, cols) = support::random_decision(&mut rng, n, 4);
         req.preferred_taints = vec![(0, 0.5), (2, -0.3)];
-        // The packed lists as `wire.rs` builds them.
-        let mut u64s = Vec::new();
+        // The packed list as `wire.rs` builds it (`decision-data`).
+        let pair = |lo: u32, hi: u32| u64::from(lo) | (u64::from(hi) << 32);
+        let p = req.preferred_taints.len();
+        let rid = req.request_id.as_bytes();
+        let mut words = vec![
+            pair(n as u32, cols.taint_ids.len() as u32),
+            pair(p as u32, rid.len() as u32),
+            0,
+        ];
         for col in [
             &cols.worker_id,
             &cols.active_prefill_tokens,
             &cols.active_decode_blocks,
             &cols.total_kv_blocks,
         ] {
-            u64s.extend_from_slice(col);
+            words.extend_from_slice(col);
         }
+        words.extend(cols.base_cost.iter().map(|x| x.to_bits()));
+        words.resize(words.len() + 2 * n, 0);
+        words.extend(
+            req.preferred_taints
+                .iter()
+                .map(|&(_, w)| f64::from(w).to_bits()),
+        );
         let mut u32s = Vec::new();
         for col in [
             &cols.dp_rank,
@@ -126,14 +140,18 @@ fn parts(c: &mut Criterion) {
         u32s.extend_from_slice(&cols.taint_offsets);
         u32s.extend_from_slice(&cols.taint_ids);
         u32s.extend(req.preferred_taints.iter().map(|&(id, _)| id));
-        let mut f64s = cols.base_cost.clone();
-        f64s.resize(3 * n, 0.0);
-        f64s.extend(req.preferred_taints.iter().map(|&(_, w)| f64::from(w)));
+        words.extend(
+            u32s.chunks(2)
+                .map(|h| pair(h[0], h.get(1).copied().unwrap_or(0))),
+        );
+        words.extend(rid.chunks(8).map(|b| {
+            let mut w = [0u8; 8];
+            w[..b.len()].copy_from_slice(b);
+            u64::from_le_bytes(w)
+        }));
         group.bench_with_input(BenchmarkId::new("raw", n), &n, |b, _| {
             b.iter(|| {
                 let r = Request {
-                    request_id: &req.request_id,
-                    session_id: "",
                     prompt_tokens: req.prompt_tokens,
                     flags: RequestFlags::empty(),
                     priority: 0.0,
@@ -141,12 +159,7 @@ fn parts(c: &mut Criterion) {
                     temperature: 0.0,
                     now_ms: req.now_ms,
                 };
-                let c = Candidates {
-                    columns_u64: &u64s,
-                    columns_u32: &u32s,
-                    columns_f64: &f64s,
-                };
-                black_box(api.call_decide(&mut store, r, c).expect("decide"))
+                black_box(api.call_decide(&mut store, r, &words).expect("decide"))
             })
         });
         group.bench_with_input(BenchmarkId::new("registry", n), &n, |b, _| {
