@@ -363,7 +363,7 @@ fn activate_rollback_remove_list() {
 
     // check() validates without installing.
     let report = reg.check(&bytes, None).expect("check");
-    assert_eq!(report.plugin.map(|p| p.abi_version), Some(8));
+    assert_eq!(report.plugin.map(|p| p.abi_version), Some(9));
     assert_eq!(reg.list().len(), 2);
 }
 
