@@ -125,7 +125,7 @@ fn component_without_the_export_is_refused_as_wrong_world() {
     assert!(matches!(err, PolicyError::WrongWorld(_)), "{err}");
     let msg = err.to_string();
     assert!(
-        msg.contains("missing export kvroute:policy/policy@0.8.0")
+        msg.contains("missing export kvroute:policy/policy@0.9.0")
             && msg.contains("exports nothing"),
         "{msg}"
     );
@@ -363,7 +363,7 @@ fn activate_rollback_remove_list() {
 
     // check() validates without installing.
     let report = reg.check(&bytes, None).expect("check");
-    assert_eq!(report.plugin.map(|p| p.abi_version), Some(8));
+    assert_eq!(report.plugin.map(|p| p.abi_version), Some(9));
     assert_eq!(reg.list().len(), 2);
 }
 

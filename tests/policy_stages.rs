@@ -176,7 +176,7 @@ fn a_component_built_against_0_7_0_is_refused_naming_both_versions() {
     assert!(matches!(err, PolicyError::WrongWorld(_)), "{err}");
     let msg = err.to_string();
     assert!(
-        msg.contains("kvroute:policy/policy@0.8.0")
+        msg.contains("kvroute:policy/policy@0.9.0")
             && msg.contains("it exports kvroute:policy/policy@0.7.0")
             && msg.contains("rebuild it against this host's wit/policy.wit"),
         "{msg}"
@@ -199,7 +199,7 @@ fn uploading_a_0_7_0_component_is_a_400_naming_the_version_and_changes_nothing()
     r.expect_error(400, "wrong_world");
     let message = r.body()["error"]["message"].as_str().unwrap_or_default();
     assert!(
-        message.contains("kvroute:policy/policy@0.8.0")
+        message.contains("kvroute:policy/policy@0.9.0")
             && message.contains("kvroute:policy/policy@0.7.0"),
         "{}",
         r.text

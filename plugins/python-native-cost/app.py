@@ -18,12 +18,13 @@ Configuration (all optional; unknown keys are rejected):
 
 import json
 import math
+import struct
 
 from componentize_py_types import Err
 from wit_world import exports
 from wit_world.imports import host_log, types
 
-ABI_VERSION = 8
+ABI_VERSION = 9
 DEFAULTS = {"prefill_load_scale": 1.0, "host_tier_weight": 0.75, "disk_tier_weight": 0.25}
 
 # Per-instance state lives at module level: componentize-py may create the exported class anew
@@ -66,12 +67,18 @@ class Policy(exports.Policy):
         # Taints are compared by id; names are not needed.
         STATE["block_size"] = context.block_size
 
-    def decide(self, req: types.Request, candidates: types.Candidates) -> types.Decision:
-        # The packed layout of `record candidates` in wit/policy.wit.
-        c64 = candidates.columns_u64
-        c32 = candidates.columns_u32
-        f64 = candidates.columns_f64
-        n = len(c64) // 4
+    def decide(self, req: types.Request, data: list[int]) -> types.Decision:
+        # The packed layout of `decision-data` in wit/policy.wit: a header of six u32 counts
+        # (two per word, low half first), then the u64, f64 (as bits) and u32 sections.
+        n, t = data[0] & 0xFFFFFFFF, data[0] >> 32
+        p = data[1] & 0xFFFFFFFF
+        f64_start = 3 + 4 * n
+        u32_start = f64_start + 3 * n + p
+        u32_len = 10 * n + 1 + t + p
+        c64 = data[3:f64_start]
+        f64 = struct.unpack(f"<{3 * n + p}d", struct.pack(f"<{3 * n + p}Q", *data[f64_start:u32_start]))
+        words = data[u32_start : u32_start + (u32_len + 1) // 2]
+        c32 = [h for word in words for h in (word & 0xFFFFFFFF, word >> 32)][:u32_len]
         prefill_tokens = c64[n : 2 * n]
         decode_blocks = c64[2 * n : 3 * n]
         device = c32[n : 2 * n]
@@ -81,7 +88,7 @@ class Policy(exports.Policy):
         # Columns 7 and 8 are kv-feed-trust (since abi 7) and session-bound (since abi 8); the
         # taint index follows them.
         offsets = c32[9 * n : 10 * n + 1]
-        prefs_start = 10 * n + 1 + offsets[n]
+        prefs_start = 10 * n + 1 + t
         taint_ids = c32[10 * n + 1 : prefs_start]
         # The request's preferred taints: ids after the taint index, weights after the base
         # costs and the two learned step-time columns (3n entries).

@@ -50,6 +50,7 @@
 
 pub mod helpers;
 pub mod testing;
+pub mod wire;
 
 #[doc(hidden)]
 pub mod bindings {
@@ -68,22 +69,23 @@ use std::collections::BTreeMap;
 
 pub use bindings::kvroute::policy::types::{Decision, LogLevel, PluginInfo, PluginKind};
 
-/// The candidates exactly as they cross the interface (WIT `record candidates`: columns packed
-/// per primitive type, the request's preferred taints at the end). Policies see them through
-/// [`Candidates`] and [`Request::preferred_taints`].
-pub use bindings::kvroute::policy::types::Candidates as WireCandidates;
+/// Everything of a decision but the request's scalars, exactly as it crosses the interface (WIT
+/// `decision-data`: one list of 64-bit words holding every column, the taint index, the
+/// request's preferred taints and its ids). Policies see it through [`Candidates`] and
+/// [`Request`]; [`wire::pack`] builds one.
+pub use bindings::kvroute::policy::types::DecisionData as WireData;
 /// The host's context as it crosses the interface (WIT `record host-context`). Policies see it
 /// as a [`Context`].
 pub use bindings::kvroute::policy::types::HostContext as WireContext;
-/// The request exactly as it crosses the interface (WIT `record request`). Policies see it as a
-/// [`Request`].
+/// The request's scalars exactly as they cross the interface (WIT `record request`). Policies
+/// see them, with the ids and preferred taints of [`WireData`], as a [`Request`].
 pub use bindings::kvroute::policy::types::Request as WireRequest;
 /// [`WireRequest`]'s yes-or-no facts ([`Request::ask_only`], [`Request::stage`]).
 pub use bindings::kvroute::policy::types::RequestFlags;
 pub use helpers::*;
 
-/// The ABI version this SDK speaks (`plugin-info.abi-version`): 8, for `kvroute:policy@0.8.0`.
-pub const ABI_VERSION: u32 = 8;
+/// The ABI version this SDK speaks (`plugin-info.abi-version`): 9, for `kvroute:policy@0.9.0`.
+pub const ABI_VERSION: u32 = 9;
 
 /// Which half of a routing decision the policy ranks (WIT `request-flags`: `prefill`, `decode`,
 /// or neither).
@@ -192,12 +194,19 @@ pub struct Request {
 }
 
 impl Request {
-    /// Assembles the request from its wire form, the packed candidates (which carry its
-    /// preferred taints) and the context (block size, taint-table version).
-    pub fn from_wire(w: WireRequest, c: &WireCandidates, ctx: &Context) -> Result<Self, String> {
-        let l = Layout::of(c)?;
-        let ids = &c.columns_u32[l.preferred_start..];
-        let weights = &c.columns_f64[3 * l.n..];
+    /// Assembles the request from its wire form, the packed decision data (which carries its
+    /// ids and preferred taints) and the context (block size, taint-table version).
+    pub fn from_wire(w: WireRequest, data: &[u64], ctx: &Context) -> Result<Self, String> {
+        let v = wire::View::of(data)?;
+        let ids = &v.u32s[v.preferred_start()..];
+        let weights = &v.f64s[3 * v.n..];
+        let text = |bytes: &[u8], what: &str| {
+            std::str::from_utf8(bytes)
+                .map(str::to_string)
+                .map_err(|e| format!("{what} is not UTF-8: {e}"))
+        };
+        let request_id = text(v.request_id, "request-id")?;
+        let session_id = text(v.session_id, "session-id")?;
         let preferred_taints = ids
             .iter()
             .zip(weights)
@@ -207,7 +216,7 @@ impl Request {
             })
             .collect();
         Ok(Self {
-            request_id: w.request_id,
+            request_id,
             prompt_tokens: w.prompt_tokens,
             request_blocks: w.prompt_tokens.checked_div(ctx.block_size()).unwrap_or(0),
             block_size: ctx.block_size(),
@@ -218,18 +227,16 @@ impl Request {
             expected_output_tokens: (w.expected_output_tokens != 0)
                 .then_some(w.expected_output_tokens),
             temperature: w.temperature,
-            session_id: (!w.session_id.is_empty()).then_some(w.session_id),
+            session_id: (!session_id.is_empty()).then_some(session_id),
             taint_table_version: ctx.version(),
             now_ms: w.now_ms,
         })
     }
 
-    /// The wire form of the request (the preferred taints travel with the candidates; see
-    /// [`testing::CandidateSet::to_wire`]).
+    /// The wire form of the request's scalars (its ids and preferred taints travel in the
+    /// decision data; see [`wire::pack`]).
     pub fn to_wire(&self) -> WireRequest {
         WireRequest {
-            request_id: self.request_id.clone(),
-            session_id: self.session_id.clone().unwrap_or_default(),
             prompt_tokens: self.prompt_tokens,
             flags: if self.ask_only {
                 RequestFlags::ASK_ONLY | self.stage.flags()
@@ -311,48 +318,6 @@ impl SessionBound {
     /// The interface's code.
     pub fn code(self) -> u32 {
         self as u32
-    }
-}
-
-/// Where things are in the packed lists (see `record candidates` in `wit/policy.wit`).
-struct Layout {
-    n: usize,
-    /// Index in `columns-u32` of the first preferred-taint id.
-    preferred_start: usize,
-}
-
-impl Layout {
-    fn of(w: &WireCandidates) -> Result<Self, String> {
-        if !w.columns_u64.len().is_multiple_of(4) {
-            return Err(format!(
-                "columns-u64 has {} entries, not a multiple of 4",
-                w.columns_u64.len()
-            ));
-        }
-        let n = w.columns_u64.len() / 4;
-        if w.columns_u32.len() < 10 * n + 1 {
-            return Err(format!(
-                "columns-u32 has {} entries, expected at least 10 x {n} + 1",
-                w.columns_u32.len()
-            ));
-        }
-        let t = w.columns_u32[10 * n] as usize;
-        let preferred_start = 10 * n + 1 + t;
-        if preferred_start > w.columns_u32.len() {
-            return Err(format!(
-                "taint-offsets end at {t}, past the {} taint ids sent",
-                w.columns_u32.len() - (10 * n + 1)
-            ));
-        }
-        let p = w.columns_u32.len() - preferred_start;
-        if w.columns_f64.len() != 3 * n + p {
-            return Err(format!(
-                "columns-f64 has {} entries, expected 3 x {n} (base costs, learned prefill and \
-                 decode times) + {p} preference weights",
-                w.columns_f64.len()
-            ));
-        }
-        Ok(Self { n, preferred_start })
     }
 }
 
@@ -510,16 +475,19 @@ pub struct Candidates<'a> {
 }
 
 impl<'a> Candidates<'a> {
-    /// Splits the packed interface lists into columns, checking every length once (the host
-    /// guarantees them; a violation is reported, not indexed out of bounds later).
-    pub fn from_wire(w: &'a WireCandidates) -> Result<Self, String> {
-        let Layout { n, .. } = Layout::of(w)?;
-        let c64 = |k: usize| &w.columns_u64[k * n..(k + 1) * n];
-        let c32 = |k: usize| &w.columns_u32[k * n..(k + 1) * n];
-        let taint_offsets = &w.columns_u32[9 * n..10 * n + 1];
-        let taint_ids = &w.columns_u32[10 * n + 1..10 * n + 1 + taint_offsets[n] as usize];
+    /// Splits the packed decision data into columns, checking every length once (the host
+    /// guarantees them; a violation is reported, not indexed out of bounds later). The columns
+    /// borrow `data` in place: nothing is copied.
+    pub fn from_wire(data: &'a [u64]) -> Result<Self, String> {
+        let v = wire::View::of(data)?;
+        let n = v.n;
+        let c64 = |k: usize| &v.u64s[k * n..(k + 1) * n];
+        let c32 = |k: usize| &v.u32s[k * n..(k + 1) * n];
+        let f = |k: usize| &v.f64s[k * n..(k + 1) * n];
+        let taint_offsets = &v.u32s[9 * n..10 * n + 1];
+        let taint_ids = &v.u32s[10 * n + 1..v.preferred_start()];
         let ordered = taint_offsets.windows(2).all(|p| p[0] <= p[1]);
-        if taint_offsets[0] != 0 || !ordered {
+        if taint_offsets[0] != 0 || taint_offsets[n] as usize != v.t || !ordered {
             return Err("taint-offsets are not a valid index into taint-ids".to_string());
         }
         Ok(Self {
@@ -536,9 +504,9 @@ impl<'a> Candidates<'a> {
             max_num_batched_tokens: c32(6),
             kv_feed_trust: c32(7),
             session_bound: c32(8),
-            base_cost: &w.columns_f64[..n],
-            prefill_ms_per_token: &w.columns_f64[n..2 * n],
-            decode_step_ms: &w.columns_f64[2 * n..3 * n],
+            base_cost: f(0),
+            prefill_ms_per_token: f(1),
+            decode_step_ms: f(2),
             taint_offsets,
             taint_ids,
         })
@@ -718,9 +686,9 @@ pub mod __private {
         }
 
         /// Decodes one decision and runs the policy on it.
-        pub fn decide(&self, req: WireRequest, wire: WireCandidates) -> Decision {
-            let decoded = Candidates::from_wire(&wire).and_then(|c| {
-                let r = Request::from_wire(req, &wire, &self.ctx.borrow())?;
+        pub fn decide(&self, req: WireRequest, data: WireData) -> Decision {
+            let decoded = Candidates::from_wire(&data).and_then(|c| {
+                let r = Request::from_wire(req, &data, &self.ctx.borrow())?;
                 Ok((r, c))
             });
             let (req, candidates) = match decoded {
@@ -776,8 +744,8 @@ macro_rules! export_policy {
                 fn set_context(context: $crate::WireContext) {
                     __SLOT.with(|s| s.set_context(context))
                 }
-                fn decide(req: $crate::WireRequest, wire: $crate::WireCandidates) -> $crate::Decision {
-                    __SLOT.with(|s| s.decide(req, wire))
+                fn decide(req: $crate::WireRequest, data: $crate::WireData) -> $crate::Decision {
+                    __SLOT.with(|s| s.decide(req, data))
                 }
             }
             #[cfg(target_arch = "wasm32")]

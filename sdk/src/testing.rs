@@ -333,44 +333,10 @@ impl CandidateSet {
         }
     }
 
-    /// The columns packed as they cross the interface (WIT `record candidates`), with the
-    /// request's preferred taints at the end.
-    pub fn to_wire(&self, preferred: &[PreferredTaint]) -> crate::WireCandidates {
-        let mut columns_u64 = Vec::new();
-        for col in [
-            &self.worker_id,
-            &self.active_prefill_tokens,
-            &self.active_decode_blocks,
-            &self.total_kv_blocks,
-        ] {
-            columns_u64.extend_from_slice(col);
-        }
-        let mut columns_u32 = Vec::new();
-        for col in [
-            &self.dp_rank,
-            &self.device_overlap,
-            &self.host_overlap,
-            &self.disk_overlap,
-            &self.active_requests,
-            &self.active_prompt_blocks,
-            &self.max_num_batched_tokens,
-            &self.kv_feed_trust,
-            &self.session_bound,
-            &self.taint_offsets,
-            &self.taint_ids,
-        ] {
-            columns_u32.extend_from_slice(col);
-        }
-        columns_u32.extend(preferred.iter().map(|p| p.taint));
-        let mut columns_f64 = self.base_cost.clone();
-        columns_f64.extend_from_slice(&self.prefill_ms_per_token);
-        columns_f64.extend_from_slice(&self.decode_step_ms);
-        columns_f64.extend(preferred.iter().map(|p| f64::from(p.weight)));
-        crate::WireCandidates {
-            columns_u64,
-            columns_u32,
-            columns_f64,
-        }
+    /// The decision packed as it crosses the interface (WIT `decision-data`): these columns,
+    /// and the request's preferred taints and ids.
+    pub fn to_wire(&self, req: &Request) -> crate::WireData {
+        crate::wire::pack(req, &self.view())
     }
 }
 
@@ -484,7 +450,7 @@ impl<P: Policy> Harness<P> {
     pub fn decide(&mut self, req: &RequestSpec, set: &[CandidateSpec]) -> Decision {
         let (ctx, request, cands) = build(req, set);
         // Through the interface's packed form and back, exactly as a Wasm build receives it.
-        let wire = cands.to_wire(&request.preferred_taints);
+        let wire = cands.to_wire(&request);
         let view = Candidates::from_wire(&wire).expect("the harness packs valid columns");
         let request = Request::from_wire(request.to_wire(), &wire, &ctx)
             .expect("the harness packs a valid request");
@@ -692,11 +658,12 @@ mod tests {
             vec![(Recovering, vec![0]), (Exact, vec![]), (Degraded, vec![1])]
         );
         // The packed list: column 7, column 8, then the taint index after them.
-        let (_, _, c) = build(&request(64), &set);
-        let w = c.to_wire(&[]);
-        assert_eq!(&w.columns_u32[7 * 3..8 * 3], &[1, 0, 2]);
-        assert_eq!(&w.columns_u32[8 * 3..9 * 3], &[0, 0, 0]);
-        assert_eq!(&w.columns_u32[9 * 3..10 * 3 + 1], &[0, 1, 1, 2]);
+        let (_, r, c) = build(&request(64), &set);
+        let w = c.to_wire(&r);
+        let v = crate::wire::View::of(&w).unwrap();
+        assert_eq!(&v.u32s[7 * 3..8 * 3], &[1, 0, 2]);
+        assert_eq!(&v.u32s[8 * 3..9 * 3], &[0, 0, 0]);
+        assert_eq!(&v.u32s[9 * 3..10 * 3 + 1], &[0, 1, 1, 2]);
         // Reserved codes read as degraded.
         assert_eq!(crate::FeedTrust::from_code(9), Degraded);
     }
@@ -728,18 +695,67 @@ mod tests {
             h.policy.0,
             vec![(None, vec![0]), (Session, vec![]), (Parent, vec![1])]
         );
-        let (_, _, c) = build(&request(64), &set);
-        let w = c.to_wire(&[]);
-        assert_eq!(&w.columns_u32[8 * 3..9 * 3], &[0, 1, 2]);
-        assert_eq!(&w.columns_u32[9 * 3..10 * 3 + 1], &[0, 1, 1, 2]);
+        let (_, r, c) = build(&request(64), &set);
+        let w = c.to_wire(&r);
+        let v = crate::wire::View::of(&w).unwrap();
+        assert_eq!(&v.u32s[8 * 3..9 * 3], &[0, 1, 2]);
+        assert_eq!(&v.u32s[9 * 3..10 * 3 + 1], &[0, 1, 1, 2]);
         // Reserved codes read as none.
         assert_eq!(crate::SessionBound::from_code(7), None);
+    }
+
+    /// Records the request's ids and preferences as the policy saw them.
+    #[derive(Default)]
+    struct SeenIds(Option<Request>);
+    impl Policy for SeenIds {
+        fn decide(&mut self, _: &Context, req: &Request, c: &Candidates) -> Decision {
+            self.0 = Some(req.clone());
+            Decision::Costs(vec![0.0; c.count()])
+        }
+    }
+
+    #[test]
+    fn the_ids_and_preferences_reach_the_policy_through_the_wire_form() {
+        let mut h = Harness::<SeenIds>::new();
+        let set = [candidate(1).taints(&["zone=a"]), candidate(2)];
+        // An odd number of `u32` entries (padding) and ids of lengths that are not whole words.
+        h.decide(
+            &request(64)
+                .id("req-ünï")
+                .session("s-1")
+                .prefer("zone=a", 0.5)
+                .prefer("zone=b", -0.25),
+            &set,
+        );
+        let seen = h.policy.0.take().unwrap();
+        assert_eq!(seen.request_id, "req-ünï");
+        assert_eq!(seen.session_id.as_deref(), Some("s-1"));
+        assert_eq!(
+            seen.preferred_taints
+                .iter()
+                .map(|p| (p.taint, p.weight))
+                .collect::<Vec<_>>(),
+            vec![(0, 0.5), (1, -0.25)]
+        );
+        h.decide(&request(64).id("r"), &set);
+        assert_eq!(h.policy.0.take().unwrap().session_id, None);
+    }
+
+    #[test]
+    fn a_header_that_does_not_match_the_length_is_malformed() {
+        let (_, req, set) = build(&request(64), &[candidate(1), candidate(2)]);
+        let mut w = set.to_wire(&req);
+        assert!(Candidates::from_wire(&w).is_ok());
+        w.push(0);
+        let err = Candidates::from_wire(&w).unwrap_err();
+        assert!(err.contains("words"), "{err}");
+        assert!(Candidates::from_wire(&w[..2]).is_err());
     }
 
     #[test]
     fn both_stage_flags_are_a_malformed_request() {
         let (ctx, req, set) = build(&request(64), &[candidate(1)]);
-        let wire_set = set.to_wire(&[]);
+        let wire_set = set.to_wire(&req);
         let mut wire = req.to_wire();
         wire.flags = crate::RequestFlags::PREFILL | crate::RequestFlags::DECODE;
         let err = Request::from_wire(wire, &wire_set, &ctx).unwrap_err();

@@ -94,6 +94,21 @@ fn boundary(c: &mut Criterion) {
         });
     });
 
+    // The same decision as one list (the shape of `kvroute:policy@0.9.0`): the count, then as
+    // many words as the three column lists and the two strings' bytes take.
+    let packed: Vec<u64> = std::iter::once(n as u64)
+        .chain(0..(u64s.len() + u32s.len().div_ceil(2) + f64s.len() + 2) as u64)
+        .collect();
+    group.bench_function("decide_packed", |b| {
+        b.iter(|| {
+            black_box(
+                probe
+                    .call_decide_packed(&mut store, 4096, 0, 1.0, 0, 0.0, 1, &packed)
+                    .expect("decide packed"),
+            )
+        });
+    });
+
     // The real thing, same run: the native path, and the policy runtime with `native-cost`
     // trusting the host's base costs (the boundary plus the runtime's bookkeeping).
     let reg = PolicyRegistry::new(PolicyRuntimeConfig::default()).expect("policy runtime");

@@ -15,7 +15,7 @@ use wasmtime::component::{Func, HasSelf, Linker, TypedFunc};
 use wasmtime::{ResourceLimiter, Store, StoreContextMut, StoreHookState, Trap, UpdateDeadline};
 
 use super::answer::{RawDecision, EXPECTED_COSTS};
-use super::bindings::kvroute::policy::types::{Candidates, HostContext, LogLevel, Request};
+use super::bindings::kvroute::policy::types::{HostContext, LogLevel, Request};
 use super::bindings::{PolicyPlugin, PolicyPluginPre, POLICY_EXPORT};
 use super::error::FallbackReason;
 pub(crate) use super::failure::{Failure, FailureDetail};
@@ -24,6 +24,7 @@ use super::stats::PolicyStats;
 pub(crate) use super::text::bounded_text;
 use super::text::BoundedText;
 use super::ticker::{CallGuard, GuestActivity};
+use super::wire::Data;
 use super::DecisionContext;
 use kvroute_core::rng::SeededRng;
 
@@ -315,7 +316,7 @@ pub(crate) fn link_host(linker: &mut Linker<HostState>) -> wasmtime::Result<()> 
 }
 
 /// The one import a policy gets.
-const HOST_LOG: &str = "kvroute:policy/host-log@0.8.0";
+const HOST_LOG: &str = "kvroute:policy/host-log@0.9.0";
 
 /// Creates a store for an instance of a component: limits, deadline behaviour, log bucket.
 pub(crate) fn new_store(
@@ -363,7 +364,7 @@ pub(crate) fn classify(err: &wasmtime::Error, memory_denied: bool) -> FallbackRe
 }
 
 /// `decide` with the host's own lifting of its answer.
-type DecideFn<'a> = TypedFunc<(Request<'a>, Candidates<'a>), (RawDecision,)>;
+type DecideFn<'a> = TypedFunc<(Request, Data<'a>), (RawDecision,)>;
 
 /// Decrements the stage's live-instance count when an instance is dropped.
 struct LiveGuard(Arc<AtomicUsize>);
@@ -434,7 +435,7 @@ impl PluginInstance {
                 message: "no export decide".into(),
             })?;
         decide
-            .typed::<(Request<'_>, Candidates<'_>), (RawDecision,)>(&store)
+            .typed::<(Request, Data<'_>), (RawDecision,)>(&store)
             .map_err(|e| failed("instantiation", e, &store))?;
         store.data_mut().arm();
         store.set_epoch_deadline(shared.setup_ticks);
@@ -492,13 +493,13 @@ impl PluginInstance {
     /// One `decide` call under the deadline of `ticks` epochs.
     pub(crate) fn decide(
         &mut self,
-        req: Request<'_>,
-        cands: Candidates<'_>,
+        req: Request,
+        data: Data<'_>,
         ctx: DecisionContext<'_>,
         ticks: u64,
     ) -> Result<RawDecision, Failure> {
         self.sync_context(ctx, ticks)?;
-        let n = super::wire::candidate_count(&cands);
+        let n = super::wire::candidate_count(data);
         // SAFETY: `self.decide` was type-checked against `DecideFn` when the instance was made
         // (`Stage::new_instance`); lifetimes play no part in a component type.
         let decide: DecideFn<'_> = unsafe { TypedFunc::new_unchecked(self.decide) };
@@ -506,7 +507,7 @@ impl PluginInstance {
         arm_call(&mut self.store, ticks, &running);
         EXPECTED_COSTS.set(n);
         decide
-            .call(&mut self.store, (req, cands))
+            .call(&mut self.store, (req, data))
             .map(|(d,)| d)
             .map_err(|e| Failure::wasm("decide", e, self.store.data()))
     }

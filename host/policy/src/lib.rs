@@ -5,9 +5,12 @@
 //! candidates; the active policy answers one cost per candidate (the router picks with the
 //! request's temperature) or one pick. The host stays in charge of every guarantee:
 //!
-//! - **Columns, not records.** Candidates cross the boundary as columns of primitives packed into
-//!   one list per primitive type (`wire.rs` packs [`CandidateColumns`] into per-thread buffers),
-//!   each lowered with one `memcpy`. Lowering a list of records costs ~3× more, and a string per
+//! - **Columns, not records, in one list.** Candidates cross the boundary as columns of primitives
+//!   packed, with the preferred taints and the request's ids, into one `list<u64>` (`wire.rs`
+//!   packs [`CandidateColumns`] into a per-thread buffer), lowered with one allocator call into
+//!   the guest and one `memcpy`: each further list or string argument cost one more allocator
+//!   call, which is why interface 0.9.0 folded five into one. Lowering a list of records costs
+//!   ~3× more, and a string per
 //!   candidate costs microseconds; taints are therefore ids into a [`TaintTable`] that an instance
 //!   receives (with the block size, through `set-context`) only when its version changes.
 //!   `decide`'s arguments flatten to 16 values so that they travel in registers: past 16 the

@@ -14,13 +14,14 @@ use std::time::Instant;
 use parking_lot::Mutex;
 
 use super::answer::{validate, Answer};
-use super::bindings::kvroute::policy::types::{Candidates, Request};
+use super::bindings::kvroute::policy::types::Request;
 use super::error::FallbackReason;
 use super::failure::Failure;
 use super::instance::{InstanceError, PluginInstance};
 use super::plugin::CompiledPlugin;
 use super::shared::RuntimeShared;
 use super::stats::PolicyStats;
+use super::wire::Data;
 use super::DecisionContext;
 
 /// Most instances of one stage the maintenance thread makes on demand, in multiples of the warm
@@ -225,17 +226,17 @@ impl Stage {
     /// if the pool is empty (load time only, see [`Stage::take`]).
     pub(crate) fn decide(
         self: &Arc<Self>,
-        req: Request<'_>,
-        cands: Candidates<'_>,
+        req: Request,
+        data: Data<'_>,
         ctx: DecisionContext<'_>,
         allow_pick: bool,
         ticks: u64,
         inline: bool,
     ) -> Result<Answer, Failure> {
-        let n = super::wire::candidate_count(&cands);
+        let n = super::wire::candidate_count(data);
         let mut inst = self.take(inline)?;
         match inst
-            .decide(req, cands, ctx, ticks)
+            .decide(req, data, ctx, ticks)
             .and_then(|d| validate(d, n, allow_pick))
         {
             Ok(answer) => {

@@ -1,47 +1,111 @@
-//! The WIT wire form of one decision (`record request` and `record candidates` in
+//! The WIT wire form of one decision (`record request` and `type decision-data` in
 //! `wit/policy.wit`).
 //!
 //! The router keeps its columns one `Vec` per figure ([`CandidateColumns`]), which is what the
-//! native cost and the HTTP layer read. The interface instead packs them into one list per
-//! primitive type, with the request's preferred taints at the end, because each list argument
-//! costs the host a call into the guest's allocator and because `decide`'s arguments must flatten
-//! to at most 16 values to travel in registers (beyond that, wasmtime stores every field into
-//! guest memory one by one). Packing is a handful of `memcpy`s into buffers reused by the calling
+//! native cost and the HTTP layer read. The interface instead packs every column, the taint
+//! index, the preferred taints and the request's two ids into one `list<u64>`, because each list
+//! or string argument costs the host a call into the guest's allocator (since 0.9.0 a decision
+//! makes one such call where it made five) and because `decide`'s arguments must flatten to at
+//! most 16 values to travel in registers (beyond that, wasmtime stores every field into guest
+//! memory one by one). Packing is a handful of `memcpy`s into a buffer reused by the calling
 //! thread, so no decision allocates. The decision's [`Stage`] travels in the request's flags for
 //! the same reason (one 32-bit value whatever flags are set).
 
 use std::cell::RefCell;
 
-use super::bindings::kvroute::policy::types::{Candidates, Request, RequestFlags};
+use super::bindings::kvroute::policy::types::{Request, RequestFlags};
 use kvroute_core::candidate::{CandidateColumns, PolicyRequest};
 use kvroute_core::Stage;
 
-/// Reusable buffers for the packed lists of one decision.
+/// Words of the header of `decision-data` (six `u32` counts).
+pub(crate) const HEADER_WORDS: usize = 3;
+
+/// The WIT `decision-data` as the host lowers it: one list of words.
+pub(crate) type Data<'a> = &'a [u64];
+
+/// `u32` entries `2k` and `2k + 1` as word `k` holds them (low half first).
+#[inline]
+fn pair(lo: u32, hi: u32) -> u64 {
+    u64::from(lo) | (u64::from(hi) << 32)
+}
+
+/// A reusable buffer for the packed list of one decision.
 #[derive(Default)]
 struct Packed {
-    u64s: Vec<u64>,
-    u32s: Vec<u32>,
-    f64s: Vec<f64>,
+    words: Vec<u64>,
+}
+
+/// The `u32` view of a run of words: entry `2k` is the low half of word `k` on a little-endian
+/// host (see [`Packed::fill`] for the big-endian fix-up).
+fn halves(words: &mut [u64]) -> &mut [u32] {
+    // SAFETY: a `u64` slice is a valid, aligned `u32` slice of twice the length (any bit pattern
+    // is a valid `u32`), and the borrow is carried over.
+    unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr().cast::<u32>(), words.len() * 2) }
+}
+
+/// The byte view of a run of words (byte `8k + j` is byte `j` of word `k` in memory order).
+fn bytes(words: &mut [u64]) -> &mut [u8] {
+    // SAFETY: as for `halves`, with bytes.
+    unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr().cast::<u8>(), words.len() * 8) }
 }
 
 impl Packed {
-    /// Packs `c` and the preferred taints of `req` in the WIT order (see the record's
-    /// documentation).
+    /// Packs `c`, the preferred taints and the ids of `req` in the WIT order (see
+    /// `decision-data`'s documentation).
     fn fill(&mut self, req: &PolicyRequest, c: &CandidateColumns) {
         let n = c.len();
+        let t = c.taint_ids.len();
         let p = req.preferred_taints.len();
-        self.u64s.clear();
-        self.u64s.reserve(4 * n);
+        let request_id = req.request_id.as_bytes();
+        let session_id = req.session_id.as_deref().unwrap_or("").as_bytes();
+        let (r, s) = (request_id.len(), session_id.len());
+        let halves_len = 10 * n + 1 + t + p;
+        let u32_words = halves_len.div_ceil(2);
+        let byte_words = (r + s).div_ceil(8);
+        let f64_start = HEADER_WORDS + 4 * n;
+        let u32_start = f64_start + 3 * n + p;
+        let byte_start = u32_start + u32_words;
+        let total = byte_start + byte_words;
+        let w = &mut self.words;
+        w.clear();
+        w.reserve(total);
+        // Header: n, t, p, r, s, reserved. Counts past `u32::MAX` cannot happen (a decision has
+        // at most a few thousand candidates; ids are bounded by the HTTP layer); saturate anyway.
+        let count = |x: usize| u32::try_from(x).unwrap_or(u32::MAX);
+        w.push(pair(count(n), count(t)));
+        w.push(pair(count(p), count(r)));
+        w.push(pair(count(s), 0));
         for col in [
             &c.worker_id,
             &c.active_prefill_tokens,
             &c.active_decode_blocks,
             &c.total_kv_blocks,
         ] {
-            self.u64s.extend_from_slice(col);
+            w.extend_from_slice(col);
         }
-        self.u32s.clear();
-        self.u32s.reserve(10 * n + 1 + c.taint_ids.len() + p);
+        w.extend(c.base_cost.iter().map(|x| x.to_bits()));
+        // Columns a caller left empty (no learned figures) travel as zeros: "not learned".
+        for col in [&c.prefill_ms_per_token, &c.decode_step_ms] {
+            if col.len() == n {
+                w.extend(col.iter().map(|x| x.to_bits()));
+            } else {
+                w.resize(w.len() + n, 0);
+            }
+        }
+        w.extend(
+            req.preferred_taints
+                .iter()
+                .map(|&(_, weight)| f64::from(weight).to_bits()),
+        );
+        // The `u32` and byte sections are written through views of zeroed words (the padding
+        // entry and bytes stay 0).
+        w.resize(total, 0);
+        let u32s = &mut halves(&mut w[u32_start..byte_start])[..halves_len];
+        let mut at = 0;
+        let mut put = |src: &[u32]| {
+            u32s[at..at + src.len()].copy_from_slice(src);
+            at += src.len();
+        };
         for col in [
             &c.dp_rank,
             &c.device_overlap,
@@ -51,39 +115,40 @@ impl Packed {
             &c.active_prompt_blocks,
             &c.max_num_batched_tokens,
         ] {
-            self.u32s.extend_from_slice(col);
+            put(col);
         }
-        // `kv-feed-trust` (column 7, since 0.7.0); a caller that left it empty means exact.
-        if c.kv_feed_trust.len() == n {
-            self.u32s
-                .extend(c.kv_feed_trust.iter().map(|&t| u32::from(t)));
-        } else {
-            self.u32s.resize(self.u32s.len() + n, 0);
-        }
-        // `session-bound` (column 8, since 0.8.0); a caller that left it empty means none.
-        if c.session_bound.len() == n {
-            self.u32s
-                .extend(c.session_bound.iter().map(|&b| u32::from(b)));
-        } else {
-            self.u32s.resize(self.u32s.len() + n, 0);
-        }
-        self.u32s.extend_from_slice(&c.taint_offsets);
-        self.u32s.extend_from_slice(&c.taint_ids);
-        self.u32s
-            .extend(req.preferred_taints.iter().map(|&(id, _)| id));
-        self.f64s.clear();
-        self.f64s.reserve(3 * n + p);
-        self.f64s.extend_from_slice(&c.base_cost);
-        // Columns a caller left empty (no learned figures) travel as zeros: "not learned".
-        for col in [&c.prefill_ms_per_token, &c.decode_step_ms] {
+        // `kv-feed-trust` (column 7, since 0.7.0) and `session-bound` (column 8, since 0.8.0); a
+        // caller that left one empty means exact, or none (the zeros already there).
+        for col in [&c.kv_feed_trust, &c.session_bound] {
             if col.len() == n {
-                self.f64s.extend_from_slice(col);
-            } else {
-                self.f64s.resize(self.f64s.len() + n, 0.0);
+                for (dst, &v) in u32s[at..at + n].iter_mut().zip(col.iter()) {
+                    *dst = u32::from(v);
+                }
+            }
+            at += n;
+        }
+        let mut put = |src: &[u32]| {
+            u32s[at..at + src.len()].copy_from_slice(src);
+            at += src.len();
+        };
+        put(&c.taint_offsets);
+        put(&c.taint_ids);
+        for (dst, &(id, _)) in u32s[at..].iter_mut().zip(&req.preferred_taints) {
+            *dst = id;
+        }
+        let b = bytes(&mut w[byte_start..]);
+        b[..r].copy_from_slice(request_id);
+        b[r..r + s].copy_from_slice(session_id);
+        // The interface's order is little-endian (low half, low byte first); the views above
+        // wrote the host's memory order.
+        if cfg!(target_endian = "big") {
+            for x in &mut w[u32_start..byte_start] {
+                *x = x.rotate_left(32);
+            }
+            for x in &mut w[byte_start..] {
+                *x = x.swap_bytes();
             }
         }
-        self.f64s
-            .extend(req.preferred_taints.iter().map(|&(_, w)| f64::from(w)));
     }
 }
 
@@ -105,16 +170,16 @@ pub(crate) fn request_flags(req: &PolicyRequest, stage: Stage) -> RequestFlags {
     flags
 }
 
-/// Calls `f` with the WIT form of one decision at `stage`: the request and the packed candidate
-/// lists (the columns must be consistent: same lengths, one more taint offset than candidates).
+/// Calls `f` with the WIT form of one decision at `stage`: the request's scalars and the packed
+/// list (the columns must be consistent: same lengths, one more taint offset than candidates).
 pub(crate) fn with_wit_decision<R>(
     req: &PolicyRequest,
     c: &CandidateColumns,
     stage: Stage,
-    f: impl FnOnce(Request<'_>, Candidates<'_>) -> R,
+    f: impl FnOnce(Request, Data<'_>) -> R,
 ) -> R {
     PACKED.with(|cell| {
-        // A nested call (not expected: a decision does not start another) gets its own buffers
+        // A nested call (not expected: a decision does not start another) gets its own buffer
         // rather than a borrow panic.
         let mut own;
         let mut guard = cell.try_borrow_mut();
@@ -128,8 +193,6 @@ pub(crate) fn with_wit_decision<R>(
         packed.fill(req, c);
         f(
             Request {
-                request_id: &req.request_id,
-                session_id: req.session_id.as_deref().unwrap_or(""),
                 prompt_tokens: req.prompt_tokens,
                 flags: request_flags(req, stage),
                 priority: req.priority,
@@ -137,23 +200,76 @@ pub(crate) fn with_wit_decision<R>(
                 temperature: req.temperature,
                 now_ms: req.now_ms,
             },
-            Candidates {
-                columns_u64: &packed.u64s,
-                columns_u32: &packed.u32s,
-                columns_f64: &packed.f64s,
-            },
+            &packed.words,
         )
     })
 }
 
-/// Number of candidates in a packed set (`columns-u64` holds 4 columns).
-pub(crate) fn candidate_count(c: &Candidates<'_>) -> usize {
-    c.columns_u64.len() / 4
+/// A copy of `data` whose `base-cost` column is `costs` (one per candidate): what a pipeline's
+/// selector stage receives (the weighted sum of its scorer stages).
+pub(crate) fn with_base_costs(data: Data<'_>, costs: &[f64]) -> Vec<u64> {
+    let mut words = data.to_vec();
+    let start = HEADER_WORDS + 4 * candidate_count(data);
+    for (w, c) in words[start..].iter_mut().zip(costs) {
+        *w = c.to_bits();
+    }
+    words
+}
+
+/// Number of candidates in a packed decision (the header's first entry).
+pub(crate) fn candidate_count(data: Data<'_>) -> usize {
+    data.first().map_or(0, |&w| (w & 0xffff_ffff) as usize)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `decision-data` read back section by section, as a guest reads it.
+    struct Unpacked<'a> {
+        header: [u32; 6],
+        u64s: &'a [u64],
+        f64s: Vec<f64>,
+        u32s: Vec<u32>,
+        u32_padding: Option<u32>,
+        bytes: Vec<u8>,
+    }
+
+    impl<'a> Unpacked<'a> {
+        fn of(w: &'a [u64]) -> Self {
+            let halves = |words: &[u64]| -> Vec<u32> {
+                words
+                    .iter()
+                    .flat_map(|&x| [x as u32, (x >> 32) as u32])
+                    .collect()
+            };
+            let h = halves(&w[..HEADER_WORDS]);
+            let header: [u32; 6] = h.try_into().unwrap();
+            let [n, t, p, r, s, _] = header.map(|x| x as usize);
+            let f64_start = HEADER_WORDS + 4 * n;
+            let u32_start = f64_start + 3 * n + p;
+            let entries = 10 * n + 1 + t + p;
+            let byte_start = u32_start + entries.div_ceil(2);
+            assert_eq!(w.len(), byte_start + (r + s).div_ceil(8), "list length");
+            let all32 = halves(&w[u32_start..byte_start]);
+            let bytes: Vec<u8> = w[byte_start..]
+                .iter()
+                .flat_map(|x| x.to_le_bytes())
+                .collect();
+            assert!(bytes[r + s..].iter().all(|&b| b == 0), "byte padding");
+            Self {
+                header,
+                u64s: &w[HEADER_WORDS..f64_start],
+                f64s: w[f64_start..u32_start]
+                    .iter()
+                    .map(|&x| f64::from_bits(x))
+                    .collect(),
+                u32s: all32[..entries].to_vec(),
+                u32_padding: all32.get(entries).copied(),
+                bytes: bytes[..r + s].to_vec(),
+            }
+        }
+    }
 
     #[test]
     fn packs_columns_and_preferences_in_wit_order() {
@@ -190,22 +306,33 @@ mod tests {
             now_ms: 5,
             ask_only: true,
         };
+        let req = PolicyRequest {
+            request_id: "req-1".into(),
+            session_id: Some("sé".into()),
+            ..req
+        };
         with_wit_decision(&req, &c, Stage::Aggregated, |r, w| {
             assert_eq!(r.flags, RequestFlags::ASK_ONLY);
-            assert_eq!(r.session_id, "");
             assert_eq!(r.expected_output_tokens, 0);
-            assert_eq!(candidate_count(&w), 2);
-            assert_eq!(w.columns_u64, &[10, 11, 100, 101, 200, 201, 300, 301]);
+            assert_eq!(candidate_count(w), 2);
+            let d = Unpacked::of(w);
+            // n = 2, t = 3, p = 2, r = 5, s = 3 (UTF-8 bytes), reserved 0.
+            assert_eq!(d.header, [2, 3, 2, 5, 3, 0]);
+            assert_eq!(d.u64s, &[10, 11, 100, 101, 200, 201, 300, 301]);
+            assert_eq!(d.f64s, vec![0.5, 1.5, 0.02, 0.0, 11.0, 0.0, 0.5, -0.25]);
             assert_eq!(
-                w.columns_u32,
-                &[
+                d.u32s,
+                vec![
                     0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 0, 512, 1024, 2, 1, 0, 1, 0, 1, 3, 7, 8, 9, 8,
                     2
                 ]
             );
-            assert_eq!(w.columns_f64, &[0.5, 1.5, 0.02, 0.0, 11.0, 0.0, 0.5, -0.25]);
+            assert_eq!(d.bytes, "req-1sé".as_bytes());
+            // The list ends with the byte section: 3 + 8 + 8 + 13 + 1 words.
+            assert_eq!(w.len(), 33);
         });
-        // Columns left empty travel as zeros (not learned; exact).
+        // Columns left empty travel as zeros (not learned; exact; no binding), and no session
+        // id as no bytes.
         let bare = CandidateColumns {
             prefill_ms_per_token: Vec::new(),
             decode_step_ms: Vec::new(),
@@ -213,9 +340,27 @@ mod tests {
             session_bound: Vec::new(),
             ..c.clone()
         };
-        with_wit_decision(&req, &bare, Stage::Aggregated, |_, w| {
-            assert_eq!(w.columns_f64, &[0.5, 1.5, 0.0, 0.0, 0.0, 0.0, 0.5, -0.25]);
-            assert_eq!(&w.columns_u32[14..18], &[0, 0, 0, 0]);
+        let plain = PolicyRequest {
+            session_id: None,
+            ..req.clone()
+        };
+        with_wit_decision(&plain, &bare, Stage::Aggregated, |_, w| {
+            let d = Unpacked::of(w);
+            assert_eq!(d.f64s, vec![0.5, 1.5, 0.0, 0.0, 0.0, 0.0, 0.5, -0.25]);
+            assert_eq!(&d.u32s[14..18], &[0, 0, 0, 0]);
+            assert_eq!(d.header[4], 0);
+            assert_eq!(d.bytes, b"req-1");
+        });
+        // An odd number of `u32` entries ends the section with a 0 half; bytes pad with zeros.
+        let one_pref = PolicyRequest {
+            preferred_taints: vec![(8, 0.5)],
+            ..plain.clone()
+        };
+        with_wit_decision(&one_pref, &c, Stage::Aggregated, |_, w| {
+            let d = Unpacked::of(w);
+            assert_eq!(d.u32s.len(), 25);
+            assert_eq!(d.u32_padding, Some(0));
+            assert_eq!(w.last().copied(), Some(u64::from_le_bytes(*b"req-1\0\0\0")));
         });
         let booked = PolicyRequest {
             ask_only: false,

@@ -27,7 +27,9 @@ wit_bindgen::generate!({
 });
 
 use exports::kvroute::policy::policy::Guest;
-use kvroute::policy::types::{Candidates, Decision, HostContext, PluginInfo, PluginKind, Request};
+use kvroute::policy::types::{
+    Decision, DecisionData, HostContext, PluginInfo, PluginKind, Request,
+};
 
 #[derive(Clone, Copy, Debug, serde::Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -65,7 +67,7 @@ impl Guest for NativeCost {
         PluginInfo {
             name: "native-cost".to_string(),
             version: env!("CARGO_PKG_VERSION").to_string(),
-            abi_version: 8,
+            abi_version: 9,
             deterministic: true,
             kind: PluginKind::Scorer,
         }
@@ -98,28 +100,52 @@ impl Guest for NativeCost {
         BLOCK_SIZE.with(|b| b.set(context.block_size));
     }
 
-    fn decide(req: Request, c: Candidates) -> Decision {
+    fn decide(req: Request, data: DecisionData) -> Decision {
         let w = CONFIG.with(|c| *c.borrow());
-        // The packed layout of `wit/policy.wit` (record `candidates`), read without the SDK so the
-        // benchmark measures the interface alone.
-        let n = c.columns_u64.len() / 4;
-        let col64 = |k: usize| &c.columns_u64[k * n..(k + 1) * n];
-        let col32 = |k: usize| &c.columns_u32[k * n..(k + 1) * n];
+        // The packed layout of `wit/policy.wit` (`decision-data`), read without the SDK so the
+        // benchmark measures the interface alone: a header of counts, then the `u64`, `f64` and
+        // `u32` sections, read in place (a slice's index checks catch a malformed list).
+        assert!(
+            data.len() >= 3,
+            "native-cost: decision-data shorter than its header"
+        );
+        let (h0, h1) = (data[0], data[1]);
+        let (n, t, p) = (
+            (h0 as u32) as usize,
+            (h0 >> 32) as usize,
+            (h1 as u32) as usize,
+        );
+        let f64_start = 3 + 4 * n;
+        let u32_start = f64_start + 3 * n + p;
+        let u32_len = 10 * n + 1 + t + p;
+        let c64 = &data[3..f64_start];
+        let f64_words = &data[f64_start..u32_start];
+        let u32_words = &data[u32_start..u32_start + u32_len.div_ceil(2)];
+        // SAFETY: `f64` has the layout of `u64` and any bits are an `f64`; a `u64` slice is an
+        // aligned `u32` slice of twice the length, entry `2k` in word `k`'s low half on this
+        // little-endian target, as the interface orders them.
+        let f64s: &[f64] =
+            unsafe { std::slice::from_raw_parts(f64_words.as_ptr().cast(), f64_words.len()) };
+        let c32: &[u32] =
+            unsafe { std::slice::from_raw_parts(u32_words.as_ptr().cast(), u32_words.len() * 2) };
+        let c32 = &c32[..u32_len];
+        let col64 = |k: usize| &c64[k * n..(k + 1) * n];
+        let col32 = |k: usize| &c32[k * n..(k + 1) * n];
         let (active_prefill_tokens, active_decode_blocks) = (col64(1), col64(2));
         let (device_overlap, host_overlap, disk_overlap) = (col32(1), col32(2), col32(3));
         let active_prompt_blocks = col32(5);
         // Columns 7 and 8 are `kv-feed-trust` (abi 7) and `session-bound` (abi 8); this plugin
         // mirrors the native cost, which uses neither. The taint index follows them.
-        let taint_offsets = &c.columns_u32[9 * n..10 * n + 1];
-        let prefs_start = 10 * n + 1 + taint_offsets[n] as usize;
-        let taint_ids = &c.columns_u32[10 * n + 1..prefs_start];
+        let taint_offsets = &c32[9 * n..10 * n + 1];
+        let prefs_start = 10 * n + 1 + t;
+        let taint_ids = &c32[10 * n + 1..prefs_start];
         // The request's preferred taints: ids after the taint index, weights after the base
         // costs and the two learned step-time columns (`3 * n` entries since abi 6).
-        let pref_ids = &c.columns_u32[prefs_start..];
-        let pref_weights = &c.columns_f64[3 * n..];
+        let pref_ids = &c32[prefs_start..];
+        let pref_weights = &f64s[3 * n..];
         let mut costs = Vec::with_capacity(n);
         if w.use_base_cost {
-            costs.extend_from_slice(&c.columns_f64[..n]);
+            costs.extend_from_slice(&f64s[..n]);
         } else {
             let block_size = BLOCK_SIZE.with(|b| b.get()).max(1);
             let b = f64::from(block_size);
@@ -165,16 +191,10 @@ impl Guest for NativeCost {
         // candidate. The sum runs over the preferences in the same order as the host's, so
         // results are identical.
         if pref_ids.len() <= MAX_MASK_BITS {
-            let mut multipliers = [1.0f64; 1 << MAX_MASK_BITS];
-            for (mask, m) in multipliers[..1 << pref_ids.len()].iter_mut().enumerate() {
-                let s: f64 = pref_weights
-                    .iter()
-                    .enumerate()
-                    .filter(|(b, _)| mask & (1 << b) != 0)
-                    .map(|(_, w)| *w)
-                    .sum();
-                *m = (-s.tanh()).exp();
-            }
+            // Computed on first use (NaN: not yet), so a decision pays `tanh` and `exp` only for
+            // the subsets its candidates have; no preferred taint at all is exactly 1.
+            let mut multipliers = [f64::NAN; 1 << MAX_MASK_BITS];
+            multipliers[0] = 1.0;
             for (cost, taints) in costs.iter_mut().zip(taint_lists) {
                 let mut mask = 0;
                 for (b, id) in pref_ids.iter().enumerate() {
@@ -182,7 +202,17 @@ impl Guest for NativeCost {
                         mask |= 1 << b;
                     }
                 }
-                *cost *= multipliers[mask];
+                let m = &mut multipliers[mask];
+                if m.is_nan() {
+                    let s: f64 = pref_weights
+                        .iter()
+                        .enumerate()
+                        .filter(|(b, _)| mask & (1 << b) != 0)
+                        .map(|(_, w)| *w)
+                        .sum();
+                    *m = (-s.tanh()).exp();
+                }
+                *cost *= *m;
             }
         } else {
             for (cost, taints) in costs.iter_mut().zip(taint_lists) {

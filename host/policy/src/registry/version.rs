@@ -3,7 +3,7 @@
 //! a decision's outcome ([`PolicyDecision`]).
 
 use crate::answer::Answer;
-use crate::bindings::kvroute::policy::types::{Candidates, Request};
+use crate::bindings::kvroute::policy::types::Request;
 use crate::error::FallbackReason;
 use crate::failure::Failure;
 use crate::health::FailureWindow;
@@ -11,7 +11,7 @@ use crate::pipeline::PipelineSpec;
 use crate::plugin::{CompiledPlugin, PluginDescription};
 use crate::stage::Stage;
 use crate::stats::{PolicyStats, StatsSnapshot};
-use crate::wire::candidate_count;
+use crate::wire::{candidate_count, with_base_costs, Data};
 use crate::DecisionContext;
 use serde::Serialize;
 use std::path::PathBuf;
@@ -167,21 +167,21 @@ impl PolicyVersion {
     /// Runs the stages on one decision.
     pub(crate) fn run(
         &self,
-        req: Request<'_>,
-        cands: Candidates<'_>,
+        req: Request,
+        data: Data<'_>,
         ctx: DecisionContext<'_>,
         ticks: u64,
         inline: bool,
     ) -> Result<Answer, Failure> {
         if self.single() {
-            return self.scorers[0].decide(req, cands, ctx, true, ticks, inline);
+            return self.scorers[0].decide(req, data, ctx, true, ticks, inline);
         }
-        let n = candidate_count(&cands);
+        let n = candidate_count(data);
         let mut combined = None;
         if !self.scorers.is_empty() {
             let mut sum = vec![0.0; n];
             for stage in &self.scorers {
-                match stage.decide(req.clone(), cands.clone(), ctx, false, ticks, inline)? {
+                match stage.decide(req, data, ctx, false, ticks, inline)? {
                     Answer::Costs(c) => {
                         for (s, c) in sum.iter_mut().zip(c) {
                             *s += stage.weight * c;
@@ -207,14 +207,13 @@ impl PolicyVersion {
             Some(sel) => {
                 // The selector's base costs are the weighted sum; the learned step-time columns
                 // and the preferred-taint weights after them stay.
-                let mut f64s;
-                let mut c = cands;
-                if let Some(sum) = combined {
-                    f64s = sum;
-                    f64s.extend_from_slice(c.columns_f64.get(n..).unwrap_or(&[]));
-                    c.columns_f64 = &f64s;
+                match combined {
+                    Some(sum) => {
+                        let words = with_base_costs(data, &sum);
+                        sel.decide(req, &words, ctx, true, ticks, inline)
+                    }
+                    None => sel.decide(req, data, ctx, true, ticks, inline),
                 }
-                sel.decide(req, c, ctx, true, ticks, inline)
             }
             None => Ok(Answer::Costs(combined.unwrap_or_default())),
         }

@@ -46,6 +46,20 @@ impl Guest for Probe {
         let _ = (request_id, session_id, b);
         c
     }
+
+    fn decide_packed(
+        _prompt_tokens: u32,
+        _flags: u32,
+        _priority: f64,
+        _expected_output_tokens: u32,
+        _temperature: f64,
+        _now_ms: u64,
+        data: Vec<u64>,
+    ) -> Vec<f64> {
+        // As many costs as candidates: the first word holds the count.
+        let n = data.first().copied().unwrap_or(0) as usize;
+        data.iter().skip(1).take(n).map(|&w| w as f64).collect()
+    }
 }
 
 // The exports exist only in the Wasm build: natively (`cargo test --workspace`) the crate is a

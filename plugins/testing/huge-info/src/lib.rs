@@ -8,7 +8,9 @@ wit_bindgen::generate!({
 });
 
 use exports::kvroute::policy::policy::Guest;
-use kvroute::policy::types::{Candidates, Decision, HostContext, PluginInfo, PluginKind, Request};
+use kvroute::policy::types::{
+    Decision, DecisionData, HostContext, PluginInfo, PluginKind, Request,
+};
 
 struct HugeInfo;
 
@@ -17,7 +19,7 @@ impl Guest for HugeInfo {
         PluginInfo {
             name: "n".repeat(8 << 20),
             version: "v".repeat(8 << 20),
-            abi_version: 8,
+            abi_version: 9,
             deterministic: true,
             kind: PluginKind::Scorer,
         }
@@ -29,8 +31,16 @@ impl Guest for HugeInfo {
 
     fn set_context(_context: HostContext) {}
 
-    fn decide(_req: Request, c: Candidates) -> Decision {
-        Decision::Costs(c.columns_f64[..c.columns_u64.len() / 4].to_vec())
+    fn decide(_req: Request, data: DecisionData) -> Decision {
+        // The host's base costs: the `f64` section of `decision-data` starts after the 3-word
+        // header and the `4 * n` words of `u64` columns.
+        let n = data[0] as u32 as usize;
+        Decision::Costs(
+            data[3 + 4 * n..3 + 5 * n]
+                .iter()
+                .map(|&b| f64::from_bits(b))
+                .collect(),
+        )
     }
 }
 

@@ -52,7 +52,7 @@ wit_bindgen::generate!({
 use exports::kvroute::policy::policy::Guest;
 use kvroute::policy::host_log::log;
 use kvroute::policy::types::{
-    Candidates, Decision, HostContext, LogLevel, PluginInfo, PluginKind, Request, RequestFlags,
+    Decision, DecisionData, HostContext, LogLevel, PluginInfo, PluginKind, Request, RequestFlags,
 };
 
 #[derive(Clone, Debug, Default, serde::Deserialize)]
@@ -118,9 +118,48 @@ const MODES: &[&str] = &[
 
 struct Misbehave;
 
-fn ok(c: &Candidates) -> Decision {
-    // The host's base costs: the first `n` entries of `columns-f64`.
-    Decision::Costs(c.columns_f64[..c.columns_u64.len() / 4].to_vec())
+/// The few things this plugin reads of `decision-data` (wit/policy.wit), without the SDK.
+struct Data<'a>(&'a [u64]);
+
+impl Data<'_> {
+    /// Header entry `k` (`u32` entries two to a word, low half first).
+    fn header(&self, k: usize) -> usize {
+        (self.0[k / 2] >> (32 * (k % 2))) as u32 as usize
+    }
+    fn n(&self) -> usize {
+        self.header(0)
+    }
+    /// `worker-id` of candidate `i`.
+    fn worker_id(&self, i: usize) -> u64 {
+        self.0[3 + i]
+    }
+    /// The host's base costs: the first `n` words of the `f64` section.
+    fn base_costs(&self) -> Vec<f64> {
+        let n = self.n();
+        self.0[3 + 4 * n..3 + 5 * n]
+            .iter()
+            .map(|&b| f64::from_bits(b))
+            .collect()
+    }
+    /// Entry `k` of the `u32` section (`dp-rank` of candidate `k` for `k < n`).
+    fn u32_entry(&self, k: usize) -> u32 {
+        let (n, p) = (self.n(), self.header(2));
+        (self.0[3 + 7 * n + p + k / 2] >> (32 * (k % 2))) as u32
+    }
+    /// The request id: the first `r` bytes of the byte section.
+    fn request_id(&self) -> String {
+        let (n, t, p, r) = (self.n(), self.header(1), self.header(2), self.header(3));
+        let start = 3 + 7 * n + p + (10 * n + 1 + t + p).div_ceil(2);
+        let bytes: Vec<u8> = self.0[start..]
+            .iter()
+            .flat_map(|w| w.to_le_bytes())
+            .collect();
+        String::from_utf8_lossy(&bytes[..r]).into_owned()
+    }
+}
+
+fn ok(c: &Data) -> Decision {
+    Decision::Costs(c.base_costs())
 }
 
 impl Guest for Misbehave {
@@ -128,7 +167,7 @@ impl Guest for Misbehave {
         PluginInfo {
             name: "misbehave".to_string(),
             version: env!("CARGO_PKG_VERSION").to_string(),
-            abi_version: 8,
+            abi_version: 9,
             deterministic: true,
             kind: PluginKind::Mixed,
         }
@@ -180,7 +219,9 @@ impl Guest for Misbehave {
         SAW_TAINT.with(|s| s.set(saw));
     }
 
-    fn decide(req: Request, c: Candidates) -> Decision {
+    fn decide(req: Request, data: DecisionData) -> Decision {
+        let c = Data(&data);
+        let request_id = c.request_id();
         let config = CONFIG.with(|c| c.borrow().clone());
         LOG_LINE.with(|line| {
             if let Some(line) = &*line.borrow() {
@@ -190,7 +231,7 @@ impl Guest for Misbehave {
             }
         });
         let triggered = match &config.trigger {
-            Some(t) => req.request_id.starts_with(t.as_str()),
+            Some(t) => request_id.starts_with(t.as_str()),
             None => true,
         };
         let spared = (config.only_booked && req.flags.bits() & RequestFlags::ASK_ONLY.bits() != 0)
@@ -207,7 +248,7 @@ impl Guest for Misbehave {
                 return ok(&c);
             }
         }
-        let n = c.columns_u64.len() / 4;
+        let n = c.n();
         match config.mode.as_str() {
             "pick" => Decision::Pick(0),
             "trap" => panic!("misbehave: asked to trap"),
@@ -244,8 +285,8 @@ impl Guest for Misbehave {
             "random" => Decision::Costs(
                 (0..n)
                     .map(|i| {
-                        let key = (c.columns_u64[i], c.columns_u32.get(i).copied().unwrap_or(0));
-                        (mix(&req.request_id, key) >> 11) as f64 / (1u64 << 53) as f64
+                        let key = (c.worker_id(i), c.u32_entry(i));
+                        (mix(&request_id, key) >> 11) as f64 / (1u64 << 53) as f64
                     })
                     .collect(),
             ),
