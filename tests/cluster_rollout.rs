@@ -17,7 +17,7 @@ use serde_json::{json, Value};
 
 use crate::cluster::within;
 use crate::rollout::{
-    assert_one_arm_per_session, canary_state, load_misbehave, turn, FLEET_BLOCKS, SESSIONS,
+    assert_one_arm_per_session, canary_state, drive, load_misbehave, turn, FLEET_BLOCKS, SESSIONS,
 };
 use crate::support::engines::{eventually, model_dir, MockEngine, MODEL};
 use crate::support::nats::Nats;
@@ -84,50 +84,6 @@ fn turns(
         }
     }
     seen
-}
-
-/// Drives `SESSIONS` sessions, 4 threads, each turn through the next replica in turn (a session
-/// alternates between them), until `done` or `max` requests.
-fn drive_both(
-    servers: [&Server; 2],
-    max: usize,
-    done: impl Fn() -> bool + Sync,
-) -> (BTreeMap<String, Vec<String>>, usize) {
-    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-    use std::sync::Mutex;
-    let threads = 4;
-    let seen: Mutex<BTreeMap<String, Vec<String>>> = Mutex::new(BTreeMap::new());
-    let sent = AtomicUsize::new(0);
-    let stop = AtomicBool::new(false);
-    std::thread::scope(|scope| {
-        for t in 0..threads {
-            let (seen, sent, stop, done) = (&seen, &sent, &stop, &done);
-            scope.spawn(move || {
-                let agent = support::client();
-                let mut k = 0;
-                while !stop.load(Ordering::Relaxed) {
-                    let n = sent.fetch_add(1, Ordering::Relaxed);
-                    if n >= max {
-                        break;
-                    }
-                    let s = t + threads * (k % SESSIONS.div_ceil(threads));
-                    let server = servers[(k + t) % 2];
-                    k += 1;
-                    let by = turn(server, &agent, s, k);
-                    seen.lock()
-                        .unwrap()
-                        .entry(format!("sess-{s}"))
-                        .or_default()
-                        .push(by);
-                    if n % 10 == 9 && done() {
-                        stop.store(true, Ordering::Relaxed);
-                    }
-                }
-            });
-        }
-    });
-    let n = sent.load(Ordering::Relaxed).min(max);
-    (seen.into_inner().unwrap(), n)
 }
 
 #[test]
@@ -258,7 +214,7 @@ fn e2e_a_canary_on_one_replica_routes_counts_and_ends_on_every_replica() {
         canary_state(&b, "random")["canary"]["id"] == id2
     });
     let started = Instant::now();
-    let (seen, sent) = drive_both([&a, &b], 1200, || {
+    let (seen, sent) = drive(&[&a, &b], SESSIONS, 4, 1200, || {
         canary_state(&a, "random")["canary"].is_null()
             && canary_state(&b, "random")["canary"].is_null()
     });

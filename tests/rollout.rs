@@ -534,14 +534,15 @@ pub(crate) fn turn(server: &Server, agent: &ureq::Agent, session: usize, k: usiz
 }
 
 /// Drives `sessions` sessions (each with its own long system prompt), `threads` at a time, turn
-/// after turn, until `done` says so or `max` requests were sent. Returns every session's policy
-/// headers in order, and the number of requests sent.
-fn drive(
-    server: &Server,
+/// after turn, until `done` says so or `max` requests were sent; each turn goes to the next of
+/// `servers` in turn (with several, a session alternates between them). Returns every session's
+/// policy headers in order, and the number of requests sent.
+pub(crate) fn drive(
+    servers: &[&Server],
     sessions: usize,
     threads: usize,
     max: usize,
-    done: impl Fn(&Server) -> bool + Sync,
+    done: impl Fn() -> bool + Sync,
 ) -> (BTreeMap<String, Vec<String>>, usize) {
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
     use std::sync::Mutex;
@@ -561,6 +562,7 @@ fn drive(
                     }
                     // Thread t owns sessions t, t + threads, ...: a session's turns are sequential.
                     let s = t + threads * (k % sessions.div_ceil(threads));
+                    let server = servers[(k + t) % servers.len()];
                     k += 1;
                     let by = turn(server, &agent, s, k);
                     seen.lock()
@@ -568,7 +570,7 @@ fn drive(
                         .entry(format!("sess-{s}"))
                         .or_default()
                         .push(by);
-                    if n % 10 == 9 && done(server) {
+                    if n % 10 == 9 && done() {
                         stop.store(true, Ordering::Relaxed);
                     }
                 }
@@ -650,8 +652,8 @@ fn e2e_a_random_placement_canary_is_rolled_back_on_its_ttft() {
     );
     r.expect(200);
     assert_eq!(r.body()["canary"]["control"]["policy"], "default", "{r}");
-    let (seen, sent) = drive(&server, SESSIONS, 4, ROLLBACK_WITHIN, |s| {
-        canary_state(s, "random")["canary"].is_null()
+    let (seen, sent) = drive(&[&server], SESSIONS, 4, ROLLBACK_WITHIN, || {
+        canary_state(&server, "random")["canary"].is_null()
     });
     let state = canary_state(&server, "random");
     assert!(
@@ -718,8 +720,8 @@ fn e2e_the_default_policy_is_promoted_over_round_robin() {
         &json!({"fraction": 0.2, "guardrails": {"min_sample": 20}, "auto_promote": {"min_sample": 20}}),
     );
     r.expect(200);
-    let (seen, sent) = drive(&server, SESSIONS, 4, ROLLBACK_WITHIN, |s| {
-        canary_state(s, "default")["canary"].is_null()
+    let (seen, sent) = drive(&[&server], SESSIONS, 4, ROLLBACK_WITHIN, || {
+        canary_state(&server, "default")["canary"].is_null()
     });
     let state = canary_state(&server, "default");
     let record = &state["records"][0];

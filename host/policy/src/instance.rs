@@ -103,11 +103,9 @@ impl HostState {
 /// The clock of a call that started while the epoch ticker was parked.
 #[derive(Clone, Copy)]
 struct SelfTimed {
-    /// When the call started: its tick 0.
-    start: Instant,
     /// The ticker's count then; a change means the ticker runs again.
     ticks_at_start: u64,
-    /// The tick (counted from `start`) at which the current wait ends.
+    /// The tick (counted from the call's start, `HostState::call_start`) at which the current wait ends.
     deadline: u64,
 }
 
@@ -124,7 +122,6 @@ pub(crate) fn arm_call(store: &mut Store<HostState>, ticks: u64, running: &CallG
     s.first_check_ticks = ticks;
     if running.found_ticker_parked() {
         s.self_timed = Some(SelfTimed {
-            start: s.call_start,
             ticks_at_start: s.activity.ticks(),
             deadline: ticks,
         });
@@ -174,7 +171,7 @@ fn on_deadline(mut ctx: StoreHookState<'_, HostState>) -> wasmtime::Result<Updat
     // The call started while the ticker was parked (see `arm_call`): it counts ticks of the wall
     // clock itself, checking at every opportunity, until the ticker has ticked again.
     let tick = s.tick.as_nanos().max(1);
-    let elapsed_ns = timed.start.elapsed().as_nanos();
+    let elapsed_ns = s.call_start.elapsed().as_nanos(); // tick 0: the call's start
     let elapsed = u64::try_from(elapsed_ns / tick).unwrap_or(u64::MAX);
     if s.activity.ticks() != timed.ticks_at_start {
         // The ticker runs again and has just ticked: whatever is left of the current wait, in
