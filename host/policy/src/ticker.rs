@@ -192,7 +192,6 @@ pub(crate) fn run(
     // Ticks are counted from `origin`; `done` of them have been added to the epoch.
     let mut origin = Instant::now();
     let mut done = 0u64;
-    let mut next_tick = 1u64;
     let mut last_words = activity.words();
     let mut busy_at = origin;
     while !activity.stop.load(SeqCst) {
@@ -203,6 +202,8 @@ pub(crate) fn run(
             .zip(&last_words)
             .any(|(w, last)| w >> 32 != last >> 32);
         last_words = words;
+        // The next tick: the next period while a call runs, else `coarse` periods on.
+        let mut next_tick = done + if running { 1 } else { coarse };
         let now = Instant::now();
         if running || started {
             busy_at = now;
@@ -241,8 +242,6 @@ pub(crate) fn run(
         }
         activity.ticks.fetch_add(target - done, SeqCst);
         done = target;
-        let running = activity.words().iter().any(|w| w & RUNNING_MASK != 0);
-        next_tick = done + if running { 1 } else { coarse };
     }
 }
 
