@@ -147,6 +147,18 @@ fn policy_check_fails_broken_plugins_and_says_why() {
         );
     }
 
+    // Says it does not read the base cost, and answers exactly that: every scenario fails,
+    // naming the misdeclaration (the host would send NaN there).
+    let (out, text) = check(&wasm, &["--config", r#"{"no_base_cost": true}"#]);
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    let failing: Vec<&str> = text.lines().filter(|l| l.contains("[FAIL]")).collect();
+    assert!(
+        failing.iter().any(|l| l.contains("64 candidates")
+            && l.contains("does not read base-cost")
+            && l.contains("host-columns.base-cost")),
+        "expected failing lines naming the misdeclared base cost:\n{text}"
+    );
+
     // Slow but correct: fails only the latency check, against a deadline the operator chose.
     let (out, text) = check(
         &wasm,

@@ -125,7 +125,7 @@ fn component_without_the_export_is_refused_as_wrong_world() {
     assert!(matches!(err, PolicyError::WrongWorld(_)), "{err}");
     let msg = err.to_string();
     assert!(
-        msg.contains("missing export kvroute:policy/policy@0.9.0")
+        msg.contains("missing export kvroute:policy/policy@0.10.0")
             && msg.contains("exports nothing"),
         "{msg}"
     );
@@ -312,6 +312,78 @@ fn native_cost_plugin_equals_host_native_costs() {
     }
 }
 
+/// Interface 0.10.0: the host computes the base cost only for versions whose `configure` says
+/// they read it; a version that reads it and gets columns without it asks for it (nothing run,
+/// nothing counted), and one that does not answers the same costs either way.
+#[test]
+fn the_base_cost_is_computed_only_for_versions_that_read_it() {
+    let reg = registry_with(PolicyRuntimeConfig {
+        deadline_us: 100_000,
+        ..Default::default()
+    });
+    // No policy: the native cost decides, which reads it.
+    assert!(reg.reads_base_cost());
+    let bytes = support::plugin_bytes(NATIVE);
+    reg.load("recompute", &bytes, None, true).expect("load");
+    reg.load("base", &bytes, Some(r#"{"use_base_cost": true}"#), false)
+        .expect("load");
+    assert!(
+        !reg.reads_base_cost(),
+        "native-cost recomputes the base cost"
+    );
+    let taints = support::taint_table(1, 4);
+    for seed in 0..20 {
+        let (req, cols) = decision(1 + seed as usize * 13, seed);
+        let mut bare = cols.clone();
+        bare.base_cost.clear();
+        let (with, without) = (
+            reg.decide(&req, &cols, &taints).outcome,
+            reg.decide(&req, &bare, &taints).outcome,
+        );
+        match (with, without) {
+            (Outcome::Costs(a), Outcome::Costs(b)) => assert_eq!(
+                a.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                b.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                "seed {seed}"
+            ),
+            other => panic!("seed {seed}: {other:?}"),
+        }
+    }
+    let decided = reg
+        .get("recompute")
+        .expect("loaded")
+        .stats()
+        .snapshot()
+        .calls;
+    // A shadow that reads it makes every decision compute it.
+    reg.start_shadow(
+        "base",
+        &kvroute_policy::ShadowSpec {
+            version: None,
+            sample: 1.0,
+        },
+    )
+    .expect("shadow");
+    assert!(reg.reads_base_cost());
+    reg.stop_shadow("base").expect("stop");
+    assert!(!reg.reads_base_cost());
+    // The active version reads it: columns without it are sent back, and nothing is counted.
+    reg.activate("base").expect("activate");
+    assert!(reg.reads_base_cost());
+    let (req, mut cols) = decision(8, 99);
+    cols.base_cost.clear();
+    let before = reg.get("base").expect("loaded").stats().snapshot().calls;
+    assert!(matches!(
+        reg.decide(&req, &cols, &taints).outcome,
+        Outcome::NeedsBaseCost
+    ));
+    assert_eq!(
+        reg.get("base").expect("loaded").stats().snapshot().calls,
+        before
+    );
+    assert!(decided >= 40, "{decided} decisions counted for recompute");
+}
+
 // ------------------------------------------------------------------------- administration
 
 #[test]
@@ -363,7 +435,7 @@ fn activate_rollback_remove_list() {
 
     // check() validates without installing.
     let report = reg.check(&bytes, None).expect("check");
-    assert_eq!(report.plugin.map(|p| p.abi_version), Some(9));
+    assert_eq!(report.plugin.map(|p| p.abi_version), Some(10));
     assert_eq!(reg.list().len(), 2);
 }
 

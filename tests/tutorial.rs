@@ -139,7 +139,7 @@ fn sdk_tutorial_runs_as_written() {
         "uploaded and activated: {}",
         answers[1]
     );
-    assert_eq!(answers[1]["plugin"]["abi_version"], 9);
+    assert_eq!(answers[1]["plugin"]["abi_version"], 10);
     assert_eq!(answers[2]["worker_id"], 1, "{}", answers[2]);
     assert_eq!(answers[3]["worker_id"], 2, "{}", answers[3]);
     let route = &answers[4];

@@ -24,7 +24,7 @@ from componentize_py_types import Err
 from wit_world import exports
 from wit_world.imports import host_log, types
 
-ABI_VERSION = 9
+ABI_VERSION = 10
 DEFAULTS = {"prefill_load_scale": 1.0, "host_tier_weight": 0.75, "disk_tier_weight": 0.25}
 
 # Per-instance state lives at module level: componentize-py may create the exported class anew
@@ -42,7 +42,7 @@ class Policy(exports.Policy):
             kind=types.PluginKind.SCORER,
         )
 
-    def configure(self, config_json: str) -> None:
+    def configure(self, config_json: str) -> types.HostColumns:
         try:
             config = json.loads(config_json)
         except ValueError as e:
@@ -62,6 +62,8 @@ class Policy(exports.Policy):
             weights[key] = float(value)
         STATE["weights"] = weights
         host_log.log(types.LogLevel.DEBUG, f"configured: {weights}")
+        # The costs are recomputed from the raw columns: the host's base cost is not read.
+        return types.HostColumns(0)
 
     def set_context(self, context: types.HostContext) -> None:
         # Taints are compared by id; names are not needed.

@@ -74,14 +74,23 @@ fn decision_path(c: &mut Criterion) {
             ("default", &default),
             ("dynamo", &dynamo),
         ] {
+            // As the router does: the native cost only for a policy that reads it (interface
+            // 0.10.0; `native-cost` recomputes it, `default` prices candidates itself).
             group.bench_with_input(BenchmarkId::new(label, n), &n, |b, _| {
                 b.iter(|| {
-                    fill_base_costs(&req, &mut cols, &weights);
+                    if reg.reads_base_cost() {
+                        fill_base_costs(&req, &mut cols, &weights);
+                    } else {
+                        cols.base_cost.clear();
+                    }
                     let d = reg.decide(&req, &cols, &taints);
                     match d.outcome {
                         Outcome::Costs(c) => black_box(pick(&c, req.temperature, &mut rng)),
                         Outcome::Pick(i) => Some(i),
                         Outcome::Fallback(r) => panic!("fallback in bench: {r}"),
+                        Outcome::NeedsBaseCost => {
+                            panic!("base cost asked for after reads_base_cost")
+                        }
                     }
                 })
             });

@@ -11,6 +11,6 @@ wasmtime::component::bindgen!({
 });
 
 /// The `abi-version` this host speaks (`plugin-info.abi-version`).
-pub const ABI_VERSION: u32 = 9;
+pub const ABI_VERSION: u32 = 10;
 /// The instance a policy component must export.
-pub const POLICY_EXPORT: &str = "kvroute:policy/policy@0.9.0";
+pub const POLICY_EXPORT: &str = "kvroute:policy/policy@0.10.0";

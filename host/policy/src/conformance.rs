@@ -394,6 +394,11 @@ pub fn check(
                     ),
                 ),
                 Outcome::Pick(i) => (true, format!("pick {i}")),
+                // The columns here always carry the base cost.
+                Outcome::NeedsBaseCost => (
+                    false,
+                    "asked for the base cost although it was given (a host bug)".to_string(),
+                ),
                 Outcome::Fallback(r) => (
                     false,
                     format!(
@@ -420,6 +425,32 @@ pub fn check(
                         passed = false;
                         detail = "declares itself deterministic but answered differently for \
                                   the same input"
+                            .into();
+                    }
+                    _ => {}
+                }
+            }
+            // Said in `configure` that it does not read `base-cost` (interface 0.10.0): the host
+            // will send NaN there, so the answer must not depend on it.
+            if passed && !registry.reads_base_cost() {
+                let mut bare = cols.clone();
+                bare.base_cost.clear();
+                await_instance(&registry);
+                let third = registry.decide_at(&req, &bare, &taints, stage);
+                match &third.outcome {
+                    Outcome::Fallback(r) => {
+                        passed = false;
+                        detail = format!(
+                            "configure says it does not read base-cost, but without it (NaN) the \
+                             host would fall back: {}{}; answer host-columns.base-cost",
+                            explain(r.as_str()),
+                            said(&third)
+                        );
+                    }
+                    again if deterministic && *again != first => {
+                        passed = false;
+                        detail = "configure says it does not read base-cost, but it answers \
+                                  differently without it: answer host-columns.base-cost"
                             .into();
                     }
                     _ => {}
@@ -520,6 +551,12 @@ fn stage_preferences(registry: &PolicyRegistry, taints: &TaintTable) -> CheckRes
             Outcome::Costs(_) => "neither (a tie)",
             Outcome::Pick(0) => "the cached one",
             Outcome::Pick(_) => "the idle one",
+            Outcome::NeedsBaseCost => {
+                failed.get_or_insert(format!(
+                    "{stage}: asked for the base cost although it was given (a host bug)"
+                ));
+                "no answer"
+            }
             Outcome::Fallback(r) => {
                 failed.get_or_insert(format!(
                     "{stage}: the host would fall back: {}",

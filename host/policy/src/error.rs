@@ -103,7 +103,7 @@ pub enum PolicyError {
     NotAComponent,
     #[error("the component failed to compile: {0}")]
     Compile(String),
-    #[error("the component does not implement world kvroute:policy/policy-plugin@0.9.0: {0}")]
+    #[error("the component does not implement world kvroute:policy/policy-plugin@0.10.0: {0}")]
     WrongWorld(String),
     #[error(
         "the component reports abi-version {found}, this host speaks {expected}: rebuild it against \

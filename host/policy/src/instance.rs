@@ -15,7 +15,7 @@ use wasmtime::component::{Func, HasSelf, Linker, TypedFunc};
 use wasmtime::{ResourceLimiter, Store, StoreContextMut, StoreHookState, Trap, UpdateDeadline};
 
 use super::answer::{RawDecision, EXPECTED_COSTS};
-use super::bindings::kvroute::policy::types::{HostContext, LogLevel, Request};
+use super::bindings::kvroute::policy::types::{HostColumns, HostContext, LogLevel, Request};
 use super::bindings::{PolicyPlugin, PolicyPluginPre, POLICY_EXPORT};
 use super::error::FallbackReason;
 pub(crate) use super::failure::{Failure, FailureDetail};
@@ -313,7 +313,7 @@ pub(crate) fn link_host(linker: &mut Linker<HostState>) -> wasmtime::Result<()> 
 }
 
 /// The one import a policy gets.
-const HOST_LOG: &str = "kvroute:policy/host-log@0.9.0";
+const HOST_LOG: &str = "kvroute:policy/host-log@0.10.0";
 
 /// Creates a store for an instance of a component: limits, deadline behaviour, log bucket.
 pub(crate) fn new_store(
@@ -381,6 +381,8 @@ pub(crate) struct PluginInstance {
     /// The context (taint-table version, block size) this instance was last given (`None`:
     /// never).
     context: Option<(u64, u32)>,
+    /// What `configure` answered: this configuration reads the host's `base-cost` column.
+    pub(crate) reads_base_cost: bool,
     /// The runtime's record of running guest calls (keeps the epoch ticker awake). The store's
     /// state holds the same one; this copy lets a call's guard borrow it while the store is
     /// borrowed mutably for the call.
@@ -436,14 +438,14 @@ impl PluginInstance {
             .map_err(|e| failed("instantiation", e, &store))?;
         store.data_mut().arm();
         store.set_epoch_deadline(shared.setup_ticks);
-        match plugin
+        let reads = match plugin
             .kvroute_policy_policy()
             .call_configure(&mut store, config)
         {
-            Ok(Ok(())) => {}
+            Ok(Ok(reads)) => reads,
             Ok(Err(message)) => return Err(InstanceError::ConfigRejected(bounded_text(&message))),
             Err(e) => return Err(failed("configure", e, &store)),
-        }
+        };
         drop(running);
         live.fetch_add(1, Relaxed);
         Ok(PluginInstance {
@@ -451,6 +453,7 @@ impl PluginInstance {
             plugin,
             decide,
             context: None,
+            reads_base_cost: reads.contains(HostColumns::BASE_COST),
             activity: shared.activity.clone(),
             _live: LiveGuard(live.clone()),
         })

@@ -238,7 +238,7 @@ pub(crate) fn compile(
         .map_err(|e| PolicyError::WrongWorld(format!("its imports cannot be linked: {e:#}")))?;
     let pre = linker.instantiate_pre(&component).map_err(|e| {
         PolicyError::WrongWorld(format!(
-            "its imports do not match (only kvroute:policy/host-log@0.9.0 is provided): {e:#}"
+            "its imports do not match (only kvroute:policy/host-log@0.10.0 is provided): {e:#}"
         ))
     })?;
     let pre = PolicyPluginPre::new(pre).map_err(|e| PolicyError::WrongWorld(format!("{e:#}")))?;

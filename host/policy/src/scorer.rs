@@ -62,7 +62,12 @@ impl Scorer for RegistryScorer {
             Outcome::Pick(i) => ScorerOutcome::Pick(i),
             Outcome::Fallback(_) if d.policy.is_none() => ScorerOutcome::Native,
             Outcome::Fallback(r) => ScorerOutcome::Fallback(r.as_str()),
+            Outcome::NeedsBaseCost => ScorerOutcome::NeedsBaseCost,
         };
         ScorerDecision { outcome, label }
+    }
+
+    fn reads_base_cost(&self) -> bool {
+        self.registry.reads_base_cost()
     }
 }

@@ -7,7 +7,7 @@
 //! maintenance thread for another instance, waits (at most as long as a decision may run) only
 //! while another decision is using an instance, and otherwise falls back at once (`instantiate`).
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -45,7 +45,16 @@ pub(crate) struct Stage {
     returned: parking_lot::Condvar,
     /// Instances taken by decisions and not yet given back.
     busy: AtomicUsize,
+    /// Whether this stage's configuration reads the host's `base-cost` column, as its instances'
+    /// `configure` answered: [`READS_UNKNOWN`] until one has, then [`READS_NO`] or [`READS_YES`].
+    /// One instance answering yes makes it yes for good, so an unknown or mixed answer always
+    /// gets the column computed.
+    reads_base_cost: AtomicU8,
 }
+
+const READS_UNKNOWN: u8 = 0;
+const READS_NO: u8 = 1;
+const READS_YES: u8 = 2;
 
 impl Stage {
     pub(crate) fn new(
@@ -68,20 +77,36 @@ impl Stage {
             growing: AtomicBool::new(false),
             returned: parking_lot::Condvar::new(),
             busy: AtomicUsize::new(0),
+            reads_base_cost: AtomicU8::new(READS_UNKNOWN),
         }
+    }
+
+    /// True unless every instance made so far said its configuration does not read `base-cost`
+    /// (so before any instance exists, true).
+    pub(crate) fn reads_base_cost(&self) -> bool {
+        self.reads_base_cost.load(Relaxed) != READS_NO
     }
 
     /// Instantiates and configures a new instance (not added to the pool). Never on the request
     /// path: this runs for up to the setup deadline.
     pub(crate) fn new_instance(&self) -> Result<PluginInstance, InstanceError> {
-        PluginInstance::new(
+        let inst = PluginInstance::new(
             &self.shared,
             &self.plugin.pre,
             &self.config,
             self.policy.clone(),
             self.stats.clone(),
             &self.live,
-        )
+        )?;
+        if inst.reads_base_cost {
+            self.reads_base_cost.store(READS_YES, Relaxed);
+        } else {
+            // Only an unknown becomes a no: a yes stays.
+            let _ =
+                self.reads_base_cost
+                    .compare_exchange(READS_UNKNOWN, READS_NO, Relaxed, Relaxed);
+        }
+        Ok(inst)
     }
 
     /// Takes an instance from the pool. When the pool is empty, `inline` (load time only) makes

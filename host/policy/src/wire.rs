@@ -83,7 +83,13 @@ impl Packed {
         ] {
             w.extend_from_slice(col);
         }
-        w.extend(c.base_cost.iter().map(|x| x.to_bits()));
+        // Left empty when no policy run reads it (interface 0.10.0): NaN, so a policy that reads
+        // it without saying so fails loudly (non-finite costs) rather than ranking on zeros.
+        if c.base_cost.len() == n {
+            w.extend(c.base_cost.iter().map(|x| x.to_bits()));
+        } else {
+            w.resize(w.len() + n, f64::NAN.to_bits());
+        }
         // Columns a caller left empty (no learned figures) travel as zeros: "not learned".
         for col in [&c.prefill_ms_per_token, &c.decode_step_ms] {
             if col.len() == n {

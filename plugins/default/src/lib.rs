@@ -126,6 +126,11 @@ fn check(c: &Config) -> Result<(), String> {
 }
 
 impl Policy for DefaultPolicy {
+    /// Prices candidates on its own figures: the host need not compute its native cost.
+    fn host_columns(&self) -> kvroute_sdk::HostColumns {
+        kvroute_sdk::HostColumns::empty()
+    }
+
     fn configure(&mut self, json: &str) -> Result<(), String> {
         let c: Config = parse_config("default", json)?;
         check(&c)?;

@@ -28,7 +28,7 @@ wit_bindgen::generate!({
 
 use exports::kvroute::policy::policy::Guest;
 use kvroute::policy::types::{
-    Decision, DecisionData, HostContext, PluginInfo, PluginKind, Request,
+    Decision, DecisionData, HostColumns, HostContext, PluginInfo, PluginKind, Request,
 };
 
 #[derive(Clone, Copy, Debug, serde::Deserialize)]
@@ -67,13 +67,13 @@ impl Guest for NativeCost {
         PluginInfo {
             name: "native-cost".to_string(),
             version: env!("CARGO_PKG_VERSION").to_string(),
-            abi_version: 9,
+            abi_version: 10,
             deterministic: true,
             kind: PluginKind::Scorer,
         }
     }
 
-    fn configure(config_json: String) -> Result<(), String> {
+    fn configure(config_json: String) -> Result<HostColumns, String> {
         let config: Config = serde_json::from_str(&config_json).map_err(|e| {
             format!(
                 "native-cost: invalid configuration: {e}; accepted keys: prefill_load_scale, \
@@ -92,7 +92,12 @@ impl Guest for NativeCost {
             }
         }
         CONFIG.with(|c| *c.borrow_mut() = config);
-        Ok(())
+        // The host's base cost is read only when trusted; otherwise recomputed here.
+        Ok(if config.use_base_cost {
+            HostColumns::BASE_COST
+        } else {
+            HostColumns::empty()
+        })
     }
 
     fn set_context(context: HostContext) {

@@ -53,6 +53,11 @@ pub struct PreferredTaints {
 }
 
 impl Policy for PreferredTaints {
+    /// Prices candidates on its own figures: the host need not compute its native cost.
+    fn host_columns(&self) -> kvroute_sdk::HostColumns {
+        kvroute_sdk::HostColumns::empty()
+    }
+
     fn configure(&mut self, json: &str) -> Result<(), String> {
         let c: Config = parse_config("preferred-taints", json)?;
         if !(c.scale.is_finite() && c.scale >= 0.0) {

@@ -240,6 +240,11 @@ pub struct TtftAware {
 }
 
 impl Policy for TtftAware {
+    /// Prices candidates on its own figures: the host need not compute its native cost.
+    fn host_columns(&self) -> kvroute_sdk::HostColumns {
+        kvroute_sdk::HostColumns::empty()
+    }
+
     fn configure(&mut self, json: &str) -> Result<(), String> {
         let c: Config = parse_config("ttft-aware", json)?;
         check_step_model(

@@ -177,6 +177,10 @@ pub enum ScorerOutcome {
     Fallback(&'static str),
     /// No policy is active: the native cost decides, and that is not a failure.
     Native,
+    /// The policy that would decide reads the `base_cost` column, which the router left empty
+    /// (it asked [`Scorer::reads_base_cost`] before a policy that reads it took over): nothing
+    /// ran and nothing was counted; fill the column and ask again.
+    NeedsBaseCost,
 }
 
 /// A policy's answer and the version that gave it.
@@ -199,6 +203,15 @@ pub trait Scorer: Send + Sync {
         taints: &TaintNames,
         stage: Stage,
     ) -> ScorerDecision;
+
+    /// Whether the next decision needs `candidates.base_cost` filled (the host's native cost,
+    /// about 4–5 ns per candidate). A scorer that ranks candidates on its own figures answers
+    /// false, and the router leaves the column empty; one whose answer may change between this
+    /// call and [`Scorer::decide`] answers [`ScorerOutcome::NeedsBaseCost`] there when it finds
+    /// the column empty.
+    fn reads_base_cost(&self) -> bool {
+        true
+    }
 }
 
 /// Time spent in each phase of a decision.

@@ -117,12 +117,26 @@ impl Router {
             s.forget_dead_overlaps(input.pool, &self.feeds.dead());
         }
         let preq = self.policy_request(p, snap, input.preferred);
-        match input.stage {
-            Stage::Decode => cost::fill_decode_costs(&preq, &mut s.cols, &self.config.cost),
-            _ => cost::fill_base_costs(&preq, &mut s.cols, &self.config.cost),
+        // The native cost, only when something reads it: the policy (most Wasm policies price
+        // candidates themselves), `explain`, or the pick when the policy gives no usable costs.
+        let scorer = self.scorer.load();
+        if p.req.explain || scorer.as_deref().is_none_or(|s| s.reads_base_cost()) {
+            self.fill_stage_costs(&preq, &mut s.cols, input.stage);
+        } else {
+            s.cols.base_cost.clear();
         }
+        drop(scorer);
         let tp = Instant::now();
-        let (label, outcome) = self.score(&preq, &s.cols, snap, input.stage);
+        let (mut label, mut outcome) = self.score(&preq, &s.cols, snap, input.stage);
+        if matches!(outcome, ScorerOutcome::NeedsBaseCost) {
+            self.fill_stage_costs(&preq, &mut s.cols, input.stage);
+            (label, outcome) = self.score(&preq, &s.cols, snap, input.stage);
+        }
+        let usable_costs = matches!(&outcome, ScorerOutcome::Costs(c)
+            if c.len() == s.cols.len() && c.iter().all(|x| x.is_finite()));
+        if !usable_costs && s.cols.base_cost.len() != s.cols.len() {
+            self.fill_stage_costs(&preq, &mut s.cols, input.stage);
+        }
         let pick = self.pick(outcome, &preq, p.temperature, &s.cols, &mut s.costs);
         let policy_time = tp.elapsed();
         let chosen = pick.chosen;
@@ -153,6 +167,14 @@ impl Router {
                 )
             }),
         })
+    }
+
+    /// Fills `cols.base_cost` with the stage's native cost.
+    fn fill_stage_costs(&self, preq: &PolicyRequest, cols: &mut CandidateColumns, stage: Stage) {
+        match stage {
+            Stage::Decode => cost::fill_decode_costs(preq, cols, &self.config.cost),
+            _ => cost::fill_base_costs(preq, cols, &self.config.cost),
+        }
     }
 
     /// The hard constraints of a step, resolved against the registry's taint names.
@@ -314,6 +336,9 @@ impl Router {
                     ScorerOutcome::Native => None,
                     ScorerOutcome::Fallback(r) => Some(r),
                     ScorerOutcome::Costs(_) => Some("invalid_answer"),
+                    // Asked again with the column filled; a scorer that still says so gave
+                    // no answer.
+                    ScorerOutcome::NeedsBaseCost => Some("invalid_answer"),
                     ScorerOutcome::Pick(_) => Some("pick_out_of_range"),
                 };
                 Pick {

@@ -649,6 +649,119 @@ fn scorer_answers_are_used_or_fall_back() {
     assert_eq!(r.counters.fallbacks.load(Relaxed), 4);
 }
 
+/// A scorer that says whether it reads the base cost, records the base-cost column of every
+/// call, and answers `answers` in turn (the last one again once they run out).
+struct BaseCostScorer {
+    reads: bool,
+    answers: Vec<ScorerOutcome>,
+    seen: parking_lot::Mutex<Vec<Vec<f64>>>,
+}
+
+impl Scorer for BaseCostScorer {
+    fn decide(
+        &self,
+        _: &PolicyRequest,
+        c: &CandidateColumns,
+        _: &TaintNames,
+        _: Stage,
+    ) -> ScorerDecision {
+        let mut seen = self.seen.lock();
+        seen.push(c.base_cost.clone());
+        let i = (seen.len() - 1).min(self.answers.len() - 1);
+        ScorerDecision {
+            outcome: self.answers[i].clone(),
+            label: Arc::new(PolicyLabel {
+                name: "base-cost".into(),
+                version: 1,
+                digest: "d".into(),
+            }),
+        }
+    }
+
+    fn reads_base_cost(&self) -> bool {
+        self.reads
+    }
+}
+
+#[test]
+fn the_base_cost_is_computed_only_when_something_reads_it() {
+    let r = router(RouterConfig::default());
+    for w in 1..=3 {
+        r.upsert_worker(w, worker(&[], 0)).unwrap();
+    }
+    let scorer = |reads: bool, answers: Vec<ScorerOutcome>| BaseCostScorer {
+        reads,
+        answers,
+        seen: Default::default(),
+    };
+    let install = |s: BaseCostScorer| -> Arc<BaseCostScorer> {
+        let s = Arc::new(s);
+        struct Shared(Arc<BaseCostScorer>);
+        impl Scorer for Shared {
+            fn decide(
+                &self,
+                q: &PolicyRequest,
+                c: &CandidateColumns,
+                t: &TaintNames,
+                st: Stage,
+            ) -> ScorerDecision {
+                self.0.decide(q, c, t, st)
+            }
+            fn reads_base_cost(&self) -> bool {
+                self.0.reads_base_cost()
+            }
+        }
+        r.set_scorer(Some(Box::new(Shared(s.clone()))));
+        s
+    };
+    let costs = ScorerOutcome::Costs(vec![5.0, 1.0, 3.0]);
+    // A scorer that reads it gets it; one that does not gets an empty column, and its answer
+    // is used as is.
+    let s = install(scorer(true, vec![costs.clone()]));
+    let d = r.route_now(ask(prompt(32))).unwrap();
+    assert_eq!((d.candidate.worker_id, d.fallback), (2, false));
+    assert_eq!(s.seen.lock()[0].len(), 3);
+    let s = install(scorer(false, vec![costs.clone()]));
+    let d = r.route_now(ask(prompt(32))).unwrap();
+    assert_eq!((d.candidate.worker_id, d.fallback), (2, false));
+    assert_eq!(*s.seen.lock(), vec![Vec::<f64>::new()]);
+    // `explain` shows the base cost whoever reads it.
+    let mut q = ask(prompt(32));
+    q.explain = true;
+    let d = r.route_now(q).unwrap();
+    assert_eq!(s.seen.lock()[1].len(), 3);
+    let rows = d.candidates.expect("explained");
+    assert!(rows
+        .iter()
+        .all(|row| row.base_cost.is_finite() && row.base_cost > 0.0));
+    // A policy that reads it took over between the question and the decision: asked again
+    // with the column filled, and that answer is used.
+    let s = install(scorer(
+        false,
+        vec![ScorerOutcome::NeedsBaseCost, costs.clone()],
+    ));
+    let d = r.route_now(ask(prompt(32))).unwrap();
+    assert_eq!((d.candidate.worker_id, d.fallback), (2, false));
+    let seen = s.seen.lock().clone();
+    assert_eq!((seen.len(), seen[0].len(), seen[1].len()), (2, 0, 3));
+    // A fallback or a pick without the column: the router computes it for the native cost
+    // (which would index an empty column otherwise).
+    for (answer, worker, fell_back) in [
+        (ScorerOutcome::Fallback("trap"), None, true),
+        (ScorerOutcome::Pick(2), Some(3), false),
+    ] {
+        let s = install(scorer(false, vec![answer]));
+        let d = r.route_now(ask(prompt(32))).unwrap();
+        assert_eq!(d.fallback, fell_back);
+        assert!(worker.is_none_or(|w| w == d.candidate.worker_id));
+        assert_eq!(s.seen.lock()[0].len(), 0);
+    }
+    // A scorer that asks again even with the column filled gave no answer: a fallback.
+    install(scorer(false, vec![ScorerOutcome::NeedsBaseCost]));
+    let d = r.route_now(ask(prompt(32))).unwrap();
+    assert!(d.fallback);
+}
+
 #[test]
 fn approximate_mode_indexes_its_own_decisions() {
     let r = router(RouterConfig {

@@ -162,8 +162,34 @@ impl PolicyRegistry {
 
     // ---------------------------------------------------------------- request path
 
-    /// Asks the active policy to rank `cols` (base costs already filled by the router) for an
-    /// aggregated (one-step) decision: [`PolicyRegistry::decide_at`] at [`Stage::Aggregated`].
+    /// Whether the next decision needs the columns' `base_cost` (the host's native cost): the
+    /// active version, a running canary's candidate or a shadow reads it (as their instances'
+    /// `configure` answered, interface 0.10.0), or no policy is active (the native cost decides).
+    /// A decision whose columns come without it answers [`Outcome::NeedsBaseCost`] if a version
+    /// that reads it took over meanwhile.
+    pub fn reads_base_cost(&self) -> bool {
+        let active = self.active.load();
+        let Some(active) = active.as_ref() else {
+            return true;
+        };
+        active.policy.reads_base_cost()
+            || self
+                .rollout
+                .canary
+                .load()
+                .as_ref()
+                .is_some_and(|c| c.candidate.reads_base_cost())
+            || self
+                .rollout
+                .shadows
+                .load()
+                .iter()
+                .any(|s| s.version().reads_base_cost())
+    }
+
+    /// Asks the active policy to rank `cols` (base costs filled by the router when
+    /// [`PolicyRegistry::reads_base_cost`] says so) for an aggregated (one-step) decision:
+    /// [`PolicyRegistry::decide_at`] at [`Stage::Aggregated`].
     pub fn decide(
         &self,
         req: &PolicyRequest,
@@ -225,6 +251,13 @@ impl PolicyRegistry {
             (Some(c), Some(Arm::Candidate)) => &c.candidate,
             _ => &active.policy,
         };
+        if cols.base_cost.is_empty() && policy.reads_base_cost() {
+            return PolicyDecision {
+                outcome: Outcome::NeedsBaseCost,
+                policy: Some(policy.clone()),
+                activation: active.activation,
+            };
+        }
         let start = Instant::now();
         let ctx = DecisionContext {
             taints,
@@ -631,10 +664,11 @@ fn columns_consistent(c: &CandidateColumns) -> bool {
         c.active_prompt_blocks.len(),
         c.total_kv_blocks.len(),
         c.max_num_batched_tokens.len(),
-        c.base_cost.len(),
     ]
     .iter()
     .all(|&l| l == n)
+        // Left empty when nothing reads it (`reads_base_cost`).
+        && (c.base_cost.len() == n || c.base_cost.is_empty())
         && c.taint_offsets.len() == n + 1
         && c.taint_offsets.first() == Some(&0)
         && c.taint_offsets.last().map(|&l| l as usize) == Some(c.taint_ids.len())

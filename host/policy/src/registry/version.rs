@@ -30,6 +30,10 @@ pub enum Outcome {
     Pick(usize),
     /// Use the native cost (`cost::native_costs`); the reason says why.
     Fallback(FallbackReason),
+    /// The version that would decide reads `base_cost` (its `configure` said so, interface
+    /// 0.10.0) and the columns came without it: nothing ran and nothing was counted. Fill the
+    /// column ([`PolicyRegistry::reads_base_cost`] says when to) and ask again.
+    NeedsBaseCost,
 }
 
 /// The answer of [`PolicyRegistry::decide`], with the version that produced it.
@@ -162,6 +166,17 @@ impl PolicyVersion {
 
     pub(super) fn single(&self) -> bool {
         !self.is_pipeline()
+    }
+
+    /// Whether a decision of this version reads the host's `base-cost` column (interface 0.10.0:
+    /// as its instances' `configure` answered). In a pipeline with scorers, the selector is given
+    /// their weighted sum there instead, so only the scorers count.
+    pub fn reads_base_cost(&self) -> bool {
+        if self.scorers.is_empty() {
+            self.selector.iter().any(|s| s.reads_base_cost())
+        } else {
+            self.scorers.iter().any(|s| s.reads_base_cost())
+        }
     }
 
     /// Runs the stages on one decision.

@@ -1471,6 +1471,11 @@ impl Rollout {
             if Arc::ptr_eq(&s.policy, decided_by) || !s.sampled() {
                 continue;
             }
+            // Started after the router asked whether anyone reads the base cost: this
+            // decision's columns came without it, which this shadow reads.
+            if cols.base_cost.len() != cols.len() && s.policy.reads_base_cost() {
+                continue;
+            }
             let slot = {
                 let mut q = self.queue.lock();
                 match q.free.pop() {

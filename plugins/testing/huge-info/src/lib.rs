@@ -9,7 +9,7 @@ wit_bindgen::generate!({
 
 use exports::kvroute::policy::policy::Guest;
 use kvroute::policy::types::{
-    Decision, DecisionData, HostContext, PluginInfo, PluginKind, Request,
+    Decision, DecisionData, HostColumns, HostContext, PluginInfo, PluginKind, Request,
 };
 
 struct HugeInfo;
@@ -19,14 +19,14 @@ impl Guest for HugeInfo {
         PluginInfo {
             name: "n".repeat(8 << 20),
             version: "v".repeat(8 << 20),
-            abi_version: 9,
+            abi_version: 10,
             deterministic: true,
             kind: PluginKind::Scorer,
         }
     }
 
-    fn configure(_config_json: String) -> Result<(), String> {
-        Ok(())
+    fn configure(_config_json: String) -> Result<HostColumns, String> {
+        Ok(HostColumns::BASE_COST)
     }
 
     fn set_context(_context: HostContext) {}

@@ -52,7 +52,8 @@ wit_bindgen::generate!({
 use exports::kvroute::policy::policy::Guest;
 use kvroute::policy::host_log::log;
 use kvroute::policy::types::{
-    Decision, DecisionData, HostContext, LogLevel, PluginInfo, PluginKind, Request, RequestFlags,
+    Decision, DecisionData, HostColumns, HostContext, LogLevel, PluginInfo, PluginKind, Request,
+    RequestFlags,
 };
 
 #[derive(Clone, Debug, Default, serde::Deserialize)]
@@ -71,6 +72,9 @@ struct Config {
     log_lines: Option<u32>,
     only_booked: bool,
     behave_if_taint: Option<String>,
+    /// Says in `configure` that it does not read `base-cost` (interface 0.10.0), though `ok`
+    /// answers exactly that column: a misdeclaration `policy check` must catch.
+    no_base_cost: bool,
 }
 
 thread_local! {
@@ -167,13 +171,13 @@ impl Guest for Misbehave {
         PluginInfo {
             name: "misbehave".to_string(),
             version: env!("CARGO_PKG_VERSION").to_string(),
-            abi_version: 9,
+            abi_version: 10,
             deterministic: true,
             kind: PluginKind::Mixed,
         }
     }
 
-    fn configure(config_json: String) -> Result<(), String> {
+    fn configure(config_json: String) -> Result<HostColumns, String> {
         let mut config: Config = serde_json::from_str(&config_json)
             .map_err(|e| format!("misbehave: bad config: {e}"))?;
         if config.mode.is_empty() {
@@ -204,8 +208,14 @@ impl Guest for Misbehave {
             None => line.clone(),
         });
         LOG_LINE.with(|l| *l.borrow_mut() = line);
+        let no_base_cost = config.no_base_cost;
         CONFIG.with(|c| *c.borrow_mut() = config);
-        Ok(())
+        // `ok` answers the host's base costs; `no_base_cost` says otherwise, falsely.
+        Ok(if no_base_cost {
+            HostColumns::empty()
+        } else {
+            HostColumns::BASE_COST
+        })
     }
 
     fn set_context(context: HostContext) {

@@ -3,7 +3,7 @@
 
 wit_bindgen::generate!({
     inline: "
-        package kvroute:policy@0.9.0;
+        package kvroute:policy@0.10.0;
 
         interface policy {
             score: func(n: u32) -> u32;
