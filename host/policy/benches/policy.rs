@@ -275,11 +275,105 @@ fn shadow(c: &mut Criterion) {
     group.finish();
 }
 
+/// What a running shadow adds to a decision's p50 on the calling thread, measured so that the
+/// machine's drift cancels out: one registry with the shadow off and one with it on, in one
+/// process, alternating rounds of 512 decisions (the order flips every round), every decision
+/// timed, the shadow queue drained between rounds; prints the p50 over all of each and the median
+/// per-round difference. Criterion's separate `shadow/off` and `shadow/on` runs drift apart by
+/// more than the figure on a busy 2-core machine. Runs only with `KVROUTE_SHADOW_AB=ROUNDS`
+/// (e.g. 300): `KVROUTE_SHADOW_AB=300 cargo bench -p kvroute-policy --bench policy -- nomatch`.
+fn shadow_ab(_c: &mut Criterion) {
+    let Ok(rounds) = std::env::var("KVROUTE_SHADOW_AB") else {
+        return;
+    };
+    let rounds: usize = rounds.parse().unwrap_or(200);
+    let taints = support::taint_table(1, 4);
+    for n in [8usize, 64] {
+        let mut rng = SmallRng::seed_from_u64(n as u64);
+        let (req, cols) = support::random_decision(&mut rng, n, 4);
+        let regs: Vec<PolicyRegistry> = [false, true]
+            .into_iter()
+            .map(|on| {
+                let reg = registry();
+                reg.load("default", kvroute_policy::DEFAULT_POLICY_WASM, None, true)
+                    .unwrap();
+                reg.load("shadowed", kvroute_policy::DEFAULT_POLICY_WASM, None, false)
+                    .unwrap();
+                if on {
+                    reg.start_shadow(
+                        "shadowed",
+                        &kvroute_policy::ShadowSpec {
+                            version: None,
+                            sample: 1.0,
+                        },
+                    )
+                    .unwrap();
+                }
+                reg
+            })
+            .collect();
+        let drained = |reg: &PolicyRegistry| loop {
+            match reg.shadow_report("shadowed") {
+                Some(r) if r.evaluated < r.queued => std::thread::sleep(Duration::from_micros(200)),
+                _ => break,
+            }
+        };
+        let mut all: [Vec<u32>; 2] = [Vec::new(), Vec::new()];
+        let mut round_means: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
+        let mut times = vec![0u32; 512];
+        for r in 0..rounds + 20 {
+            let order = if r % 2 == 0 { [0, 1] } else { [1, 0] };
+            for k in order {
+                let reg = &regs[k];
+                let t0 = Instant::now();
+                for slot in times.iter_mut() {
+                    let t = Instant::now();
+                    black_box(reg.decide(&req, &cols, &taints));
+                    *slot = t.elapsed().as_nanos() as u32;
+                }
+                let total = t0.elapsed().as_nanos() as f64 / 512.0;
+                drained(reg);
+                if r >= 20 {
+                    all[k].extend_from_slice(&times);
+                    round_means[k].push(total);
+                }
+            }
+        }
+        let med = |v: &mut Vec<u32>| {
+            v.sort_unstable();
+            v[v.len() / 2] as f64
+        };
+        let (p_off, p_on) = (med(&mut all[0]), med(&mut all[1]));
+        let mut diffs: Vec<f64> = round_means[0]
+            .iter()
+            .zip(&round_means[1])
+            .map(|(a, b)| b - a)
+            .collect();
+        diffs.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        let mut offm = round_means[0].clone();
+        offm.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        let mut onm = round_means[1].clone();
+        onm.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        let r = regs[1].shadow_report("shadowed").unwrap();
+        println!(
+            "AB n={n} p50 off {:.3} on {:.3} diff {:.3} us | round-mean median off {:.3} on {:.3} median diff {:.3} us | dropped {}",
+            p_off / 1000.0,
+            p_on / 1000.0,
+            (p_on - p_off) / 1000.0,
+            offm[offm.len() / 2] / 1000.0,
+            onm[onm.len() / 2] / 1000.0,
+            diffs[diffs.len() / 2] / 1000.0,
+            r.dropped
+        );
+    }
+}
+
 criterion_group!(
     benches,
     decision_path,
     swap,
     first_decision_after_swap,
-    shadow
+    shadow,
+    shadow_ab
 );
 criterion_main!(benches);
