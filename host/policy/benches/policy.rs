@@ -207,6 +207,34 @@ fn first_decision_after_swap(c: &mut Criterion) {
     group.finish();
 }
 
+/// The built-in default active and a copy of it loaded as `shadowed`, shadowing it at `sample` 1
+/// when `on`.
+fn shadow_registry(on: bool) -> PolicyRegistry {
+    let reg = registry();
+    reg.load("default", kvroute_policy::DEFAULT_POLICY_WASM, None, true)
+        .expect("load default");
+    reg.load("shadowed", kvroute_policy::DEFAULT_POLICY_WASM, None, false)
+        .expect("load the shadowed copy");
+    if on {
+        let spec = kvroute_policy::ShadowSpec {
+            version: None,
+            sample: 1.0,
+        };
+        reg.start_shadow("shadowed", &spec).expect("shadow");
+    }
+    reg
+}
+
+/// Waits until the shadow thread has evaluated every copy queued (dropped ones are never queued).
+fn drain_shadow(reg: &PolicyRegistry) {
+    while reg
+        .shadow_report("shadowed")
+        .is_some_and(|r| r.evaluated < r.queued)
+    {
+        std::thread::sleep(Duration::from_micros(200));
+    }
+}
+
 /// What a shadow costs the deciding thread: the same decision (the built-in default active) with
 /// no shadow and with the default shadowed under another name at `sample` 1 (every decision
 /// copied to the queue). Between batches of 512 decisions (never timed) the bench waits for the
@@ -219,29 +247,8 @@ fn shadow(c: &mut Criterion) {
         let mut rng = SmallRng::seed_from_u64(n as u64);
         let (req, cols) = support::random_decision(&mut rng, n, 4);
         for on in [false, true] {
-            let reg = registry();
-            reg.load("default", kvroute_policy::DEFAULT_POLICY_WASM, None, true)
-                .expect("load default");
-            reg.load("shadowed", kvroute_policy::DEFAULT_POLICY_WASM, None, false)
-                .expect("load the shadowed copy");
-            if on {
-                reg.start_shadow(
-                    "shadowed",
-                    &kvroute_policy::ShadowSpec {
-                        version: None,
-                        sample: 1.0,
-                    },
-                )
-                .expect("shadow");
-            }
-            let drained = || loop {
-                match reg.shadow_report("shadowed") {
-                    Some(r) if r.evaluated + r.dropped < r.queued + r.dropped => {
-                        std::thread::sleep(Duration::from_micros(200))
-                    }
-                    _ => break,
-                }
-            };
+            let reg = shadow_registry(on);
+            let drained = || drain_shadow(&reg);
             let label = if on { "on" } else { "off" };
             group.bench_with_input(BenchmarkId::new(label, n), &n, |b, _| {
                 b.iter_custom(|iters| {
@@ -291,33 +298,8 @@ fn shadow_ab(_c: &mut Criterion) {
     for n in [8usize, 64] {
         let mut rng = SmallRng::seed_from_u64(n as u64);
         let (req, cols) = support::random_decision(&mut rng, n, 4);
-        let regs: Vec<PolicyRegistry> = [false, true]
-            .into_iter()
-            .map(|on| {
-                let reg = registry();
-                reg.load("default", kvroute_policy::DEFAULT_POLICY_WASM, None, true)
-                    .unwrap();
-                reg.load("shadowed", kvroute_policy::DEFAULT_POLICY_WASM, None, false)
-                    .unwrap();
-                if on {
-                    reg.start_shadow(
-                        "shadowed",
-                        &kvroute_policy::ShadowSpec {
-                            version: None,
-                            sample: 1.0,
-                        },
-                    )
-                    .unwrap();
-                }
-                reg
-            })
-            .collect();
-        let drained = |reg: &PolicyRegistry| loop {
-            match reg.shadow_report("shadowed") {
-                Some(r) if r.evaluated < r.queued => std::thread::sleep(Duration::from_micros(200)),
-                _ => break,
-            }
-        };
+        let regs = [shadow_registry(false), shadow_registry(true)];
+        let drained = drain_shadow;
         let mut all: [Vec<u32>; 2] = [Vec::new(), Vec::new()];
         let mut round_means: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
         let mut times = vec![0u32; 512];

@@ -600,6 +600,15 @@ fn block_hash_prompts_match_token_prompts() {
     assert_eq!(o.device, vec![(CandidateKey::new(2, 0), 10)]);
 }
 
+/// Version 1 of a test scorer called `name`.
+fn test_label(name: &str) -> Arc<PolicyLabel> {
+    Arc::new(PolicyLabel {
+        name: name.into(),
+        version: 1,
+        digest: "d".into(),
+    })
+}
+
 struct FixedScorer(ScorerOutcome);
 impl Scorer for FixedScorer {
     fn decide(
@@ -611,11 +620,7 @@ impl Scorer for FixedScorer {
     ) -> ScorerDecision {
         ScorerDecision {
             outcome: self.0.clone(),
-            label: Arc::new(PolicyLabel {
-                name: "fixed".into(),
-                version: 1,
-                digest: "d".into(),
-            }),
+            label: test_label("fixed"),
         }
     }
 }
@@ -670,11 +675,7 @@ impl Scorer for BaseCostScorer {
         let i = (seen.len() - 1).min(self.answers.len() - 1);
         ScorerDecision {
             outcome: self.answers[i].clone(),
-            label: Arc::new(PolicyLabel {
-                name: "base-cost".into(),
-                version: 1,
-                digest: "d".into(),
-            }),
+            label: test_label("base-cost"),
         }
     }
 
