@@ -132,9 +132,8 @@ impl Router {
             self.fill_stage_costs(&preq, &mut s.cols, input.stage);
             (label, outcome) = self.score(&preq, &s.cols, snap, input.stage);
         }
-        let usable_costs = matches!(&outcome, ScorerOutcome::Costs(c)
-            if c.len() == s.cols.len() && c.iter().all(|x| x.is_finite()));
-        if !usable_costs && s.cols.base_cost.len() != s.cols.len() {
+        let usable = matches!(&outcome, ScorerOutcome::Costs(c) if usable_costs(c, s.cols.len()));
+        if !usable && s.cols.base_cost.len() != s.cols.len() {
             self.fill_stage_costs(&preq, &mut s.cols, input.stage);
         }
         let pick = self.pick(outcome, &preq, p.temperature, &s.cols, &mut s.costs);
@@ -313,7 +312,7 @@ impl Router {
     ) -> Pick {
         let n = cols.len();
         let pick = self.with_rng(|rng| match outcome {
-            ScorerOutcome::Costs(c) if c.len() == n && c.iter().all(|x| x.is_finite()) => {
+            ScorerOutcome::Costs(c) if usable_costs(&c, n) => {
                 let chosen = cost::pick(&c, temperature, rng).expect("n > 0");
                 *costs = c;
                 Pick {
@@ -353,6 +352,11 @@ impl Router {
         }
         pick
     }
+}
+
+/// Costs the router can pick from: one finite cost per candidate.
+fn usable_costs(c: &[f64], n: usize) -> bool {
+    c.len() == n && c.iter().all(|x| x.is_finite())
 }
 
 impl Scratch {
