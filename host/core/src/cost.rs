@@ -132,11 +132,56 @@ pub fn preferred_multiplier(req: &PolicyRequest, cols: &CandidateColumns, i: usi
     (-s.tanh()).exp()
 }
 
+/// Up to this many preferred taints, [`native_costs`] computes each multiplier once per subset of
+/// them that its candidates have (2^6 = 64 values on the stack), not once per candidate.
+const MEMO_PREFERRED: usize = 6;
+
+/// Preferred taint ids below this use [`native_costs`]' per-id bit table (the registry numbers
+/// taints densely from 0); a larger one takes the per-candidate path.
+const BIT_TABLE: u32 = 256;
+
 /// The native decision costs: base cost times the preferred-taint multiplier (SPEC §7 as written,
 /// including its weak spot at cost 0): the built-in `dynamo` policy returns exactly these costs.
+///
+/// The multiplier depends only on which preferred taints a candidate has, so with a few of them
+/// `tanh` and `exp` (most of a decision's time when computed per candidate) run once per subset
+/// its candidates have. Each subset's sum adds the same weights in the same order as
+/// [`preferred_multiplier`], so the costs are identical to computing it per candidate.
 pub fn native_costs(req: &PolicyRequest, cols: &CandidateColumns, out: &mut Vec<f64>) {
     out.clear();
-    out.extend((0..cols.len()).map(|i| cols.base_cost[i] * preferred_multiplier(req, cols, i)));
+    let prefs = &req.preferred_taints;
+    if prefs.is_empty() {
+        out.extend_from_slice(&cols.base_cost[..cols.len()]);
+        return;
+    }
+    if prefs.len() > MEMO_PREFERRED || prefs.iter().any(|&(id, _)| id >= BIT_TABLE) {
+        out.extend((0..cols.len()).map(|i| cols.base_cost[i] * preferred_multiplier(req, cols, i)));
+        return;
+    }
+    // Each taint id's bits (which preferences name it): a candidate's subset is one lookup per
+    // taint it has.
+    let mut bits = [0u8; BIT_TABLE as usize];
+    for (b, &(id, _)) in prefs.iter().enumerate() {
+        bits[id as usize] |= 1 << b;
+    }
+    let mut memo = [f64::NAN; 1 << MEMO_PREFERRED];
+    out.extend((0..cols.len()).map(|i| {
+        let mask = cols.taints_of(i).iter().fold(0u8, |m, &id| {
+            m | bits.get(id as usize).copied().unwrap_or(0)
+        });
+        let mask = usize::from(mask);
+        let m = &mut memo[mask];
+        if m.is_nan() {
+            let s: f64 = prefs
+                .iter()
+                .enumerate()
+                .filter(|(b, _)| mask & 1 << b != 0)
+                .map(|(_, &(_, w))| f64::from(w))
+                .sum();
+            *m = (-s.tanh()).exp();
+        }
+        cols.base_cost[i] * *m
+    }));
 }
 
 /// Picks a candidate from costs (lower is better).
@@ -294,6 +339,52 @@ mod tests {
         assert!((preferred_multiplier(&r, &c, 0) - 0.62995).abs() < 1e-5);
         assert!((preferred_multiplier(&r, &c, 1) - 1.58743).abs() < 1e-5);
         assert!((preferred_multiplier(&r, &c, 2) - 1.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn native_costs_per_subset_equal_the_per_candidate_multiplier_bit_for_bit() {
+        use rand::Rng;
+        let mut rng = SmallRng::seed_from_u64(36);
+        // 0 to 8 preferred taints: the memo (up to 6) and the per-candidate path beyond it.
+        for round in 0..400 {
+            let n = rng.gen_range(1..80);
+            let mut c = cols(n);
+            c.taint_offsets.clear();
+            c.taint_offsets.push(0);
+            for _ in 0..n {
+                for t in 0..10u32 {
+                    if rng.gen_bool(0.3) {
+                        c.taint_ids.push(t);
+                    }
+                    // Ids past the bit table's end, which no preference below it names.
+                    if rng.gen_bool(0.05) {
+                        c.taint_ids.push(300 + t);
+                    }
+                }
+                c.taint_offsets.push(c.taint_ids.len() as u32);
+            }
+            c.base_cost = (0..n).map(|_| rng.gen_range(0.0..500.0)).collect();
+            let mut r = req(64);
+            let prefs = round % 9;
+            r.preferred_taints = (0..prefs)
+                .map(|_| {
+                    (
+                        rng.gen_range(0..12) + 250 * u32::from(rng.gen_bool(0.02)),
+                        rng.gen_range(-0.99f32..0.99),
+                    )
+                })
+                .collect();
+            let mut memo = Vec::new();
+            native_costs(&r, &c, &mut memo);
+            let each: Vec<f64> = (0..n)
+                .map(|i| c.base_cost[i] * preferred_multiplier(&r, &c, i))
+                .collect();
+            assert_eq!(
+                memo.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                each.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                "round {round}, {prefs} preferred taints"
+            );
+        }
     }
 
     #[test]

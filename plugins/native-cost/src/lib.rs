@@ -54,6 +54,10 @@ impl Default for Config {
 /// Up to this many preferred taints, multipliers are precomputed per subset (2^6 = 64 values).
 const MAX_MASK_BITS: usize = 6;
 
+/// Preferred taint ids below this use the per-id bit table (the host numbers taints densely from
+/// 0, so ids are small); a larger one falls back to scanning.
+const BIT_TABLE: u32 = 256;
+
 thread_local! {
     static CONFIG: RefCell<Config> = RefCell::new(Config::default());
     /// Tokens per KV block, from the host's context.
@@ -195,19 +199,22 @@ impl Guest for NativeCost {
         // with few preferences, compute it once per subset (on the stack) instead of once per
         // candidate. The sum runs over the preferences in the same order as the host's, so
         // results are identical.
-        if pref_ids.len() <= MAX_MASK_BITS {
+        if pref_ids.len() <= MAX_MASK_BITS && pref_ids.iter().all(|&id| id < BIT_TABLE) {
+            // Each taint id's bits (which preferences name it), so a candidate's subset is one
+            // lookup per taint it has, not a scan of its taints per preference.
+            let mut bits = [0u8; BIT_TABLE as usize];
+            for (b, &id) in pref_ids.iter().enumerate() {
+                bits[id as usize] |= 1 << b;
+            }
             // Computed on first use (NaN: not yet), so a decision pays `tanh` and `exp` only for
             // the subsets its candidates have; no preferred taint at all is exactly 1.
             let mut multipliers = [f64::NAN; 1 << MAX_MASK_BITS];
             multipliers[0] = 1.0;
             for (cost, taints) in costs.iter_mut().zip(taint_lists) {
-                let mut mask = 0;
-                for (b, id) in pref_ids.iter().enumerate() {
-                    if taints.contains(id) {
-                        mask |= 1 << b;
-                    }
-                }
-                let m = &mut multipliers[mask];
+                let mask = taints.iter().fold(0u8, |m, &id| {
+                    m | bits.get(id as usize).copied().unwrap_or(0)
+                });
+                let m = &mut multipliers[usize::from(mask)];
                 if m.is_nan() {
                     let s: f64 = pref_weights
                         .iter()
