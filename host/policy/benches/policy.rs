@@ -13,6 +13,7 @@
 mod support;
 
 use std::hint::black_box;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
@@ -282,6 +283,30 @@ fn shadow(c: &mut Criterion) {
     group.finish();
 }
 
+/// Keeps the other core busy until `stop`: deciding on `registry` (the shadow's work without its
+/// queue), or spinning on arithmetic alone (`None`).
+fn busy_neighbour(
+    registry: Option<&PolicyRegistry>,
+    stop: &AtomicBool,
+    req: &kvroute_core::PolicyRequest,
+    cols: &kvroute_core::CandidateColumns,
+    taints: &kvroute_policy::TaintTable,
+) {
+    let mut x = 0u64;
+    while !stop.load(Relaxed) {
+        match registry {
+            Some(r) => {
+                black_box(r.decide(req, cols, taints));
+            }
+            None => {
+                for _ in 0..1000 {
+                    x = black_box(x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1));
+                }
+            }
+        }
+    }
+}
+
 /// What a running shadow adds to a decision's p50 on the calling thread, measured so that the
 /// machine's drift cancels out: one registry with the shadow off and one with it on, in one
 /// process, alternating rounds of 512 decisions (the order flips every round), every decision
@@ -289,6 +314,10 @@ fn shadow(c: &mut Criterion) {
 /// per-round difference. Criterion's separate `shadow/off` and `shadow/on` runs drift apart by
 /// more than the figure on a busy 2-core machine. Runs only with `KVROUTE_SHADOW_AB=ROUNDS`
 /// (e.g. 300): `KVROUTE_SHADOW_AB=300 cargo bench -p kvroute-policy --bench policy -- nomatch`.
+/// With `KVROUTE_SHADOW_AB_NEIGHBOUR=decide` (or `spin`) the off arm's rounds run beside a thread
+/// that keeps the other core busy deciding on a registry of its own (or with arithmetic alone):
+/// what a busy other core costs the deciding thread without any copy or queue, to tell that part
+/// of the shadow's cost from the copy's.
 fn shadow_ab(_c: &mut Criterion) {
     let Ok(rounds) = std::env::var("KVROUTE_SHADOW_AB") else {
         return;
@@ -299,6 +328,13 @@ fn shadow_ab(_c: &mut Criterion) {
         let mut rng = SmallRng::seed_from_u64(n as u64);
         let (req, cols) = support::random_decision(&mut rng, n, 4);
         let regs = [shadow_registry(false), shadow_registry(true)];
+        // KVROUTE_SHADOW_AB_NEIGHBOUR=spin|decide: the off arm runs beside a busy other core.
+        let neighbour: Option<Option<PolicyRegistry>> =
+            match std::env::var("KVROUTE_SHADOW_AB_NEIGHBOUR").as_deref() {
+                Ok("spin") => Some(None),
+                Ok("decide") => Some(Some(shadow_registry(false))),
+                _ => None,
+            };
         let drained = drain_shadow;
         let mut all: [Vec<u32>; 2] = [Vec::new(), Vec::new()];
         let mut round_means: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
@@ -307,13 +343,22 @@ fn shadow_ab(_c: &mut Criterion) {
             let order = if r % 2 == 0 { [0, 1] } else { [1, 0] };
             for k in order {
                 let reg = &regs[k];
-                let t0 = Instant::now();
-                for slot in times.iter_mut() {
-                    let t = Instant::now();
-                    black_box(reg.decide(&req, &cols, &taints));
-                    *slot = t.elapsed().as_nanos() as u32;
-                }
-                let total = t0.elapsed().as_nanos() as f64 / 512.0;
+                let stop = AtomicBool::new(false);
+                let total = std::thread::scope(|s| {
+                    if let (0, Some(nb)) = (k, &neighbour) {
+                        let (stop, req, cols, taints) = (&stop, &req, &cols, &taints);
+                        s.spawn(move || busy_neighbour(nb.as_ref(), stop, req, cols, taints));
+                    }
+                    let t0 = Instant::now();
+                    for slot in times.iter_mut() {
+                        let t = Instant::now();
+                        black_box(reg.decide(&req, &cols, &taints));
+                        *slot = t.elapsed().as_nanos() as u32;
+                    }
+                    let total = t0.elapsed().as_nanos() as f64 / 512.0;
+                    stop.store(true, Relaxed);
+                    total
+                });
                 drained(reg);
                 if r >= 20 {
                     all[k].extend_from_slice(&times);
@@ -350,8 +395,60 @@ fn shadow_ab(_c: &mut Criterion) {
     }
 }
 
+/// Instruction counting (under `valgrind --tool=callgrind`, which counts instructions whatever
+/// the machine is doing): `KVROUTE_DECISIONS=KIND:N:COUNT` (KIND `native` or `wasm`) runs COUNT
+/// decisions over N candidates and nothing else; two counts' difference is the per-decision cost.
+fn decision_count(_c: &mut Criterion) {
+    let Ok(spec) = std::env::var("KVROUTE_DECISIONS") else {
+        return;
+    };
+    let parts: Vec<&str> = spec.split(':').collect();
+    let (kind, n, count): (&str, usize, usize) = (
+        parts[0],
+        parts[1].parse().expect("N"),
+        parts[2].parse().expect("COUNT"),
+    );
+    let mut rng = SmallRng::seed_from_u64(n as u64);
+    let (mut req, mut cols) = support::random_decision(&mut rng, n, 4);
+    req.preferred_taints = vec![(0, 0.5), (2, -0.3)];
+    let taints = support::taint_table(1, 4);
+    let weights = CostWeights::default();
+    let mut costs = Vec::with_capacity(n);
+    if kind == "native" {
+        for _ in 0..count {
+            fill_base_costs(&req, &mut cols, &weights);
+            native_costs(&req, &cols, &mut costs);
+            black_box(pick(&costs, req.temperature, &mut rng));
+        }
+        return;
+    }
+    // Few pooled instances: valgrind cannot reserve the default pool's address space; and a
+    // deadline that a decision run under valgrind (~50x slower) still meets.
+    let reg = PolicyRegistry::new(PolicyRuntimeConfig {
+        max_instances: 2,
+        instances_per_stage: 1,
+        deadline_us: 1_000_000,
+        ..PolicyRuntimeConfig::default()
+    })
+    .expect("policy runtime");
+    reg.load("native-cost", &support::plugin_bytes(NATIVE), None, true)
+        .expect("load native-cost");
+    for _ in 0..count {
+        if reg.reads_base_cost() {
+            fill_base_costs(&req, &mut cols, &weights);
+        } else {
+            cols.base_cost.clear();
+        }
+        match reg.decide(&req, &cols, &taints).outcome {
+            Outcome::Costs(c) => black_box(pick(&c, req.temperature, &mut rng)),
+            other => panic!("the count is of decisions answered with costs, got {other:?}"),
+        };
+    }
+}
+
 criterion_group!(
     benches,
+    decision_count,
     decision_path,
     swap,
     first_decision_after_swap,
