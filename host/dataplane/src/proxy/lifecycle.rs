@@ -271,8 +271,7 @@ impl Lifecycle {
         }
         let _ = self.router.free(&self.request_id);
         if !self.stream && !self.whole.is_empty() {
-            if let Ok(v) = serde_json::from_slice::<serde_json::Value>(&self.whole) {
-                let usage = Usage::of(&v);
+            if let Some(usage) = Usage::of_answer(&self.whole) {
                 if let Some(n) = usage.output {
                     self.output_tokens = n;
                 }
@@ -371,6 +370,134 @@ impl Usage {
         };
         Usage { output, cached }
     }
+}
+
+impl Usage {
+    /// [`Usage::of`] a whole answer's JSON text, or `None` when it is not JSON. Reads only the
+    /// `usage` objects (and `type`) in place instead of building the answer's [`serde_json::Value`]
+    /// (the allocations of a whole answer's tree, on every non-streamed request); an answer it
+    /// cannot read that way (a duplicate key, an escaped key, ...) goes through [`Usage::of`].
+    pub(crate) fn of_answer(json: &[u8]) -> Option<Usage> {
+        match usage_in_place(json) {
+            Some(u) => Some(u),
+            None => serde_json::from_slice::<serde_json::Value>(json)
+                .ok()
+                .map(|v| Usage::of(&v)),
+        }
+    }
+}
+
+/// The fields of an answer (or of its `message` / `response`) that [`Usage::of`] reads; every
+/// other field is skipped unread. A duplicate field is an error, so such an answer takes the
+/// `Value` path, which keeps the last one.
+#[derive(serde::Deserialize)]
+struct AnswerFields<'a> {
+    #[serde(borrow, default)]
+    usage: Option<&'a serde_json::value::RawValue>,
+    #[serde(borrow, default)]
+    message: Option<&'a serde_json::value::RawValue>,
+    #[serde(borrow, default)]
+    response: Option<&'a serde_json::value::RawValue>,
+    #[serde(borrow, default, rename = "type")]
+    kind: Option<&'a serde_json::value::RawValue>,
+}
+
+/// The fields of a `usage` object that [`Usage::of`] reads.
+#[derive(serde::Deserialize)]
+struct UsageFields<'a> {
+    #[serde(borrow, default)]
+    completion_tokens: Option<&'a serde_json::value::RawValue>,
+    #[serde(borrow, default)]
+    output_tokens: Option<&'a serde_json::value::RawValue>,
+    #[serde(borrow, default)]
+    prompt_tokens_details: Option<&'a serde_json::value::RawValue>,
+    #[serde(borrow, default)]
+    cache_read_input_tokens: Option<&'a serde_json::value::RawValue>,
+    #[serde(borrow, default)]
+    input_tokens_details: Option<&'a serde_json::value::RawValue>,
+}
+
+/// `{"cached_tokens": N}` of a `*_tokens_details` object.
+#[derive(serde::Deserialize)]
+struct DetailFields<'a> {
+    #[serde(borrow, default)]
+    cached_tokens: Option<&'a serde_json::value::RawValue>,
+}
+
+/// Whether a raw JSON value is an object (`Value::is_object`).
+fn raw_is_object(v: Option<&serde_json::value::RawValue>) -> bool {
+    v.is_some_and(|r| r.get().trim_ascii_start().starts_with('{'))
+}
+
+/// `Value::as_u64` of a raw JSON value: a non-negative integer that fits (not `5.0`, `-1`, a
+/// string or anything else).
+fn raw_u64(v: Option<&serde_json::value::RawValue>) -> Option<u64> {
+    v.and_then(|r| serde_json::from_str::<u64>(r.get()).ok())
+}
+
+/// `v[...]["cached_tokens"].as_u64()` of a raw `*_tokens_details` value; `Err` when it is an
+/// object this cannot read in place.
+fn raw_cached(v: Option<&serde_json::value::RawValue>) -> Result<Option<u64>, ()> {
+    if !raw_is_object(v) {
+        return Ok(None);
+    }
+    let d: DetailFields = v
+        .map(|r| serde_json::from_str(r.get()))
+        .transpose()
+        .map_err(|_| ())?
+        .ok_or(())?;
+    Ok(raw_u64(d.cached_tokens))
+}
+
+/// [`Usage::of`] without a [`serde_json::Value`]: `None` when the text is not read this way
+/// (not a JSON object, a duplicate or escaped key on the way), and the caller parses it whole.
+fn usage_in_place(json: &[u8]) -> Option<Usage> {
+    let top: AnswerFields = serde_json::from_str(std::str::from_utf8(json).ok()?).ok()?;
+    fn nested(
+        v: Option<&serde_json::value::RawValue>,
+    ) -> Result<Option<&serde_json::value::RawValue>, ()> {
+        match v {
+            Some(r) if raw_is_object(v) => {
+                let f: AnswerFields = serde_json::from_str(r.get()).map_err(|_| ())?;
+                Ok(f.usage)
+            }
+            _ => Ok(None),
+        }
+    }
+    let usage = if raw_is_object(top.usage) {
+        top.usage
+    } else {
+        let m = nested(top.message).ok()?;
+        if raw_is_object(m) {
+            m
+        } else {
+            let r = nested(top.response).ok()?;
+            if raw_is_object(r) {
+                r
+            } else {
+                return Some(Usage::default());
+            }
+        }
+    };
+    let u: UsageFields = serde_json::from_str(usage?.get()).ok()?;
+    let output = raw_u64(u.completion_tokens).or_else(|| raw_u64(u.output_tokens));
+    let cached = match raw_cached(u.prompt_tokens_details).ok()? {
+        Some(n) => Some(n),
+        None => match raw_u64(u.cache_read_input_tokens) {
+            Some(n) => Some(n),
+            None => raw_cached(u.input_tokens_details).ok()?,
+        },
+    };
+    // Anthropic's message_start carries `output_tokens` 0 or 1 before any output: not a count.
+    let message_start = match top.kind {
+        None => false,
+        Some(k) => serde_json::from_str::<std::borrow::Cow<str>>(k.get())
+            .is_ok_and(|t| t == "message_start"),
+    };
+    Some(Usage {
+        output: if message_start { None } else { output },
+        cached,
+    })
 }
 
 /// A streamed event that carries one output token (or a few): Anthropic's `content_block_delta`,
@@ -472,5 +599,50 @@ impl Body for GuardedBody {
 
     fn size_hint(&self) -> SizeHint {
         self.inner.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The in-place reader agrees with `Usage::of` on a parsed `Value`, whatever the shape.
+    #[test]
+    fn usage_in_place_matches_the_value_reading() {
+        let answers = [
+            r#"{"id":"x","choices":[{"index":0,"message":{"role":"assistant","content":"hi"}}],"usage":{"prompt_tokens":10,"completion_tokens":8,"total_tokens":18}}"#,
+            r#"{"usage":{"completion_tokens":8,"prompt_tokens_details":{"cached_tokens":32}}}"#,
+            r#"{"usage":{"completion_tokens":8,"prompt_tokens_details":null,"cache_read_input_tokens":5}}"#,
+            r#"{"usage":{"output_tokens":3,"input_tokens_details":{"cached_tokens":7}}}"#,
+            r#"{"usage":{"completion_tokens":8.0,"output_tokens":-1,"prompt_tokens_details":{"cached_tokens":"7"}}}"#,
+            r#"{"usage":{"completion_tokens":18446744073709551616}}"#,
+            r#"{"usage":null,"message":{"usage":{"output_tokens":1,"cache_read_input_tokens":64}},"type":"message_start"}"#,
+            r#"{"type":"message_start","message":{"usage":{"output_tokens":1}}}"#,
+            r#"{"type":"mess\u0061ge_start","usage":{"output_tokens":1}}"#,
+            r#"{"type":"message","usage":{"output_tokens":12}}"#,
+            r#"{"usage":[1,2],"response":{"usage":{"output_tokens":4,"input_tokens_details":{"cached_tokens":2}}}}"#,
+            r#"{"message":"text","response":{"usage":"none"}}"#,
+            r#"{"us\u0061ge":{"completion_tokens":2}}"#,
+            r#"{"usage":{"completion_tokens":1},"usage":{"completion_tokens":2}}"#,
+            r#"{"usage":{"completion_tokens":1,"completion_tokens":2}}"#,
+            r#"{"usage":{"prompt_tokens_details":{"cached_tokens":1,"cached_tokens":2}}}"#,
+            r#"{"message":{"usage":{"output_tokens":1},"usage":{"output_tokens":2}}}"#,
+            r#"{"choices":[]}"#,
+            r#"{}"#,
+            r#"[{"usage":{"completion_tokens":1}}]"#,
+            r#"42"#,
+            r#"  {"usage" : { "completion_tokens" : 9 } }  "#,
+        ];
+        for a in answers {
+            let want = Usage::of(&serde_json::from_str::<serde_json::Value>(a).unwrap());
+            assert_eq!(Usage::of_answer(a.as_bytes()), Some(want), "{a}");
+        }
+        for bad in ["", "{", r#"{"usage":{"completion_tokens":1}} x"#, "\u{0}"] {
+            assert_eq!(Usage::of_answer(bad.as_bytes()), None, "{bad:?}");
+        }
+        assert_eq!(
+            Usage::of_answer(b"{\"usage\":{\"completion_tokens\":1},\"x\":\"\xff\"}"),
+            None
+        );
     }
 }

@@ -375,8 +375,8 @@ impl Proxy {
             parts.version = axum::http::Version::HTTP_11;
             parts.extensions.clear();
             let h = &mut parts.headers;
-            for name in HOP_BY_HOP {
-                h.remove(*name);
+            for name in &HOP_BY_HOP {
+                h.remove(name);
             }
             // Ours, whatever the engine said (an engine may echo x-request-id too).
             if let Ok(v) = HeaderValue::from_str(&format!("{w}/{rank}")) {

@@ -27,16 +27,17 @@ use super::config::ProxySection;
 /// hop-by-hop).
 const FORWARDED: &[HeaderName] = &[header::ACCEPT, header::AUTHORIZATION, header::USER_AGENT];
 
-/// Response headers that describe one hop, not the answer.
-pub const HOP_BY_HOP: &[&str] = &[
-    "connection",
-    "keep-alive",
-    "proxy-authenticate",
-    "proxy-authorization",
-    "te",
-    "trailer",
-    "transfer-encoding",
-    "upgrade",
+/// Response headers that describe one hop, not the answer (as header names, so that removing
+/// them from every answer does not parse each name again).
+pub static HOP_BY_HOP: [HeaderName; 8] = [
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    header::PROXY_AUTHENTICATE,
+    header::PROXY_AUTHORIZATION,
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
 ];
 
 /// vLLM's header choosing a data-parallel rank of one API server.
@@ -56,6 +57,28 @@ pub struct Upstream {
 thread_local! {
     /// This thread's clients, by [`Upstream::id`] (one, outside tests).
     static CLIENTS: RefCell<Vec<(u64, HttpClient)>> = const { RefCell::new(Vec::new()) };
+    /// The engine URIs this thread has sent requests to, by endpoint and path ([`Upstream::uri`]
+    /// once per pair rather than a format and a parse per request).
+    static URIS: RefCell<Vec<(String, String, Uri)>> = const { RefCell::new(Vec::new()) };
+}
+
+/// How many engine URIs a thread keeps ([`URIS`]); past it the list starts again.
+const MAX_CACHED_URIS: usize = 256;
+
+/// [`Upstream::uri`], from the calling thread's cache when it has the pair.
+fn cached_uri(endpoint: &str, path: &str) -> Result<Uri, SendError> {
+    URIS.with(|c| {
+        let mut uris = c.borrow_mut();
+        if let Some((_, _, uri)) = uris.iter().find(|(e, p, _)| e == endpoint && p == path) {
+            return Ok(uri.clone());
+        }
+        let uri = Upstream::uri(endpoint, path)?;
+        if uris.len() >= MAX_CACHED_URIS {
+            uris.clear();
+        }
+        uris.push((endpoint.to_string(), path.to_string(), uri.clone()));
+        Ok(uri)
+    })
 }
 
 /// Why a request never got an answer's head.
@@ -120,7 +143,7 @@ impl Upstream {
     ) -> Result<Response<Incoming>, SendError> {
         let mut req = Request::builder()
             .method(Method::POST)
-            .uri(Self::uri(endpoint, path)?)
+            .uri(cached_uri(endpoint, path)?)
             .header(header::CONTENT_TYPE, "application/json");
         for h in FORWARDED {
             if let Some(v) = client_headers.get(h) {
@@ -287,5 +310,20 @@ mod tests {
                 want
             );
         }
+    }
+
+    #[test]
+    fn cached_uris_are_the_uris_of_their_endpoint_and_path() {
+        for _ in 0..2 {
+            for ep in ["http://a:8000", "http://a:8000/v1", "http://b:9000/engine"] {
+                for path in ["/v1/completions", "/v1/chat/completions"] {
+                    assert_eq!(
+                        cached_uri(ep, path).unwrap(),
+                        Upstream::uri(ep, path).unwrap()
+                    );
+                }
+            }
+        }
+        assert!(cached_uri("http://a b", "/v1/completions").is_err());
     }
 }
