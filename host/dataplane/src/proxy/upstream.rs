@@ -20,6 +20,7 @@ use hyper::body::Incoming;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
+use rustc_hash::FxHashMap;
 
 use super::config::ProxySection;
 
@@ -57,26 +58,32 @@ pub struct Upstream {
 thread_local! {
     /// This thread's clients, by [`Upstream::id`] (one, outside tests).
     static CLIENTS: RefCell<Vec<(u64, HttpClient)>> = const { RefCell::new(Vec::new()) };
-    /// The engine URIs this thread has sent requests to, by endpoint and path ([`Upstream::uri`]
-    /// once per pair rather than a format and a parse per request).
-    static URIS: RefCell<Vec<(String, String, Uri)>> = const { RefCell::new(Vec::new()) };
+    /// The engine URIs this thread has sent requests to, by endpoint, then path (a proxy sends
+    /// to a handful of paths): [`Upstream::uri`] once per pair rather than a format and a parse
+    /// per request, and one hash probe per request whatever the fleet's size.
+    static URIS: RefCell<FxHashMap<String, Vec<(String, Uri)>>> =
+        RefCell::new(FxHashMap::default());
 }
 
-/// How many engine URIs a thread keeps ([`URIS`]); past it the list starts again.
-const MAX_CACHED_URIS: usize = 256;
+/// How many endpoints a thread keeps URIs for ([`URIS`]); past it the cache starts again.
+const MAX_CACHED_ENDPOINTS: usize = 4096;
 
 /// [`Upstream::uri`], from the calling thread's cache when it has the pair.
 fn cached_uri(endpoint: &str, path: &str) -> Result<Uri, SendError> {
     URIS.with(|c| {
         let mut uris = c.borrow_mut();
-        if let Some((_, _, uri)) = uris.iter().find(|(e, p, _)| e == endpoint && p == path) {
-            return Ok(uri.clone());
+        if let Some(paths) = uris.get(endpoint) {
+            if let Some((_, uri)) = paths.iter().find(|(p, _)| p == path) {
+                return Ok(uri.clone());
+            }
         }
         let uri = Upstream::uri(endpoint, path)?;
-        if uris.len() >= MAX_CACHED_URIS {
+        if uris.len() >= MAX_CACHED_ENDPOINTS && !uris.contains_key(endpoint) {
             uris.clear();
         }
-        uris.push((endpoint.to_string(), path.to_string(), uri.clone()));
+        uris.entry(endpoint.to_string())
+            .or_default()
+            .push((path.to_string(), uri.clone()));
         Ok(uri)
     })
 }
