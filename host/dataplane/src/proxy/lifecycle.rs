@@ -370,20 +370,17 @@ impl Usage {
         };
         Usage { output, cached }
     }
-}
 
-impl Usage {
     /// [`Usage::of`] a whole answer's JSON text, or `None` when it is not JSON. Reads only the
     /// `usage` objects (and `type`) in place instead of building the answer's [`serde_json::Value`]
     /// (the allocations of a whole answer's tree, on every non-streamed request); an answer it
     /// cannot read that way (a duplicate key, an escaped key, ...) goes through [`Usage::of`].
     pub(crate) fn of_answer(json: &[u8]) -> Option<Usage> {
-        match usage_in_place(json) {
-            Some(u) => Some(u),
-            None => serde_json::from_slice::<serde_json::Value>(json)
+        usage_in_place(json).or_else(|| {
+            serde_json::from_slice::<serde_json::Value>(json)
                 .ok()
-                .map(|v| Usage::of(&v)),
-        }
+                .map(|v| Usage::of(&v))
+        })
     }
 }
 
