@@ -28,6 +28,30 @@ fn registry() -> PolicyRegistry {
     PolicyRegistry::new(PolicyRuntimeConfig::default()).expect("policy runtime")
 }
 
+/// One decision by `reg` as the router makes it: the native cost only for a policy that reads it
+/// (interface 0.10.0; `native-cost` recomputes it, `default` prices candidates itself), then the
+/// pick.
+fn wasm_decision(
+    reg: &PolicyRegistry,
+    req: &kvroute_core::PolicyRequest,
+    cols: &mut kvroute_core::CandidateColumns,
+    weights: &CostWeights,
+    taints: &kvroute_policy::TaintTable,
+    rng: &mut SmallRng,
+) -> Option<usize> {
+    if reg.reads_base_cost() {
+        fill_base_costs(req, cols, weights);
+    } else {
+        cols.base_cost.clear();
+    }
+    match reg.decide(req, cols, taints).outcome {
+        Outcome::Costs(c) => black_box(pick(&c, req.temperature, rng)),
+        Outcome::Pick(i) => Some(i),
+        Outcome::Fallback(r) => panic!("fallback in bench: {r}"),
+        Outcome::NeedsBaseCost => panic!("base cost asked for after reads_base_cost"),
+    }
+}
+
 fn decision_path(c: &mut Criterion) {
     let bytes = support::plugin_bytes(NATIVE);
     let reg = registry();
@@ -75,25 +99,8 @@ fn decision_path(c: &mut Criterion) {
             ("default", &default),
             ("dynamo", &dynamo),
         ] {
-            // As the router does: the native cost only for a policy that reads it (interface
-            // 0.10.0; `native-cost` recomputes it, `default` prices candidates itself).
             group.bench_with_input(BenchmarkId::new(label, n), &n, |b, _| {
-                b.iter(|| {
-                    if reg.reads_base_cost() {
-                        fill_base_costs(&req, &mut cols, &weights);
-                    } else {
-                        cols.base_cost.clear();
-                    }
-                    let d = reg.decide(&req, &cols, &taints);
-                    match d.outcome {
-                        Outcome::Costs(c) => black_box(pick(&c, req.temperature, &mut rng)),
-                        Outcome::Pick(i) => Some(i),
-                        Outcome::Fallback(r) => panic!("fallback in bench: {r}"),
-                        Outcome::NeedsBaseCost => {
-                            panic!("base cost asked for after reads_base_cost")
-                        }
-                    }
-                })
+                b.iter(|| wasm_decision(reg, &req, &mut cols, &weights, &taints, &mut rng))
             });
         }
     }
@@ -434,15 +441,7 @@ fn decision_count(_c: &mut Criterion) {
     reg.load("native-cost", &support::plugin_bytes(NATIVE), None, true)
         .expect("load native-cost");
     for _ in 0..count {
-        if reg.reads_base_cost() {
-            fill_base_costs(&req, &mut cols, &weights);
-        } else {
-            cols.base_cost.clear();
-        }
-        match reg.decide(&req, &cols, &taints).outcome {
-            Outcome::Costs(c) => black_box(pick(&c, req.temperature, &mut rng)),
-            other => panic!("the count is of decisions answered with costs, got {other:?}"),
-        };
+        wasm_decision(&reg, &req, &mut cols, &weights, &taints, &mut rng);
     }
 }
 
