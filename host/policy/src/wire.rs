@@ -227,6 +227,26 @@ pub(crate) fn candidate_count(data: Data<'_>) -> usize {
     data.first().map_or(0, |&w| (w & 0xffff_ffff) as usize)
 }
 
+/// Candidate `i`'s `device-overlap` (the `u32` section's second column) in a packed decision;
+/// `None` past the candidates or the list.
+pub(crate) fn device_overlap(data: Data<'_>, i: usize) -> Option<u32> {
+    let n = candidate_count(data);
+    if i >= n {
+        return None;
+    }
+    let p = data.get(1).map(|&w| (w & 0xffff_ffff) as usize)?;
+    let u32_start = HEADER_WORDS + 7 * n + p;
+    // Entry `k` of the section is the low half of word `k / 2` when `k` is even (the interface's
+    // order, whatever the host's).
+    let k = n + i;
+    let word = *data.get(u32_start + k / 2)?;
+    Some(if k.is_multiple_of(2) {
+        word as u32
+    } else {
+        (word >> 32) as u32
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -375,6 +395,49 @@ mod tests {
         with_wit_decision(&booked, &c, Stage::Aggregated, |r, _| {
             assert_eq!(r.flags, RequestFlags::empty())
         });
+    }
+
+    /// `device_overlap` reads the column where `Unpacked` (a guest's reading) finds it, for
+    /// candidate counts and preference counts of either parity, and nothing past the candidates.
+    #[test]
+    fn device_overlap_reads_the_packed_column() {
+        for n in [0usize, 1, 2, 3, 8] {
+            for prefs in [0usize, 1, 2] {
+                let c = CandidateColumns {
+                    worker_id: (0..n as u64).collect(),
+                    dp_rank: vec![0; n],
+                    device_overlap: (0..n as u32).map(|i| 1000 + 7 * i).collect(),
+                    host_overlap: vec![1; n],
+                    disk_overlap: vec![2; n],
+                    active_prefill_tokens: vec![3; n],
+                    active_decode_blocks: vec![4; n],
+                    active_requests: vec![5; n],
+                    active_prompt_blocks: vec![6; n],
+                    total_kv_blocks: vec![7; n],
+                    max_num_batched_tokens: vec![8; n],
+                    taint_offsets: vec![0; n + 1],
+                    ..CandidateColumns::default()
+                };
+                let req = PolicyRequest {
+                    preferred_taints: (0..prefs as u32).map(|i| (i, 0.5)).collect(),
+                    ..PolicyRequest::default()
+                };
+                with_wit_decision(&req, &c, Stage::Aggregated, |_, w| {
+                    let d = Unpacked::of(w);
+                    for i in 0..n {
+                        assert_eq!(device_overlap(w, i), Some(d.u32s[n + i]));
+                        assert_eq!(device_overlap(w, i), Some(c.device_overlap[i]));
+                    }
+                    assert_eq!(device_overlap(w, n), None);
+                });
+            }
+        }
+        assert_eq!(device_overlap(&[], 0), None);
+        assert_eq!(
+            device_overlap(&[1], 0),
+            None,
+            "a header that promises what is not there"
+        );
     }
 
     #[test]

@@ -15,6 +15,7 @@ use kvroute_core::Stage;
 use super::answer::Answer;
 use super::config::PolicyRuntimeConfig;
 use super::error::{FallbackReason, PolicyError};
+use super::instance::Failure;
 use super::pipeline::PipelineSpec;
 use super::plugin::CompiledPlugin;
 use super::rollout::{
@@ -258,17 +259,56 @@ impl PolicyRegistry {
                 activation: active.activation,
             };
         }
-        let start = Instant::now();
         let ctx = DecisionContext {
             taints,
             block_size: req.block_size,
         };
         let ticks = self.runtime.shared.deadline_ticks;
-        let result = with_wit_decision(req, cols, stage, |wreq, wcands| {
-            policy.run(wreq, wcands, ctx, ticks, false)
+        let has_base_cost = cols.base_cost.len() == cols.len();
+        // The shadows are offered the decision in the wire form the policy was called with,
+        // while it is still in the calling thread's buffer (and cache).
+        let outcome = with_wit_decision(req, cols, stage, |wreq, wcands| {
+            let start = Instant::now();
+            let result = policy.run(wreq, wcands, ctx, ticks, false);
+            let nanos = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
+            let outcome = self.account(&active, policy, canary, arm, result, nanos);
+            self.rollout.offer(
+                policy,
+                wreq,
+                wcands,
+                has_base_cost,
+                &self.last_taints,
+                taints,
+                req.block_size,
+                &outcome,
+                ticks,
+            );
+            outcome
         });
-        let nanos = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
-        let outcome = match result {
+        let outcome = match outcome {
+            Ok(Answer::Costs(c)) => Outcome::Costs(c),
+            Ok(Answer::Pick(i)) => Outcome::Pick(i),
+            Err(reason) => Outcome::Fallback(reason),
+        };
+        PolicyDecision {
+            outcome,
+            policy: Some(policy.clone()),
+            activation: active.activation,
+        }
+    }
+
+    /// Counts a decision's result against `policy` (and the canary's arm): its latency, the
+    /// failure streak and rate that take a policy out, the canary's decisions and fallbacks.
+    fn account(
+        &self,
+        active: &Arc<ActivePolicy>,
+        policy: &Arc<PolicyVersion>,
+        canary: Option<&Arc<Canary>>,
+        arm: Option<Arm>,
+        result: Result<Answer, Failure>,
+        nanos: u64,
+    ) -> Result<Answer, FallbackReason> {
+        match result {
             Ok(answer) => {
                 policy.stats.record_ok(nanos);
                 if policy.consecutive_failures.load(Relaxed) != 0 {
@@ -311,12 +351,12 @@ impl PolicyRegistry {
                             let config = self.config();
                             let window = config.failure_window as usize;
                             if n >= config.max_consecutive_failures {
-                                self.auto_restore(&active, failure.reason, Cause::Consecutive(n));
+                                self.auto_restore(active, failure.reason, Cause::Consecutive(n));
                             } else if full
                                 && failed as f64 > config.max_failure_rate * window as f64
                             {
                                 self.auto_restore(
-                                    &active,
+                                    active,
                                     failure.reason,
                                     Cause::Rate { failed, window },
                                 );
@@ -326,26 +366,6 @@ impl PolicyRegistry {
                 }
                 Err(failure.reason)
             }
-        };
-        self.rollout.offer(
-            policy,
-            req,
-            cols,
-            &self.last_taints,
-            taints,
-            stage,
-            &outcome,
-            ticks,
-        );
-        let outcome = match outcome {
-            Ok(Answer::Costs(c)) => Outcome::Costs(c),
-            Ok(Answer::Pick(i)) => Outcome::Pick(i),
-            Err(reason) => Outcome::Fallback(reason),
-        };
-        PolicyDecision {
-            outcome,
-            policy: Some(policy.clone()),
-            activation: active.activation,
         }
     }
 

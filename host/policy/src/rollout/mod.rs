@@ -2,10 +2,12 @@
 //! "Rollout").
 //!
 //! - A shadow runs a loaded, non-active version beside the active one, off the request path: for
-//!   a sampled decision the calling thread copies the decision's inputs and the active policy's
-//!   answer into a bounded queue (full: the copy is dropped and counted) and returns; one
-//!   background thread, niced like the compile thread, asks the shadow version and compares its
-//!   pick with the active one's. Nothing it does reaches the answer a client gets.
+//!   a sampled decision the calling thread copies the decision, in the wire form the active
+//!   policy was just called with (one contiguous list, still in its cache), and the active
+//!   policy's answer into a bounded queue (full: the copy is dropped and counted) and returns; one
+//!   background thread, niced like the compile thread, asks the shadow version with exactly those
+//!   words and compares its pick with the active one's. Nothing it does reaches the answer a
+//!   client gets.
 //!
 //!   The copy is what the deciding thread pays (issue 37: at most 1 µs at the p50), so it
 //!   allocates nothing and shares as little as it can with the shadow thread: the copies live in
@@ -37,14 +39,14 @@ use crossbeam_utils::CachePadded;
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
-use kvroute_core::candidate::{CandidateColumns, PolicyRequest, TaintTable};
-use kvroute_core::Stage;
+use kvroute_core::candidate::{PolicyRequest, TaintTable};
 
 use crate::answer::Answer;
+use crate::bindings::kvroute::policy::types::Request;
 use crate::error::{FallbackReason, PolicyError};
 use crate::registry::version::PolicyVersion;
 use crate::time::rfc3339;
-use crate::wire::with_wit_decision;
+use crate::wire::{device_overlap, Data};
 use crate::DecisionContext;
 
 pub use stats::{Difference, Samples, Summary};
@@ -364,44 +366,45 @@ enum ActiveAnswer {
     Fallback,
 }
 
-/// One sampled decision's copy. A slot is reused for decision after decision: its buffers keep
-/// their capacity, and its `Arc`s stay while the next decision has the same ones.
+/// One sampled decision's copy: the decision in its wire form (the packed list the active
+/// policy was just called with, one contiguous copy of words the deciding thread has in cache,
+/// instead of one copy per column; and the shadow thread calls its policy with it as it is, with
+/// no packing of its own). A slot is reused for decision after decision: its buffers keep their
+/// capacity, and its `Arc`s stay while the next decision has the same ones.
 #[derive(Default)]
 struct ShadowJob {
     shadow: Option<Arc<Shadow>>,
-    req: PolicyRequest,
-    cols: CandidateColumns,
+    /// The request's scalars as the interface carries them (`None`: the slot is empty).
+    wreq: Option<Request>,
+    /// The packed `decision-data`.
+    words: Vec<u64>,
     taints: Option<Arc<TaintTable>>,
-    stage: Stage,
+    block_size: u32,
     active: ActiveAnswer,
     costs: Vec<f64>,
 }
 
 impl ShadowJob {
     /// Copies one decision into this slot, reusing its buffers.
-    #[allow(clippy::too_many_arguments)]
     fn fill(
         &mut self,
-        shadow: &Arc<Shadow>,
-        req: &PolicyRequest,
-        cols: &CandidateColumns,
+        wreq: Request,
+        data: Data<'_>,
         last_taints: &ArcSwapOption<TaintTable>,
         taints: &TaintTable,
-        stage: Stage,
+        block_size: u32,
         answer: &Result<Answer, FallbackReason>,
     ) {
-        if !self.shadow.as_ref().is_some_and(|s| Arc::ptr_eq(s, shadow)) {
-            self.shadow = Some(shadow.clone());
-        }
-        copy_request(&mut self.req, req);
-        copy_columns(&mut self.cols, cols);
+        self.wreq = Some(wreq);
+        self.words.clear();
+        self.words.extend_from_slice(data);
         let known = last_taints.load();
         match (&*known, &self.taints) {
             (Some(k), Some(t)) if Arc::ptr_eq(k, t) => {}
             (Some(k), _) => self.taints = Some(k.clone()),
             (None, _) => self.taints = Some(Arc::new(taints.clone())),
         }
-        self.stage = stage;
+        self.block_size = block_size;
         self.active = match answer {
             Ok(Answer::Costs(c)) => {
                 self.costs.clear();
@@ -412,85 +415,11 @@ impl ShadowJob {
             Err(_) => ActiveAnswer::Fallback,
         };
     }
-}
 
-impl ShadowJob {
-    /// About the words its buffers hold room for (the columns take ~12 a candidate).
+    /// About the words its buffers hold room for.
     fn room(&self) -> usize {
-        self.cols.worker_id.capacity() * 12 + self.costs.capacity()
+        self.words.capacity() + self.costs.capacity()
     }
-}
-
-/// `dst = src.clone()`, reusing `dst`'s buffers. Every field is named, so a new one cannot be
-/// forgotten.
-fn copy_request(dst: &mut PolicyRequest, src: &PolicyRequest) {
-    let PolicyRequest {
-        request_id,
-        prompt_tokens,
-        request_blocks,
-        block_size,
-        preferred_taints,
-        priority,
-        expected_output_tokens,
-        temperature,
-        session_id,
-        now_ms,
-        ask_only,
-    } = src;
-    dst.request_id.clone_from(request_id);
-    dst.prompt_tokens = *prompt_tokens;
-    dst.request_blocks = *request_blocks;
-    dst.block_size = *block_size;
-    dst.preferred_taints.clone_from(preferred_taints);
-    dst.priority = *priority;
-    dst.expected_output_tokens = *expected_output_tokens;
-    dst.temperature = *temperature;
-    dst.session_id.clone_from(session_id);
-    dst.now_ms = *now_ms;
-    dst.ask_only = *ask_only;
-}
-
-/// `dst = src.clone()`, reusing `dst`'s buffers (every column named, as above).
-fn copy_columns(dst: &mut CandidateColumns, src: &CandidateColumns) {
-    let CandidateColumns {
-        worker_id,
-        dp_rank,
-        device_overlap,
-        host_overlap,
-        disk_overlap,
-        active_prefill_tokens,
-        active_decode_blocks,
-        active_requests,
-        active_prompt_blocks,
-        total_kv_blocks,
-        max_num_batched_tokens,
-        kv_feed_trust,
-        session_bound,
-        base_cost,
-        prefill_ms_per_token,
-        decode_step_ms,
-        taint_offsets,
-        taint_ids,
-    } = src;
-    dst.worker_id.clone_from(worker_id);
-    dst.dp_rank.clone_from(dp_rank);
-    dst.device_overlap.clone_from(device_overlap);
-    dst.host_overlap.clone_from(host_overlap);
-    dst.disk_overlap.clone_from(disk_overlap);
-    dst.active_prefill_tokens.clone_from(active_prefill_tokens);
-    dst.active_decode_blocks.clone_from(active_decode_blocks);
-    dst.active_requests.clone_from(active_requests);
-    dst.active_prompt_blocks.clone_from(active_prompt_blocks);
-    dst.total_kv_blocks.clone_from(total_kv_blocks);
-    dst.max_num_batched_tokens
-        .clone_from(max_num_batched_tokens);
-    dst.kv_feed_trust.clone_from(kv_feed_trust);
-    dst.session_bound.clone_from(session_bound);
-    dst.base_cost.clone_from(base_cost);
-    dst.prefill_ms_per_token.clone_from(prefill_ms_per_token);
-    dst.decode_step_ms.clone_from(decode_step_ms);
-    dst.taint_offsets.clone_from(taint_offsets);
-    dst.taint_ids.clone_from(taint_ids);
 }
 
 #[derive(Default)]
@@ -585,17 +514,15 @@ impl Shadow {
     }
 
     fn evaluate(&self, job: &ShadowJob, ticks: u64) {
-        let Some(taints) = &job.taints else {
+        let (Some(taints), Some(wreq)) = (&job.taints, job.wreq) else {
             return;
         };
         let ctx = DecisionContext {
             taints,
-            block_size: job.req.block_size,
+            block_size: job.block_size,
         };
         let start = std::time::Instant::now();
-        let result = with_wit_decision(&job.req, &job.cols, job.stage, |w, c| {
-            self.policy.run(w, c, ctx, ticks, false)
-        });
+        let result = self.policy.run(wreq, &job.words, ctx, ticks, false);
         let nanos = start.elapsed().as_nanos() as u64;
         let mut acc = self.acc.lock();
         acc.evaluated += 1;
@@ -616,10 +543,12 @@ impl Shadow {
                 return;
             }
         };
-        let n = job.cols.len();
-        if shadow_pick >= n || active_pick >= n {
+        let (Some(shadow_overlap), Some(active_overlap)) = (
+            device_overlap(&job.words, shadow_pick),
+            device_overlap(&job.words, active_pick),
+        ) else {
             return;
-        }
+        };
         acc.compared += 1;
         acc.agreed += u64::from(shadow_pick == active_pick);
         if let Some(c) = costs {
@@ -632,8 +561,8 @@ impl Shadow {
                 acc.rel_gap_sum += gap / c[active_pick].abs();
             }
         }
-        acc.shadow_overlap += u64::from(job.cols.device_overlap[shadow_pick]);
-        acc.active_overlap += u64::from(job.cols.device_overlap[active_pick]);
+        acc.shadow_overlap += u64::from(shadow_overlap);
+        acc.active_overlap += u64::from(active_overlap);
     }
 
     pub fn report(&self) -> ShadowReport {
@@ -1506,11 +1435,12 @@ impl Rollout {
     pub(crate) fn offer(
         &self,
         decided_by: &Arc<PolicyVersion>,
-        req: &PolicyRequest,
-        cols: &CandidateColumns,
+        wreq: Request,
+        data: Data<'_>,
+        has_base_cost: bool,
         last_taints: &ArcSwapOption<TaintTable>,
         taints: &TaintTable,
-        stage: Stage,
+        block_size: u32,
         answer: &Result<Answer, FallbackReason>,
         ticks: u64,
     ) {
@@ -1524,7 +1454,7 @@ impl Rollout {
             }
             // Started after the router asked whether anyone reads the base cost: this
             // decision's columns came without it, which this shadow reads.
-            if cols.base_cost.len() != cols.len() && s.policy.reads_base_cost() {
+            if !has_base_cost && s.policy.reads_base_cost() {
                 continue;
             }
             let slot = {
@@ -1539,7 +1469,10 @@ impl Rollout {
                     continue;
                 }
             };
-            job.fill(s, req, cols, last_taints, taints, stage, answer);
+            if !job.shadow.as_ref().is_some_and(|j| Arc::ptr_eq(j, s)) {
+                job.shadow = Some(s.clone());
+            }
+            job.fill(wreq, data, last_taints, taints, block_size, answer);
             self.queue.lock().pending.push(job);
             s.counts.queued.fetch_add(1, Relaxed);
         }
@@ -1792,6 +1725,9 @@ fn shadow_thread(queue: Weak<CachePadded<Mutex<ShadowQueue>>>, ticks: u64) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::wire::with_wit_decision;
+    use kvroute_core::candidate::CandidateColumns;
+    use kvroute_core::Stage;
 
     fn columns(n: usize, seed: u32) -> CandidateColumns {
         let u32s = |k: u32| (0..n as u32).map(|i| i * k + seed).collect::<Vec<u32>>();
@@ -1950,11 +1886,11 @@ mod tests {
         let slot = |tag: u32| {
             let mut job = Box::<ShadowJob>::default();
             job.costs = Vec::with_capacity(REUSE_AFTER_WORDS / 2);
-            job.req.prompt_tokens = tag;
+            job.block_size = tag;
             job
         };
         let tag = |s: Slot| match s {
-            Slot::Reused(job) => Some(job.req.prompt_tokens),
+            Slot::Reused(job) => Some(job.block_size),
             Slot::New => None,
             Slot::Full => Some(u32::MAX),
         };
@@ -1977,24 +1913,30 @@ mod tests {
         assert_eq!(q.free_words, 0);
     }
 
-    /// A reused slot ends up equal to a fresh clone, whatever it held before (longer, shorter,
-    /// columns present or left empty).
+    /// A reused slot holds exactly the decision it was last filled with (longer, shorter or
+    /// empty lists after one another), and the request's scalars with it.
     #[test]
-    fn copies_into_a_reused_slot_equal_clones() {
-        let mut req = PolicyRequest::default();
-        let mut cols = CandidateColumns::default();
-        for (n, seed, id, session, taints) in [
+    fn a_reused_slot_holds_exactly_the_last_decision() {
+        let taints = TaintTable::default();
+        let last = ArcSwapOption::empty();
+        let mut job = ShadowJob::default();
+        for (n, seed, id, session, taints_per) in [
             (64, 2, "a-long-request-id", Some("session"), 3),
             (8, 1, "b", None, 0),
             (1024, 4, "c", Some("s"), 1),
             (0, 3, "", None, 2),
         ] {
-            let src_cols = columns(n, seed);
-            let src_req = request(id, session, taints);
-            copy_columns(&mut cols, &src_cols);
-            copy_request(&mut req, &src_req);
-            assert_eq!(cols, src_cols);
-            assert_eq!(req, src_req);
+            let cols = columns(n, seed);
+            let req = request(id, session, taints_per);
+            let answer = Ok(Answer::Costs(vec![1.5; n]));
+            with_wit_decision(&req, &cols, Stage::Prefill, |wreq, data| {
+                job.fill(wreq, data, &last, &taints, req.block_size, &answer);
+                assert_eq!(job.words, data);
+                // The generated record has no `PartialEq`; its `Debug` names every field.
+                assert_eq!(format!("{:?}", job.wreq), format!("{:?}", Some(wreq)));
+            });
+            assert_eq!(job.costs, vec![1.5; n]);
+            assert_eq!(job.block_size, req.block_size);
         }
     }
 }
