@@ -57,12 +57,13 @@ fn main() {
         .expect("cannot run cargo to build plugins/default and plugins/dynamo");
     if !output.status.success() {
         let stderr = String::from_utf8_lossy(&output.stderr);
-        let hint =
-            if stderr.contains("wasm32-wasip2") && stderr.contains("target may not be installed") {
-                "\nhint: run `rustup target add wasm32-wasip2` (CI's .ci/run does)"
-            } else {
-                ""
-            };
+        let hint = if stderr.contains("wasm32-wasip2")
+            && stderr.contains("target may not be installed")
+        {
+            "\nhint: run `rustup toolchain install` in the checkout (rust-toolchain.toml names the wasm32-wasip2 target), or `rustup target add wasm32-wasip2`"
+        } else {
+            ""
+        };
         panic!("building the built-in policy components failed:\n{stderr}{hint}");
     }
     let out_dir = PathBuf::from(env::var("OUT_DIR").expect("set by cargo"));
