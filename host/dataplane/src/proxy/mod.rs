@@ -58,6 +58,12 @@ use upstream::{Upstream, HOP_BY_HOP};
 use crate::RouteMetrics;
 use kvroute_api::dto::BodyLimits;
 
+/// The request id's header, and the two the proxy adds to every answer (as names, so that no
+/// request parses them again).
+pub(crate) static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+static X_KVROUTE_WORKER: HeaderName = HeaderName::from_static("x-kvroute-worker");
+static X_KVROUTE_POLICY: HeaderName = HeaderName::from_static("x-kvroute-policy");
+
 /// The proxy routes' state: `None` when the server runs without `--proxy` (they answer 404).
 pub type ProxyState = Option<Arc<Proxy>>;
 
@@ -379,16 +385,16 @@ impl Proxy {
                 h.remove(name);
             }
             // Ours, whatever the engine said (an engine may echo x-request-id too).
-            if let Ok(v) = HeaderValue::from_str(&format!("{w}/{rank}")) {
-                h.insert(HeaderName::from_static("x-kvroute-worker"), v);
+            if let Ok(v) = HeaderValue::try_from(format!("{w}/{rank}")) {
+                h.insert(X_KVROUTE_WORKER.clone(), v);
             }
             // Which policy version decided (a canary's arm shows here).
-            if let Ok(v) = HeaderValue::from_str(&format!("{}@{}", d.policy.name, d.policy.version))
+            if let Ok(v) = HeaderValue::try_from(format!("{}@{}", d.policy.name, d.policy.version))
             {
-                h.insert(HeaderName::from_static("x-kvroute-policy"), v);
+                h.insert(X_KVROUTE_POLICY.clone(), v);
             }
             if let Ok(v) = HeaderValue::from_str(request_id) {
-                h.insert(HeaderName::from_static("x-request-id"), v);
+                h.insert(X_REQUEST_ID.clone(), v);
             }
             let sleep = Box::pin(tokio::time::sleep_until(deadline.into()));
             let body = GuardedBody::new(incoming, life, sleep, end);
@@ -480,7 +486,7 @@ pub(crate) fn prefill_headers(
 /// fresh one.
 pub(crate) fn request_id(headers: &HeaderMap) -> String {
     headers
-        .get("x-request-id")
+        .get(&X_REQUEST_ID)
         .and_then(|v| v.to_str().ok())
         .map(str::trim)
         .filter(|s| !s.is_empty() && s.len() <= 256)
@@ -516,8 +522,7 @@ async fn handle(s: ProxyState, endpoint: Endpoint, headers: HeaderMap, body: Byt
             }
             let mut r = e.into_response_for(endpoint.error_shape());
             if let Ok(v) = HeaderValue::from_str(&id) {
-                r.headers_mut()
-                    .insert(HeaderName::from_static("x-request-id"), v);
+                r.headers_mut().insert(X_REQUEST_ID.clone(), v);
             }
             r
         }

@@ -158,7 +158,7 @@ impl Upstream {
             }
         }
         if let Ok(v) = HeaderValue::from_str(request_id) {
-            req = req.header("x-request-id", v);
+            req = req.header(&super::X_REQUEST_ID, v);
         }
         if let Some(r) = dp_rank {
             req = req.header(DP_RANK_HEADER, r);
