@@ -118,7 +118,9 @@ pub struct Lifecycle {
     stream: bool,
     /// Partial SSE line carried between chunks.
     line: Vec<u8>,
-    /// Non-streamed answer, kept for its `usage`.
+    /// Non-streamed answer, kept for its `usage`: its first chunk as it came (most answers are
+    /// one chunk: no copy), moved into `whole` when a second one comes.
+    first: Option<Bytes>,
     whole: Vec<u8>,
     done: bool,
     /// The policy version that decided, and whether it fell back (for a canary's arms).
@@ -192,6 +194,7 @@ impl Lifecycle {
             reported: 0,
             stream,
             line: Vec::new(),
+            first: None,
             whole: Vec::new(),
             done: false,
             policy: None,
@@ -220,8 +223,23 @@ impl Lifecycle {
                 let tokens = self.output_tokens.min(u64::from(u32::MAX)) as u32;
                 let _ = self.router.output_progress(&self.request_id, tokens);
             }
-        } else if self.whole.len() + data.len() <= USAGE_SCAN_LIMIT {
-            self.whole.extend_from_slice(data);
+        } else if self.answer().len() + data.len() <= USAGE_SCAN_LIMIT {
+            if self.first.is_none() && self.whole.is_empty() {
+                self.first = Some(data.clone());
+            } else {
+                if let Some(first) = self.first.take() {
+                    self.whole.extend_from_slice(&first);
+                }
+                self.whole.extend_from_slice(data);
+            }
+        }
+    }
+
+    /// The non-streamed answer kept so far.
+    fn answer(&self) -> &[u8] {
+        match &self.first {
+            Some(first) => first,
+            None => &self.whole,
         }
     }
 
@@ -270,8 +288,8 @@ impl Lifecycle {
             return;
         }
         let _ = self.router.free(&self.request_id);
-        if !self.stream && !self.whole.is_empty() {
-            if let Some(usage) = Usage::of_answer(&self.whole) {
+        if !self.stream && !self.answer().is_empty() {
+            if let Some(usage) = Usage::of_answer(self.answer()) {
                 if let Some(n) = usage.output {
                     self.output_tokens = n;
                 }
@@ -602,6 +620,64 @@ impl Body for GuardedBody {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What a lifecycle recorded: (output tokens, engine-cached tokens) per finished request.
+    #[derive(Default)]
+    struct Counted(std::sync::Mutex<Vec<(u64, Option<u64>)>>);
+
+    impl Recorder for Counted {
+        fn via(&self) -> &'static str {
+            "test"
+        }
+        fn first_byte(&self, _: &'static str, _: f64) {}
+        fn finished(&self, _: &'static str, _: &'static str, _: f64) {}
+        fn tokens(&self, _: u64, output: u64) {
+            self.0.lock().unwrap().push((output, None));
+        }
+        fn engine_cached(&self, tokens: u64) {
+            self.0.lock().unwrap().push((0, Some(tokens)));
+        }
+    }
+
+    /// A non-streamed answer's usage is read whether it came in one chunk (kept as it came) or
+    /// in several (empty ones included), and chunks past the scan limit are left out as before.
+    #[test]
+    fn a_non_streamed_answers_usage_is_read_however_it_is_chunked() {
+        let answer = r#"{"choices":[],"usage":{"completion_tokens":8,"prompt_tokens_details":{"cached_tokens":4}}}"#;
+        let router = Arc::new(Router::new(Default::default()).unwrap());
+        let run = |chunks: &[&[u8]]| {
+            let rec = Arc::new(Counted::default());
+            let mut life = Lifecycle::new(
+                router.clone(),
+                rec.clone(),
+                "r".into(),
+                1,
+                0,
+                "chat_completions",
+                Instant::now(),
+                10,
+                false,
+            );
+            for c in chunks {
+                life.on_data(&Bytes::copy_from_slice(c));
+            }
+            life.finish("ok");
+            let got = rec.0.lock().unwrap().clone();
+            got
+        };
+        let a = answer.as_bytes();
+        let want = vec![(0, Some(4)), (8, None)];
+        assert_eq!(run(&[a]), want);
+        assert_eq!(run(&[&a[..20], &a[20..]]), want);
+        assert_eq!(run(&[b"", &a[..5], b"", &a[5..40], &a[40..]]), want);
+        assert_eq!(run(&[&a[..30], b"", &a[30..]]), want);
+        // A chunk that would pass the limit is skipped (kept, it would make the answer not
+        // JSON); the ones after it are kept.
+        let big = vec![b'x'; USAGE_SCAN_LIMIT];
+        assert_eq!(run(&[&a[..30], &big, &a[30..]]), want);
+        assert_eq!(run(&[&big, b"x"]), vec![(0, None)]);
+        assert_eq!(run(&[]), vec![(0, None)]);
+    }
 
     /// The in-place reader agrees with `Usage::of` on a parsed `Value`, whatever the shape.
     #[test]

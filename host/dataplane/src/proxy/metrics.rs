@@ -3,10 +3,11 @@
 //! Rendered into `/metrics` beside the router's own (a renderer the server adds to its own metrics), in
 //! a registry of their own so the routing metrics carry no proxy labels.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use prometheus::{
-    Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, Opts, Registry, TextEncoder,
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, Opts, Registry,
+    TextEncoder,
 };
 
 use super::health::Health;
@@ -17,6 +18,33 @@ const BUCKETS: &[f64] = &[
     120.0, 300.0, 600.0,
 ];
 
+/// The endpoint labels a request's series carry (`Endpoint::label`), in [`Handles`]' order.
+const ENDPOINTS: [&str; 4] = ["completions", "chat_completions", "messages", "responses"];
+/// The outcomes a request ends with, in [`Handles`]' order (another one is looked up by label).
+const OUTCOMES: [&str; 9] = [
+    "ok",
+    "engine_refused",
+    "engine_error_status",
+    "client_disconnected",
+    "engine_error",
+    "timeout",
+    "upstream_unreachable",
+    "refused",
+    "bad_request",
+];
+
+/// The series a request touches, each made by `with_label_values` on its first use (so a series
+/// appears in a scrape when it did before) and kept: a request makes no label lookup (a hash of
+/// the label values and a read lock on the vector's map per series).
+#[derive(Default)]
+struct Handles {
+    finished: [[OnceLock<(IntCounter, Histogram)>; OUTCOMES.len()]; ENDPOINTS.len()],
+    ttft: [OnceLock<Histogram>; ENDPOINTS.len()],
+    tokens_in: OnceLock<IntCounter>,
+    tokens_out: OnceLock<IntCounter>,
+    engine_cached: OnceLock<IntCounter>,
+}
+
 #[derive(Clone)]
 pub struct ProxyMetrics {
     registry: Registry,
@@ -26,6 +54,7 @@ pub struct ProxyMetrics {
     tokens: IntCounterVec,
     retries: IntCounter,
     upstream_failures: IntCounterVec,
+    handles: Arc<Handles>,
 }
 
 impl Default for ProxyMetrics {
@@ -102,28 +131,56 @@ impl ProxyMetrics {
             tokens,
             retries,
             upstream_failures,
+            handles: Default::default(),
         }
     }
 
     pub fn finished(&self, endpoint: &str, outcome: &str, secs: f64) {
-        self.requests.with_label_values(&[endpoint, outcome]).inc();
-        self.duration
-            .with_label_values(&[endpoint, outcome])
-            .observe(secs);
+        let make = || {
+            (
+                self.requests.with_label_values(&[endpoint, outcome]),
+                self.duration.with_label_values(&[endpoint, outcome]),
+            )
+        };
+        let slot = ENDPOINTS.iter().position(|e| *e == endpoint).and_then(|e| {
+            let o = OUTCOMES.iter().position(|o| *o == outcome)?;
+            Some(&self.handles.finished[e][o])
+        });
+        let made;
+        let (requests, duration) = match slot {
+            Some(slot) => slot.get_or_init(make),
+            None => {
+                made = make();
+                &made
+            }
+        };
+        requests.inc();
+        duration.observe(secs);
     }
 
     pub fn first_token(&self, endpoint: &str, secs: f64) {
-        self.ttft.with_label_values(&[endpoint]).observe(secs);
+        match ENDPOINTS.iter().position(|e| *e == endpoint) {
+            Some(e) => self.handles.ttft[e]
+                .get_or_init(|| self.ttft.with_label_values(&[endpoint]))
+                .observe(secs),
+            None => self.ttft.with_label_values(&[endpoint]).observe(secs),
+        }
     }
 
     pub fn tokens(&self, prompt: u64, output: u64) {
-        self.tokens.with_label_values(&["in"]).inc_by(prompt);
-        self.tokens.with_label_values(&["out"]).inc_by(output);
+        let h = &self.handles;
+        h.tokens_in
+            .get_or_init(|| self.tokens.with_label_values(&["in"]))
+            .inc_by(prompt);
+        h.tokens_out
+            .get_or_init(|| self.tokens.with_label_values(&["out"]))
+            .inc_by(output);
     }
 
     pub fn engine_cached(&self, tokens: u64) {
-        self.tokens
-            .with_label_values(&["engine_cached"])
+        self.handles
+            .engine_cached
+            .get_or_init(|| self.tokens.with_label_values(&["engine_cached"]))
             .inc_by(tokens);
     }
 

@@ -58,6 +58,57 @@ use upstream::{Upstream, HOP_BY_HOP};
 use crate::RouteMetrics;
 use kvroute_api::dto::BodyLimits;
 
+/// The request id's header, and the two the proxy adds to every answer (as names, so that no
+/// request parses them again).
+pub(crate) static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+static X_KVROUTE_WORKER: HeaderName = HeaderName::from_static("x-kvroute-worker");
+static X_KVROUTE_POLICY: HeaderName = HeaderName::from_static("x-kvroute-policy");
+
+thread_local! {
+    /// The `x-kvroute-worker` values (`ID/RANK`) this thread has sent, by candidate, rather than
+    /// a format per answer.
+    static WORKER_VALUES: std::cell::RefCell<rustc_hash::FxHashMap<(WorkerId, u32), HeaderValue>> =
+        Default::default();
+    /// The `x-kvroute-policy` value (`NAME@VERSION`) this thread sent last, with its label (kept,
+    /// so a label at the same address is the same one).
+    static POLICY_VALUE: std::cell::RefCell<Option<(Arc<kvroute_core::router::PolicyLabel>, HeaderValue)>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// How many candidates a thread keeps `x-kvroute-worker` values for; past it it starts again.
+const MAX_WORKER_VALUES: usize = 4096;
+
+/// `ID/RANK`, for `x-kvroute-worker`.
+fn worker_value(w: WorkerId, rank: u32) -> Option<HeaderValue> {
+    WORKER_VALUES.with(|c| {
+        let mut m = c.borrow_mut();
+        if let Some(v) = m.get(&(w, rank)) {
+            return Some(v.clone());
+        }
+        let v = HeaderValue::try_from(format!("{w}/{rank}")).ok()?;
+        if m.len() >= MAX_WORKER_VALUES {
+            m.clear();
+        }
+        m.insert((w, rank), v.clone());
+        Some(v)
+    })
+}
+
+/// `NAME@VERSION`, for `x-kvroute-policy`.
+fn policy_value(p: &Arc<kvroute_core::router::PolicyLabel>) -> Option<HeaderValue> {
+    POLICY_VALUE.with(|c| {
+        let mut last = c.borrow_mut();
+        if let Some((label, v)) = last.as_ref() {
+            if Arc::ptr_eq(label, p) {
+                return Some(v.clone());
+            }
+        }
+        let v = HeaderValue::try_from(format!("{}@{}", p.name, p.version)).ok()?;
+        *last = Some((p.clone(), v.clone()));
+        Some(v)
+    })
+}
+
 /// The proxy routes' state: `None` when the server runs without `--proxy` (they answer 404).
 pub type ProxyState = Option<Arc<Proxy>>;
 
@@ -379,16 +430,15 @@ impl Proxy {
                 h.remove(name);
             }
             // Ours, whatever the engine said (an engine may echo x-request-id too).
-            if let Ok(v) = HeaderValue::from_str(&format!("{w}/{rank}")) {
-                h.insert(HeaderName::from_static("x-kvroute-worker"), v);
+            if let Some(v) = worker_value(w, rank) {
+                h.insert(X_KVROUTE_WORKER.clone(), v);
             }
             // Which policy version decided (a canary's arm shows here).
-            if let Ok(v) = HeaderValue::from_str(&format!("{}@{}", d.policy.name, d.policy.version))
-            {
-                h.insert(HeaderName::from_static("x-kvroute-policy"), v);
+            if let Some(v) = policy_value(&d.policy) {
+                h.insert(X_KVROUTE_POLICY.clone(), v);
             }
             if let Ok(v) = HeaderValue::from_str(request_id) {
-                h.insert(HeaderName::from_static("x-request-id"), v);
+                h.insert(X_REQUEST_ID.clone(), v);
             }
             let sleep = Box::pin(tokio::time::sleep_until(deadline.into()));
             let body = GuardedBody::new(incoming, life, sleep, end);
@@ -480,12 +530,23 @@ pub(crate) fn prefill_headers(
 /// fresh one.
 pub(crate) fn request_id(headers: &HeaderMap) -> String {
     headers
-        .get("x-request-id")
+        .get(&X_REQUEST_ID)
         .and_then(|v| v.to_str().ok())
         .map(str::trim)
         .filter(|s| !s.is_empty() && s.len() <= 256)
         .map(str::to_string)
-        .unwrap_or_else(|| format!("kvr-{:016x}", rand::random::<u64>()))
+        .unwrap_or_else(|| {
+            // `kvr-` and 16 hex digits, as `format!("kvr-{:016x}")` wrote them, without a format.
+            let n = rand::random::<u64>();
+            let mut id = String::with_capacity(20);
+            id.push_str("kvr-");
+            id.extend(
+                (0..16)
+                    .rev()
+                    .map(|i| char::from(b"0123456789abcdef"[(n >> (4 * i)) as usize & 15])),
+            );
+            id
+        })
 }
 
 async fn handle(s: ProxyState, endpoint: Endpoint, headers: HeaderMap, body: Bytes) -> Response {
@@ -516,8 +577,7 @@ async fn handle(s: ProxyState, endpoint: Endpoint, headers: HeaderMap, body: Byt
             }
             let mut r = e.into_response_for(endpoint.error_shape());
             if let Ok(v) = HeaderValue::from_str(&id) {
-                r.headers_mut()
-                    .insert(HeaderName::from_static("x-request-id"), v);
+                r.headers_mut().insert(X_REQUEST_ID.clone(), v);
             }
             r
         }
@@ -574,4 +634,46 @@ pub async fn models(State(s): State<ProxyState>) -> Response {
         serde_json::json!({"id": a, "object": "model", "created": 0, "owned_by": "kvroute", "root": a, "parent": l.base})
     }));
     Json(serde_json::json!({"object": "list", "data": data})).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_fresh_request_id_is_kvr_and_16_lowercase_hex_digits() {
+        for _ in 0..64 {
+            let id = request_id(&HeaderMap::new());
+            let hex = id.strip_prefix("kvr-").expect(&id);
+            assert_eq!(hex.len(), 16, "{id}");
+            let n = u64::from_str_radix(hex, 16).expect(&id);
+            assert_eq!(id, format!("kvr-{n:016x}"));
+        }
+        let mut h = HeaderMap::new();
+        h.insert(X_REQUEST_ID.clone(), HeaderValue::from_static(" client-1 "));
+        assert_eq!(request_id(&h), "client-1");
+    }
+
+    #[test]
+    fn answer_header_values_are_their_formats_whether_made_or_kept() {
+        let a = Arc::new(kvroute_core::router::PolicyLabel {
+            name: "default".into(),
+            version: 3,
+            digest: String::new(),
+        });
+        let b = Arc::new(kvroute_core::router::PolicyLabel {
+            name: "canary".into(),
+            version: 4,
+            digest: String::new(),
+        });
+        for _ in 0..2 {
+            for (w, r) in [(1, 0), (2, 7), (1, 0), (u64::MAX, u32::MAX)] {
+                assert_eq!(worker_value(w, r).unwrap(), format!("{w}/{r}").as_str());
+            }
+            for p in [&a, &b, &b, &a] {
+                let want = format!("{}@{}", p.name, p.version);
+                assert_eq!(policy_value(p).unwrap(), want.as_str());
+            }
+        }
+    }
 }

@@ -61,30 +61,52 @@ thread_local! {
     /// The engine URIs this thread has sent requests to, by endpoint, then path (a proxy sends
     /// to a handful of paths): [`Upstream::uri`] once per pair rather than a format and a parse
     /// per request, and one hash probe per request whatever the fleet's size.
-    static URIS: RefCell<FxHashMap<String, Vec<(String, Uri)>>> =
+    static URIS: RefCell<FxHashMap<String, Vec<(String, Target)>>> =
         RefCell::new(FxHashMap::default());
+}
+
+/// An engine URI and its `Host` header.
+#[derive(Clone)]
+struct Target {
+    uri: Uri,
+    /// The value hyper-util's client would set (`host`, or `host:port` for a port that is not the
+    /// scheme's default), made once rather than formatted per request.
+    host: Option<HeaderValue>,
+}
+
+impl Target {
+    fn new(uri: Uri) -> Target {
+        let secure = matches!(uri.scheme_str(), Some("https" | "wss"));
+        let host = uri.host().and_then(|h| match uri.port() {
+            Some(p) if !matches!((p.as_u16(), secure), (443, true) | (80, false)) => {
+                HeaderValue::try_from(format!("{h}:{}", p.as_str())).ok()
+            }
+            _ => HeaderValue::from_str(h).ok(),
+        });
+        Target { uri, host }
+    }
 }
 
 /// How many endpoints a thread keeps URIs for ([`URIS`]); past it the cache starts again.
 const MAX_CACHED_ENDPOINTS: usize = 4096;
 
-/// [`Upstream::uri`], from the calling thread's cache when it has the pair.
-fn cached_uri(endpoint: &str, path: &str) -> Result<Uri, SendError> {
+/// [`Upstream::uri`] and its `Host`, from the calling thread's cache when it has the pair.
+fn cached_uri(endpoint: &str, path: &str) -> Result<Target, SendError> {
     URIS.with(|c| {
         let mut uris = c.borrow_mut();
         if let Some(paths) = uris.get(endpoint) {
-            if let Some((_, uri)) = paths.iter().find(|(p, _)| p == path) {
-                return Ok(uri.clone());
+            if let Some((_, t)) = paths.iter().find(|(p, _)| p == path) {
+                return Ok(t.clone());
             }
         }
-        let uri = Upstream::uri(endpoint, path)?;
+        let t = Target::new(Upstream::uri(endpoint, path)?);
         if uris.len() >= MAX_CACHED_ENDPOINTS && !uris.contains_key(endpoint) {
             uris.clear();
         }
         uris.entry(endpoint.to_string())
             .or_default()
-            .push((path.to_string(), uri.clone()));
-        Ok(uri)
+            .push((path.to_string(), t.clone()));
+        Ok(t)
     })
 }
 
@@ -148,17 +170,21 @@ impl Upstream {
         dp_rank: Option<u32>,
         extra: &[(&'static str, String)],
     ) -> Result<Response<Incoming>, SendError> {
+        let target = cached_uri(endpoint, path)?;
         let mut req = Request::builder()
             .method(Method::POST)
-            .uri(cached_uri(endpoint, path)?)
+            .uri(target.uri)
             .header(header::CONTENT_TYPE, "application/json");
+        if let Some(host) = target.host {
+            req = req.header(header::HOST, host);
+        }
         for h in FORWARDED {
             if let Some(v) = client_headers.get(h) {
                 req = req.header(h, v);
             }
         }
         if let Ok(v) = HeaderValue::from_str(request_id) {
-            req = req.header("x-request-id", v);
+            req = req.header(&super::X_REQUEST_ID, v);
         }
         if let Some(r) = dp_rank {
             req = req.header(DP_RANK_HEADER, r);
@@ -325,12 +351,31 @@ mod tests {
             for ep in ["http://a:8000", "http://a:8000/v1", "http://b:9000/engine"] {
                 for path in ["/v1/completions", "/v1/chat/completions"] {
                     assert_eq!(
-                        cached_uri(ep, path).unwrap(),
+                        cached_uri(ep, path).unwrap().uri,
                         Upstream::uri(ep, path).unwrap()
                     );
                 }
             }
         }
         assert!(cached_uri("http://a b", "/v1/completions").is_err());
+    }
+
+    /// The `Host` sent is the one hyper-util's client would have set itself: the port only when
+    /// it is not the scheme's default, written as the URI writes it.
+    #[test]
+    fn the_host_header_is_the_one_hyper_util_would_set() {
+        for (ep, host) in [
+            ("http://a:8000", "a:8000"),
+            ("http://a:80", "a"),
+            ("http://a", "a"),
+            ("https://a:443", "a"),
+            ("https://a:80", "a:80"),
+            ("http://a:443", "a:443"),
+            ("http://[::1]:8000", "[::1]:8000"),
+            ("http://10.0.0.1:08000", "10.0.0.1:08000"),
+        ] {
+            let t = cached_uri(ep, "/v1/completions").unwrap();
+            assert_eq!(t.host, Some(HeaderValue::from_static(host)), "{ep}");
+        }
     }
 }

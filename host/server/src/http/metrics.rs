@@ -36,6 +36,23 @@ pub struct Metrics {
     cross_domain: IntCounter,
     /// Sections other components render at scrape time (e.g. the ZMQ event ingestion).
     extra: std::sync::Arc<parking_lot::RwLock<Vec<ExtraRenderer>>>,
+    /// The series a decision touches, kept once made ([`DecisionHandles`]).
+    handles: std::sync::Arc<DecisionHandles>,
+}
+
+/// The series [`Metrics::record_decision`] touches, each made by `with_label_values` on its first
+/// use (so a series appears in a scrape when it did before) and kept: a decision makes no label
+/// lookup (a hash of the label values and a read lock per series) and formats no worker id.
+/// Per-candidate series are never removed, so neither are their handles here.
+#[derive(Default)]
+struct DecisionHandles {
+    /// `route_seconds` for hash, match, policy, total.
+    phases: std::sync::OnceLock<[Histogram; 4]>,
+    /// `decisions`, `prompt_tokens`, `cached_tokens` of a candidate.
+    candidates: parking_lot::RwLock<rustc_hash::FxHashMap<(u64, u32), [IntCounter; 3]>>,
+    /// `by_mode` for aggregated and disaggregated decisions (bypassed ones are looked up).
+    aggregated: std::sync::OnceLock<IntCounter>,
+    disaggregated: std::sync::OnceLock<IntCounter>,
 }
 
 /// Appends a component's metrics (Prometheus text format) to a scrape.
@@ -186,6 +203,7 @@ impl Metrics {
             by_mode,
             cross_domain,
             extra: Default::default(),
+            handles: Default::default(),
         }
     }
 
@@ -196,36 +214,43 @@ impl Metrics {
 
     pub fn record_decision(&self, d: &RouteDecision) {
         let t = &d.timings;
-        for (phase, v) in [
-            ("hash", t.hash),
-            ("match", t.matching),
-            ("policy", t.policy),
-            ("total", t.total),
-        ] {
-            self.route_seconds
-                .with_label_values(&[phase])
-                .observe(v.as_secs_f64());
+        let phases = self.handles.phases.get_or_init(|| {
+            ["hash", "match", "policy", "total"].map(|p| self.route_seconds.with_label_values(&[p]))
+        });
+        for (h, v) in phases.iter().zip([t.hash, t.matching, t.policy, t.total]) {
+            h.observe(v.as_secs_f64());
         }
-        let labels = [
-            &d.candidate.worker_id.to_string(),
-            &d.candidate.dp_rank.to_string(),
-        ];
-        self.decisions.with_label_values(&labels).inc();
-        self.prompt_tokens
-            .with_label_values(&labels)
-            .inc_by(u64::from(d.prompt_tokens));
-        self.cached_tokens
-            .with_label_values(&labels)
-            .inc_by(u64::from(d.cached_tokens));
+        let key = (d.candidate.worker_id, d.candidate.dp_rank);
+        let counted = |[decisions, prompt, cached]: &[IntCounter; 3]| {
+            decisions.inc();
+            prompt.inc_by(u64::from(d.prompt_tokens));
+            cached.inc_by(u64::from(d.cached_tokens));
+        };
+        let known = self.handles.candidates.read().get(&key).map(counted);
+        if known.is_none() {
+            let labels = [&key.0.to_string(), &key.1.to_string()];
+            let made = [&self.decisions, &self.prompt_tokens, &self.cached_tokens]
+                .map(|v| v.with_label_values(&labels));
+            counted(&made);
+            self.handles.candidates.write().insert(key, made);
+        }
         if let Some(r) = d.fallback_reason {
             self.fallbacks.with_label_values(&[r]).inc();
         }
-        let mode = match (d.disaggregated, d.bypass) {
-            (true, _) => ["disaggregated", "none"],
-            (false, Some(rule)) => ["bypassed", rule],
-            (false, None) => ["aggregated", "none"],
-        };
-        self.by_mode.with_label_values(&mode).inc();
+        let by_mode = |m: &str, rule: &str| self.by_mode.with_label_values(&[m, rule]);
+        match (d.disaggregated, d.bypass) {
+            (true, _) => self
+                .handles
+                .disaggregated
+                .get_or_init(|| by_mode("disaggregated", "none"))
+                .inc(),
+            (false, Some(rule)) => by_mode("bypassed", rule).inc(),
+            (false, None) => self
+                .handles
+                .aggregated
+                .get_or_init(|| by_mode("aggregated", "none"))
+                .inc(),
+        }
         if d.cross_domain == Some(true) {
             self.cross_domain.inc();
         }
