@@ -629,7 +629,7 @@ mod tests {
     }
 
     fn queues(flags: &[&str]) -> Result<Vec<ReplayOptions>> {
-        let mut argv = vec!["replay", "--workload", "agents"];
+        let mut argv = vec!["replay", "--workload", "agents", "--out", "/nonexistent"];
         argv.extend_from_slice(flags);
         let cmd = Cmd::try_parse_from(argv).expect("flags parse");
         with_queues(vec![ReplayOptions::default()], &cmd.args)
