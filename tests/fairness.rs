@@ -162,6 +162,15 @@ fn fairness_configuration_errors_name_the_key() {
             "[fairness]\ndefault_weight = -1\n",
             "fairness.default_weight",
         ),
+        ("[fairness]\nmax_wait_secs = -1\n", "fairness.max_wait_secs"),
+        (
+            "[fairness]\nmax_wait_secs = nan\n",
+            "fairness.max_wait_secs",
+        ),
+        (
+            "[fairness]\nmax_wait_secs = inf\n",
+            "fairness.max_wait_secs",
+        ),
         (
             "[fairness.tenants.acme]\nweight = 0\n",
             "fairness.tenants.acme.weight",

@@ -66,6 +66,15 @@ pub struct ReplayArgs {
     /// With --queue fair: the half-life of attained service, seconds.
     #[arg(long, default_value_t = 60.0, allow_negative_numbers = true)]
     pub fair_half_life_secs: f64,
+    /// With --queue fair: the starvation bound, seconds (`[fairness] max_wait_secs`; 0: none);
+    /// comma-separated to compare, one fair run each.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_values_t = [kvroute_core::queue::DEFAULT_MAX_WAIT_SECS],
+        allow_negative_numbers = true
+    )]
+    pub fair_max_wait_secs: Vec<f64>,
     /// Trace format.
     #[arg(long, value_enum, default_value = "auto")]
     pub format: TraceFormat,
@@ -517,8 +526,35 @@ fn with_queues(configs: Vec<ReplayOptions>, args: &ReplayArgs) -> Result<Vec<Rep
     };
     fair.validate()
         .map_err(|e| anyhow!("--fair-half-life-secs: {e}"))?;
+    let mut fairs = Vec::new();
+    for &w in &args.fair_max_wait_secs {
+        if !(w.is_finite() && w >= 0.0) {
+            bail!("--fair-max-wait-secs {w}: 0 (no bound) or a positive number of seconds");
+        }
+        let f = kvroute_core::queue::FairConfig {
+            max_wait_secs: (w != 0.0).then_some(w),
+            ..fair.clone()
+        };
+        f.validate()
+            .map_err(|e| anyhow!("--fair-max-wait-secs: {e}"))?;
+        if !fairs.contains(&f) {
+            fairs.push(f);
+        }
+    }
     let mut out = Vec::new();
     for mode in &args.queue {
+        if mode.trim() == "fair" {
+            for f in &fairs {
+                for c in &configs {
+                    let mut c = c.clone();
+                    c.router.busy_threshold = Some(args.busy_threshold);
+                    c.router.queue_order = kvroute_core::queue::QueueOrder::Fcfs;
+                    c.router.fairness = Some(f.clone());
+                    out.push(c);
+                }
+            }
+            continue;
+        }
         let (busy, order, fairness) = match mode.trim() {
             "none" => (None, kvroute_core::queue::QueueOrder::Fcfs, None),
             "fcfs" => (
@@ -530,11 +566,6 @@ fn with_queues(configs: Vec<ReplayOptions>, args: &ReplayArgs) -> Result<Vec<Rep
                 Some(args.busy_threshold),
                 kvroute_core::queue::QueueOrder::Wspt,
                 None,
-            ),
-            "fair" => (
-                Some(args.busy_threshold),
-                kvroute_core::queue::QueueOrder::Fcfs,
-                Some(fair.clone()),
             ),
             other => bail!("--queue {other:?}: expected none, fcfs, wspt or fair"),
         };
@@ -584,4 +615,52 @@ fn with_replicas(
         }
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(clap::Parser)]
+    struct Cmd {
+        #[command(flatten)]
+        args: ReplayArgs,
+    }
+
+    fn queues(flags: &[&str]) -> Result<Vec<ReplayOptions>> {
+        let mut argv = vec!["replay", "--workload", "agents", "--out", "/nonexistent"];
+        argv.extend_from_slice(flags);
+        let cmd = Cmd::try_parse_from(argv).expect("flags parse");
+        with_queues(vec![ReplayOptions::default()], &cmd.args)
+    }
+
+    #[test]
+    fn one_fair_run_per_starvation_bound() {
+        let runs = queues(&[
+            "--queue",
+            "fcfs,fair",
+            "--fair-max-wait-secs",
+            "0,10,2.5,10",
+        ])
+        .unwrap();
+        let bounds: Vec<_> = runs
+            .iter()
+            .map(|r| r.router.fairness.as_ref().map(|f| f.max_wait_secs))
+            .collect();
+        assert_eq!(
+            bounds,
+            [None, Some(None), Some(Some(10.0)), Some(Some(2.5))]
+        );
+        // by default, the default bound
+        let runs = queues(&["--queue", "fair"]).unwrap();
+        assert_eq!(
+            runs[0].router.fairness.as_ref().unwrap().max_wait_secs,
+            Some(kvroute_core::queue::DEFAULT_MAX_WAIT_SECS)
+        );
+        for bad in ["-1", "nan", "inf"] {
+            let e = queues(&["--queue", "fair", "--fair-max-wait-secs", bad]).unwrap_err();
+            assert!(e.to_string().contains("--fair-max-wait-secs"), "{bad}: {e}");
+        }
+    }
 }

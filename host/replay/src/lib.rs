@@ -558,7 +558,11 @@ fn config_suffix(o: &ReplayOptions) -> String {
     };
     let fleet = match (o.router.busy_threshold, &o.router.fairness) {
         (None, _) => fleet,
-        (Some(_), Some(_)) => format!("{fleet} q=fair"),
+        (Some(_), Some(f)) => match f.max_wait_secs {
+            Some(w) if w == kvroute_core::queue::DEFAULT_MAX_WAIT_SECS => format!("{fleet} q=fair"),
+            Some(w) => format!("{fleet} q=fair/max-wait={w}s"),
+            None => format!("{fleet} q=fair/no-bound"),
+        },
         (Some(_), None) => format!("{fleet} q={}", queue_name(o.router.queue_order)),
     };
     if o.replicas > 1 {

@@ -186,6 +186,9 @@ pub struct FairnessSection {
     pub queue: bool,
     /// Attained service halves every this many seconds.
     pub half_life_secs: f64,
+    /// The fair order's starvation bound: a request that has waited this many seconds is served
+    /// before the fair order, oldest first. 0: no bound.
+    pub max_wait_secs: f64,
     /// The weight of a tenant not listed.
     pub default_weight: f64,
     /// `[fairness.tenants.NAME]`: weight and budgets (requests without a tenant are `default`).
@@ -197,6 +200,7 @@ impl Default for FairnessSection {
         Self {
             queue: false,
             half_life_secs: 60.0,
+            max_wait_secs: kvroute_core::queue::DEFAULT_MAX_WAIT_SECS,
             default_weight: 1.0,
             tenants: Default::default(),
         }
@@ -220,6 +224,7 @@ impl FairnessSection {
     pub fn fair_config(&self) -> kvroute_core::queue::FairConfig {
         kvroute_core::queue::FairConfig {
             half_life_secs: self.half_life_secs,
+            max_wait_secs: (self.max_wait_secs != 0.0).then_some(self.max_wait_secs),
             default_weight: self.default_weight,
             tenant_weights: self
                 .tenants
@@ -247,6 +252,12 @@ impl FairnessSection {
 
     /// Every value checked, naming the key at fault.
     pub fn validate(&self) -> Result<(), String> {
+        if !(self.max_wait_secs.is_finite() && self.max_wait_secs >= 0.0) {
+            return Err(format!(
+                "fairness.max_wait_secs must be 0 (no bound) or a positive number of seconds, got {}",
+                self.max_wait_secs
+            ));
+        }
         self.fair_config().validate()?;
         for (name, t) in &self.tenants {
             if name.is_empty() || name.len() > 128 || name.chars().any(char::is_control) {
@@ -730,6 +741,25 @@ mod tests {
             e.to_string().contains("sticky") && e.to_string().contains("mode"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn the_fair_queue_starvation_bound_reaches_the_router_and_bad_values_name_the_field() {
+        let bound = |text: &str| {
+            let c: ServeConfig =
+                toml::from_str(&format!("[fairness]\nqueue = true\n{text}")).unwrap();
+            assert_eq!(c.validate(), Ok(()), "{text}");
+            c.router_config().fairness.unwrap().max_wait_secs
+        };
+        assert_eq!(bound(""), Some(kvroute_core::queue::DEFAULT_MAX_WAIT_SECS));
+        assert_eq!(bound("max_wait_secs = 2.5\n"), Some(2.5));
+        assert_eq!(bound("max_wait_secs = 0\n"), None);
+        for v in ["-1", "-0.5", "nan", "inf"] {
+            let c: ServeConfig =
+                toml::from_str(&format!("[fairness]\nmax_wait_secs = {v}\n")).unwrap();
+            let e = c.validate().unwrap_err();
+            assert!(e.starts_with("fairness.max_wait_secs"), "{v}: {e}");
+        }
     }
 
     #[test]

@@ -198,12 +198,14 @@ impl Router {
         );
     }
 
-    /// Serves waiting requests, in queue order, while capacity allows.
+    /// Serves waiting requests, in queue order, while capacity allows. The order is taken at
+    /// the time of the call (a fair queue's starvation bound: who is overdue by now).
     pub fn pump(&self) {
+        let now = self.clock_secs();
         let mut queue = self.queue.lock();
-        while let Some(entry) = queue.peek() {
+        while let Some(entry) = queue.peek(now) {
             if entry.payload.tx.is_closed() {
-                queue.pop();
+                queue.pop(now);
                 continue;
             }
             let waited = entry.payload.enqueued.elapsed();
@@ -211,7 +213,7 @@ impl Router {
             if matches!(result, Err(RouteError::AllOverloaded)) {
                 break;
             }
-            let entry = queue.pop().expect("peeked");
+            let entry = queue.pop(now).expect("peeked");
             if let Ok(d) = &result {
                 self.charge(&mut queue, &entry.payload.prepared, d);
             }

@@ -855,7 +855,7 @@ impl Router {
     /// Answers every waiting request with a retryable `shutting_down` error (graceful shutdown:
     /// waiting requests must not hold the process for the queue timeout).
     pub fn shutdown_queue(&self) -> usize {
-        let drained = self.queue.lock().close();
+        let drained = self.queue.lock().close(self.clock_secs());
         let n = drained.len();
         for e in drained {
             let _ = e.payload.tx.send(Err(RouteError::ShuttingDown));

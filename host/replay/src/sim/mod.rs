@@ -500,7 +500,7 @@ impl<'r> Fleet<'_, 'r> {
             let Some(&i) = self
                 .queue
                 .as_ref()
-                .and_then(|q| q.peek())
+                .and_then(|q| q.peek(now / 1000.0))
                 .map(|e| &e.payload)
             else {
                 return;
@@ -512,7 +512,7 @@ impl<'r> Fleet<'_, 'r> {
             if matches!(result, Err(RouteError::AllOverloaded)) {
                 return;
             }
-            self.queue.as_mut().expect("peeked").pop();
+            self.queue.as_mut().expect("peeked").pop(now / 1000.0);
             self.out.requests[i].queued_ms = now - self.out.requests[i].arrival_ms;
             self.routed(i, result, now);
         }
