@@ -43,7 +43,8 @@ pub struct Metrics {
 /// The series [`Metrics::record_decision`] touches, each made by `with_label_values` on its first
 /// use (so a series appears in a scrape when it did before) and kept: a decision makes no label
 /// lookup (a hash of the label values and a read lock per series) and formats no worker id.
-/// Per-candidate series are never removed, so neither are their handles here.
+/// [`Metrics::forget_ranks`] drops a candidate's handles with its series: kept, they would count
+/// into series no scrape shows once the worker came back.
 #[derive(Default)]
 struct DecisionHandles {
     /// `route_seconds` for hash, match, policy, total.
@@ -267,7 +268,9 @@ impl Metrics {
         ranks: impl IntoIterator<Item = kvroute_core::candidate::DpRank>,
     ) {
         let id = worker_id.to_string();
+        let mut handles = self.handles.candidates.write();
         for rank in ranks {
+            handles.remove(&(worker_id, rank));
             let labels = [&id, &rank.to_string()];
             for c in [&self.decisions, &self.prompt_tokens, &self.cached_tokens] {
                 let _ = c.remove_label_values(&labels);
@@ -869,4 +872,65 @@ fn esc(s: &str) -> String {
     s.replace('\\', "\\\\")
         .replace('"', "\\\"")
         .replace('\n', "\\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvroute_core::candidate::CandidateKey;
+    use kvroute_core::router::{OverlapOrigin, PolicyLabel, RouteDecision, Timings};
+
+    fn decision(worker_id: u64) -> RouteDecision {
+        RouteDecision {
+            request_id: "r".into(),
+            candidate: CandidateKey::new(worker_id, 0),
+            overlap_blocks: 0,
+            overlap_source: OverlapOrigin::Local,
+            cached_tokens: 4,
+            prompt_tokens: 10,
+            policy: std::sync::Arc::new(PolicyLabel {
+                name: "native".into(),
+                version: 0,
+                digest: String::new(),
+            }),
+            fallback: false,
+            fallback_reason: None,
+            queued: std::time::Duration::ZERO,
+            booked: true,
+            candidates: None,
+            excluded: None,
+            answer: None,
+            timings: Timings::default(),
+            disaggregated: false,
+            prefill: None,
+            bypass: None,
+            topology_constraints: None,
+            cross_domain: None,
+        }
+    }
+
+    fn decisions_of(m: &Metrics, worker: &str) -> Option<f64> {
+        m.registry
+            .gather()
+            .iter()
+            .find(|f| f.name() == "kvroute_decisions_total")?
+            .get_metric()
+            .iter()
+            .find(|s| s.get_label().iter().any(|l| l.value() == worker))
+            .map(|s| s.get_counter().get_value())
+    }
+
+    /// A worker's series go with it and come back, counted afresh, when a worker of that id
+    /// is routed to again (the kept handles go with the series).
+    #[test]
+    fn a_forgotten_workers_series_come_back_when_it_is_routed_to_again() {
+        let m = Metrics::new();
+        m.record_decision(&decision(7));
+        m.record_decision(&decision(7));
+        assert_eq!(decisions_of(&m, "7"), Some(2.0));
+        m.forget_ranks(7, [0]);
+        assert_eq!(decisions_of(&m, "7"), None);
+        m.record_decision(&decision(7));
+        assert_eq!(decisions_of(&m, "7"), Some(1.0));
+    }
 }
