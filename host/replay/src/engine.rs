@@ -732,6 +732,22 @@ impl SimConfig {
         c0 + c1 * t + c2 * t * t
     }
 
+    /// Milliseconds worker `w` needs to compute `uncached` prompt tokens with nothing else to
+    /// do: chunks of at most `max_num_batched_tokens`, one step each (at least one token, as an
+    /// engine recomputes the last one of a fully cached prompt). No queue order gets a request
+    /// its first token sooner: the floor under its TTFT.
+    pub fn prefill_alone_ms(&self, uncached: u32, w: u32) -> f64 {
+        let chunk = u64::from(self.max_num_batched_tokens);
+        let mut left = u64::from(uncached.max(1));
+        let mut ms = 0.0;
+        while left > 0 {
+            let t = left.min(chunk);
+            ms += self.prefill_ms(t);
+            left -= t;
+        }
+        ms / (self.speedup * self.worker_speed(w))
+    }
+
     /// Milliseconds of a decode step at KV utilisation `u`.
     #[inline]
     pub fn decode_ms(&self, u: f64) -> f64 {

@@ -123,6 +123,10 @@ pub struct PolicyResult {
     pub canary: Option<CanarySplit>,
     /// Time requests waited in the router's queue (`--queue`), ms; zeros without one.
     pub queued_ms: Latency,
+    /// The floor under `ttft_ms`: each request's uncached prompt tokens computed alone on the
+    /// worker that computed them, over the requests that got a first token. No queue order
+    /// brings a TTFT percentile below this one (for the same cache hits).
+    pub prefill_alone_ms: Latency,
     /// An agentic workload's sessions (`--workload agents`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub sessions: Option<SessionFigures>,
@@ -546,6 +550,16 @@ impl PolicyRun {
                 let mut q: Vec<f64> = out.requests.iter().map(|o| o.queued_ms).collect();
                 q.sort_by(f64::total_cmp);
                 latency(&q)
+            },
+            prefill_alone_ms: {
+                let mut a: Vec<f64> = out
+                    .requests
+                    .iter()
+                    .map(|o| o.prefill_alone_ms)
+                    .filter(|t| t.is_finite())
+                    .collect();
+                a.sort_by(f64::total_cmp);
+                latency(&a)
             },
             sessions: None,
         };

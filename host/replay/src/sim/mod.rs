@@ -158,6 +158,9 @@ pub struct RequestOutcome {
     pub error: Option<String>,
     /// Time it waited in the router's queue, ms (0 when routed at once).
     pub queued_ms: f64,
+    /// Its TTFT's floor: the compute of its uncached prompt tokens on the worker that computed
+    /// them, alone ([`SimConfig::prefill_alone_ms`]; NaN when it never got a first token).
+    pub prefill_alone_ms: f64,
 }
 
 /// The result of one simulation.
@@ -698,7 +701,11 @@ impl<'r> Fleet<'_, 'r> {
             let i = t.id as usize;
             match self.split[i] {
                 Some(s) if s.prefill == w => {
-                    self.out.requests[i].hit_tokens = t.hit_tokens;
+                    let o = &mut self.out.requests[i];
+                    o.hit_tokens = t.hit_tokens;
+                    o.prefill_alone_ms = self
+                        .cfg
+                        .prefill_alone_ms(o.prompt_tokens.saturating_sub(t.hit_tokens), w);
                     self.prefill_done(i, s, now)
                 }
                 _ => self.token(i, t, now),
@@ -720,6 +727,11 @@ impl<'r> Fleet<'_, 'r> {
             o.first_token_ms = now;
             if self.split[i].is_none() {
                 o.hit_tokens = t.hit_tokens;
+                if let Some(w) = o.worker {
+                    o.prefill_alone_ms = self
+                        .cfg
+                        .prefill_alone_ms(o.prompt_tokens.saturating_sub(t.hit_tokens), w);
+                }
                 first = true;
             }
         } else {
@@ -932,6 +944,7 @@ pub fn simulate_replicated(
                     bypassed: false,
                     error: None,
                     queued_ms: 0.0,
+                    prefill_alone_ms: f64::NAN,
                 })
                 .collect(),
             itl_ms: Vec::with_capacity(

@@ -37,6 +37,8 @@ fn one_request_timing_matches_the_model() {
     let o = &out.requests[0];
     let ttft = cfg.prefill_ms(100);
     assert!((o.first_token_ms - ttft).abs() < 1e-9);
+    // Alone on its worker, its TTFT is its floor.
+    assert!((o.prefill_alone_ms - ttft).abs() < 1e-9);
     // Two decode steps at u = 7 blocks (6 full + 1 private) / 16384.
     let u = 7.0 / 16384.0;
     assert!((o.done_ms - ttft - 2.0 * cfg.decode_ms(u)).abs() < 1e-6);
@@ -66,6 +68,64 @@ fn chunked_prefill_and_prefix_hits() {
     assert_eq!(out.requests[0].hit_tokens, 0);
     assert_eq!(out.requests[1].hit_tokens, 160);
     assert_eq!(out.workers[0].prefill_tokens, 200 + 40);
+    // Each ran alone: the floor is the TTFT (the second computes only its 40 new tokens).
+    assert!((out.requests[0].prefill_alone_ms - ttft).abs() < 1e-6);
+    let second = out.requests[1].first_token_ms - out.requests[1].arrival_ms;
+    assert!((out.requests[1].prefill_alone_ms - cfg.prefill_ms(40)).abs() < 1e-6);
+    assert!((second - cfg.prefill_ms(40)).abs() < 1e-6);
+}
+
+#[test]
+fn no_ttft_falls_below_its_prefill_alone_floor_and_waiting_shows_above_it() {
+    let cfg = SimConfig {
+        block_size: 16,
+        max_num_batched_tokens: 256,
+        speedup: 2.0,
+        worker_speeds: vec![1.0, 0.5],
+        ..Default::default()
+    };
+    // Twelve prompts at once on two workers (one half as fast), some sharing a prefix.
+    let reqs = (0..12u32)
+        .map(|k| {
+            let shared = if k % 3 == 0 { 0 } else { 10_000 };
+            let tokens: Vec<u32> = (0..300 + 40 * k)
+                .map(|i| shared + i + k * 100_000 * u32::from(k % 3 == 0))
+                .collect();
+            (f64::from(k), tokens, 2)
+        })
+        .collect();
+    let (out, _) = run(&trace(reqs), 2, &cfg);
+    let mut waited = 0;
+    for o in &out.requests {
+        let w = o.worker.expect("routed");
+        let floor = cfg.prefill_alone_ms(o.prompt_tokens - o.hit_tokens, w);
+        assert!((o.prefill_alone_ms - floor).abs() < 1e-9);
+        let ttft = o.first_token_ms - o.arrival_ms;
+        assert!(
+            ttft >= o.prefill_alone_ms - 1e-9,
+            "ttft {ttft} under its floor {}",
+            o.prefill_alone_ms
+        );
+        if ttft > o.prefill_alone_ms + 1.0 {
+            waited += 1;
+        }
+    }
+    // Sharing the workers, most of them waited behind each other's steps.
+    assert!(waited >= 6, "only {waited} of 12 waited");
+}
+
+#[test]
+fn prefill_alone_counts_chunks_speed_and_at_least_one_token() {
+    let cfg = SimConfig {
+        max_num_batched_tokens: 100,
+        speedup: 2.0,
+        worker_speeds: vec![1.0, 0.5],
+        ..Default::default()
+    };
+    let chunks = 2.0 * cfg.prefill_ms(100) + cfg.prefill_ms(50);
+    assert!((cfg.prefill_alone_ms(250, 0) - chunks / 2.0).abs() < 1e-9);
+    assert!((cfg.prefill_alone_ms(250, 1) - chunks).abs() < 1e-9);
+    assert!((cfg.prefill_alone_ms(0, 0) - cfg.prefill_ms(1) / 2.0).abs() < 1e-9);
 }
 
 #[test]
