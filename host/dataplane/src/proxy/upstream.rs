@@ -65,6 +65,9 @@ type Sender = http1::SendRequest<Full<Bytes>>;
 /// How long a kept connection may wait for its next request (the pooled client's idle timeout).
 const IDLE_TIMEOUT: Duration = Duration::from_secs(90);
 
+/// One [`Upstream`]'s kept connections on a thread, by endpoint.
+type Kept = FxHashMap<String, Vec<Parked>>;
+
 /// A connection kept for the next request: its answer may still be being read.
 struct Parked {
     tx: Sender,
@@ -89,7 +92,7 @@ thread_local! {
     static URIS: RefCell<FxHashMap<String, Vec<(String, Target)>>> =
         RefCell::new(FxHashMap::default());
     /// This thread's engine connections for proxied requests, by [`Upstream::id`], then endpoint.
-    static CONNS: RefCell<Vec<(u64, FxHashMap<String, Vec<Parked>>)>> = const { RefCell::new(Vec::new()) };
+    static CONNS: RefCell<Vec<(u64, Kept)>> = const { RefCell::new(Vec::new()) };
 }
 
 /// An engine URI, its path (as sent on the connection) and its `Host` header.
