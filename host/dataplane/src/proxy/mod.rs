@@ -34,10 +34,11 @@ pub mod render;
 pub mod request;
 pub mod upstream;
 
+use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use axum::extract::State;
+use axum::extract::{FromRequest, Request, State};
 use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -328,6 +329,9 @@ impl Proxy {
             }
         }
         let deadline = started + Duration::from_millis(self.config.request_timeout_ms);
+        // One timer for the whole request: it bounds the wait for the engine's head, then goes
+        // with the answer's body (one timer entry made and registered per request, not two).
+        let mut sleep = Box::pin(tokio::time::sleep_until(deadline.into()));
         let mut route = inbound.route;
         for attempt in 0..2 {
             route.allowed_worker_ids = Some(allowed.clone());
@@ -355,9 +359,9 @@ impl Proxy {
             let dp = (worker.dp_size > 1).then_some(rank);
             let extra = prefill_headers(&d, &snap);
             drop(snap);
-            let sent = tokio::time::timeout_at(
-                deadline.into(),
-                self.upstream.post(
+            // As `tokio::time::timeout_at`: the send first, then the deadline.
+            let sent = {
+                let post = self.upstream.post(
                     &ep,
                     endpoint.path(),
                     headers,
@@ -365,9 +369,16 @@ impl Proxy {
                     request_id,
                     dp,
                     &extra,
-                ),
-            )
-            .await;
+                );
+                tokio::pin!(post);
+                std::future::poll_fn(|cx| {
+                    if let std::task::Poll::Ready(r) = post.as_mut().poll(cx) {
+                        return std::task::Poll::Ready(Ok(r));
+                    }
+                    sleep.as_mut().poll(cx).map(Err)
+                })
+                .await
+            };
             let resp = match sent {
                 Err(_) => {
                     let mut life = life;
@@ -426,8 +437,18 @@ impl Proxy {
             parts.version = axum::http::Version::HTTP_11;
             parts.extensions.clear();
             let h = &mut parts.headers;
-            for name in &HOP_BY_HOP {
-                h.remove(name);
+            // Which hop-by-hop names the answer has (most have one, `Connection`), in one pass
+            // over its names rather than a hashed lookup per name.
+            let mut hop = 0u32;
+            for name in h.keys() {
+                if let Some(i) = HOP_BY_HOP.iter().position(|x| x == name) {
+                    hop |= 1 << i;
+                }
+            }
+            for (i, name) in HOP_BY_HOP.iter().enumerate() {
+                if hop & (1 << i) != 0 {
+                    h.remove(name);
+                }
             }
             // Ours, whatever the engine said (an engine may echo x-request-id too).
             if let Some(v) = worker_value(w, rank) {
@@ -440,7 +461,6 @@ impl Proxy {
             if let Ok(v) = HeaderValue::from_str(request_id) {
                 h.insert(X_REQUEST_ID.clone(), v);
             }
-            let sleep = Box::pin(tokio::time::sleep_until(deadline.into()));
             let body = GuardedBody::new(incoming, life, sleep, end);
             return Ok(Response::from_parts(parts, axum::body::Body::new(body)));
         }
@@ -549,7 +569,15 @@ pub(crate) fn request_id(headers: &HeaderMap) -> String {
         })
 }
 
-async fn handle(s: ProxyState, endpoint: Endpoint, headers: HeaderMap, body: Bytes) -> Response {
+async fn handle(s: ProxyState, endpoint: Endpoint, mut req: Request) -> Response {
+    // The request's own header map, moved out rather than cloned (axum's `HeaderMap` extractor
+    // clones it), then the body as the `Bytes` extractor reads it (its limit and rejections);
+    // reading the body does not look at the headers.
+    let headers = std::mem::take(req.headers_mut());
+    let body = match Bytes::from_request(req, &()).await {
+        Ok(b) => b,
+        Err(rejection) => return rejection.into_response(),
+    };
     let Some(p) = s else {
         return ProxyError::new(
             StatusCode::NOT_FOUND,
@@ -585,28 +613,24 @@ async fn handle(s: ProxyState, endpoint: Endpoint, headers: HeaderMap, body: Byt
 }
 
 /// `POST /v1/completions`.
-pub async fn completions(State(s): State<ProxyState>, headers: HeaderMap, body: Bytes) -> Response {
-    handle(s, Endpoint::Completions, headers, body).await
+pub async fn completions(State(s): State<ProxyState>, req: Request) -> Response {
+    handle(s, Endpoint::Completions, req).await
 }
 
 /// `POST /v1/chat/completions`.
-pub async fn chat_completions(
-    State(s): State<ProxyState>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    handle(s, Endpoint::ChatCompletions, headers, body).await
+pub async fn chat_completions(State(s): State<ProxyState>, req: Request) -> Response {
+    handle(s, Endpoint::ChatCompletions, req).await
 }
 
 /// `POST /v1/messages`: Anthropic's Messages API, tokenized as vLLM converts it to a chat
 /// request; errors in Anthropic's shape.
-pub async fn messages(State(s): State<ProxyState>, headers: HeaderMap, body: Bytes) -> Response {
-    handle(s, Endpoint::Messages, headers, body).await
+pub async fn messages(State(s): State<ProxyState>, req: Request) -> Response {
+    handle(s, Endpoint::Messages, req).await
 }
 
 /// `POST /v1/responses`: OpenAI's Responses API, tokenized as vLLM renders its input.
-pub async fn responses(State(s): State<ProxyState>, headers: HeaderMap, body: Bytes) -> Response {
-    handle(s, Endpoint::Responses, headers, body).await
+pub async fn responses(State(s): State<ProxyState>, req: Request) -> Response {
+    handle(s, Endpoint::Responses, req).await
 }
 
 /// `GET /v1/models`: the configured models, as OpenAI lists them.

@@ -90,8 +90,23 @@ pub async fn prepare(
         ));
     };
     let ext = obj.remove("kvroute");
+    // The top-level fields read here, found in one pass over the object's keys rather than a
+    // hashed lookup (SipHash, serde_json's map) per field.
+    let (mut model_field, mut stream_field, mut salt_field) = (None, None, None);
+    let mut max_fields = [None; 3];
+    for (k, field) in obj.iter() {
+        match k.as_str() {
+            "model" => model_field = Some(field),
+            "stream" => stream_field = Some(field),
+            "cache_salt" => salt_field = Some(field),
+            "max_completion_tokens" => max_fields[0] = Some(field),
+            "max_tokens" => max_fields[1] = Some(field),
+            "max_output_tokens" => max_fields[2] = Some(field),
+            _ => {}
+        }
+    }
     let mut learned_adapter = None;
-    let resolved = match obj.get("model") {
+    let resolved = match model_field {
         None | Some(Value::Null) => models.resolve_request(None)?,
         Some(Value::String(name)) => match models.resolve_request(Some(name)) {
             Ok(r) => r,
@@ -118,7 +133,7 @@ pub async fn prepare(
         }
     };
     let model = resolved.model;
-    let stream = match obj.get("stream") {
+    let stream = match stream_field {
         None | Some(Value::Null) => false,
         Some(Value::Bool(b)) => *b,
         Some(_) => {
@@ -130,11 +145,12 @@ pub async fn prepare(
             ))
         }
     };
-    let max_tokens = ["max_completion_tokens", "max_tokens", "max_output_tokens"]
+    // The first of max_completion_tokens, max_tokens, max_output_tokens that is a count.
+    let max_tokens = max_fields
         .iter()
-        .find_map(|k| obj.get(*k).and_then(Value::as_u64))
+        .find_map(|f| f.and_then(Value::as_u64))
         .map(|n| n.min(u64::from(u32::MAX)) as u32);
-    let body_salt = body_cache_salt(obj.get("cache_salt"))?;
+    let body_salt = body_cache_salt(salt_field)?;
     let ext_salt = ext
         .as_ref()
         .and_then(|e| e.get("cache_salt"))

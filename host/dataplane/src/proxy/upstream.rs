@@ -1,22 +1,35 @@
-//! The HTTP/1.1 client to engines: pooled hyper clients (keep-alive connections per engine), one
-//! per thread that sends.
+//! The HTTP/1.1 client to engines: keep-alive connections per engine, one set per thread that
+//! sends.
 //!
 //! Each serving thread runs its own current-thread runtime (the server's `http::serving`), and a
 //! hyper connection is driven by a task on the runtime that opened it. One client shared by every
 //! thread hands a connection opened on one runtime (the main one's adapter or health polls, or
 //! another serving thread) to a request on another, and every request and answer on it then
 //! crosses threads: two wake-ups (an eventfd write and a context switch each) per request. So
-//! each thread gets its own client and pool, as each nginx worker keeps its own upstream
-//! keep-alive connections: a request and its engine connection stay on one thread.
+//! each thread gets its own connections, as each nginx worker keeps its own upstream keep-alive
+//! connections: a request and its engine connection stay on one thread.
+//!
+//! A proxied request ([`Upstream::post`]) takes its connection from the thread's own list of
+//! hyper `http1` connections ([`CONNS`]) rather than from hyper-util's pooled client: that pool is
+//! made for clients shared across threads (a mutex, a map hashed with SipHash several dozen times
+//! per request, a task spawned per request to return a connection still reading its answer), and
+//! at a paced rate it was ~5% of the proxy's instructions per small request. Here a connection is
+//! put back with its answer's head, and the next request takes one that hyper says is ready (its
+//! last answer read). What the pooled client did that a proxy relies on is kept: connecting with
+//! hyper-util's `HttpConnector` (its connect timeout, `TCP_NODELAY`, resolver and errors), waiting
+//! for a new connection to be ready, sending again on another connection a request that a reused
+//! one closed before taking it, at most `max_idle_per_engine` kept per engine, and none reused
+//! after 90 s. The background calls (probes, adapter polls, renders) keep the pooled client.
 
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use axum::http::{header, HeaderMap, HeaderName, HeaderValue, Method, Request, Response, Uri};
 use bytes::Bytes;
 use http_body_util::Full;
 use hyper::body::Incoming;
+use hyper::client::conn::http1;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
@@ -46,6 +59,21 @@ pub const DP_RANK_HEADER: &str = "x-data-parallel-rank";
 
 type HttpClient = Client<HttpConnector, Full<Bytes>>;
 
+/// One engine connection's sending half.
+type Sender = http1::SendRequest<Full<Bytes>>;
+
+/// How long a kept connection may wait for its next request (the pooled client's idle timeout).
+const IDLE_TIMEOUT: Duration = Duration::from_secs(90);
+
+/// One [`Upstream`]'s kept connections on a thread, by endpoint.
+type Kept = FxHashMap<String, Vec<Parked>>;
+
+/// A connection kept for the next request: its answer may still be being read.
+struct Parked {
+    tx: Sender,
+    since: Instant,
+}
+
 #[derive(Clone)]
 pub struct Upstream {
     /// Tells this `Upstream`'s clients from other ones' in a thread's [`CLIENTS`] (tests build
@@ -63,12 +91,16 @@ thread_local! {
     /// per request, and one hash probe per request whatever the fleet's size.
     static URIS: RefCell<FxHashMap<String, Vec<(String, Target)>>> =
         RefCell::new(FxHashMap::default());
+    /// This thread's engine connections for proxied requests, by [`Upstream::id`], then endpoint.
+    static CONNS: RefCell<Vec<(u64, Kept)>> = const { RefCell::new(Vec::new()) };
 }
 
-/// An engine URI and its `Host` header.
+/// An engine URI, its path (as sent on the connection) and its `Host` header.
 #[derive(Clone)]
 struct Target {
     uri: Uri,
+    /// The request target in origin form (`/v1/...`), as the pooled client rewrote it.
+    origin: Uri,
     /// The value hyper-util's client would set (`host`, or `host:port` for a port that is not the
     /// scheme's default), made once rather than formatted per request.
     host: Option<HeaderValue>,
@@ -83,7 +115,10 @@ impl Target {
             }
             _ => HeaderValue::from_str(h).ok(),
         });
-        Target { uri, host }
+        let mut origin = axum::http::uri::Parts::default();
+        origin.path_and_query = uri.path_and_query().cloned();
+        let origin = Uri::from_parts(origin).unwrap_or_else(|_| Uri::from_static("/"));
+        Target { uri, origin, host }
     }
 }
 
@@ -171,36 +206,150 @@ impl Upstream {
         extra: &[(&'static str, String)],
     ) -> Result<Response<Incoming>, SendError> {
         let target = cached_uri(endpoint, path)?;
-        let mut req = Request::builder()
-            .method(Method::POST)
-            .uri(target.uri)
-            .header(header::CONTENT_TYPE, "application/json");
-        if let Some(host) = target.host {
-            req = req.header(header::HOST, host);
-        }
-        for h in FORWARDED {
-            if let Some(v) = client_headers.get(h) {
-                req = req.header(h, v);
+        let Some(host) = target.host else {
+            return Err(SendError(format!("engine URI {} has no host", target.uri)));
+        };
+        let mut req = Request::new(Full::new(body));
+        *req.method_mut() = Method::POST;
+        *req.uri_mut() = target.origin;
+        let h = req.headers_mut();
+        h.reserve(6 + extra.len());
+        h.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        h.insert(header::HOST, host);
+        for name in FORWARDED {
+            if let Some(v) = client_headers.get(name) {
+                h.append(name, v.clone());
             }
         }
         if let Ok(v) = HeaderValue::from_str(request_id) {
-            req = req.header(&super::X_REQUEST_ID, v);
+            h.append(&super::X_REQUEST_ID, v);
         }
         if let Some(r) = dp_rank {
-            req = req.header(DP_RANK_HEADER, r);
+            h.append(DP_RANK_HEADER, HeaderValue::from(r));
         }
         for (k, v) in extra {
             if let Ok(v) = HeaderValue::from_str(v) {
-                req = req.header(*k, v);
+                h.append(*k, v);
             }
         }
-        let req = req
-            .body(Full::new(body))
-            .map_err(|e| SendError(format!("cannot build the engine request: {e}")))?;
-        self.client()
-            .request(req)
+        loop {
+            let (mut tx, reused) = match self.checkout(endpoint) {
+                Some(tx) => (tx, true),
+                None => (self.connect(&target.uri).await?, false),
+            };
+            match tx.try_send_request(req).await {
+                Ok(resp) => {
+                    self.park(endpoint, tx);
+                    return Ok(resp);
+                }
+                Err(mut e) => match e.take_message() {
+                    // A kept connection closed before it took the request (the engine ended
+                    // it while idle): nothing was sent, so it goes on another connection.
+                    Some(back) if reused => req = back,
+                    Some(_) => {
+                        return Err(SendError(format!(
+                            "client error (Canceled): {}",
+                            describe(e.error())
+                        )))
+                    }
+                    None => {
+                        return Err(SendError(format!(
+                            "client error (SendRequest): {}",
+                            describe(e.error())
+                        )))
+                    }
+                },
+            }
+        }
+    }
+
+    /// A kept connection to `endpoint` that is ready for a request, if this thread has one;
+    /// closed and expired ones are dropped on the way.
+    fn checkout(&self, endpoint: &str) -> Option<Sender> {
+        CONNS.with(|c| {
+            let mut c = c.borrow_mut();
+            let (_, by_endpoint) = c.iter_mut().find(|(id, _)| *id == self.id)?;
+            let list = by_endpoint.get_mut(endpoint)?;
+            let mut now = None;
+            let mut i = list.len();
+            while i > 0 {
+                i -= 1;
+                let p = &list[i];
+                if p.tx.is_closed() {
+                    list.swap_remove(i);
+                    continue;
+                }
+                if !p.tx.is_ready() {
+                    continue;
+                }
+                let now = *now.get_or_insert_with(Instant::now);
+                if now.duration_since(p.since) >= IDLE_TIMEOUT {
+                    list.swap_remove(i);
+                    continue;
+                }
+                return Some(list.swap_remove(i).tx);
+            }
+            None
+        })
+    }
+
+    /// Keeps `tx` for the next request to `endpoint` (up to `max_idle_per_engine`; past it the
+    /// connection closes once its answer is read).
+    fn park(&self, endpoint: &str, tx: Sender) {
+        if tx.is_closed() || self.max_idle_per_engine == 0 {
+            return;
+        }
+        CONNS.with(|c| {
+            let mut c = c.borrow_mut();
+            let k = match c.iter().position(|(id, _)| *id == self.id) {
+                Some(k) => k,
+                None => {
+                    c.push((self.id, FxHashMap::default()));
+                    c.len() - 1
+                }
+            };
+            let by_endpoint = &mut c[k].1;
+            if !by_endpoint.contains_key(endpoint) && by_endpoint.len() >= MAX_CACHED_ENDPOINTS {
+                by_endpoint.clear();
+            }
+            let list = match by_endpoint.get_mut(endpoint) {
+                Some(list) => list,
+                None => by_endpoint.entry(endpoint.to_string()).or_default(),
+            };
+            if list.len() < self.max_idle_per_engine {
+                list.push(Parked {
+                    tx,
+                    since: Instant::now(),
+                });
+            }
+        })
+    }
+
+    /// A new connection to the engine at `uri`, driven by a task on this thread's runtime, once
+    /// it is ready for a request.
+    async fn connect(&self, uri: &Uri) -> Result<Sender, SendError> {
+        use tower_service::Service;
+        let connect_error = |e: &(dyn std::error::Error + 'static)| {
+            SendError(format!("client error (Connect): {}", describe(e)))
+        };
+        let mut http = HttpConnector::new();
+        http.set_connect_timeout(Some(self.connect_timeout));
+        http.set_nodelay(true);
+        let io = http
+            .call(uri.clone())
             .await
-            .map_err(|e| SendError(describe(&e)))
+            .map_err(|e| connect_error(&e))?;
+        let (mut tx, conn) = http1::handshake(io).await.map_err(|e| connect_error(&e))?;
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::debug!(error = %e, "engine connection ended with an error");
+            }
+        });
+        tx.ready().await.map_err(|e| connect_error(&e))?;
+        Ok(tx)
     }
 
     /// `GET {endpoint}/health`: whether the engine answers 2xx within `timeout`.
