@@ -254,28 +254,40 @@ fn base_costs(costs: &mut Vec<f64>, c: Columns<'_>, w: Weights) {
         &c.active_prompt_blocks[..n],
     );
     let out = &mut costs.spare_capacity_mut()[..n];
-    let cost = |i: usize| {
-        let (d, h, k) = (device[i], host[i], disk[i]);
+    let cost = |d: u32, h: u32, k: u32, tokens: u64, decode: u64, prompt: u32| {
         let host_extra = h.saturating_sub(d);
         let disk_extra = k.saturating_sub(d.max(h));
         let credit = f64::from(d) + w.host * f64::from(host_extra) + w.disk * f64::from(disk_extra);
-        let prefill = (prefill_tokens[i] as f64 + w.isl) / w.b - credit;
+        let prefill = (tokens as f64 + w.isl) / w.b - credit;
         let prefill = if prefill > 0.0 { prefill } else { 0.0 };
-        let new_blocks = w.blocks.saturating_sub(prompt_blocks[i]);
-        let decode = decode_blocks[i] as f64 + f64::from(new_blocks);
-        w.scale * prefill + decode
+        let new_blocks = w.blocks.saturating_sub(prompt);
+        w.scale * prefill + (decode as f64 + f64::from(new_blocks))
     };
-    // Four candidates an iteration: what Cranelift spends per iteration (reloading the figures
-    // it spilled around the epoch check's call, the check itself) is paid once for four.
-    let (chunks, _) = out.as_chunks_mut::<UNROLL>();
-    let whole = chunks.len() * UNROLL;
-    for (c, chunk) in chunks.iter_mut().enumerate() {
-        for (j, o) in chunk.iter_mut().enumerate() {
-            o.write(cost(c * UNROLL + j));
+    // Four candidates an iteration, each column read as arrays of four (no index checks): what
+    // Cranelift spends per iteration (reloading the figures it spilled around the epoch check's
+    // call, the check itself) is paid once for four.
+    let (out4, out_rest) = out.as_chunks_mut::<UNROLL>();
+    let (d4, d_rest) = device.as_chunks::<UNROLL>();
+    let (h4, h_rest) = host.as_chunks::<UNROLL>();
+    let (k4, k_rest) = disk.as_chunks::<UNROLL>();
+    let (t4, t_rest) = prefill_tokens.as_chunks::<UNROLL>();
+    let (b4, b_rest) = decode_blocks.as_chunks::<UNROLL>();
+    let (p4, p_rest) = prompt_blocks.as_chunks::<UNROLL>();
+    let rows = out4
+        .iter_mut()
+        .zip(d4.iter().zip(h4).zip(k4))
+        .zip(t4.iter().zip(b4).zip(p4));
+    for ((o, ((d, h), k)), ((t, b), p)) in rows {
+        for j in 0..UNROLL {
+            o[j].write(cost(d[j], h[j], k[j], t[j], b[j], p[j]));
         }
     }
-    for (i, o) in out.iter_mut().enumerate().skip(whole) {
-        o.write(cost(i));
+    let rest = out_rest
+        .iter_mut()
+        .zip(d_rest.iter().zip(h_rest).zip(k_rest))
+        .zip(t_rest.iter().zip(b_rest).zip(p_rest));
+    for ((o, ((&d, &h), &k)), ((&t, &b), &p)) in rest {
+        o.write(cost(d, h, k, t, b, p));
     }
     // SAFETY: the loop wrote the first `n` entries, within the capacity (`out` is that long).
     unsafe { costs.set_len(n) };
@@ -305,12 +317,19 @@ fn apply_multipliers(
     let n = costs.len();
     let ends = &taint_offsets[1..n + 1];
     let mut start = taint_offsets[0] as usize;
+    let lookup = |id: u32| bits.get(id as usize).copied().unwrap_or(0);
     for (cost, &end) in costs.iter_mut().zip(ends) {
         let end = end as usize;
-        let mut mask = 0u8;
-        for &id in &taint_ids[start..end] {
-            mask |= bits.get(id as usize).copied().unwrap_or(0);
-        }
+        // A candidate has few taints: the first two are read without a loop (each iteration of
+        // a loop costs Cranelift an epoch check and the spills around its call).
+        let mask = match &taint_ids[start..end] {
+            [] => 0,
+            [a] => lookup(*a),
+            [a, b] => lookup(*a) | lookup(*b),
+            [a, b, more @ ..] => more
+                .iter()
+                .fold(lookup(*a) | lookup(*b), |m, &id| m | lookup(id)),
+        };
         start = end;
         let slot = usize::from(mask) & ((1 << MAX_MASK_BITS) - 1);
         let mut m = multipliers[slot];
