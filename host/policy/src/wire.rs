@@ -67,45 +67,61 @@ impl Packed {
         let byte_start = u32_start + u32_words;
         let total = byte_start + byte_words;
         let w = &mut self.words;
-        w.clear();
-        w.reserve(total);
+        // The buffer is reused from decision to decision and every word below `total` is written
+        // here, so it is only resized: words past the previous decision's length are zeroed,
+        // the others keep stale values until overwritten. (Clearing it and resizing with zeros,
+        // as before, zeroed the whole `u32` and byte sections of every decision first: ~3 KB at
+        // 64 candidates.) Only the padding (the odd `u32` entry, the bytes after the ids) is
+        // zeroed explicitly.
+        w.resize(total, 0);
         // Header: n, t, p, r, s, reserved. Counts past `u32::MAX` cannot happen (a decision has
         // at most a few thousand candidates; ids are bounded by the HTTP layer); saturate anyway.
         let count = |x: usize| u32::try_from(x).unwrap_or(u32::MAX);
-        w.push(pair(count(n), count(t)));
-        w.push(pair(count(p), count(r)));
-        w.push(pair(count(s), 0));
+        w[0] = pair(count(n), count(t));
+        w[1] = pair(count(p), count(r));
+        w[2] = pair(count(s), 0);
+        let mut at = HEADER_WORDS;
         for col in [
             &c.worker_id,
             &c.active_prefill_tokens,
             &c.active_decode_blocks,
             &c.total_kv_blocks,
         ] {
-            w.extend_from_slice(col);
+            w[at..at + n].copy_from_slice(&col[..n]);
+            at += n;
         }
         // Left empty when no policy run reads it (interface 0.10.0): NaN, so a policy that reads
         // it without saying so fails loudly (non-finite costs) rather than ranking on zeros.
+        let base = &mut w[at..at + n];
         if c.base_cost.len() == n {
-            w.extend(c.base_cost.iter().map(|x| x.to_bits()));
+            for (dst, x) in base.iter_mut().zip(&c.base_cost) {
+                *dst = x.to_bits();
+            }
         } else {
-            w.resize(w.len() + n, f64::NAN.to_bits());
+            base.fill(f64::NAN.to_bits());
         }
+        at += n;
         // Columns a caller left empty (no learned figures) travel as zeros: "not learned".
         for col in [&c.prefill_ms_per_token, &c.decode_step_ms] {
+            let dst = &mut w[at..at + n];
             if col.len() == n {
-                w.extend(col.iter().map(|x| x.to_bits()));
+                for (dst, x) in dst.iter_mut().zip(col) {
+                    *dst = x.to_bits();
+                }
             } else {
-                w.resize(w.len() + n, 0);
+                dst.fill(0);
             }
+            at += n;
         }
-        w.extend(
-            req.preferred_taints
-                .iter()
-                .map(|&(_, weight)| f64::from(weight).to_bits()),
-        );
-        // The `u32` and byte sections are written through views of zeroed words (the padding
-        // entry and bytes stay 0).
-        w.resize(total, 0);
+        for (dst, &(_, weight)) in w[at..u32_start].iter_mut().zip(&req.preferred_taints) {
+            *dst = f64::from(weight).to_bits();
+        }
+        // The `u32` and byte sections are written through views of their words; the padding
+        // entry and bytes must be 0, so the words holding them are zeroed first.
+        if halves_len % 2 == 1 {
+            w[byte_start - 1] = 0;
+        }
+        w[byte_start..].fill(0);
         let u32s = &mut halves(&mut w[u32_start..byte_start])[..halves_len];
         let mut at = 0;
         let mut put = |src: &[u32]| {
@@ -124,12 +140,15 @@ impl Packed {
             put(col);
         }
         // `kv-feed-trust` (column 7, since 0.7.0) and `session-bound` (column 8, since 0.8.0); a
-        // caller that left one empty means exact, or none (the zeros already there).
+        // caller that left one empty means exact, or none (zeros).
         for col in [&c.kv_feed_trust, &c.session_bound] {
+            let dst = &mut u32s[at..at + n];
             if col.len() == n {
-                for (dst, &v) in u32s[at..at + n].iter_mut().zip(col.iter()) {
+                for (dst, &v) in dst.iter_mut().zip(col.iter()) {
                     *dst = u32::from(v);
                 }
+            } else {
+                dst.fill(0);
             }
             at += n;
         }

@@ -58,6 +58,9 @@ const MAX_MASK_BITS: usize = 6;
 /// 0, so ids are small); a larger one falls back to scanning.
 const BIT_TABLE: u32 = 256;
 
+/// Candidates per iteration of the base cost's loop.
+const UNROLL: usize = 4;
+
 thread_local! {
     static CONFIG: RefCell<Config> = RefCell::new(Config::default());
     /// Tokens per KV block, from the host's context.
@@ -152,81 +155,45 @@ impl Guest for NativeCost {
         // costs and the two learned step-time columns (`3 * n` entries since abi 6).
         let pref_ids = &c32[prefs_start..];
         let pref_weights = &f64s[3 * n..];
-        let mut costs = Vec::with_capacity(n);
+        let mut costs: Vec<f64> = Vec::with_capacity(n);
         if w.use_base_cost {
             costs.extend_from_slice(&f64s[..n]);
         } else {
             let block_size = BLOCK_SIZE.with(|b| b.get()).max(1);
-            let b = f64::from(block_size);
-            let isl = req.prompt_tokens as f64;
-            let blocks = req.prompt_tokens.div_ceil(block_size);
-            // Zipped iterators instead of indexing six columns: no bounds check per figure, so
-            // Cranelift keeps the loop tight. `prefill` is clamped with a compare rather than
-            // `f64::max`, which on wasm32 is a call into libm's `fmax` (NaN rules).
-            let rows = device_overlap
-                .iter()
-                .zip(host_overlap)
-                .zip(disk_overlap)
-                .zip(active_prefill_tokens)
-                .zip(active_decode_blocks)
-                .zip(active_prompt_blocks);
-            costs.extend(rows.map(
-                |(
-                    ((((&device, &host), &disk), &prefill_tokens), &decode_blocks),
-                    &prompt_blocks,
-                )| {
-                    let host_extra = host.saturating_sub(device);
-                    let disk_extra = disk.saturating_sub(device.max(host));
-                    let credit = f64::from(device)
-                        + w.host_tier_weight * f64::from(host_extra)
-                        + w.disk_tier_weight * f64::from(disk_extra);
-                    let prefill = (prefill_tokens as f64 + isl) / b - credit;
-                    let prefill = if prefill > 0.0 { prefill } else { 0.0 };
-                    let new_blocks = blocks.saturating_sub(prompt_blocks);
-                    let decode = decode_blocks as f64 + f64::from(new_blocks);
-                    w.prefill_load_scale * prefill + decode
+            base_costs(
+                &mut costs,
+                Columns {
+                    device_overlap,
+                    host_overlap,
+                    disk_overlap,
+                    active_prefill_tokens,
+                    active_decode_blocks,
+                    active_prompt_blocks,
                 },
-            ));
+                Weights {
+                    b: f64::from(block_size),
+                    isl: req.prompt_tokens as f64,
+                    blocks: req.prompt_tokens.div_ceil(block_size),
+                    host: w.host_tier_weight,
+                    disk: w.disk_tier_weight,
+                    scale: w.prefill_load_scale,
+                },
+            );
         }
         if pref_ids.is_empty() {
             return Decision::Costs(costs);
         }
-        // Each candidate's taint ids, from consecutive offsets.
-        let taint_lists = taint_offsets
-            .windows(2)
-            .map(|w| &taint_ids[w[0] as usize..w[1] as usize]);
         // The multiplier exp(-tanh(s)) only depends on which preferred taints a candidate has:
         // with few preferences, compute it once per subset (on the stack) instead of once per
         // candidate. The sum runs over the preferences in the same order as the host's, so
         // results are identical.
         if pref_ids.len() <= MAX_MASK_BITS && pref_ids.iter().all(|&id| id < BIT_TABLE) {
-            // Each taint id's bits (which preferences name it), so a candidate's subset is one
-            // lookup per taint it has, not a scan of its taints per preference.
-            let mut bits = [0u8; BIT_TABLE as usize];
-            for (b, &id) in pref_ids.iter().enumerate() {
-                bits[id as usize] |= 1 << b;
-            }
-            // Computed on first use (NaN: not yet), so a decision pays `tanh` and `exp` only for
-            // the subsets its candidates have; no preferred taint at all is exactly 1.
-            let mut multipliers = [f64::NAN; 1 << MAX_MASK_BITS];
-            multipliers[0] = 1.0;
-            for (cost, taints) in costs.iter_mut().zip(taint_lists) {
-                let mask = taints.iter().fold(0u8, |m, &id| {
-                    m | bits.get(id as usize).copied().unwrap_or(0)
-                });
-                let m = &mut multipliers[usize::from(mask)];
-                if m.is_nan() {
-                    let s: f64 = pref_weights
-                        .iter()
-                        .enumerate()
-                        .filter(|(b, _)| mask & (1 << b) != 0)
-                        .map(|(_, w)| *w)
-                        .sum();
-                    *m = (-s.tanh()).exp();
-                }
-                *cost *= *m;
-            }
+            apply_multipliers(&mut costs, taint_offsets, taint_ids, pref_ids, pref_weights);
         } else {
+            // Each candidate's taint ids, from consecutive offsets.
+            let taint_lists = taint_offsets
+                .windows(2)
+                .map(|w| &taint_ids[w[0] as usize..w[1] as usize]);
             for (cost, taints) in costs.iter_mut().zip(taint_lists) {
                 let s: f64 = pref_ids
                     .iter()
@@ -239,6 +206,152 @@ impl Guest for NativeCost {
         }
         Decision::Costs(costs)
     }
+}
+
+/// The six columns the base cost reads, each `n` long.
+struct Columns<'a> {
+    device_overlap: &'a [u32],
+    host_overlap: &'a [u32],
+    disk_overlap: &'a [u32],
+    active_prefill_tokens: &'a [u64],
+    active_decode_blocks: &'a [u64],
+    active_prompt_blocks: &'a [u32],
+}
+
+/// What the base cost of every candidate of one decision shares.
+#[derive(Clone, Copy)]
+struct Weights {
+    /// The block size, as `f64`.
+    b: f64,
+    /// The prompt's tokens, as `f64`.
+    isl: f64,
+    /// The prompt's blocks, rounded up.
+    blocks: u32,
+    host: f64,
+    disk: f64,
+    scale: f64,
+}
+
+/// Appends the native cost (SPEC §7, without preferred taints) of every candidate to `costs`
+/// (empty, with room for `n`).
+///
+/// One indexed loop over re-sliced columns (the index checks go) with the shared figures in
+/// locals: a closure handed to `Vec::extend` became a function of its own whose captured
+/// figures Cranelift reloaded from linear memory at every candidate, with every column's
+/// pointer spilled (~104 instructions a candidate). `prefill` is clamped with a compare rather
+/// than `f64::max`, which on wasm32 is a call into libm's `fmax` (NaN rules).
+#[inline(never)]
+fn base_costs(costs: &mut Vec<f64>, c: Columns<'_>, w: Weights) {
+    let n = c.device_overlap.len();
+    let (device, host, disk) = (
+        &c.device_overlap[..n],
+        &c.host_overlap[..n],
+        &c.disk_overlap[..n],
+    );
+    let (prefill_tokens, decode_blocks, prompt_blocks) = (
+        &c.active_prefill_tokens[..n],
+        &c.active_decode_blocks[..n],
+        &c.active_prompt_blocks[..n],
+    );
+    let out = &mut costs.spare_capacity_mut()[..n];
+    let cost = |d: u32, h: u32, k: u32, tokens: u64, decode: u64, prompt: u32| {
+        let host_extra = h.saturating_sub(d);
+        let disk_extra = k.saturating_sub(d.max(h));
+        let credit = f64::from(d) + w.host * f64::from(host_extra) + w.disk * f64::from(disk_extra);
+        let prefill = (tokens as f64 + w.isl) / w.b - credit;
+        let prefill = if prefill > 0.0 { prefill } else { 0.0 };
+        let new_blocks = w.blocks.saturating_sub(prompt);
+        w.scale * prefill + (decode as f64 + f64::from(new_blocks))
+    };
+    // Four candidates an iteration, each column read as arrays of four (no index checks): what
+    // Cranelift spends per iteration (reloading the figures it spilled around the epoch check's
+    // call, the check itself) is paid once for four.
+    let (out4, out_rest) = out.as_chunks_mut::<UNROLL>();
+    let (d4, d_rest) = device.as_chunks::<UNROLL>();
+    let (h4, h_rest) = host.as_chunks::<UNROLL>();
+    let (k4, k_rest) = disk.as_chunks::<UNROLL>();
+    let (t4, t_rest) = prefill_tokens.as_chunks::<UNROLL>();
+    let (b4, b_rest) = decode_blocks.as_chunks::<UNROLL>();
+    let (p4, p_rest) = prompt_blocks.as_chunks::<UNROLL>();
+    let rows = out4
+        .iter_mut()
+        .zip(d4.iter().zip(h4).zip(k4))
+        .zip(t4.iter().zip(b4).zip(p4));
+    for ((o, ((d, h), k)), ((t, b), p)) in rows {
+        for j in 0..UNROLL {
+            o[j].write(cost(d[j], h[j], k[j], t[j], b[j], p[j]));
+        }
+    }
+    let rest = out_rest
+        .iter_mut()
+        .zip(d_rest.iter().zip(h_rest).zip(k_rest))
+        .zip(t_rest.iter().zip(b_rest).zip(p_rest));
+    for ((o, ((&d, &h), &k)), ((&t, &b), &p)) in rest {
+        o.write(cost(d, h, k, t, b, p));
+    }
+    // SAFETY: the loop wrote the first `n` entries, within the capacity (`out` is that long).
+    unsafe { costs.set_len(n) };
+}
+
+/// Multiplies every cost by exp(-tanh(s)), `s` the sum of the weights of the preferred taints
+/// the candidate has (at most `MAX_MASK_BITS` preferences, every id below `BIT_TABLE`).
+///
+/// A candidate's subset of the preferences is one lookup per taint it has in a per-id bit table;
+/// each subset's multiplier is computed on first use (NaN: not yet), out of line, so a decision
+/// pays `tanh` and `exp` only for the subsets its candidates have and the loop keeps its figures
+/// in registers; no preferred taint at all is exactly 1.
+#[inline(never)]
+fn apply_multipliers(
+    costs: &mut [f64],
+    taint_offsets: &[u32],
+    taint_ids: &[u32],
+    pref_ids: &[u32],
+    pref_weights: &[f64],
+) {
+    let mut bits = [0u8; BIT_TABLE as usize];
+    for (b, &id) in pref_ids.iter().enumerate() {
+        bits[id as usize] |= 1 << b;
+    }
+    let mut multipliers = [f64::NAN; 1 << MAX_MASK_BITS];
+    multipliers[0] = 1.0;
+    let n = costs.len();
+    let ends = &taint_offsets[1..n + 1];
+    let mut start = taint_offsets[0] as usize;
+    let lookup = |id: u32| bits.get(id as usize).copied().unwrap_or(0);
+    for (cost, &end) in costs.iter_mut().zip(ends) {
+        let end = end as usize;
+        // A candidate has few taints: the first two are read without a loop (each iteration of
+        // a loop costs Cranelift an epoch check and the spills around its call).
+        let mask = match &taint_ids[start..end] {
+            [] => 0,
+            [a] => lookup(*a),
+            [a, b] => lookup(*a) | lookup(*b),
+            [a, b, more @ ..] => more
+                .iter()
+                .fold(lookup(*a) | lookup(*b), |m, &id| m | lookup(id)),
+        };
+        start = end;
+        let slot = usize::from(mask) & ((1 << MAX_MASK_BITS) - 1);
+        let mut m = multipliers[slot];
+        if m.is_nan() {
+            m = multiplier(mask, pref_weights);
+            multipliers[slot] = m;
+        }
+        *cost *= m;
+    }
+}
+
+/// exp(-tanh(s)), `s` the sum of the weights whose bit `mask` has, in order (as the host sums).
+#[cold]
+#[inline(never)]
+fn multiplier(mask: u8, pref_weights: &[f64]) -> f64 {
+    let s: f64 = pref_weights
+        .iter()
+        .enumerate()
+        .filter(|(b, _)| mask & (1 << b) != 0)
+        .map(|(_, w)| *w)
+        .sum();
+    (-s.tanh()).exp()
 }
 
 // The exports exist only in the Wasm build: natively (`cargo test --workspace`) the crate is a
