@@ -416,6 +416,74 @@ mod tests {
         });
     }
 
+    /// The buffer is reused without being cleared: whatever the previous decision left in it,
+    /// a fill writes exactly the words a fresh buffer gets (decisions of growing and shrinking
+    /// sizes, optional columns present and absent, ids of both parities).
+    #[test]
+    fn a_reused_buffer_packs_what_a_fresh_one_packs() {
+        let mut reused = Packed::default();
+        for k in 0..60u32 {
+            let n = [5usize, 1, 9, 0, 3, 8, 2][k as usize % 7];
+            let full = k % 2 == 0;
+            // Every byte of every value non-zero, so a stale word shows wherever it is left.
+            let col32 = |m: u32| {
+                (0..n as u32)
+                    .map(|i| 0x0101_0101 * (k % 200 + 1) + i * m)
+                    .collect::<Vec<u32>>()
+            };
+            let col64 = |m: u64| {
+                (0..n as u64)
+                    .map(|i| 0x0101_0101_0101_0101 * (u64::from(k) % 200 + 1) + i * m)
+                    .collect::<Vec<u64>>()
+            };
+            let f = |m: f64| (0..n).map(|i| i as f64 * m + 0.5).collect::<Vec<f64>>();
+            let taints_per = (k % 3) as usize;
+            let c = CandidateColumns {
+                worker_id: col64(3),
+                dp_rank: col32(1),
+                device_overlap: col32(2),
+                host_overlap: col32(3),
+                disk_overlap: col32(4),
+                active_prefill_tokens: col64(5),
+                active_decode_blocks: col64(6),
+                active_requests: col32(7),
+                active_prompt_blocks: col32(8),
+                total_kv_blocks: col64(9),
+                max_num_batched_tokens: col32(10),
+                kv_feed_trust: if full {
+                    (0..n).map(|i| (i % 3) as u8).collect()
+                } else {
+                    Vec::new()
+                },
+                session_bound: if full { vec![1; n] } else { Vec::new() },
+                base_cost: if k % 3 == 0 { Vec::new() } else { f(1.5) },
+                prefill_ms_per_token: if full { f(0.25) } else { Vec::new() },
+                decode_step_ms: if full { f(2.0) } else { Vec::new() },
+                taint_offsets: (0..=n as u32).map(|i| i * taints_per as u32).collect(),
+                taint_ids: (0..(n * taints_per) as u32).map(|i| i + 100 + k).collect(),
+            };
+            let req = PolicyRequest {
+                request_id: "r".repeat(1 + (k as usize * 5) % 13),
+                prompt_tokens: 100,
+                request_blocks: 6,
+                block_size: 16,
+                preferred_taints: (0..k % 4)
+                    .map(|i| (i + 1, 0.25 * f32::from(i as u8)))
+                    .collect(),
+                priority: 1.0,
+                expected_output_tokens: None,
+                temperature: 0.0,
+                session_id: (k % 4 == 1).then(|| "s".repeat(k as usize % 11)),
+                now_ms: 5,
+                ask_only: false,
+            };
+            reused.fill(&req, &c);
+            let mut fresh = Packed::default();
+            fresh.fill(&req, &c);
+            assert_eq!(reused.words, fresh.words, "decision {k} (n = {n})");
+        }
+    }
+
     /// `device_overlap` reads the column where `Unpacked` (a guest's reading) finds it, for
     /// candidate counts and preference counts of either parity, and nothing past the candidates.
     #[test]
