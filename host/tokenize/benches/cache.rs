@@ -80,7 +80,12 @@ fn next_turn(history: &[Json], n: u64, p: &mut Paragraphs) -> Json {
 fn cache(c: &mut Criterion) {
     let dir = std::env::temp_dir().join(format!("kvroute-cache-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let model = Model::load("bench", &ModelSpec::new(write_test_model(&dir).unwrap())).unwrap();
+    let mut spec = ModelSpec::new(write_test_model(&dir).unwrap());
+    // KVROUTE_BENCH_CACHE_BYTES: the tokenizer cache's budget (the server's default otherwise).
+    if let Ok(b) = std::env::var("KVROUTE_BENCH_CACHE_BYTES") {
+        spec.tokenizer_cache_bytes = Some(b.parse().expect("KVROUTE_BENCH_CACHE_BYTES: bytes"));
+    }
+    let model = Model::load("bench", &spec).unwrap();
     let history = history(&model, 100_000);
     let mut p = Paragraphs::new();
 
