@@ -17,40 +17,19 @@ the default one).
 """
 import argparse, asyncio, glob, json, os, subprocess, sys, tempfile, time, urllib.request
 
+from common import prose_words, tokenizer, write_kvroute_toml, write_upstream_conf
+
 ap = argparse.ArgumentParser()
 ap.add_argument("--n", default="1000,2000")
 ap.add_argument("bins", nargs="+")
 a = ap.parse_args()
-root = os.path.dirname(os.path.abspath(__file__)) + "/../.."
-tok = os.path.join(os.environ.get("KVROUTE_TOKENIZE_BENCH_DIR", "/tmp/kvroute-tokenize-bench"),
-                   "tokenizer.json")
-if not os.path.exists(tok):
-    sys.exit(f"{tok} is missing: cargo bench -p kvroute-tokenize --bench encode -- --test")
+tok = tokenizer()
 w = tempfile.mkdtemp()
 UP, KV = 18521, 18530
-ANSWER = ('{"id":"x","object":"chat.completion","created":0,"model":"m","choices":[{"index":0,'
-          '"message":{"role":"assistant","content":"Hello there, this is a fixed answer."},'
-          '"finish_reason":"stop"}],"usage":{"prompt_tokens":10,"completion_tokens":8,'
-          '"total_tokens":18}}')
-open(f"{w}/up.conf", "w").write(f"""worker_processes 1; daemon off; pid {w}/up.pid; error_log {w}/up.err;
-events {{ worker_connections 1024; }}
-http {{ access_log off; server {{ listen 127.0.0.1:{UP}; keepalive_requests 1000000;
-  location / {{ default_type application/json; return 200 '{ANSWER}'; }} }} }}
-""")
-open(f"{w}/kv.toml", "w").write(f"""listen = "127.0.0.1:{KV}"
-http_threads = 1
-[proxy]
-enabled = true
-[models.m]
-tokenizer = "{tok}"
-[workers.1]
-endpoint = "http://127.0.0.1:{UP}"
-model = "m"
-[policy_runtime]
-instances_per_stage = 1
-max_instances = 2
-""")
-words = open(f"{root}/host/tokenize/testdata/prose.txt").read().split()
+write_upstream_conf(f"{w}/up.conf", w, UP)
+write_kvroute_toml(f"{w}/kv.toml", KV, UP, tok,
+                   "[policy_runtime]\ninstances_per_stage = 1\nmax_instances = 2\n")
+words = prose_words()
 body = json.dumps({"model": "m", "max_tokens": 8,
                    "messages": [{"role": "user", "content": " ".join((words * 10)[:12])}]}).encode()
 REQ = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{KV}\r\n"

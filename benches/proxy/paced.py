@@ -22,6 +22,8 @@ encode -- --test).
 """
 import argparse, asyncio, json, os, subprocess, sys, tempfile, time, urllib.request
 
+from common import ROOT, tokenizer, write_kvroute_toml, write_upstream_conf
+
 ap = argparse.ArgumentParser()
 ap.add_argument("--rates", default="1000,3000")
 ap.add_argument("--seconds", type=float, default=5.0)
@@ -29,24 +31,13 @@ ap.add_argument("--rounds", type=int, default=2)
 ap.add_argument("--conns", type=int, default=8)
 ap.add_argument("bins", nargs="*")
 a = ap.parse_args()
-root = os.path.dirname(os.path.abspath(__file__)) + "/../.."
+root = ROOT
 bins = a.bins or [f"{root}/target/release/kvroute"]
-tok = os.path.join(os.environ.get("KVROUTE_TOKENIZE_BENCH_DIR", "/tmp/kvroute-tokenize-bench"),
-                   "tokenizer.json")
-if not os.path.exists(tok):
-    sys.exit(f"{tok} is missing: cargo bench -p kvroute-tokenize --bench encode -- --test")
+tok = tokenizer()
 os.sched_setaffinity(0, {0})
 w = tempfile.mkdtemp()
 UP, NG, KV = 18421, 18422, 18430
-ANSWER = ('{"id":"x","object":"chat.completion","created":0,"model":"m","choices":[{"index":0,'
-          '"message":{"role":"assistant","content":"Hello there, this is a fixed answer."},'
-          '"finish_reason":"stop"}],"usage":{"prompt_tokens":10,"completion_tokens":8,'
-          '"total_tokens":18}}')
-open(f"{w}/up.conf", "w").write(f"""worker_processes 1; daemon off; pid {w}/up.pid; error_log {w}/up.err;
-events {{ worker_connections 1024; }}
-http {{ access_log off; server {{ listen 127.0.0.1:{UP}; keepalive_requests 1000000;
-  location / {{ default_type application/json; return 200 '{ANSWER}'; }} }} }}
-""")
+write_upstream_conf(f"{w}/up.conf", w, UP)
 open(f"{w}/px.conf", "w").write(f"""worker_processes 1; daemon off; pid {w}/px.pid; error_log {w}/px.err;
 events {{ worker_connections 1024; }}
 http {{ access_log off; upstream engine {{ server 127.0.0.1:{UP}; keepalive 64; }}
@@ -56,16 +47,7 @@ http {{ access_log off; upstream engine {{ server 127.0.0.1:{UP}; keepalive 64; 
 procs = [subprocess.Popen(["taskset", "-c", "0", "nginx", "-c", f"{w}/up.conf"]),
          subprocess.Popen(["taskset", "-c", "1", "nginx", "-c", f"{w}/px.conf"])]
 for i, binary in enumerate(bins):
-    open(f"{w}/kv{i}.toml", "w").write(f"""listen = "127.0.0.1:{KV + i}"
-http_threads = 1
-[proxy]
-enabled = true
-[models.m]
-tokenizer = "{tok}"
-[workers.1]
-endpoint = "http://127.0.0.1:{UP}"
-model = "m"
-""")
+    write_kvroute_toml(f"{w}/kv{i}.toml", KV + i, UP, tok)
     procs.append(subprocess.Popen(["taskset", "-c", "1", binary, "serve", "--config",
                                    f"{w}/kv{i}.toml"], env=dict(os.environ, KVROUTE_LOG="warn"),
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))

@@ -14,34 +14,24 @@ Needs nginx and the test tokenizer (cargo bench -p kvroute-tokenize --bench enco
 """
 import argparse, json, os, random, subprocess, sys, tempfile, time, urllib.request
 
+from common import prose_words, tokenizer, write_kvroute_toml, write_upstream_conf
+
 ap = argparse.ArgumentParser()
 ap.add_argument("bins", nargs="+")
 ap.add_argument("--rounds", type=int, default=2)
 ap.add_argument("--requests", type=int, default=20)
 ap.add_argument("--gaps", default="0.3,0.05,0.005")
 a = ap.parse_args()
-root = os.path.dirname(os.path.abspath(__file__)) + "/../.."
-tok = os.path.join(os.environ.get("KVROUTE_TOKENIZE_BENCH_DIR", "/tmp/kvroute-tokenize-bench"), "tokenizer.json")
-if not os.path.exists(tok):
-    sys.exit(f"{tok} is missing: cargo bench -p kvroute-tokenize --bench encode -- --test")
-words = open(f"{root}/host/tokenize/testdata/prose.txt").read().split()
+tok = tokenizer()
+words = prose_words()
 w = tempfile.mkdtemp()
 UP, KV = 18611, 18613
-open(f"{w}/up.conf", "w").write(f"""worker_processes 1; daemon off; pid {w}/up.pid; error_log {w}/up.err;
-events {{ worker_connections 64; }}
-http {{ access_log off; server {{ listen 127.0.0.1:{UP}; location / {{ default_type application/json;
-  return 200 '{{"id":"x","object":"chat.completion","created":0,"model":"m","choices":[{{"index":0,"message":{{"role":"assistant","content":"Hi"}},"finish_reason":"stop"}}],"usage":{{"prompt_tokens":10,"completion_tokens":1,"total_tokens":11}}}}'; }} }} }}
-""")
-open(f"{w}/kv.toml", "w").write(f"""listen = "127.0.0.1:{KV}"
-http_threads = 1
-[proxy]
-enabled = true
-[models.m]
-tokenizer = "{tok}"
-[workers.1]
-endpoint = "http://127.0.0.1:{UP}"
-model = "m"
-""")
+# A one-token answer (this bench counts wake-ups, not the relay of a longer one).
+write_upstream_conf(f"{w}/up.conf", w, UP, connections=64, answer=(
+    '{"id":"x","object":"chat.completion","created":0,"model":"m","choices":[{"index":0,'
+    '"message":{"role":"assistant","content":"Hi"},"finish_reason":"stop"}],'
+    '"usage":{"prompt_tokens":10,"completion_tokens":1,"total_tokens":11}}'))
+write_kvroute_toml(f"{w}/kv.toml", KV, UP, tok)
 nginx = subprocess.Popen(["nginx", "-c", f"{w}/up.conf"])
 
 

@@ -1,0 +1,48 @@
+"""What the proxy benchmarks share: the test tokenizer's path, the instant upstream (nginx answering
+a fixed chat completion) and a `kvroute serve --proxy` configuration in front of it."""
+import os, sys
+
+ROOT = os.path.dirname(os.path.abspath(__file__)) + "/../.."
+
+# The fixed answer: a small chat completion with its usage, as an engine would send it.
+ANSWER = ('{"id":"x","object":"chat.completion","created":0,"model":"m","choices":[{"index":0,'
+          '"message":{"role":"assistant","content":"Hello there, this is a fixed answer."},'
+          '"finish_reason":"stop"}],"usage":{"prompt_tokens":10,"completion_tokens":8,'
+          '"total_tokens":18}}')
+
+
+def tokenizer():
+    """The test tokenizer's tokenizer.json (written by the tokenize bench), or exit saying how to
+    make it."""
+    tok = os.path.join(os.environ.get("KVROUTE_TOKENIZE_BENCH_DIR", "/tmp/kvroute-tokenize-bench"),
+                       "tokenizer.json")
+    if not os.path.exists(tok):
+        sys.exit(f"{tok} is missing: cargo bench -p kvroute-tokenize --bench encode -- --test")
+    return tok
+
+
+def prose_words():
+    return open(f"{ROOT}/host/tokenize/testdata/prose.txt").read().split()
+
+
+def write_upstream_conf(path, work, port, answer=ANSWER, connections=1024):
+    """An nginx configuration (one worker, in the foreground) answering `answer` to everything."""
+    open(path, "w").write(f"""worker_processes 1; daemon off; pid {work}/up.pid; error_log {work}/up.err;
+events {{ worker_connections {connections}; }}
+http {{ access_log off; server {{ listen 127.0.0.1:{port}; keepalive_requests 1000000;
+  location / {{ default_type application/json; return 200 '{answer}'; }} }} }}
+""")
+
+
+def write_kvroute_toml(path, port, upstream, tok, extra=""):
+    """`kvroute serve` with one HTTP thread, the proxy on, model `m` on one engine at `upstream`."""
+    open(path, "w").write(f"""listen = "127.0.0.1:{port}"
+http_threads = 1
+[proxy]
+enabled = true
+[models.m]
+tokenizer = "{tok}"
+[workers.1]
+endpoint = "http://127.0.0.1:{upstream}"
+model = "m"
+{extra}""")
