@@ -17,7 +17,7 @@ the default one).
 """
 import argparse, asyncio, glob, json, os, subprocess, sys, tempfile, time, urllib.request
 
-from common import prose_words, tokenizer, write_kvroute_toml, write_upstream_conf
+from common import prose_words, read_answer, tokenizer, write_kvroute_toml, write_upstream_conf
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--n", default="1000,2000")
@@ -44,14 +44,7 @@ async def send(n, conns=8):
         r, wr = await asyncio.open_connection("127.0.0.1", KV)
         for _ in range(k):
             wr.write(REQ)
-            head = await r.readuntil(b"\r\n\r\n")
-            length = 0
-            for line in head.split(b"\r\n"):
-                if line.lower().startswith(b"content-length:"):
-                    length = int(line.split(b":", 1)[1])
-            if length:
-                await r.readexactly(length)
-            bad += head.split(b" ", 2)[1] != b"200"
+            bad += await read_answer(r) != b"200"
         wr.close()
 
     await asyncio.gather(*(loop(n // conns + (i < n % conns)) for i in range(conns)))

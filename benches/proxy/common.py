@@ -46,3 +46,20 @@ tokenizer = "{tok}"
 endpoint = "http://127.0.0.1:{upstream}"
 model = "m"
 {extra}""")
+
+
+async def read_answer(r):
+    """Reads one HTTP/1.1 answer from the stream reader `r` (a length or chunked body); returns its
+    status code as bytes."""
+    head = await r.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":", 1)[1])
+    if length:
+        await r.readexactly(length)
+    elif b"chunked" in head.lower():  # read to the terminating chunk
+        while not (await r.readuntil(b"\r\n")) == b"0\r\n":
+            pass
+        await r.readuntil(b"\r\n")
+    return head.split(b" ", 2)[1]

@@ -22,7 +22,7 @@ encode -- --test).
 """
 import argparse, asyncio, json, os, subprocess, sys, tempfile, time, urllib.request
 
-from common import ROOT, tokenizer, write_kvroute_toml, write_upstream_conf
+from common import ROOT, read_answer, tokenizer, write_kvroute_toml, write_upstream_conf
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--rates", default="1000,3000")
@@ -88,18 +88,7 @@ async def conn_loop(port, req, start, interval, offset, until, counts):
         if due > now:
             await asyncio.sleep(due - now)
         wr.write(req)
-        head = await r.readuntil(b"\r\n\r\n")
-        status = head.split(b" ", 2)[1]
-        length = 0
-        for line in head.split(b"\r\n"):
-            if line.lower().startswith(b"content-length:"):
-                length = int(line.split(b":", 1)[1])
-        if length:
-            await r.readexactly(length)
-        else:  # chunked: read to the terminating chunk
-            while not (await r.readuntil(b"\r\n")) == b"0\r\n":
-                pass
-            await r.readuntil(b"\r\n")
+        status = await read_answer(r)
         counts["ok" if status == b"200" else "bad"] += 1
         k += 1
     wr.close()
