@@ -34,7 +34,6 @@ pub mod render;
 pub mod request;
 pub mod upstream;
 
-use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -359,7 +358,8 @@ impl Proxy {
             let dp = (worker.dp_size > 1).then_some(rank);
             let extra = prefill_headers(&d, &snap);
             drop(snap);
-            // As `tokio::time::timeout_at`: the send first, then the deadline.
+            // As `tokio::time::timeout_at` (the send polled first, then the deadline), with the
+            // request's one timer.
             let sent = {
                 let post = self.upstream.post(
                     &ep,
@@ -370,14 +370,11 @@ impl Proxy {
                     dp,
                     &extra,
                 );
-                tokio::pin!(post);
-                std::future::poll_fn(|cx| {
-                    if let std::task::Poll::Ready(r) = post.as_mut().poll(cx) {
-                        return std::task::Poll::Ready(Ok(r));
-                    }
-                    sleep.as_mut().poll(cx).map(Err)
-                })
-                .await
+                tokio::select! {
+                    biased;
+                    r = post => Ok(r),
+                    () = sleep.as_mut() => Err(()),
+                }
             };
             let resp = match sent {
                 Err(_) => {
