@@ -24,6 +24,13 @@ pub fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[rank.clamp(1, sorted.len()) - 1]
 }
 
+/// The [`Latency`] of the finite values among `values` (NaN marks "did not happen").
+fn latency_of(values: impl Iterator<Item = f64>) -> Latency {
+    let mut v: Vec<f64> = values.filter(|t| t.is_finite()).collect();
+    v.sort_by(f64::total_cmp);
+    latency(&v)
+}
+
 fn latency(sorted: &[f64]) -> Latency {
     Latency {
         p50: percentile(sorted, 50.0),
@@ -462,13 +469,6 @@ impl PolicyRun {
             .iter()
             .filter(|o| o.prefill_worker.is_some())
             .count();
-        let mut xfer: Vec<f64> = out
-            .requests
-            .iter()
-            .map(|o| o.transfer_ms)
-            .filter(|t| t.is_finite())
-            .collect();
-        xfer.sort_by(f64::total_cmp);
         let cross = out
             .requests
             .iter()
@@ -482,7 +482,7 @@ impl PolicyRun {
                 .iter()
                 .filter(|o| o.worker.is_some() && o.prefill_worker.is_none() && !o.bypassed)
                 .count(),
-            transfer_ms: latency(&xfer),
+            transfer_ms: latency_of(out.requests.iter().map(|o| o.transfer_ms)),
             cross_zone_share: if split == 0 {
                 0.0
             } else {
@@ -546,21 +546,8 @@ impl PolicyRun {
             predictions: None,
             canary: None,
             inferred_sessions: None,
-            queued_ms: {
-                let mut q: Vec<f64> = out.requests.iter().map(|o| o.queued_ms).collect();
-                q.sort_by(f64::total_cmp);
-                latency(&q)
-            },
-            prefill_alone_ms: {
-                let mut a: Vec<f64> = out
-                    .requests
-                    .iter()
-                    .map(|o| o.prefill_alone_ms)
-                    .filter(|t| t.is_finite())
-                    .collect();
-                a.sort_by(f64::total_cmp);
-                latency(&a)
-            },
+            queued_ms: latency_of(out.requests.iter().map(|o| o.queued_ms)),
+            prefill_alone_ms: latency_of(out.requests.iter().map(|o| o.prefill_alone_ms)),
             sessions: None,
         };
         Self {
