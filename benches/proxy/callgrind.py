@@ -15,9 +15,9 @@ Needs nginx, valgrind and the test tokenizer (cargo bench -p kvroute-tokenize --
 --test). Under valgrind the policy runtime keeps a small instance pool (valgrind cannot reserve
 the default one).
 """
-import argparse, asyncio, glob, json, os, subprocess, sys, tempfile, time, urllib.request
+import argparse, asyncio, glob, json, os, subprocess, sys, tempfile, time
 
-from common import prose_words, read_answer, tokenizer, write_kvroute_toml, write_upstream_conf
+from common import prose_words, read_answer, wait_ready, tokenizer, write_kvroute_toml, write_upstream_conf
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--n", default="1000,2000")
@@ -71,14 +71,7 @@ def count(binary, n):
                          env=dict(os.environ, KVROUTE_LOG="warn"),
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        for _ in range(600):
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{KV}/healthz", timeout=1).read()
-                break
-            except OSError:
-                time.sleep(0.5)
-        else:
-            sys.exit(f"{binary} did not start under valgrind")
+        wait_ready(KV, seconds=300, pause=0.5)  # valgrind starts slowly
         asyncio.run(send(300))
         subprocess.run(["callgrind_control", "-z", str(p.pid)], check=True, capture_output=True)
         asyncio.run(send(n))

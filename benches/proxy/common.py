@@ -1,6 +1,6 @@
 """What the proxy benchmarks share: the test tokenizer's path, the instant upstream (nginx answering
 a fixed chat completion) and a `kvroute serve --proxy` configuration in front of it."""
-import os, sys
+import os, sys, time, urllib.request
 
 ROOT = os.path.dirname(os.path.abspath(__file__)) + "/../.."
 
@@ -63,3 +63,14 @@ async def read_answer(r):
             pass
         await r.readuntil(b"\r\n")
     return head.split(b" ", 2)[1]
+
+
+def wait_ready(port, seconds=10.0, pause=0.1):
+    """Waits until kvroute on `port` answers /healthz, or exits saying it did not start."""
+    for _ in range(int(seconds / pause)):
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1).read()
+            return
+        except OSError:
+            time.sleep(pause)
+    sys.exit(f"kvroute on port {port} did not start")

@@ -20,9 +20,9 @@ and every round measures nginx and then each binary in turn, so a machine whose 
 charges them alike. Needs nginx and the test tokenizer (cargo bench -p kvroute-tokenize --bench
 encode -- --test).
 """
-import argparse, asyncio, json, os, subprocess, sys, tempfile, time, urllib.request
+import argparse, asyncio, json, os, subprocess, sys, tempfile, time
 
-from common import ROOT, read_answer, tokenizer, write_kvroute_toml, write_upstream_conf
+from common import ROOT, read_answer, tokenizer, wait_ready, write_kvroute_toml, write_upstream_conf
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--rates", default="1000,3000")
@@ -103,16 +103,6 @@ async def paced(port, body, rate, seconds):
     await asyncio.gather(*(conn_loop(port, req, start, interval, i / rate, until, counts)
                            for i in range(a.conns)))
     return counts, time.monotonic() - start
-
-
-def wait_ready(port):
-    for _ in range(100):
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1).read()
-            return
-        except OSError:
-            time.sleep(0.1)
-    sys.exit(f"kvroute on port {port} did not start")
 
 
 try:

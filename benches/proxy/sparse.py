@@ -14,7 +14,7 @@ Needs nginx and the test tokenizer (cargo bench -p kvroute-tokenize --bench enco
 """
 import argparse, json, os, random, subprocess, sys, tempfile, time, urllib.request
 
-from common import prose_words, tokenizer, write_kvroute_toml, write_upstream_conf
+from common import prose_words, tokenizer, wait_ready, write_kvroute_toml, write_upstream_conf
 
 ap = argparse.ArgumentParser()
 ap.add_argument("bins", nargs="+")
@@ -52,12 +52,7 @@ def measure(binary, gap):
     p = subprocess.Popen([binary, "serve", "--config", f"{w}/kv.toml"], env=env,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        for _ in range(100):
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{KV}/healthz", timeout=1).read()
-                break
-            except OSError:
-                time.sleep(0.1)
+        wait_ready(KV)
         rng = random.Random(7)
         time.sleep(0.5)
         before = threads(p.pid)
