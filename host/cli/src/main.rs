@@ -15,6 +15,35 @@ mod scaffold;
 use clap::{Args, Parser, Subcommand};
 use kvroute_server::config::{LogFormat, ServeConfig};
 
+/// The process's allocator: jemalloc, not glibc's malloc. Tokenizing a long prompt through the
+/// tokenizer cache encodes it part by part, hundreds of thousands of small allocations freed
+/// across threads; under glibc that path ran 1.24-1.35x slower than one whole encode once the
+/// process had tokenized for a while, and under jemalloc 0.6-0.8x, with a proxied 100k-token fresh
+/// chat at 0.67-0.70x glibc's CPU and short requests no slower (BENCHMARKS.md, data path).
+/// mimalloc was tried before and lost 2-3x on long prompts (it zeroed transparent huge pages on
+/// every refill). Freed pages go back to the system on jemalloc's decay, at once for large blocks
+/// ([`MALLOC_CONF`]), and on the trims the server runs after the index shrinks
+/// (`kvroute_server::trim`).
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
+/// jemalloc's options, read when it starts (its `malloc_conf`, under the `_rjem_` prefix
+/// tikv-jemalloc-sys gives jemalloc's symbols). `oversize_threshold`: blocks of 1 MiB and more
+/// come from jemalloc's arena for large blocks, which gives their pages back as soon as they are
+/// freed, as glibc does above its mmap threshold (`kvroute_server::trim::MMAP_THRESHOLD_BYTES`, the
+/// same size). Without it a large request body (a 512-event `POST /v1/events` is ~7 MB) stays
+/// resident for the decay's 10 s: 1.25x the resident memory of the same events posted 8 at a time
+/// (`tests/index_memory.rs`), against 1.03x with it. The operator's `_RJEM_MALLOC_CONF` still
+/// overrides it.
+#[export_name = "_rjem_malloc_conf"]
+static MALLOC_CONF: MallocConf = MallocConf(c"oversize_threshold:1048576".as_ptr());
+
+/// A C string pointer in a static: jemalloc reads `malloc_conf` as `const char *`.
+#[repr(transparent)]
+struct MallocConf(*const std::ffi::c_char);
+// SAFETY: the pointer is to a static, immutable C string.
+unsafe impl Sync for MallocConf {}
+
 #[derive(Parser, Debug)]
 #[command(
     name = "kvroute",
@@ -435,5 +464,19 @@ fn main() -> ExitCode {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use kvroute_server::trim::{jemalloc_oversize_threshold, MMAP_THRESHOLD_BYTES};
+
+    #[test]
+    fn jemalloc_gives_large_blocks_back_from_the_same_size_as_glibc() {
+        assert_eq!(
+            jemalloc_oversize_threshold(),
+            Some(MMAP_THRESHOLD_BYTES as usize),
+            "MALLOC_CONF was not read (its symbol name or format)"
+        );
     }
 }

@@ -1,17 +1,17 @@
 //! Giving freed index memory back to the operating system within a bounded time.
 //!
 //! The index frees what removals and clears take out (nodes, edge arrays; its canonical handle
-//! map shrinks once it is a quarter full), but glibc's allocator keeps freed pages inside its
-//! heaps until asked: the process's resident size then stays at its high-water mark. The serve
-//! loop's one-second ticker calls [`Trimmer::tick`], which runs `malloc_trim(0)` (on a blocking
-//! thread, it walks the heap) once the index holds [`TRIM_AFTER_ENTRIES`] fewer (candidate,
-//! block) entries than its peak since the last trim: memory comes back at most a tick after the
-//! removals, and a steady store/remove churn (which reuses freed memory anyway) never trims.
+//! map shrinks once it is a quarter full), but allocators keep freed pages until asked or until a
+//! decay runs: the process's resident size then stays near its high-water mark. The serve loop's
+//! one-second ticker calls [`Trimmer::tick`], which runs [`trim`] (on a blocking thread: it walks
+//! the heaps) once the index holds [`TRIM_AFTER_ENTRIES`] fewer (candidate, block) entries than
+//! its peak since the last trim: memory comes back at most a tick after the removals, and a
+//! steady store/remove churn (which reuses freed memory anyway) never trims.
 //!
-//! We chose this over another global allocator (jemalloc, mimalloc, whose decay returns pages on
-//! their own) because it adds no dependency or build step, and on the memory bench
-//! (`benches/index_memory.rs`) it gives back what glibc holds free; an allocator switch would
-//! change every allocation in the process for this one effect.
+//! The `kvroute` binary's allocator is jemalloc (host/cli/src/main.rs says why); with this crate's
+//! `jemalloc` feature, which that binary sets, a trim purges every jemalloc arena's unused dirty
+//! pages at once instead of waiting for their decay (10 s). glibc's `malloc_trim` runs too: C code
+//! in the process still allocates there, and without the feature glibc holds everything.
 
 /// Allocations at least this large are served by their own mapping and unmapped when freed.
 pub const MMAP_THRESHOLD_BYTES: i32 = 1 << 20;
@@ -21,8 +21,10 @@ pub const MMAP_THRESHOLD_BYTES: i32 = 1 << 20;
 /// every later one (a 512-event `POST /v1/events` is ~7 MB) comes from a thread's heap arena, and
 /// once freed stays there as resident free space: measured by `tests/index_memory.rs`, the same
 /// entries posted 512 events at a time left 55 resident bytes per entry against 11 at 8 events at
-/// a time. With the threshold fixed, a body's buffer is unmapped when the request ends. Call once
-/// at start, before serving.
+/// a time. With the threshold fixed, a body's buffer is unmapped when the request ends. Under
+/// jemalloc, the `kvroute` binary's allocator, Rust's allocations do not reach glibc: there the
+/// same size is jemalloc's `oversize_threshold` (host/cli/src/main.rs), and this setting covers
+/// what C code still allocates from glibc. Call once at start, before serving.
 pub fn configure() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: mallopt has no preconditions; M_MMAP_THRESHOLD takes a byte count.
@@ -60,8 +62,48 @@ impl Trimmer {
     }
 }
 
-/// Returns free heap memory to the operating system (glibc only; a no-op elsewhere).
+/// jemalloc's `opt.oversize_threshold`, the block size from which jemalloc gives freed pages
+/// back at once (the `kvroute` binary sets it to [`MMAP_THRESHOLD_BYTES`]); `None` if jemalloc
+/// does not answer.
+#[cfg(feature = "jemalloc")]
+pub fn jemalloc_oversize_threshold() -> Option<usize> {
+    let (mut value, mut len) = (0usize, std::mem::size_of::<usize>());
+    // SAFETY: `opt.oversize_threshold` is a size_t; jemalloc writes at most `len` bytes into
+    // `value` and writes nothing back when no new value is given (null, 0).
+    let rc = unsafe {
+        tikv_jemalloc_sys::mallctl(
+            c"opt.oversize_threshold".as_ptr(),
+            (&mut value as *mut usize).cast(),
+            &mut len,
+            std::ptr::null_mut(),
+            0,
+        )
+    };
+    (rc == 0).then_some(value)
+}
+
+/// Returns free heap memory to the operating system: jemalloc's (with the `jemalloc` feature)
+/// and glibc's (on glibc; a no-op elsewhere).
 pub fn trim() {
+    #[cfg(feature = "jemalloc")]
+    {
+        // `arena.<MALLCTL_ARENAS_ALL>.purge`: every arena's unused dirty pages, now.
+        const PURGE_ALL: &std::ffi::CStr = c"arena.4096.purge";
+        // SAFETY: a void mallctl: no old value is read and no new one written (null pointers,
+        // length 0), which is how jemalloc documents `arena.<i>.purge`.
+        let rc = unsafe {
+            tikv_jemalloc_sys::mallctl(
+                PURGE_ALL.as_ptr(),
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                0,
+            )
+        };
+        if rc != 0 {
+            tracing::warn!(errno = rc, "jemalloc purge failed");
+        }
+    }
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: malloc_trim has no preconditions and is thread-safe.
     unsafe {

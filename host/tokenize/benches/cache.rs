@@ -11,6 +11,9 @@
 //!
 //! `cargo bench -p kvroute-tokenize --bench cache`
 
+#[path = "allocator.rs"]
+mod allocator;
+
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion};
 use kvroute_tokenize::testing::{write_test_model, PROSE};
 use kvroute_tokenize::{Model, ModelSpec};
@@ -217,7 +220,8 @@ fn cache(c: &mut Criterion) {
         v[v.len() / 2]
     };
     eprintln!(
-        "first seen, alternated (30 rounds): full encode {:.2} ms, cached {:.2} ms (medians); cached / full, median of rounds: {:.3}",
+        "first seen, alternated (30 rounds, {} allocator): full encode {:.2} ms, cached {:.2} ms (medians); cached / full, median of rounds: {:.3}",
+        allocator::BenchAllocator::name(),
         median(&mut full_ms),
         median(&mut cached_ms),
         median(&mut ratios)

@@ -7,6 +7,9 @@
 //! `benches/tokenize_py.py` times the Python `tokenizers` package on exactly the same input:
 //! `cargo bench -p kvroute-tokenize --bench encode && python3 benches/tokenize_py.py <dir>`.
 
+#[path = "allocator.rs"]
+mod allocator;
+
 use std::path::PathBuf;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
@@ -60,9 +63,10 @@ fn encode(c: &mut Criterion) {
         write_ids(format!("chat_{label}.ids.json"), &chat_ids);
         let tokens = ids.len();
         eprintln!(
-            "{label}: {tokens} prompt tokens, {} chat tokens, {} bytes",
+            "{label}: {tokens} prompt tokens, {} chat tokens, {} bytes ({} allocator)",
             chat_ids.len(),
-            text.len()
+            text.len(),
+            allocator::BenchAllocator::name()
         );
         group.throughput(Throughput::Elements(tokens as u64));
         group.bench_with_input(BenchmarkId::new("encode", label), &text, |b, text| {
