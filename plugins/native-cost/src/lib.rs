@@ -401,7 +401,8 @@ fn apply_multipliers(
     pref_ids: &[u32],
     pref_weights: &[f64],
 ) {
-    let mut bits = [0u8; BIT_TABLE as usize];
+    // One entry past the ids: every larger id reads it, 0 (no branch per lookup).
+    let mut bits = [0u8; BIT_TABLE as usize + 1];
     for (b, &id) in pref_ids.iter().enumerate() {
         bits[id as usize] |= 1 << b;
     }
@@ -410,7 +411,7 @@ fn apply_multipliers(
     let n = costs.len();
     let ends = &taint_offsets[1..n + 1];
     let mut start = taint_offsets[0] as usize;
-    let lookup = |id: u32| bits.get(id as usize).copied().unwrap_or(0);
+    let lookup = |id: u32| bits[id.min(BIT_TABLE) as usize];
     for (cost, &end) in costs.iter_mut().zip(ends) {
         let end = end as usize;
         // A candidate has few taints: the first two are read without a loop (each iteration of
