@@ -312,6 +312,90 @@ fn native_cost_plugin_equals_host_native_costs() {
     }
 }
 
+/// `native-cost` answers the host's native costs bit for bit (not merely close) where no libm
+/// function is involved, at every candidate count around its four-candidate SIMD blocks and with
+/// figures at their extremes: `u64` loads past 2^53 (where `u64 as f64` rounds), overlaps near
+/// `u32::MAX`, zero prefill; and with preferred taints (0 to 7 of them, repeated ids among them,
+/// candidates with up to 6 taints) within 4 units in the last place.
+#[test]
+fn native_cost_plugin_equals_host_native_costs_bit_for_bit() {
+    let reg = registry_with(PolicyRuntimeConfig {
+        deadline_us: 100_000,
+        ..Default::default()
+    });
+    let bytes = support::plugin_bytes(NATIVE);
+    reg.load("recompute", &bytes, None, true).expect("load");
+    let mut rng = SmallRng::seed_from_u64(0x5eed);
+    let taints = support::taint_table(1, 6);
+    let mut want = Vec::new();
+    let sizes = (1..=13).chain([63, 64, 65, 255, 1024]);
+    for (round, n) in sizes.enumerate() {
+        for variant in 0..4 {
+            let block_size = [16, 1, 64, 7][variant];
+            let (mut req, mut cols) =
+                support::random_decision_with_block_size(&mut rng, n, 6, block_size);
+            let u64s = |rng: &mut SmallRng| match rng.gen_range(0..6) {
+                0 => 0,
+                1 => u64::MAX - rng.gen_range(0..4096),
+                2 => (1 << 53) + rng.gen_range(0..4096),
+                3 => rng.gen::<u64>() >> rng.gen_range(0..64),
+                _ => rng.gen_range(0..65_536),
+            };
+            let u32s = |rng: &mut SmallRng| match rng.gen_range(0..4) {
+                0 => 0,
+                1 => u32::MAX - rng.gen_range(0..16),
+                2 => rng.gen::<u32>(),
+                _ => rng.gen_range(0..512),
+            };
+            if variant >= 2 {
+                req.prompt_tokens = u32s(&mut rng);
+                for i in 0..n {
+                    cols.active_prefill_tokens[i] = u64s(&mut rng);
+                    cols.active_decode_blocks[i] = u64s(&mut rng);
+                    cols.device_overlap[i] = u32s(&mut rng);
+                    cols.host_overlap[i] = u32s(&mut rng);
+                    cols.disk_overlap[i] = u32s(&mut rng);
+                    cols.active_prompt_blocks[i] = u32s(&mut rng);
+                }
+            }
+            // Every preference count up to the per-subset limit and one past it.
+            req.preferred_taints = (0..(round + variant) as u32 % 8)
+                .map(|id| (id % 6, rng.gen_range(-0.99f32..0.99)))
+                .collect();
+            kvroute_core::cost::fill_base_costs(
+                &req,
+                &mut cols,
+                &kvroute_core::cost::CostWeights::default(),
+            );
+            // Without preferences, bit for bit; with them, within a few units in the last place:
+            // `tanh` and `exp` come from the guest's libm there and the host's here, which may
+            // round their last bit differently (a subset's weight missed or added would be off
+            // by far more).
+            let prefs = std::mem::take(&mut req.preferred_taints);
+            for with_prefs in [false, true] {
+                if with_prefs {
+                    req.preferred_taints = prefs.clone();
+                }
+                native_costs(&req, &cols, &mut want);
+                let what = format!("n={n} variant={variant} preferences={with_prefs}");
+                let got = match reg.decide(&req, &cols, &taints).outcome {
+                    Outcome::Costs(got) => got,
+                    other => panic!("{what}: {other:?}"),
+                };
+                assert_eq!(got.len(), n, "{what}");
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    let ulps = (g.to_bits() as i64 - w.to_bits() as i64).unsigned_abs();
+                    let most = if with_prefs { 4 } else { 0 };
+                    assert!(
+                        ulps <= most,
+                        "{what}: candidate {i}: plugin {g} vs native {w}"
+                    );
+                }
+            }
+        }
+    }
+}
+
 /// Interface 0.10.0: the host computes the base cost only for versions whose `configure` says
 /// they read it; a version that reads it and gets columns without it asks for it (nothing run,
 /// nothing counted), and one that does not answers the same costs either way.

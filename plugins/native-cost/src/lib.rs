@@ -58,7 +58,8 @@ const MAX_MASK_BITS: usize = 6;
 /// 0, so ids are small); a larger one falls back to scanning.
 const BIT_TABLE: u32 = 256;
 
-/// Candidates per iteration of the base cost's loop.
+/// Candidates per iteration of the base cost's SIMD loop.
+#[cfg(target_arch = "wasm32")]
 const UNROLL: usize = 4;
 
 thread_local! {
@@ -235,62 +236,154 @@ struct Weights {
 /// Appends the native cost (SPEC §7, without preferred taints) of every candidate to `costs`
 /// (empty, with room for `n`).
 ///
-/// One indexed loop over re-sliced columns (the index checks go) with the shared figures in
-/// locals: a closure handed to `Vec::extend` became a function of its own whose captured
-/// figures Cranelift reloaded from linear memory at every candidate, with every column's
-/// pointer spilled (~104 instructions a candidate). `prefill` is clamped with a compare rather
-/// than `f64::max`, which on wasm32 is a call into libm's `fmax` (NaN rules).
+/// The columns are re-sliced to `n` (the index checks go) and the shared figures kept in locals:
+/// a closure handed to `Vec::extend` became a function of its own whose captured figures
+/// Cranelift reloaded from linear memory at every candidate (~104 instructions a candidate).
+/// `prefill` is clamped with a compare rather than `f64::max`, which on wasm32 is a call into
+/// libm's `fmax` (NaN rules). On Wasm the candidates go four at a time through 128-bit SIMD
+/// ([`base_costs_simd`]), which computes exactly what [`base_cost`] computes; the rest (and
+/// every candidate of a native build) go one by one.
 #[inline(never)]
 fn base_costs(costs: &mut Vec<f64>, c: Columns<'_>, w: Weights) {
     let n = c.device_overlap.len();
-    let (device, host, disk) = (
-        &c.device_overlap[..n],
-        &c.host_overlap[..n],
-        &c.disk_overlap[..n],
-    );
-    let (prefill_tokens, decode_blocks, prompt_blocks) = (
-        &c.active_prefill_tokens[..n],
-        &c.active_decode_blocks[..n],
-        &c.active_prompt_blocks[..n],
-    );
-    let out = &mut costs.spare_capacity_mut()[..n];
-    let cost = |d: u32, h: u32, k: u32, tokens: u64, decode: u64, prompt: u32| {
-        let host_extra = h.saturating_sub(d);
-        let disk_extra = k.saturating_sub(d.max(h));
-        let credit = f64::from(d) + w.host * f64::from(host_extra) + w.disk * f64::from(disk_extra);
-        let prefill = (tokens as f64 + w.isl) / w.b - credit;
-        let prefill = if prefill > 0.0 { prefill } else { 0.0 };
-        let new_blocks = w.blocks.saturating_sub(prompt);
-        w.scale * prefill + (decode as f64 + f64::from(new_blocks))
+    let c = Columns {
+        device_overlap: &c.device_overlap[..n],
+        host_overlap: &c.host_overlap[..n],
+        disk_overlap: &c.disk_overlap[..n],
+        active_prefill_tokens: &c.active_prefill_tokens[..n],
+        active_decode_blocks: &c.active_decode_blocks[..n],
+        active_prompt_blocks: &c.active_prompt_blocks[..n],
     };
-    // Four candidates an iteration, each column read as arrays of four (no index checks): what
-    // Cranelift spends per iteration (reloading the figures it spilled around the epoch check's
-    // call, the check itself) is paid once for four.
-    let (out4, out_rest) = out.as_chunks_mut::<UNROLL>();
-    let (d4, d_rest) = device.as_chunks::<UNROLL>();
-    let (h4, h_rest) = host.as_chunks::<UNROLL>();
-    let (k4, k_rest) = disk.as_chunks::<UNROLL>();
-    let (t4, t_rest) = prefill_tokens.as_chunks::<UNROLL>();
-    let (b4, b_rest) = decode_blocks.as_chunks::<UNROLL>();
-    let (p4, p_rest) = prompt_blocks.as_chunks::<UNROLL>();
-    let rows = out4
-        .iter_mut()
-        .zip(d4.iter().zip(h4).zip(k4))
-        .zip(t4.iter().zip(b4).zip(p4));
-    for ((o, ((d, h), k)), ((t, b), p)) in rows {
-        for j in 0..UNROLL {
-            o[j].write(cost(d[j], h[j], k[j], t[j], b[j], p[j]));
-        }
+    let out = &mut costs.spare_capacity_mut()[..n];
+    #[cfg(target_arch = "wasm32")]
+    // SAFETY: simd128 is part of every Wasm engine kvroute runs (wasmtime enables it by default);
+    // the columns and `out` are all `n` long.
+    let done = unsafe { base_costs_simd(out, &c, w) };
+    #[cfg(not(target_arch = "wasm32"))]
+    let done = 0;
+    for (i, o) in out.iter_mut().enumerate().skip(done) {
+        o.write(base_cost(
+            c.device_overlap[i],
+            c.host_overlap[i],
+            c.disk_overlap[i],
+            c.active_prefill_tokens[i],
+            c.active_decode_blocks[i],
+            c.active_prompt_blocks[i],
+            w,
+        ));
     }
-    let rest = out_rest
-        .iter_mut()
-        .zip(d_rest.iter().zip(h_rest).zip(k_rest))
-        .zip(t_rest.iter().zip(b_rest).zip(p_rest));
-    for ((o, ((&d, &h), &k)), ((&t, &b), &p)) in rest {
-        o.write(cost(d, h, k, t, b, p));
-    }
-    // SAFETY: the loop wrote the first `n` entries, within the capacity (`out` is that long).
+    // SAFETY: the loops wrote the first `n` entries, within the capacity (`out` is that long).
     unsafe { costs.set_len(n) };
+}
+
+/// The native cost of one candidate (SPEC §7, without preferred taints), as the host computes it.
+#[inline(always)]
+fn base_cost(d: u32, h: u32, k: u32, tokens: u64, decode: u64, prompt: u32, w: Weights) -> f64 {
+    let host_extra = h.saturating_sub(d);
+    let disk_extra = k.saturating_sub(d.max(h));
+    let credit = f64::from(d) + w.host * f64::from(host_extra) + w.disk * f64::from(disk_extra);
+    let prefill = (tokens as f64 + w.isl) / w.b - credit;
+    let prefill = if prefill > 0.0 { prefill } else { 0.0 };
+    let new_blocks = w.blocks.saturating_sub(prompt);
+    w.scale * prefill + (decode as f64 + f64::from(new_blocks))
+}
+
+/// [`base_cost`] of the first `4 * (n / 4)` candidates, four at a time in 128-bit SIMD; returns
+/// how many it wrote. Every operation is the scalar one lane by lane, in the same order, so the
+/// costs are bit for bit [`base_cost`]'s: `saturating_sub(a, b)` is `max(a, b) - b`; `u32` to
+/// `f64` is exact either way; `u64` to `f64` is the two-halves sequence that LLVM and Cranelift
+/// use for `uitofp` (`2^84 + hi * 2^32` and `2^52 + lo` as doubles, one rounding, in the final
+/// add); the clamp `if prefill > 0 { prefill } else { 0 }` is `pmax(0, prefill)`; there is no
+/// fused multiply-add in either. Four candidates an iteration also pay Cranelift's per-iteration
+/// costs (the epoch check, reloading what it spilled around its call) once for four.
+#[cfg(target_arch = "wasm32")]
+#[target_feature(enable = "simd128")]
+unsafe fn base_costs_simd(
+    out: &mut [std::mem::MaybeUninit<f64>],
+    c: &Columns<'_>,
+    w: Weights,
+) -> usize {
+    use core::arch::wasm32::*;
+    let n = out.len();
+    let groups = n / UNROLL;
+    let (wh, wd) = (f64x2_splat(w.host), f64x2_splat(w.disk));
+    let (isl, b, scale) = (f64x2_splat(w.isl), f64x2_splat(w.b), f64x2_splat(w.scale));
+    let blocks = u32x4_splat(w.blocks);
+    let zero = f64x2_splat(0.0);
+    let low32 = u64x2_splat(0xffff_ffff);
+    let p52 = u64x2_splat(0x4330_0000_0000_0000); // 2^52
+    let p84 = u64x2_splat(0x4530_0000_0000_0000); // 2^84
+    let p84_52 = f64x2_splat(f64::from_bits(0x4530_0000_0010_0000)); // 2^84 + 2^52
+                                                                     // `u64` lanes to `f64`, correctly rounded (see above).
+    let u64_to_f64 = |x: v128| {
+        let lo = v128_or(v128_and(x, low32), p52);
+        let hi = v128_or(u64x2_shr(x, 32), p84);
+        // (2^84 + hi * 2^32 - (2^84 + 2^52)) is exact; adding 2^52 + lo rounds once.
+        f64x2_add(f64x2_sub(hi, p84_52), lo)
+    };
+    let high_half = |x: v128| i32x4_shuffle::<2, 3, 2, 3>(x, x);
+    let out_ptr = out.as_mut_ptr().cast::<f64>();
+    // Candidates `i .. i + 4` (`i + 4 <= n`).
+    let block = |i: usize| {
+        // SAFETY: `i + 4 <= n` and every column is `n` long; `v128` loads and stores need no
+        // alignment.
+        let (d, h, k, p, t01, t23, b01, b23) = unsafe {
+            let u32s = |col: &[u32]| v128_load(col.as_ptr().add(i).cast());
+            let u64s = |col: &[u64], j: usize| v128_load(col.as_ptr().add(i + j).cast());
+            (
+                u32s(c.device_overlap),
+                u32s(c.host_overlap),
+                u32s(c.disk_overlap),
+                u32s(c.active_prompt_blocks),
+                u64s(c.active_prefill_tokens, 0),
+                u64s(c.active_prefill_tokens, 2),
+                u64s(c.active_decode_blocks, 0),
+                u64s(c.active_decode_blocks, 2),
+            )
+        };
+        let dh = u32x4_max(d, h);
+        let host_extra = i32x4_sub(dh, d);
+        let disk_extra = i32x4_sub(u32x4_max(k, dh), dh);
+        let new_blocks = i32x4_sub(u32x4_max(blocks, p), p);
+        let half = |d: v128, he: v128, de: v128, nb: v128, t: v128, dec: v128| {
+            let credit = f64x2_add(
+                f64x2_add(
+                    f64x2_convert_low_u32x4(d),
+                    f64x2_mul(wh, f64x2_convert_low_u32x4(he)),
+                ),
+                f64x2_mul(wd, f64x2_convert_low_u32x4(de)),
+            );
+            let prefill = f64x2_sub(f64x2_div(f64x2_add(u64_to_f64(t), isl), b), credit);
+            let prefill = f64x2_pmax(zero, prefill);
+            f64x2_add(
+                f64x2_mul(scale, prefill),
+                f64x2_add(u64_to_f64(dec), f64x2_convert_low_u32x4(nb)),
+            )
+        };
+        let lo = half(d, host_extra, disk_extra, new_blocks, t01, b01);
+        let hi = half(
+            high_half(d),
+            high_half(host_extra),
+            high_half(disk_extra),
+            high_half(new_blocks),
+            t23,
+            b23,
+        );
+        // SAFETY: entries `i .. i + 4` of `out`, which is `n` long.
+        unsafe {
+            v128_store(out_ptr.add(i).cast(), lo);
+            v128_store(out_ptr.add(i + 2).cast(), hi);
+        }
+    };
+    // Two blocks an iteration (the loop's own costs paid once for eight), then one if left.
+    for g in 0..groups / 2 {
+        block(2 * g * UNROLL);
+        block((2 * g + 1) * UNROLL);
+    }
+    if groups % 2 == 1 {
+        block((groups - 1) * UNROLL);
+    }
+    groups * UNROLL
 }
 
 /// Multiplies every cost by exp(-tanh(s)), `s` the sum of the weights of the preferred taints
@@ -308,7 +401,8 @@ fn apply_multipliers(
     pref_ids: &[u32],
     pref_weights: &[f64],
 ) {
-    let mut bits = [0u8; BIT_TABLE as usize];
+    // One entry past the ids: every larger id reads it, 0 (no branch per lookup).
+    let mut bits = [0u8; BIT_TABLE as usize + 1];
     for (b, &id) in pref_ids.iter().enumerate() {
         bits[id as usize] |= 1 << b;
     }
@@ -317,7 +411,7 @@ fn apply_multipliers(
     let n = costs.len();
     let ends = &taint_offsets[1..n + 1];
     let mut start = taint_offsets[0] as usize;
-    let lookup = |id: u32| bits.get(id as usize).copied().unwrap_or(0);
+    let lookup = |id: u32| bits[id.min(BIT_TABLE) as usize];
     for (cost, &end) in costs.iter_mut().zip(ends) {
         let end = end as usize;
         // A candidate has few taints: the first two are read without a loop (each iteration of
