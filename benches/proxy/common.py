@@ -74,3 +74,17 @@ def wait_ready(port, seconds=10.0, pause=0.1):
         except OSError:
             time.sleep(pause)
     sys.exit(f"kvroute on port {port} did not start")
+
+
+def threads(pid):
+    """CPU time so far of each thread of process `pid`: {tid: (name, nanoseconds)}, from
+    /proc/PID/task/*/schedstat (threads that end meanwhile are left out)."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            name = open(f"/proc/{pid}/task/{tid}/comm").read().strip()
+            ns = int(open(f"/proc/{pid}/task/{tid}/schedstat").read().split()[0])
+        except OSError:
+            continue
+        out[tid] = (name, ns)
+    return out

@@ -14,7 +14,7 @@ Needs nginx and the test tokenizer (cargo bench -p kvroute-tokenize --bench enco
 """
 import argparse, json, os, random, subprocess, sys, tempfile, time, urllib.request
 
-from common import prose_words, tokenizer, wait_ready, write_kvroute_toml, write_upstream_conf
+from common import prose_words, threads, tokenizer, wait_ready, write_kvroute_toml, write_upstream_conf
 
 ap = argparse.ArgumentParser()
 ap.add_argument("bins", nargs="+")
@@ -33,18 +33,6 @@ write_upstream_conf(f"{w}/up.conf", w, UP, connections=64, answer=(
     '"usage":{"prompt_tokens":10,"completion_tokens":1,"total_tokens":11}}'))
 write_kvroute_toml(f"{w}/kv.toml", KV, UP, tok)
 nginx = subprocess.Popen(["nginx", "-c", f"{w}/up.conf"])
-
-
-def threads(pid):
-    out = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            name = open(f"/proc/{pid}/task/{tid}/comm").read().strip()
-            ns = int(open(f"/proc/{pid}/task/{tid}/schedstat").read().split()[0])
-        except OSError:
-            continue
-        out[tid] = (name, ns)
-    return out
 
 
 def measure(binary, gap):
