@@ -469,7 +469,29 @@ fn main() -> ExitCode {
 
 #[cfg(test)]
 mod tests {
-    use kvroute_server::trim::{jemalloc_oversize_threshold, MMAP_THRESHOLD_BYTES};
+    use kvroute_server::trim::{jemalloc_oversize_threshold, trim, MMAP_THRESHOLD_BYTES};
+
+    fn resident_kib() -> u64 {
+        let status = std::fs::read_to_string("/proc/self/status").unwrap();
+        let line = status.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
+        line.split_whitespace().nth(1).unwrap().parse().unwrap()
+    }
+
+    #[test]
+    fn a_trim_gives_jemallocs_freed_small_blocks_back_at_once() {
+        // 64 MiB in 256-byte blocks (jemalloc's slabs, not its large-block arena), touched, freed.
+        let blocks: Vec<Box<[u8; 256]>> = (0..262_144).map(|i| Box::new([i as u8; 256])).collect();
+        let full = resident_kib();
+        drop(blocks);
+        let freed = resident_kib();
+        trim();
+        let trimmed = resident_kib();
+        // Freed slabs wait for jemalloc's decay (10 s) until a trim purges them.
+        assert!(
+            freed.saturating_sub(trimmed) > 32 * 1024,
+            "resident KiB: {full} full, {freed} freed, {trimmed} after the trim"
+        );
+    }
 
     #[test]
     fn jemalloc_gives_large_blocks_back_from_the_same_size_as_glibc() {
