@@ -90,26 +90,23 @@ impl Packed {
             w[at..at + n].copy_from_slice(&col[..n]);
             at += n;
         }
-        // Left empty when no policy run reads it (interface 0.10.0): NaN, so a policy that reads
-        // it without saying so fails loudly (non-finite costs) rather than ranking on zeros.
-        let base = &mut w[at..at + n];
-        if c.base_cost.len() == n {
-            for (dst, x) in base.iter_mut().zip(&c.base_cost) {
-                *dst = x.to_bits();
-            }
-        } else {
-            base.fill(f64::NAN.to_bits());
-        }
-        at += n;
-        // Columns a caller left empty (no learned figures) travel as zeros: "not learned".
-        for col in [&c.prefill_ms_per_token, &c.decode_step_ms] {
+        // The `f64` columns, each with what it travels as when the caller left it empty:
+        // `base_cost` is left empty when no policy run reads it (interface 0.10.0) and travels as
+        // NaN, so a policy that reads it without saying so fails loudly (non-finite costs) rather
+        // than ranking on zeros; the learned figures travel as zeros, "not learned".
+        let nan = f64::NAN.to_bits();
+        for (col, missing) in [
+            (&c.base_cost, nan),
+            (&c.prefill_ms_per_token, 0),
+            (&c.decode_step_ms, 0),
+        ] {
             let dst = &mut w[at..at + n];
             if col.len() == n {
                 for (dst, x) in dst.iter_mut().zip(col) {
                     *dst = x.to_bits();
                 }
             } else {
-                dst.fill(0);
+                dst.fill(missing);
             }
             at += n;
         }
