@@ -10,7 +10,8 @@
 //! lists of `decide`; and `decide`'s whole shape. Beside them, in the same run, the full decision
 //! path (`PolicyRegistry::decide` with `native-cost` passing the host's base costs through) and
 //! the native path, so BENCHMARKS.md can say how much of a small decision is the boundary itself.
-//! Sizes are those of an 8-candidate decision.
+//! Sizes are those of an 8-candidate decision; the packed shape and the two decision paths also
+//! run at 64 candidates (rows suffixed `/64`).
 
 #[path = "../../../tests/support/plugins.rs"]
 mod support;
@@ -95,22 +96,11 @@ fn boundary(c: &mut Criterion) {
     });
 
     // The same decision as one list (the shape of `kvroute:policy@0.9.0`): the count, then as
-    // many words as the three column lists and the two strings' bytes take.
-    let packed: Vec<u64> = std::iter::once(n as u64)
-        .chain(0..(u64s.len() + u32s.len().div_ceil(2) + f64s.len() + 2) as u64)
-        .collect();
-    group.bench_function("decide_packed", |b| {
-        b.iter(|| {
-            black_box(
-                probe
-                    .call_decide_packed(&mut store, 4096, 0, 1.0, 0, 0.0, 1, &packed)
-                    .expect("decide packed"),
-            )
-        });
-    });
-
-    // The real thing, same run: the native path, and the policy runtime with `native-cost`
-    // trusting the host's base costs (the boundary plus the runtime's bookkeeping).
+    // many words as `host/policy/src/wire.rs` packs for the decision beside it (its taints, 2
+    // preferred taints, its request id). Beside it, the native path and the policy runtime
+    // with `native-cost` trusting the host's base costs (the boundary plus the runtime's
+    // bookkeeping), at 8 and at 64 candidates: `decide_packed` plus `native_decision` is what a
+    // decision would cost with no bookkeeping and a guest as fast as native code.
     let reg = PolicyRegistry::new(PolicyRuntimeConfig::default()).expect("policy runtime");
     reg.load(
         "native-cost",
@@ -121,26 +111,45 @@ fn boundary(c: &mut Criterion) {
     .expect("load native-cost");
     let taints = support::taint_table(1, 4);
     let weights = CostWeights::default();
-    let mut rng = SmallRng::seed_from_u64(8);
-    let (mut req, mut cols) = support::random_decision(&mut rng, n, 4);
-    req.preferred_taints = vec![(0, 0.5), (2, -0.3)];
-    let mut costs = Vec::with_capacity(n);
-    group.bench_function("native_decision", |b| {
-        b.iter(|| {
-            fill_base_costs(&req, &mut cols, &weights);
-            native_costs(&req, &cols, &mut costs);
-            black_box(pick(&costs, req.temperature, &mut rng))
-        })
-    });
-    group.bench_function("policy_decision_passthrough", |b| {
-        b.iter(|| {
-            fill_base_costs(&req, &mut cols, &weights);
-            match reg.decide(&req, &cols, &taints).outcome {
-                Outcome::Costs(c) => black_box(pick(&c, req.temperature, &mut rng)),
-                other => panic!("the bench policy must answer costs: {other:?}"),
-            }
-        })
-    });
+    for n in [CANDIDATES, 64] {
+        let mut rng = SmallRng::seed_from_u64(n as u64);
+        let (mut req, mut cols) = support::random_decision(&mut rng, n, 4);
+        req.preferred_taints = vec![(0, 0.5), (2, -0.3)];
+        let (t, p, id_bytes) = (cols.taint_ids.len(), 2, req.request_id.len());
+        let words = 3 + 7 * n + p + (10 * n + 1 + t + p).div_ceil(2) + id_bytes.div_ceil(8);
+        let packed: Vec<u64> = std::iter::once(n as u64).chain(1..words as u64).collect();
+        let suffix = if n == CANDIDATES {
+            String::new()
+        } else {
+            format!("/{n}")
+        };
+        group.bench_function(format!("decide_packed{suffix}"), |b| {
+            b.iter(|| {
+                black_box(
+                    probe
+                        .call_decide_packed(&mut store, 4096, 0, 1.0, 0, 0.0, 1, &packed)
+                        .expect("decide packed"),
+                )
+            });
+        });
+        let mut costs = Vec::with_capacity(n);
+        group.bench_function(format!("native_decision{suffix}"), |b| {
+            b.iter(|| {
+                fill_base_costs(&req, &mut cols, &weights);
+                native_costs(&req, &cols, &mut costs);
+                black_box(pick(&costs, req.temperature, &mut rng))
+            })
+        });
+        group.bench_function(format!("policy_decision_passthrough{suffix}"), |b| {
+            b.iter(|| {
+                fill_base_costs(&req, &mut cols, &weights);
+                match reg.decide(&req, &cols, &taints).outcome {
+                    Outcome::Costs(c) => black_box(pick(&c, req.temperature, &mut rng)),
+                    other => panic!("the bench policy must answer costs: {other:?}"),
+                }
+            })
+        });
+    }
     group.finish();
 }
 
