@@ -28,6 +28,11 @@
 //!   an engine with nothing queued delays no one (`Config::local_work_weight` has the reasoning).
 //! - `overflow_penalty_ms` when the request's blocks would not fit in the candidate's KV capacity
 //!   (the engine would preempt).
+//! - **Near ties by decode pace** (`decode_pace_tie_break`): at an aggregated decision, the
+//!   candidates whose estimates lie within `residual_frac` of the cheapest one's current decode
+//!   step (the residual the estimate guesses at) are ordered by the inter-token latency joining
+//!   their decode batch adds, `(a + 1)·decode(u_after) − a·decode(u_before)`
+//!   (`Config::break_near_ties` has the reasoning).
 //!
 //! Step times come from one function, `Config::step_times`: the configured figures scaled by the
 //! candidate's **learned speed** relative to the fleet (`learned_step_times`, opt-in; the
@@ -63,15 +68,16 @@
 //!   "disk_tier_weight": 0.25, "overflow_penalty_ms": 10000, "credit_active_blocks": true,
 //!   "work_weight": 12, "work_weight_follows_load": true, "learned_step_times": false,
 //!   "recovering_overlap_weight": 0.5, "degraded_overlap_weight": 0, "session_credit": 0.1,
-//!   "parent_session_credit": 0.1, "new_session_local_work": true}`
+//!   "parent_session_credit": 0.1, "new_session_local_work": true,
+//!   "decode_pace_tie_break": false}`
 
 mod model;
 
-pub use model::{Config, Load, Prompt, StepTimes};
+pub use model::{Config, Load, Pace, Prompt, StepTimes};
 
 use kvroute_sdk::{
     check_step_model, parse_config, preferred_multiplier, Candidates, Context, Decision, Policy,
-    RelativeSpeeds, Request, SessionBound,
+    RelativeSpeeds, Request, SessionBound, Stage,
 };
 
 /// The default policy.
@@ -143,12 +149,19 @@ impl Policy for DefaultPolicy {
         let load = config.prefill_load(c);
         let mut prompt = Prompt::of(req, config.work_weight_at(load));
         prompt.new_session = req.session_id.is_some() && c.session_bound.iter().all(|&b| b == 0);
+        // Decode paces only for a tie-break at an aggregated decision: the request decodes where
+        // it is routed (not at a disaggregated prefill step; the decode step ranks by load).
+        let paced = config.decode_pace_tie_break && req.stage == Stage::Aggregated;
+        let mut paces: Vec<Pace> = Vec::new();
         let mut costs: Vec<f64> = if config.learned_step_times {
             let speeds = RelativeSpeeds::of(c);
             Load::all(c)
                 .zip(c.rows())
                 .map(|(l, r)| {
                     let t = config.step_times(l.max_num_batched_tokens, speeds.get(r));
+                    if paced {
+                        paces.push(config.decode_pace(&prompt, &l, &t));
+                    }
                     config.estimate_load(&prompt, &l, &t)
                 })
                 .collect()
@@ -156,7 +169,13 @@ impl Policy for DefaultPolicy {
             // Every candidate shares the configured step times; only the budget differs.
             let step_times = config.model_step_times();
             Load::all(c)
-                .map(|l| config.estimate_load(&prompt, &l, &step_times(l.max_num_batched_tokens)))
+                .map(|l| {
+                    let t = step_times(l.max_num_batched_tokens);
+                    if paced {
+                        paces.push(config.decode_pace(&prompt, &l, &t));
+                    }
+                    config.estimate_load(&prompt, &l, &t)
+                })
                 .collect()
         };
         if !req.preferred_taints.is_empty() {
@@ -168,6 +187,9 @@ impl Policy for DefaultPolicy {
         if let Some(i) = c.session_bound.iter().position(|&b| b != 0) {
             costs[i] *=
                 config.session_factor(req.stage, SessionBound::from_code(c.session_bound[i]));
+        }
+        if paced {
+            config.break_near_ties(&mut costs, &paces);
         }
         Decision::Costs(costs)
     }

@@ -531,3 +531,101 @@ fn a_new_session_s_first_turn_prices_its_miss_by_the_candidate_s_own_load() {
     h.configure(r#"{"new_session_local_work": false}"#).unwrap();
     assert_eq!(h.costs(&first, &set), a);
 }
+
+#[test]
+fn near_ties_go_to_the_candidate_whose_decode_batch_the_request_slows_least() {
+    assert!(!Config::default().decode_pace_tie_break, "off by default");
+    let c = Config::default();
+    let t = c.step_times(0, Speed::MODEL);
+    let total = 16_384.0;
+    // 16 blocks; both candidates hold 1,000 blocks, so every step is as long on either. Worker
+    // 1 caches the first block (64 tokens, ~1 ms less prefill) but decodes 30 requests, worker 2
+    // decodes 2: the same blocks slow 30 requests' steps there.
+    let req = request(1024).block_size(64);
+    let crowded = candidate(1)
+        .device_overlap(1)
+        .active_decode_blocks(1_000)
+        .active_requests(30);
+    let light = candidate(2).active_decode_blocks(1_000).active_requests(2);
+    let set = [crowded.clone(), light.clone()];
+    let mut h = Harness::<DefaultPolicy>::new();
+    let off = h.costs(&req, &set);
+    let gap = off[1] - off[0];
+    let band = c.residual_frac * t.decode(1_000.0 / total);
+    assert!(gap > 0.0 && gap < band, "{off:?}: gap {gap} within {band}");
+    assert_eq!(
+        h.pick(&req, &set).index,
+        0,
+        "the cache wins the first token: {off:?}"
+    );
+    h.configure(r#"{"decode_pace_tie_break": true}"#).unwrap();
+    let on = h.costs(&req, &set);
+    assert_eq!(
+        h.pick(&req, &set).index,
+        1,
+        "the lighter batch wins the near tie: {on:?}"
+    );
+    // The order inside the band is by pace; the costs stay inside it (from the cheapest up).
+    let (before, after) = (t.decode(1_000.0 / total), t.decode(1_016.0 / total));
+    let pace = |a: f64| (a + 1.0) * after - a * before;
+    assert!(pace(2.0) < pace(30.0));
+    assert!(close(on[1], off[0] + 1e-6 * gap), "{on:?}");
+    assert!(on[0] > on[1] && on[0] < off[0] + band, "{on:?}");
+    // Past the band the cache keeps the pick: 8 cached blocks are ~8 ms of prefill, more than
+    // half a step, and neither cost moves.
+    let deep = [crowded.clone().device_overlap(8), light.clone()];
+    h.configure("{}").unwrap();
+    let deep_off = h.costs(&req, &deep);
+    assert!(deep_off[1] - deep_off[0] > band, "{deep_off:?}");
+    h.configure(r#"{"decode_pace_tie_break": true}"#).unwrap();
+    assert_eq!(h.costs(&req, &deep), deep_off);
+    // An idle cheapest candidate has no step under way to be unsure of: no band, no change.
+    let idle_first = [candidate(1).device_overlap(1), light.clone()];
+    h.configure("{}").unwrap();
+    let idle_off = h.costs(&req, &idle_first);
+    h.configure(r#"{"decode_pace_tie_break": true}"#).unwrap();
+    assert_eq!(h.costs(&req, &idle_first), idle_off);
+    // A disaggregated request decodes elsewhere than its prefill worker, and the decode step
+    // ranks by load: neither stage is touched.
+    for staged in [req.clone().prefill(), req.clone().decode()] {
+        h.configure("{}").unwrap();
+        let a = h.costs(&staged, &set);
+        h.configure(r#"{"decode_pace_tie_break": true}"#).unwrap();
+        assert_eq!(h.costs(&staged, &set), a);
+    }
+}
+
+#[test]
+fn decode_pace_counts_the_request_s_own_step_and_each_running_request_s_slowdown() {
+    let c = Config::default();
+    let t = c.step_times(0, Speed::MODEL);
+    let total = 16_384.0;
+    let req = request(1024).block_size(64);
+    let (_, request, cols) = build(
+        &req,
+        &[
+            candidate(1).active_decode_blocks(2_000).active_requests(10),
+            candidate(2)
+                .active_decode_blocks(2_000)
+                .active_prompt_blocks(16)
+                .active_requests(10),
+            candidate(3),
+        ],
+    );
+    let view = cols.view();
+    let prompt = Prompt::of(&request, 0.0);
+    let paces: Vec<Pace> = Load::all(&view)
+        .map(|l| c.decode_pace(&prompt, &l, &t))
+        .collect();
+    let (before, after) = (t.decode(2_000.0 / total), t.decode(2_016.0 / total));
+    assert!(
+        close(paces[0].marginal_ms, 11.0 * after - 10.0 * before),
+        "{paces:?}"
+    );
+    assert!(close(paces[0].current_ms, before));
+    // Blocks an earlier request booked are shared: only its own step is added.
+    assert!(close(paces[1].marginal_ms, before), "{paces:?}");
+    // Alone on an idle engine: its own step, nothing under way.
+    assert!(close(paces[2].marginal_ms, t.decode(16.0 / total)));
+    assert_eq!(paces[2].current_ms, 0.0);
+}
