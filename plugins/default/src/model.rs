@@ -515,7 +515,9 @@ impl Config {
     /// measurably faster to its first token (Azure conv ×20: ITL p50 from +0.7% over `dynamo`'s
     /// to below it, TTFT mean and p50 lower too; issue 36). Not at a disaggregated request's
     /// steps (`decide`): its prefill worker runs none of its decode, and the decode step ranks
-    /// by load already.
+    /// by load already. Off by default: the Mooncake trace loses part of its mean TTFT margin
+    /// with it (seed 2's win over `llm-d` becomes a tie; BENCHMARKS.md, issue 36), and mean TTFT
+    /// is the first goal.
     pub fn break_near_ties(&self, costs: &mut [f64], paces: &[Pace]) {
         let Some((best, &m)) = costs.iter().enumerate().min_by(|a, b| a.1.total_cmp(b.1)) else {
             return;
