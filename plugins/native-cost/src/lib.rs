@@ -313,8 +313,8 @@ unsafe fn base_costs_simd(
     let low32 = u64x2_splat(0xffff_ffff);
     let p52 = u64x2_splat(0x4330_0000_0000_0000); // 2^52
     let p84 = u64x2_splat(0x4530_0000_0000_0000); // 2^84
-                                                  // 2^84 + 2^52
-    let p84_52 = f64x2_splat(f64::from_bits(0x4530_0000_0010_0000));
+    let p84_52 = f64x2_splat(f64::from_bits(0x4530_0000_0010_0000)); // 2^84 + 2^52
+
     // `u64` lanes to `f64`, correctly rounded (see above).
     let u64_to_f64 = |x: v128| {
         let lo = v128_or(v128_and(x, low32), p52);
