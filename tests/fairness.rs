@@ -263,6 +263,51 @@ fn replay_runs_agent_sessions_through_both_queues_and_the_peer_policies() {
             assert!(r["completion_ms"].as_f64().unwrap() > 0.0);
         }
         assert!(p["queued_ms"]["p99"].as_f64().unwrap() >= 0.0);
+        // per tenant: every session and every served request counted once, in tenant order,
+        // and no tenant's figures outside the run's
+        let tenants = s["per_tenant"].as_array().unwrap();
+        assert!(tenants.len() >= 2, "{tenants:?}");
+        for (t, r) in tenants.iter().enumerate() {
+            assert_eq!(r["tenant"], t);
+            let n = rows.iter().filter(|s| s["tenant"] == t).count();
+            assert_eq!(r["sessions"], n, "tenant {t}");
+            if n > 0 {
+                let ttft = &r["ttft_ms"];
+                assert!(ttft["p50"].as_f64().unwrap() <= ttft["p99"].as_f64().unwrap());
+                assert!(ttft["p99"].as_f64().unwrap() <= max, "tenant {t}: {ttft}");
+                assert!(r["queued_ms"]["p50"].as_f64().unwrap() >= 0.0);
+                // the floor is under the tenant's TTFT at every percentile (to rounding: a
+                // request that never waited has its floor as its TTFT, summed another way)
+                for q in ["p50", "p99"] {
+                    let floor = r["prefill_alone_ms"][q].as_f64().unwrap();
+                    assert!(
+                        floor > 0.0 && floor <= ttft[q].as_f64().unwrap() * (1.0 + 1e-9),
+                        "tenant {t} {q}: {r}"
+                    );
+                }
+            }
+        }
+        let served: u64 = tenants
+            .iter()
+            .map(|r| r["requests"].as_u64().unwrap())
+            .sum();
+        assert_eq!(served, p["completed"].as_u64().unwrap());
+        // the tenants' means, weighted by their requests, are the run's
+        let weighted = |key: &str| -> f64 {
+            tenants
+                .iter()
+                .filter(|r| r["requests"].as_u64().unwrap() > 0)
+                .map(|r| r["requests"].as_f64().unwrap() * r[key]["mean"].as_f64().unwrap())
+                .sum::<f64>()
+                / served as f64
+        };
+        for key in ["ttft_ms", "queued_ms", "prefill_alone_ms"] {
+            let run = p[key]["mean"].as_f64().unwrap();
+            assert!(
+                (weighted(key) - run).abs() <= 1e-6 * run.max(1.0),
+                "{key}: {run}"
+            );
+        }
     }
     // every workload run sees the same requests
     let requests: Vec<&serde_json::Value> = v["policies"]

@@ -184,7 +184,27 @@ pub struct SessionFigures {
     pub longest_wait_ms: Latency,
     /// The longest wait of any request of the run (the starvation bound observed).
     pub max_wait_ms: f64,
+    /// One row per tenant, in tenant order: what fair queueing is for is visible here (a light
+    /// tenant's tail against the heavy one's), where the run's own percentiles mix them.
+    pub per_tenant: Vec<TenantRow>,
     pub per_session: Vec<SessionRow>,
+}
+
+/// One tenant's figures over its requests (`results.json` `sessions.per_tenant`).
+#[derive(Clone, Debug, Serialize)]
+pub struct TenantRow {
+    pub tenant: u32,
+    /// Its sessions, subagents included.
+    pub sessions: usize,
+    /// Its requests that got a first token.
+    pub requests: usize,
+    /// Over those requests: time to first token.
+    pub ttft_ms: Latency,
+    /// Over those requests: the time each waited in the router's queue.
+    pub queued_ms: Latency,
+    /// Over those requests: the floor under their TTFT (the run's `prefill_alone_ms`, per
+    /// tenant), below which no queue order brings this tenant's percentiles.
+    pub prefill_alone_ms: Latency,
 }
 
 impl SessionFigures {
@@ -227,12 +247,37 @@ impl SessionFigures {
             .map(|r| r.longest_wait_ms)
             .filter(|x| x.is_finite())
             .fold(0.0, f64::max);
+        let tenants = flows
+            .sessions
+            .iter()
+            .map(|s| s.tenant + 1)
+            .max()
+            .unwrap_or(0);
+        let per_tenant = (0..tenants)
+            .map(|t| {
+                let sessions: Vec<_> = flows.sessions.iter().filter(|s| s.tenant == t).collect();
+                let served: Vec<&crate::sim::RequestOutcome> = sessions
+                    .iter()
+                    .flat_map(|s| s.requests.iter().map(|&i| &out.requests[i as usize]))
+                    .filter(|o| o.first_token_ms.is_finite())
+                    .collect();
+                TenantRow {
+                    tenant: t,
+                    sessions: sessions.len(),
+                    requests: served.len(),
+                    ttft_ms: latency_of(served.iter().map(|o| o.first_token_ms - o.arrival_ms)),
+                    queued_ms: latency_of(served.iter().map(|o| o.queued_ms)),
+                    prefill_alone_ms: latency_of(served.iter().map(|o| o.prefill_alone_ms)),
+                }
+            })
+            .collect();
         Self {
             count: rows.len(),
             session_ttft_ms: sorted(|r| r.ttft_ms),
             completion_ms: sorted(|r| r.completion_ms),
             longest_wait_ms: sorted(|r| r.longest_wait_ms),
             max_wait_ms,
+            per_tenant,
             per_session: rows,
         }
     }
