@@ -1,6 +1,7 @@
 //! End to end: per-tenant budgets (429 with `Retry-After`, never a silent drop, while other
 //! tenants are served) through `POST /v1/route` and the OpenAI-compatible proxy, and the
-//! `[fairness]` configuration's errors naming the key (docs/SPEC.md §9, "Fairness", "Budgets").
+//! `[fairness]` configuration's errors naming the key, and `GET /v1/tenants` (docs/SPEC.md §9,
+//! "Fairness", "Budgets"; API.md §3.13a).
 
 use std::time::Duration;
 
@@ -95,6 +96,106 @@ fn a_tenant_over_its_budget_gets_429_with_retry_after_while_others_are_served() 
     );
     // a tenant that is not a valid name is a 400 naming the field
     let r = s.post("/v1/route", &json!({"tokens": [1], "tenant": ""}));
+    r.expect_error(400, "invalid_request");
+    assert_eq!(r.field(), Some("tenant"));
+    tenants_show_weights_service_and_budgets(&s);
+}
+
+/// `GET /v1/tenants` after the test above: configured tenants and served ones in name order, each
+/// budget's use counting admitted requests only (not the refusals, not the ask), service charged
+/// as prompt tokens to compute plus expected output, and a page at a time.
+fn tenants_show_weights_service_and_budgets(s: &Server) {
+    let r = s.get("/v1/tenants");
+    r.expect(200);
+    let v = r.body();
+    assert_eq!(v["fair_queue"], true);
+    assert!(v["next_after"].is_null());
+    let all = v["tenants"].as_array().unwrap();
+    let names: Vec<&str> = all.iter().map(|t| t["tenant"].as_str().unwrap()).collect();
+    assert_eq!(names, ["acme", "bulk", "default", "other"], "{v}");
+    let by = |n: &str| all.iter().find(|t| t["tenant"] == n).unwrap().clone();
+    let acme = by("acme");
+    assert_eq!(acme["weight"], 2.0);
+    assert_eq!(
+        acme["budget"],
+        json!({"requests_per_minute": 2, "tokens_per_minute": null,
+               "used_requests": 2, "used_tokens": 100})
+    );
+    assert_eq!(
+        by("bulk")["budget"],
+        json!({"requests_per_minute": null, "tokens_per_minute": 100,
+               "used_requests": 2, "used_tokens": 100})
+    );
+    assert!(by("other")["budget"].is_null());
+    assert_eq!(by("other")["weight"], 1.0);
+    // a booked request is charged its uncached prompt tokens plus its expected output (the
+    // same 40-token prompt: the first costs 50, later ones find its blocks on the worker)
+    for (name, booked) in [
+        ("acme", 2.0),
+        ("bulk", 2.0),
+        ("other", 5.0),
+        ("default", 5.0),
+    ] {
+        let a = by(name)["attained_tokens"].as_f64().unwrap();
+        assert!(a > 0.0 && a <= booked * 50.0, "{name}: {a}");
+        assert_eq!(by(name)["waiting_requests"], 0);
+    }
+    // exactly: a fresh tenant's requests with the cached tokens each decision reports, decayed
+    // over the few seconds since (60 s half-life)
+    let mut charged = 0.0;
+    for k in 0..3u32 {
+        let tokens: Vec<u32> = (0..64).map(|i| 5_000 + 100 * k + i % 2).collect();
+        let r = s.post(
+            "/v1/route",
+            &json!({"tokens": tokens, "tenant": "fresh", "expected_output_tokens": 7}),
+        );
+        r.expect(200);
+        charged += (64 - r.body()["cached_tokens"].as_u64().unwrap() + 7) as f64;
+    }
+    let fresh = s.get("/v1/tenants/fresh");
+    let a = fresh.body()["attained_tokens"].as_f64().unwrap();
+    assert!(a <= charged && a > charged * 0.95, "{a} of {charged}");
+    assert!(
+        charged > 3.0 * 7.0,
+        "some prompt tokens were computed: {charged}"
+    );
+    // pages
+    let p1 = s.get("/v1/tenants?limit=3");
+    p1.expect(200);
+    assert_eq!(p1.body()["tenants"].as_array().unwrap().len(), 3);
+    assert_eq!(p1.body()["next_after"], "default");
+    let p2 = s.get("/v1/tenants?after=default&limit=3");
+    let rest: Vec<&str> = p2.body()["tenants"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["tenant"].as_str().unwrap())
+        .collect();
+    assert_eq!(rest, ["fresh", "other"]);
+    assert!(p2.body()["next_after"].is_null());
+    // one tenant, met or not
+    let one = s.get("/v1/tenants/acme");
+    one.expect(200);
+    assert_eq!(one.body()["budget"], acme["budget"]);
+    let nobody = s.get("/v1/tenants/nobody");
+    nobody.expect(200);
+    assert_eq!(
+        nobody.body(),
+        &json!({"tenant": "nobody", "weight": 1.0, "attained_tokens": 0.0,
+                "waiting_requests": 0, "waiting_prompt_tokens": 0, "budget": null})
+    );
+    // bad input names the field
+    for (path, field) in [
+        ("/v1/tenants?limit=0", "limit"),
+        ("/v1/tenants?limit=1001", "limit"),
+        ("/v1/tenants?page=2", "query"),
+    ] {
+        let r = s.get(path);
+        r.expect_error(400, "invalid_request");
+        assert_eq!(r.field(), Some(field), "{path}");
+    }
+    let long = format!("/v1/tenants/{}", "t".repeat(129));
+    let r = s.get(&long);
     r.expect_error(400, "invalid_request");
     assert_eq!(r.field(), Some("tenant"));
 }

@@ -1811,7 +1811,8 @@ fn openapi_document_matches_served_behaviour() {
         let concrete = path
             .replace("{worker_id}", "7")
             .replace("{request_id}", "oa-1")
-            .replace("{name}", "native");
+            .replace("{name}", "native")
+            .replace("{tenant}", "acme");
         let (ct, body): (&str, Vec<u8>) = match op.pointer("/requestBody/content") {
             None => ("application/json", Vec::new()),
             Some(c) if c.get("application/wasm").is_some() => ("application/wasm", wasm.clone()),
@@ -1895,6 +1896,8 @@ fn openapi_document_matches_served_behaviour() {
         "POST /v1/policies/native/activate ",
         "GET /v1/policies ",
         "GET /v1/policies/native ",
+        "GET /v1/tenants ",
+        "GET /v1/tenants/acme ",
         "GET /healthz ",
         "GET /readyz ",
         "GET /metrics ",

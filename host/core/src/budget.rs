@@ -146,6 +146,11 @@ impl Budgets {
         }
     }
 
+    /// The tenants with a budget and their limits.
+    pub fn limits(&self) -> &FxHashMap<String, TenantBudget> {
+        &self.limits
+    }
+
     /// Whether any tenant has a budget.
     pub fn is_empty(&self) -> bool {
         self.limits.is_empty()

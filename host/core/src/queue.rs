@@ -329,8 +329,23 @@ impl FairConfig {
     }
 }
 
+/// One tenant's standing in the queue ([`PendingQueue::tenants`]).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct TenantStanding {
+    /// Its decayed attained service, tokens (uncached prompt plus output tokens of its booked
+    /// requests, halving every `half_life_secs`); 0 without fairness or once forgotten.
+    pub attained_tokens: f64,
+    /// Its requests waiting in the queue.
+    pub waiting_requests: usize,
+    /// Their prompt tokens.
+    pub waiting_prompt_tokens: u64,
+}
+
 /// The name requests without a tenant are accounted under.
 pub const DEFAULT_TENANT: &str = "default";
+
+/// The longest tenant name a request may carry, in bytes.
+pub const MAX_TENANT_LEN: usize = 128;
 
 /// Attained service is kept scaled by `2^((t - origin) / half_life)` so that decaying every
 /// flow at once never touches any of them; past this exponent the origin moves to now (one
@@ -852,6 +867,32 @@ impl<T> PendingQueue<T> {
         self.service.as_ref().map_or(0.0, |s| {
             s.tenants.get(tenant).copied().unwrap_or(0.0) / s.scale(now_secs)
         })
+    }
+
+    /// Every tenant with a service account or a waiting request, by name: its decayed attained
+    /// service at `now_secs` (tokens; 0 without fairness) and what it has waiting. O(flows +
+    /// waiting requests): an operator's read (`GET /v1/tenants`), never the serving path.
+    pub fn tenants(&self, now_secs: f64) -> BTreeMap<String, TenantStanding> {
+        let mut out: BTreeMap<String, TenantStanding> = BTreeMap::new();
+        if let Some(s) = &self.service {
+            let scale = s.scale(now_secs);
+            for (t, v) in &s.tenants {
+                out.entry(t.to_string()).or_default().attained_tokens = v / scale;
+            }
+        }
+        let waiting = self
+            .classes
+            .values()
+            .flat_map(|c| c.tenants.values())
+            .flat_map(|t| t.sessions.values())
+            .flat_map(|s| s.entries.values());
+        for e in waiting {
+            let t = e.tenant.as_deref().unwrap_or(DEFAULT_TENANT);
+            let st = out.entry(t.to_string()).or_default();
+            st.waiting_requests += 1;
+            st.waiting_prompt_tokens += u64::from(e.prompt_tokens);
+        }
+        out
     }
 
     /// How many flows (tenants and sessions) have a service account.
@@ -1774,6 +1815,56 @@ mod fair_tests {
             FairConfig::default().max_wait_secs,
             Some(DEFAULT_MAX_WAIT_SECS)
         );
+    }
+
+    #[test]
+    fn tenants_show_decayed_service_and_what_waits() {
+        let mut q = fair(&[("heavy", 2.0)]);
+        q.charge(Some("heavy"), Some("s"), 1_000, 0.0);
+        q.charge(None, None, 40, 0.0);
+        q.push(e("h1", 0, 0.0, "heavy", "s"), 1).unwrap();
+        q.push(e("h2", 1, 0.0, "heavy", "z"), 1).unwrap();
+        q.push(e("l1", 0, 0.0, "light", ""), 1).unwrap();
+        // one half-life later every account has halved; waiting requests in every class count
+        let t = q.tenants(60.0);
+        let names: Vec<&str> = t.keys().map(String::as_str).collect();
+        assert_eq!(names, [DEFAULT_TENANT, "heavy", "light"]);
+        assert_eq!(t["heavy"].attained_tokens, 500.0);
+        assert_eq!(
+            (
+                t["heavy"].waiting_requests,
+                t["heavy"].waiting_prompt_tokens
+            ),
+            (2, 20)
+        );
+        assert_eq!(t[DEFAULT_TENANT].attained_tokens, 20.0);
+        assert_eq!(t[DEFAULT_TENANT].waiting_requests, 0);
+        // a newcomer starts at the floor, one token's service at its arrival, decayed since
+        assert_eq!(
+            t["light"],
+            TenantStanding {
+                attained_tokens: 0.5,
+                waiting_requests: 1,
+                waiting_prompt_tokens: 10,
+            }
+        );
+        // served requests leave the waiting counts; the service stays until forgotten
+        assert_eq!(ids(&mut q, 60.0).len(), 3);
+        // forgotten below one token: light's tenant and session, and heavy's session z (it
+        // had only the floor); heavy's tenant and session s keep theirs
+        assert_eq!(q.forget_idle(60.0), 3);
+        let t = q.tenants(60.0);
+        assert_eq!(t["heavy"].waiting_requests, 0);
+        assert_eq!(t["heavy"].attained_tokens, 500.0);
+        assert!(!t.contains_key("light"), "no account, nothing waiting");
+        // without fairness: no service, only what waits, under the request's tenant
+        let mut plain = PendingQueue::new(QueueOrder::Fcfs, big());
+        plain.charge(Some("heavy"), None, 1_000, 0.0);
+        plain.push(e("p1", 0, 0.0, "", ""), 1).unwrap();
+        let t = plain.tenants(0.0);
+        assert_eq!(t.len(), 1);
+        assert_eq!(t[DEFAULT_TENANT].waiting_requests, 1);
+        assert_eq!(t[DEFAULT_TENANT].attained_tokens, 0.0);
     }
 
     #[test]

@@ -33,6 +33,7 @@ mod predict_tests;
 pub mod replicas;
 mod request;
 mod step;
+pub mod tenants;
 #[cfg(test)]
 mod tests;
 

@@ -10,6 +10,7 @@ use rand::Rng;
 use super::{RouteError, Router};
 use crate::candidate::{DpRank, WorkerId};
 use crate::hashing;
+use crate::queue::MAX_TENANT_LEN;
 
 /// A prompt: tokens, or local block hashes the caller already computed.
 #[derive(Clone, Debug, PartialEq)]
@@ -235,10 +236,10 @@ impl Router {
             }
         }
         if let Some(t) = &req.tenant {
-            if t.is_empty() || t.len() > 128 || t.chars().any(char::is_control) {
+            if t.is_empty() || t.len() > MAX_TENANT_LEN || t.chars().any(char::is_control) {
                 return Err(invalid(
                     "tenant",
-                    "must be 1 to 128 bytes with no control characters",
+                    format!("must be 1 to {MAX_TENANT_LEN} bytes with no control characters"),
                 ));
             }
         }

@@ -15,6 +15,7 @@ pub mod openapi;
 mod policies;
 pub mod serving;
 pub mod sessions;
+pub mod tenants;
 
 // The contract's bodies, its one error and the body readers are `kvroute-api`'s (the data plane
 // reads the same bodies); they are spoken here under their usual names.
@@ -117,6 +118,8 @@ pub fn app(state: AppState, data_plane: axum::Router<AppState>) -> axum::Router 
         .route("/v1/cluster", get(cluster::get_cluster))
         .route("/v1/sessions", get(sessions::list_sessions))
         .route("/v1/sessions/{session_id}", get(sessions::get_session))
+        .route("/v1/tenants", get(tenants::list_tenants))
+        .route("/v1/tenants/{tenant}", get(tenants::get_tenant))
         .route("/v1/policies", get(policies::list_policies))
         .route("/v1/policies/{name}", get(policies::policy_detail))
         .route("/v1/policies/{name}/shadow", get(policies::get_shadow))

@@ -387,6 +387,24 @@ pub fn schemas() -> Value {
             "sessions": array_of(json!({"$ref": "#/components/schemas/Session"}), "This page."),
             "next_after": opt_string("Pass as after for the next page; null on the last page."),
         })),
+        "Tenant": object(&["tenant", "weight", "attained_tokens", "waiting_requests", "waiting_prompt_tokens", "budget"], json!({
+            "tenant": string("The tenant's name (requests without one are the tenant default)."),
+            "weight": d(json!({"type": ["number", "null"]}), "Its fair-queueing weight ([fairness.tenants.NAME] weight, else [fairness] default_weight); null without fair queueing."),
+            "attained_tokens": d(json!({"type": ["number", "null"]}), "Its attained service, tokens (uncached prompt plus output tokens of its booked requests), decayed with [fairness] half_life_secs; null without fair queueing."),
+            "waiting_requests": int("Its requests waiting in the router's queue."),
+            "waiting_prompt_tokens": u64_int("Their prompt tokens."),
+            "budget": d(json!({"type": ["object", "null"], "required": ["requests_per_minute", "tokens_per_minute", "used_requests", "used_tokens"], "properties": {
+                "requests_per_minute": d(json!({"type": ["integer", "null"]}), "[fairness.tenants.NAME] requests_per_minute (null: no limit)."),
+                "tokens_per_minute": d(json!({"type": ["integer", "null"]}), "[fairness.tenants.NAME] tokens_per_minute (null: no limit)."),
+                "used_requests": u64_int("Requests admitted in the last 60 s."),
+                "used_tokens": u64_int("Their tokens (prompt plus expected output) in the last 60 s."),
+            }}), "Its budgets and the sliding minute's use (null: it has none)."),
+        })),
+        "TenantList": object(&["fair_queue", "tenants", "next_after"], json!({
+            "fair_queue": boolean("Whether [fairness] queue is on (weights and attained service apply)."),
+            "tenants": array_of(json!({"$ref": "#/components/schemas/Tenant"}), "This page: the configured tenants, those with an account of attained service and those with a request waiting."),
+            "next_after": opt_string("Pass as after for the next page; null on the last page."),
+        })),
         "Cluster": object(&["cluster_name", "replica_id", "nats", "replica_timeout_ms", "replicas"], json!({
             "cluster_name": string("The cluster's name (`cluster_name`)."),
             "replica_id": string("This replica's id, random at each start: the origin tag of its writes and booking messages."),
