@@ -198,6 +198,45 @@ fn tenants_show_weights_service_and_budgets(s: &Server) {
     let r = s.get(&long);
     r.expect_error(400, "invalid_request");
     assert_eq!(r.field(), Some("tenant"));
+    // the configured tenants' figures as metrics; the others only here (no label per client name)
+    let m = s.metrics();
+    for (series, want) in [
+        ("kvroute_tenant_waiting_requests{tenant=\"acme\"}", 0.0),
+        (
+            "kvroute_tenant_budget_used{budget=\"requests_per_minute\",tenant=\"acme\"}",
+            2.0,
+        ),
+        (
+            "kvroute_tenant_budget_limit{budget=\"requests_per_minute\",tenant=\"acme\"}",
+            2.0,
+        ),
+        (
+            "kvroute_tenant_budget_used{budget=\"tokens_per_minute\",tenant=\"bulk\"}",
+            100.0,
+        ),
+        (
+            "kvroute_tenant_budget_limit{budget=\"tokens_per_minute\",tenant=\"bulk\"}",
+            100.0,
+        ),
+    ] {
+        assert_eq!(support::metric(&m, series), Some(want), "{series}\n{m}");
+    }
+    let attained = support::metric(&m, "kvroute_tenant_attained_tokens{tenant=\"acme\"}");
+    assert!(attained.is_some_and(|a| a > 0.0), "{m}");
+    assert!(
+        support::metric(
+            &m,
+            "kvroute_tenant_budget_used{budget=\"tokens_per_minute\",tenant=\"acme\"}"
+        )
+        .is_none(),
+        "acme has no token budget"
+    );
+    for name in ["other", "fresh", "default"] {
+        assert!(
+            !m.contains(&format!("tenant=\"{name}\"}}")),
+            "{name} is not configured: {m}"
+        );
+    }
 }
 
 #[test]

@@ -410,6 +410,7 @@ impl Metrics {
         );
         render_learned(&mut out, router);
         render_sessions(&mut out, router);
+        render_tenants(&mut out, router);
         if let Some(p) = policies {
             render_policies(&mut out, p);
             render_rollout(&mut out, p);
@@ -597,6 +598,103 @@ fn render_sessions(out: &mut String, router: &Router) {
             "kvroute_sessions_total{{event=\"{event}\"}} {}",
             n.load(Relaxed)
         );
+    }
+}
+
+/// The configured tenants' standing (`[fairness.tenants.NAME]`; `GET /v1/tenants` has every
+/// tenant): what each has waiting, its attained service under fair queueing, and its budgets'
+/// use. Only configured names are labels, so a client sending new tenant names cannot grow the
+/// scrape; nothing is written when no tenant is configured.
+fn render_tenants(out: &mut String, router: &Router) {
+    let config = router.config();
+    let fair = config.fairness.as_ref();
+    let configured: std::collections::BTreeSet<&str> = fair
+        .into_iter()
+        .flat_map(|f| f.tenant_weights.keys())
+        .chain(config.budgets.keys())
+        .map(String::as_str)
+        .collect();
+    if configured.is_empty() {
+        return;
+    }
+    let tenants: Vec<_> = router
+        .tenants()
+        .into_iter()
+        .filter(|t| configured.contains(t.tenant.as_str()))
+        .collect();
+    gauge_header(
+        out,
+        "kvroute_tenant_waiting_requests",
+        "Requests of each configured tenant waiting in the router's queue.",
+    );
+    for t in &tenants {
+        let _ = writeln!(
+            out,
+            "kvroute_tenant_waiting_requests{{tenant=\"{}\"}} {}",
+            esc(&t.tenant),
+            t.waiting_requests
+        );
+    }
+    if fair.is_some() {
+        gauge_header(
+            out,
+            "kvroute_tenant_attained_tokens",
+            "Each configured tenant's attained service under fair queueing: uncached prompt plus \
+             expected output tokens of its booked requests, decayed with [fairness] half_life_secs.",
+        );
+        for t in &tenants {
+            let _ = writeln!(
+                out,
+                "kvroute_tenant_attained_tokens{{tenant=\"{}\"}} {}",
+                esc(&t.tenant),
+                t.attained_tokens.unwrap_or(0.0)
+            );
+        }
+    }
+    gauge_header(
+        out,
+        "kvroute_tenant_budget_used",
+        "What each configured budget's sliding minute holds (requests, or prompt plus expected \
+         output tokens), beside kvroute_tenant_budget_limit.",
+    );
+    let budgets: Vec<_> = tenants
+        .iter()
+        .filter_map(|t| t.budget.as_ref().map(|b| (esc(&t.tenant), b)))
+        .collect();
+    for (name, b) in &budgets {
+        for (kind, limit, used) in [
+            (
+                "requests_per_minute",
+                b.requests_per_minute,
+                b.used_requests,
+            ),
+            ("tokens_per_minute", b.tokens_per_minute, b.used_tokens),
+        ] {
+            if limit.is_some() {
+                let _ = writeln!(
+                    out,
+                    "kvroute_tenant_budget_used{{budget=\"{kind}\",tenant=\"{name}\"}} {used}"
+                );
+            }
+        }
+    }
+    gauge_header(
+        out,
+        "kvroute_tenant_budget_limit",
+        "Each configured budget ([fairness.tenants.NAME] requests_per_minute, tokens_per_minute).",
+    );
+    for (name, b) in &budgets {
+        for (kind, limit) in [
+            ("requests_per_minute", b.requests_per_minute),
+            ("tokens_per_minute", b.tokens_per_minute),
+        ] {
+            if let Some(limit) = limit {
+                let _ = writeln!(
+                    out,
+                    "kvroute_tenant_budget_limit{{budget=\"{kind}\",tenant=\"{name}\"}} {limit}"
+                );
+            }
+        }
     }
 }
 
