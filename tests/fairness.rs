@@ -537,3 +537,88 @@ fn replay_infers_agent_sessions_from_prefix_lineage() {
     assert!(!o.status.success());
     assert!(String::from_utf8_lossy(&o.stderr).contains("--session-keys \"guessed\""));
 }
+
+/// `GET /v1/tenants` while requests wait: each waiting request under its tenant with its prompt
+/// tokens (as metrics too, for a configured tenant), the busy tenant's service already charged,
+/// and both served once the worker frees up.
+#[test]
+fn tenants_show_their_waiting_requests_while_the_fleet_is_busy() {
+    let cfg = support::temp_file(
+        "fair-wait.toml",
+        "[routing]\nqueue_timeout_ms = 20000\n\n[fairness]\nqueue = true\n\n\
+         [fairness.tenants.acme]\nweight = 1.0\n",
+    );
+    let s = Server::start(&["--config", cfg.to_str().unwrap(), "--busy-threshold", "0.5"]);
+    s.put_worker(1, &json!({"max_num_batched_tokens": 100}));
+    let prompt = |n: u32, salt: u32| -> Vec<u32> { (0..n).map(|i| salt * 1_000 + i).collect() };
+    // 64 uncached prompt tokens > 0.5 × 100: the only worker is busy after this one
+    let hog = s.post(
+        "/v1/route",
+        &json!({"request_id": "hog", "tokens": prompt(64, 1), "tenant": "acme"}),
+    );
+    hog.expect(200);
+    let standing = |name: &str| s.get(&format!("/v1/tenants/{name}")).body().clone();
+    std::thread::scope(|scope| {
+        let wait = |id: &'static str, tenant: &'static str, n: u32, salt: u32| {
+            let url = s.url("/v1/route");
+            scope.spawn(move || {
+                let body = serde_json::to_vec(
+                    &json!({"request_id": id, "tokens": prompt(n, salt), "tenant": tenant}),
+                )
+                .unwrap();
+                support::send(
+                    &support::client(),
+                    &url,
+                    "POST",
+                    &[("content-type", "application/json")],
+                    &body,
+                )
+                .expect("transport")
+            })
+        };
+        let a = wait("acme-2", "acme", 32, 2);
+        let b = wait("beta-1", "beta", 24, 3);
+        support::plugins::eventually("both to wait", || {
+            support::metric(&s.metrics(), "kvroute_queue_depth") == Some(2.0)
+        });
+        let acme = standing("acme");
+        assert_eq!(
+            (&acme["waiting_requests"], &acme["waiting_prompt_tokens"]),
+            (&json!(1), &json!(32)),
+            "{acme}"
+        );
+        let served = acme["attained_tokens"].as_f64().unwrap();
+        assert!(served > 60.0 && served <= 64.0, "the hog's 64: {acme}");
+        let beta = standing("beta");
+        assert_eq!(
+            (&beta["waiting_requests"], &beta["waiting_prompt_tokens"]),
+            (&json!(1), &json!(24)),
+            "{beta}"
+        );
+        assert!(beta["attained_tokens"].as_f64().unwrap() <= 1.0, "{beta}");
+        let listed: Vec<String> = s.get("/v1/tenants").body()["tenants"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t["tenant"].as_str().unwrap().to_string())
+            .collect();
+        assert_eq!(listed, ["acme", "beta"]);
+        assert_eq!(
+            support::metric(
+                &s.metrics(),
+                "kvroute_tenant_waiting_requests{tenant=\"acme\"}"
+            ),
+            Some(1.0)
+        );
+        // the hog's prefill ends: both are served, and nothing waits
+        s.post("/v1/requests/hog/prefill_complete", &json!({}))
+            .expect(200);
+        for h in [a, b] {
+            h.join().expect("client thread").expect(200);
+        }
+    });
+    for name in ["acme", "beta"] {
+        assert_eq!(standing(name)["waiting_requests"], 0, "{name}");
+    }
+    assert!(standing("beta")["attained_tokens"].as_f64().unwrap() > 20.0);
+}
