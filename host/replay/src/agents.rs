@@ -32,6 +32,7 @@ use rand::{Rng, SeedableRng};
 use serde::Serialize;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
+pub use crate::flows::{AgentFlows, AgentSession};
 use crate::trace::{Trace, TraceFormat, TraceRequest};
 
 /// The workload's parameters (module doc).
@@ -100,51 +101,6 @@ impl AgentOptions {
             ));
         }
         Ok(())
-    }
-}
-
-/// One session of the workload.
-#[derive(Clone, Debug, Serialize)]
-pub struct AgentSession {
-    /// Its parent's index, for a subagent.
-    pub parent: Option<u32>,
-    pub tenant: u32,
-    /// Its requests (turns), in order.
-    pub requests: Vec<u32>,
-}
-
-/// What the simulator needs besides the requests: who waits for whom.
-#[derive(Clone, Debug, Default)]
-pub struct AgentFlows {
-    /// Per request: its session.
-    pub session: Vec<u32>,
-    /// Per request: the requests that must finish before it starts (empty: it starts at its
-    /// trace arrival time).
-    pub deps: Vec<Vec<u32>>,
-    /// Per request: the think time between the last of its deps finishing and its start, ms.
-    pub think_ms: Vec<f64>,
-    pub sessions: Vec<AgentSession>,
-    pub options: Option<AgentOptions>,
-}
-
-impl AgentFlows {
-    /// The session id request `i` is routed with (subagents carry their own).
-    pub fn session_id(&self, i: usize) -> String {
-        format!("agent-{}", self.session[i])
-    }
-
-    /// The parent session id request `i` is routed with: a subagent's turns name their parent's
-    /// session, as agent harnesses do (the server reads it from their headers), so the router
-    /// can start a subagent where its parent is bound (SPEC §12).
-    pub fn parent_session_id(&self, i: usize) -> Option<String> {
-        self.sessions[self.session[i] as usize]
-            .parent
-            .map(|p| format!("agent-{p}"))
-    }
-
-    /// The tenant request `i` is routed with.
-    pub fn tenant(&self, i: usize) -> String {
-        format!("tenant-{}", self.sessions[self.session[i] as usize].tenant)
     }
 }
 
@@ -283,10 +239,7 @@ pub fn generate(o: &AgentOptions) -> Result<Trace, String> {
         o,
         rng: SmallRng::seed_from_u64(o.seed ^ 0x6167_656e_7473),
         requests: Vec::new(),
-        flows: AgentFlows {
-            options: Some(o.clone()),
-            ..AgentFlows::default()
-        },
+        flows: AgentFlows::default(),
         owner: 1,
     };
     let mut system = Vec::new();

@@ -57,6 +57,7 @@
 pub mod agents;
 mod cli;
 pub mod engine;
+pub mod flows;
 pub mod peers;
 pub mod plot;
 pub mod report;

@@ -115,9 +115,10 @@ pub struct Trace {
     pub requests: Vec<TraceRequest>,
     /// The prefix-sharing parameters, when they were synthesized.
     pub synthesis: Option<PrefixSynthesis>,
-    /// An agentic workload's sessions and dependencies ([`crate::agents`]): requests then start
-    /// when those they wait for have finished, not at `arrival_ms`.
-    pub agents: Option<crate::agents::AgentFlows>,
+    /// An agentic workload's sessions and dependencies ([`crate::flows`], built by
+    /// [`crate::agents`]): requests then start when those they wait for have finished, not at
+    /// `arrival_ms`.
+    pub agents: Option<crate::flows::AgentFlows>,
 }
 
 impl Trace {
