@@ -155,7 +155,15 @@ fn metrics_in(expr: &str) -> Vec<String> {
 
 #[test]
 fn hit_rate_counters_and_the_grafana_dashboard_match_a_running_server() {
-    let server = Server::start();
+    // A configured tenant with a budget, so the dashboard's tenant panels have series.
+    let config =
+        std::env::temp_dir().join(format!("kvroute-dashboard-{}.toml", std::process::id()));
+    std::fs::write(
+        &config,
+        "[fairness]\nqueue = true\n\n[fairness.tenants.acme]\nrequests_per_minute = 1\n",
+    )
+    .unwrap();
+    let server = Server::start_with(&["--config", config.to_str().unwrap()]);
     let mut p = Publisher::spawn("vllm_publisher.py", &[]);
     server.register_with_events(1, &p, json!({}));
     server.register(2, json!({}));
@@ -198,6 +206,15 @@ fn hit_rate_counters_and_the_grafana_dashboard_match_a_running_server() {
         Some(json!({"tokens": a, "pinned_worker": {"worker_id": 99}})),
     );
     assert_eq!(status, 404);
+    // A tenant over its budget, so its refusal series exists.
+    for want in [200, 429] {
+        let (status, _) = server.send(
+            "POST",
+            "/v1/route",
+            Some(json!({"tokens": tokens(7000, 8), "tenant": "acme"})),
+        );
+        assert_eq!(status, want);
+    }
 
     // Every query of the dashboard names only series this server exports.
     let path = crate::support::workspace_root().join("docs/grafana/kvroute.json");
@@ -233,6 +250,8 @@ fn hit_rate_counters_and_the_grafana_dashboard_match_a_running_server() {
         "kvroute_routed_cached_tokens_total",
         "kvroute_kv_feed_dead",
         "kvroute_kv_last_event_age_seconds",
+        "kvroute_tenant_waiting_requests",
+        "kvroute_tenant_budget_used",
     ] {
         assert!(queried.contains(must), "the dashboard shows no {must}");
     }
