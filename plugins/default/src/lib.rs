@@ -30,9 +30,10 @@
 //!   (the engine would preempt).
 //! - **Near ties by decode pace** (`decode_pace_tie_break`): at an aggregated decision, the
 //!   candidates whose estimates lie within `residual_frac` of the cheapest one's current decode
-//!   step (the residual the estimate guesses at) are ordered by the inter-token latency joining
-//!   their decode batch adds, `(a + 1)·decode(u_after) − a·decode(u_before)`
-//!   (`Config::break_near_ties` has the reasoning).
+//!   step (the residual the estimate guesses at) are ordered by an equal blend of their estimate
+//!   and the inter-token latency joining their decode batch adds, `(a + 1)·decode(u_after) −
+//!   a·decode(u_before)`, each spread over half the band (`Config::break_near_ties` has the
+//!   reasoning).
 //!
 //! Step times come from one function, `Config::step_times`: the configured figures scaled by the
 //! candidate's **learned speed** relative to the fleet (`learned_step_times`, opt-in; the

@@ -565,11 +565,14 @@ fn near_ties_go_to_the_candidate_whose_decode_batch_the_request_slows_least() {
         1,
         "the lighter batch wins the near tie: {on:?}"
     );
-    // The order inside the band is by pace; the costs stay inside it (from the cheapest up).
+    // Two candidates in the band: the lighter pace wins wherever in the band it lies. Each
+    // figure is spread over half the band: the lighter batch keeps half its cost gap, the
+    // crowded one (the pace spread's top) sits at half the band; both stay inside it.
     let (before, after) = (t.decode(1_000.0 / total), t.decode(1_016.0 / total));
     let pace = |a: f64| (a + 1.0) * after - a * before;
     assert!(pace(2.0) < pace(30.0));
-    assert!(close(on[1], off[0] + 1e-6 * gap), "{on:?}");
+    assert!(close(on[1], off[0] + 0.4995 * gap), "{on:?}");
+    assert!(close(on[0], off[0] + 0.4995 * band), "{on:?}");
     assert!(on[0] > on[1] && on[0] < off[0] + band, "{on:?}");
     // Past the band the cache keeps the pick: 8 cached blocks are ~8 ms of prefill, more than
     // half a step, and neither cost moves.
@@ -592,6 +595,59 @@ fn near_ties_go_to_the_candidate_whose_decode_batch_the_request_slows_least() {
         let a = h.costs(&staged, &set);
         h.configure(r#"{"decode_pace_tie_break": true}"#).unwrap();
         assert_eq!(h.costs(&staged, &set), a);
+    }
+}
+
+#[test]
+fn a_near_tie_of_three_weighs_the_estimate_beside_the_pace() {
+    let c = Config::default();
+    let t = c.step_times(0, Speed::MODEL);
+    let total = 16_384.0;
+    // 16 blocks of 64 tokens; all three hold 1,000 blocks, so their steps are equally long and
+    // their estimates differ by the cache alone (~1 ms of prefill per block, nothing queued).
+    // Worker 1 caches 4 blocks but decodes 30 requests; worker 2 caches 3 and decodes 3; worker
+    // 3 caches none and decodes 2: the lightest batch, ~4 ms later to the first token.
+    let req = request(1024).block_size(64);
+    let set = [
+        candidate(1)
+            .device_overlap(4)
+            .active_decode_blocks(1_000)
+            .active_requests(30),
+        candidate(2)
+            .device_overlap(3)
+            .active_decode_blocks(1_000)
+            .active_requests(3),
+        candidate(3).active_decode_blocks(1_000).active_requests(2),
+    ];
+    let mut h = Harness::<DefaultPolicy>::new();
+    let off = h.costs(&req, &set);
+    let band = c.residual_frac * t.decode(1_000.0 / total);
+    assert!(off[0] < off[1] && off[1] < off[2], "{off:?}");
+    assert!(
+        off[2] - off[0] < band,
+        "all three in the band: {off:?}, band {band}"
+    );
+    assert_eq!(
+        h.pick(&req, &set).index,
+        0,
+        "the cache wins the first token"
+    );
+    // The pace alone would take worker 3 (the lightest batch) at the band's edge; worker 2's
+    // batch is nearly as light and its first token ~3 ms sooner: it wins on both together.
+    let (before, after) = (t.decode(1_000.0 / total), t.decode(1_016.0 / total));
+    let pace = |a: f64| (a + 1.0) * after - a * before;
+    assert!(pace(2.0) < pace(3.0) && pace(3.0) < pace(30.0));
+    h.configure(r#"{"decode_pace_tie_break": true}"#).unwrap();
+    let on = h.costs(&req, &set);
+    assert_eq!(h.pick(&req, &set).index, 1, "{on:?}");
+    let blend = |i: usize, a: f64| {
+        off[0]
+            + 0.4995 * (off[i] - off[0])
+            + 0.4995 * band * (pace(a) - pace(2.0)) / (pace(30.0) - pace(2.0))
+    };
+    for (i, a) in [(0, 30.0), (1, 3.0), (2, 2.0)] {
+        assert!(close(on[i], blend(i, a)), "{i}: {on:?}");
+        assert!(on[i] >= off[0] && on[i] < off[0] + band, "{on:?}");
     }
 }
 
