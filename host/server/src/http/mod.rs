@@ -12,6 +12,7 @@ pub mod hash;
 mod limits;
 pub mod metrics;
 pub mod openapi;
+mod page;
 mod policies;
 pub mod serving;
 pub mod sessions;

@@ -4,47 +4,22 @@
 
 use axum::extract::{Query, State};
 use axum::Json;
-use serde::Deserialize;
 
 use super::error::{ApiError, ApiPath};
+use super::page::{Page, PageQuery};
 use super::AppState;
 use kvroute_core::sessions::SessionView;
-
-/// Most sessions one page lists.
-pub const MAX_PAGE: usize = 1000;
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ListQuery {
-    /// List the sessions whose ids sort after this one (the previous page's `next_after`).
-    #[serde(default)]
-    after: Option<String>,
-    #[serde(default)]
-    limit: Option<String>,
-}
 
 /// `GET /v1/sessions`: live bindings in session-id order, `limit` (default 100, at most 1000) a
 /// page; `next_after` names where the next page starts when there is one.
 pub async fn list_sessions(
     State(s): State<AppState>,
-    q: Result<Query<ListQuery>, axum::extract::rejection::QueryRejection>,
+    q: Result<Query<PageQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
-    let Query(q) = q.map_err(|e| ApiError::invalid_field("query", e.body_text()))?;
-    let limit = match q.limit.as_deref() {
-        None => 100,
-        Some(l) => match l.parse::<usize>() {
-            Ok(n) if (1..=MAX_PAGE).contains(&n) => n,
-            _ => {
-                return Err(ApiError::invalid_field(
-                    "limit",
-                    format!("must be an integer from 1 to {MAX_PAGE}, got {l:?}"),
-                ))
-            }
-        },
-    };
+    let Page { after, limit } = Page::of(q)?;
     let r = &s.router;
     let sessions = r.sessions();
-    let (page, more) = sessions.list(q.after.as_deref(), limit, r.clock_us());
+    let (page, more) = sessions.list(after.as_deref(), limit, r.clock_us());
     let next_after = more
         .then(|| page.last().map(|v| v.session_id.clone()))
         .flatten();

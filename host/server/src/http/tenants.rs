@@ -4,52 +4,27 @@
 
 use axum::extract::{Query, State};
 use axum::Json;
-use serde::Deserialize;
 
 use super::error::{ApiError, ApiPath};
+use super::page::{Page, PageQuery};
 use super::AppState;
 use kvroute_core::queue::MAX_TENANT_LEN;
 use kvroute_core::router::tenants::TenantView;
-
-/// Most tenants one page lists.
-pub const MAX_PAGE: usize = 1000;
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ListQuery {
-    /// List the tenants whose names sort after this one (the previous page's `next_after`).
-    #[serde(default)]
-    after: Option<String>,
-    #[serde(default)]
-    limit: Option<String>,
-}
 
 /// `GET /v1/tenants`: tenants in name order, `limit` (default 100, at most 1000) a page;
 /// `next_after` names where the next page starts when there is one.
 pub async fn list_tenants(
     State(s): State<AppState>,
-    q: Result<Query<ListQuery>, axum::extract::rejection::QueryRejection>,
+    q: Result<Query<PageQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Result<Json<serde_json::Value>, ApiError> {
-    let Query(q) = q.map_err(|e| ApiError::invalid_field("query", e.body_text()))?;
-    let limit = match q.limit.as_deref() {
-        None => 100,
-        Some(l) => match l.parse::<usize>() {
-            Ok(n) if (1..=MAX_PAGE).contains(&n) => n,
-            _ => {
-                return Err(ApiError::invalid_field(
-                    "limit",
-                    format!("must be an integer from 1 to {MAX_PAGE}, got {l:?}"),
-                ))
-            }
-        },
-    };
+    let Page { after, limit } = Page::of(q)?;
     let all = s.router.tenants();
-    let start = q
-        .after
+    let start = after
         .as_deref()
         .map_or(0, |a| all.partition_point(|t| t.tenant.as_str() <= a));
-    let page: Vec<TenantView> = all.iter().skip(start).take(limit).cloned().collect();
-    let next_after = (start + page.len() < all.len())
+    let total = all.len();
+    let page: Vec<TenantView> = all.into_iter().skip(start).take(limit).collect();
+    let next_after = (start + page.len() < total)
         .then(|| page.last().map(|t| t.tenant.clone()))
         .flatten();
     Ok(Json(serde_json::json!({
