@@ -154,16 +154,20 @@ impl Policy for DefaultPolicy {
         // it is routed (not at a disaggregated prefill step; the decode step ranks by load).
         let paced = config.decode_pace_tie_break && req.stage == Stage::Aggregated;
         let mut paces: Vec<Pace> = Vec::new();
+        // One candidate's estimate at its step times (and its pace, for the tie-break).
+        let mut priced = |l: Load, t: StepTimes| {
+            if paced {
+                paces.push(config.decode_pace(&prompt, &l, &t));
+            }
+            config.estimate_load(&prompt, &l, &t)
+        };
         let mut costs: Vec<f64> = if config.learned_step_times {
             let speeds = RelativeSpeeds::of(c);
             Load::all(c)
                 .zip(c.rows())
                 .map(|(l, r)| {
                     let t = config.step_times(l.max_num_batched_tokens, speeds.get(r));
-                    if paced {
-                        paces.push(config.decode_pace(&prompt, &l, &t));
-                    }
-                    config.estimate_load(&prompt, &l, &t)
+                    priced(l, t)
                 })
                 .collect()
         } else {
@@ -172,10 +176,7 @@ impl Policy for DefaultPolicy {
             Load::all(c)
                 .map(|l| {
                     let t = step_times(l.max_num_batched_tokens);
-                    if paced {
-                        paces.push(config.decode_pace(&prompt, &l, &t));
-                    }
-                    config.estimate_load(&prompt, &l, &t)
+                    priced(l, t)
                 })
                 .collect()
         };
