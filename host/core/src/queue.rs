@@ -341,11 +341,29 @@ pub struct TenantStanding {
     pub waiting_prompt_tokens: u64,
 }
 
+impl TenantStanding {
+    fn add_waiting<T>(&mut self, e: &QueueEntry<T>) {
+        self.waiting_requests += 1;
+        self.waiting_prompt_tokens += u64::from(e.prompt_tokens);
+    }
+}
+
 /// The name requests without a tenant are accounted under.
 pub const DEFAULT_TENANT: &str = "default";
 
 /// The longest tenant name a request may carry, in bytes.
 pub const MAX_TENANT_LEN: usize = 128;
+
+/// Whether `tenant` is a name a request may carry: 1 to [`MAX_TENANT_LEN`] bytes, no control
+/// characters. The error is the reason, for the caller to put beside its field.
+pub fn check_tenant(tenant: &str) -> Result<(), String> {
+    if tenant.is_empty() || tenant.len() > MAX_TENANT_LEN || tenant.chars().any(char::is_control) {
+        return Err(format!(
+            "must be 1 to {MAX_TENANT_LEN} bytes with no control characters"
+        ));
+    }
+    Ok(())
+}
 
 /// Attained service is kept scaled by `2^((t - origin) / half_life)` so that decaying every
 /// flow at once never touches any of them; past this exponent the origin moves to now (one
@@ -880,19 +898,35 @@ impl<T> PendingQueue<T> {
                 out.entry(t.to_string()).or_default().attained_tokens = v / scale;
             }
         }
-        let waiting = self
-            .classes
+        for e in self.waiting() {
+            let t = e.tenant.as_deref().unwrap_or(DEFAULT_TENANT);
+            out.entry(t.to_string()).or_default().add_waiting(e);
+        }
+        out
+    }
+
+    /// [`Self::tenants`]' figures of one tenant (all zero for one it has never seen).
+    /// O(waiting requests).
+    pub fn tenant(&self, tenant: &str, now_secs: f64) -> TenantStanding {
+        let mut st = TenantStanding {
+            attained_tokens: self.tenant_service(tenant, now_secs),
+            ..TenantStanding::default()
+        };
+        for e in self.waiting() {
+            if e.tenant.as_deref().unwrap_or(DEFAULT_TENANT) == tenant {
+                st.add_waiting(e);
+            }
+        }
+        st
+    }
+
+    /// Every waiting request, in no particular order.
+    fn waiting(&self) -> impl Iterator<Item = &QueueEntry<T>> + '_ {
+        self.classes
             .values()
             .flat_map(|c| c.tenants.values())
             .flat_map(|t| t.sessions.values())
-            .flat_map(|s| s.entries.values());
-        for e in waiting {
-            let t = e.tenant.as_deref().unwrap_or(DEFAULT_TENANT);
-            let st = out.entry(t.to_string()).or_default();
-            st.waiting_requests += 1;
-            st.waiting_prompt_tokens += u64::from(e.prompt_tokens);
-        }
-        out
+            .flat_map(|s| s.entries.values())
     }
 
     /// How many flows (tenants and sessions) have a service account.
@@ -1839,6 +1873,10 @@ mod fair_tests {
         );
         assert_eq!(t[DEFAULT_TENANT].attained_tokens, 20.0);
         assert_eq!(t[DEFAULT_TENANT].waiting_requests, 0);
+        for (name, st) in &t {
+            assert_eq!(&q.tenant(name, 60.0), st, "{name}");
+        }
+        assert_eq!(q.tenant("nobody", 60.0), TenantStanding::default());
         // a newcomer starts at the floor, one token's service at its arrival, decayed since
         assert_eq!(
             t["light"],

@@ -10,7 +10,6 @@ use rand::Rng;
 use super::{RouteError, Router};
 use crate::candidate::{DpRank, WorkerId};
 use crate::hashing;
-use crate::queue::MAX_TENANT_LEN;
 
 /// A prompt: tokens, or local block hashes the caller already computed.
 #[derive(Clone, Debug, PartialEq)]
@@ -236,12 +235,7 @@ impl Router {
             }
         }
         if let Some(t) = &req.tenant {
-            if t.is_empty() || t.len() > MAX_TENANT_LEN || t.chars().any(char::is_control) {
-                return Err(invalid(
-                    "tenant",
-                    format!("must be 1 to {MAX_TENANT_LEN} bytes with no control characters"),
-                ));
-            }
+            crate::queue::check_tenant(t).map_err(|why| invalid("tenant", why))?;
         }
         for (field, key) in [
             ("session_id", &req.session_id),

@@ -7,6 +7,8 @@
 //! then the budgets' lock: never both at once, so it adds no lock order to the router's. Each half
 //! is consistent in itself; a request admitted between the two may show in one and not the other.
 
+use std::collections::BTreeSet;
+
 use serde::Serialize;
 
 use super::Router;
@@ -50,15 +52,11 @@ impl Router {
     pub fn tenants(&self) -> Vec<TenantView> {
         let now = self.clock_secs();
         let mut standing = self.queue.lock().tenants(now);
+        for t in self.configured_tenants() {
+            standing.entry(t.to_string()).or_default();
+        }
         let budgets = self.budgets.lock();
         let fair = self.config.fairness.as_ref();
-        let configured = fair
-            .into_iter()
-            .flat_map(|f| f.tenant_weights.keys())
-            .chain(budgets.limits().keys());
-        for t in configured {
-            standing.entry(t.clone()).or_default();
-        }
         standing
             .into_iter()
             .map(|(tenant, s)| {
@@ -72,14 +70,23 @@ impl Router {
     /// nothing waiting and no service, but its weight and budget are already set).
     pub fn tenant(&self, tenant: &str) -> TenantView {
         let now = self.clock_secs();
-        let s = self
-            .queue
-            .lock()
-            .tenants(now)
-            .remove(tenant)
-            .unwrap_or_default();
+        let s = self.queue.lock().tenant(tenant, now);
         let budget = budget_view(&self.budgets.lock(), tenant, now);
         view(tenant.to_string(), s, self.config.fairness.as_ref(), budget)
+    }
+
+    /// The tenants the configuration names (`[fairness.tenants.NAME]`: a weight or a budget),
+    /// in name order.
+    pub fn configured_tenants(&self) -> BTreeSet<&str> {
+        let weights = self
+            .config
+            .fairness
+            .iter()
+            .flat_map(|f| f.tenant_weights.keys());
+        weights
+            .chain(self.config.budgets.keys())
+            .map(String::as_str)
+            .collect()
     }
 }
 

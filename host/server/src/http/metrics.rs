@@ -606,22 +606,14 @@ fn render_sessions(out: &mut String, router: &Router) {
 /// use. Only configured names are labels, so a client sending new tenant names cannot grow the
 /// scrape; nothing is written when no tenant is configured.
 fn render_tenants(out: &mut String, router: &Router) {
-    let config = router.config();
-    let fair = config.fairness.as_ref();
-    let configured: std::collections::BTreeSet<&str> = fair
+    let tenants: Vec<_> = router
+        .configured_tenants()
         .into_iter()
-        .flat_map(|f| f.tenant_weights.keys())
-        .chain(config.budgets.keys())
-        .map(String::as_str)
+        .map(|t| router.tenant(t))
         .collect();
-    if configured.is_empty() {
+    if tenants.is_empty() {
         return;
     }
-    let tenants: Vec<_> = router
-        .tenants()
-        .into_iter()
-        .filter(|t| configured.contains(t.tenant.as_str()))
-        .collect();
     gauge_header(
         out,
         "kvroute_tenant_waiting_requests",
@@ -635,7 +627,7 @@ fn render_tenants(out: &mut String, router: &Router) {
             t.waiting_requests
         );
     }
-    if fair.is_some() {
+    if router.config().fairness.is_some() {
         gauge_header(
             out,
             "kvroute_tenant_attained_tokens",
@@ -651,49 +643,45 @@ fn render_tenants(out: &mut String, router: &Router) {
             );
         }
     }
-    gauge_header(
-        out,
-        "kvroute_tenant_budget_used",
-        "What each configured budget's sliding minute holds (requests, or prompt plus expected \
-         output tokens), beside kvroute_tenant_budget_limit.",
-    );
-    let budgets: Vec<_> = tenants
+    // Each budget set: (tenant, budget, used, limit).
+    let budgets: Vec<(String, &str, u64, u64)> = tenants
         .iter()
         .filter_map(|t| t.budget.as_ref().map(|b| (esc(&t.tenant), b)))
+        .flat_map(|(name, b)| {
+            [
+                (
+                    "requests_per_minute",
+                    b.requests_per_minute,
+                    b.used_requests,
+                ),
+                ("tokens_per_minute", b.tokens_per_minute, b.used_tokens),
+            ]
+            .into_iter()
+            .filter_map(move |(kind, limit, used)| Some((name.clone(), kind, used, limit?)))
+        })
         .collect();
-    for (name, b) in &budgets {
-        for (kind, limit, used) in [
-            (
-                "requests_per_minute",
-                b.requests_per_minute,
-                b.used_requests,
-            ),
-            ("tokens_per_minute", b.tokens_per_minute, b.used_tokens),
-        ] {
-            if limit.is_some() {
-                let _ = writeln!(
-                    out,
-                    "kvroute_tenant_budget_used{{budget=\"{kind}\",tenant=\"{name}\"}} {used}"
-                );
-            }
-        }
-    }
-    gauge_header(
-        out,
-        "kvroute_tenant_budget_limit",
-        "Each configured budget ([fairness.tenants.NAME] requests_per_minute, tokens_per_minute).",
-    );
-    for (name, b) in &budgets {
-        for (kind, limit) in [
-            ("requests_per_minute", b.requests_per_minute),
-            ("tokens_per_minute", b.tokens_per_minute),
-        ] {
-            if let Some(limit) = limit {
-                let _ = writeln!(
-                    out,
-                    "kvroute_tenant_budget_limit{{budget=\"{kind}\",tenant=\"{name}\"}} {limit}"
-                );
-            }
+    // (metric, help, whether it shows the limit rather than the use)
+    let figures = [
+        (
+            "kvroute_tenant_budget_used",
+            "What each configured budget's sliding minute holds (requests, or prompt plus expected \
+             output tokens), beside kvroute_tenant_budget_limit.",
+            false,
+        ),
+        (
+            "kvroute_tenant_budget_limit",
+            "Each configured budget ([fairness.tenants.NAME] requests_per_minute, tokens_per_minute).",
+            true,
+        ),
+    ];
+    for (metric, help, shows_limit) in figures {
+        gauge_header(out, metric, help);
+        for (name, kind, used, limit) in &budgets {
+            let _ = writeln!(
+                out,
+                "{metric}{{budget=\"{kind}\",tenant=\"{name}\"}} {}",
+                if shows_limit { limit } else { used }
+            );
         }
     }
 }

@@ -8,7 +8,6 @@ use axum::Json;
 use super::error::{ApiError, ApiPath};
 use super::page::{Page, PageQuery};
 use super::AppState;
-use kvroute_core::queue::MAX_TENANT_LEN;
 use kvroute_core::router::tenants::TenantView;
 
 /// `GET /v1/tenants`: tenants in name order, `limit` (default 100, at most 1000) a page;
@@ -40,11 +39,7 @@ pub async fn get_tenant(
     State(s): State<AppState>,
     ApiPath(tenant): ApiPath<String>,
 ) -> Result<Json<TenantView>, ApiError> {
-    if tenant.is_empty() || tenant.len() > MAX_TENANT_LEN || tenant.chars().any(char::is_control) {
-        return Err(ApiError::invalid_field(
-            "tenant",
-            format!("must be 1 to {MAX_TENANT_LEN} bytes with no control characters"),
-        ));
-    }
+    kvroute_core::queue::check_tenant(&tenant)
+        .map_err(|why| ApiError::invalid_field("tenant", why))?;
     Ok(Json(s.router.tenant(&tenant)))
 }
